@@ -1,0 +1,28 @@
+"""mhagen: a compiler for multi-head attention layers (graph DSL -> TVM TE -> compiled code).
+
+Importing mhagen does not import TVM; build/load do, on first use.
+"""
+from mhagen.dsl import mha
+from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
+from mhagen.ir import Graph, causal, kv_idx, q_idx, sliding_window, verify
+from mhagen.tolerances import TOLERANCES, max_error
+from mhagen.weights import weights_from_torch
+
+__version__ = "0.1.0"
+
+
+def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
+    """Compile `layer` for `target` at [batch, seq_len]; returns a callable mhagen.Module."""
+    from mhagen.compile import build as _build
+    return _build(layer, target, batch=batch, seq_len=seq_len, weights=weights, **options)
+
+
+def load(path):
+    """Load a module saved with Module.save(path)."""
+    from mhagen.module import load as _load
+    return _load(path)
+
+
+__all__ = ["ArtifactError", "Graph", "GraphError", "InputError", "MhagenError", "TOLERANCES",
+           "TargetError", "build", "causal", "kv_idx", "load", "max_error", "mha", "q_idx",
+           "sliding_window", "verify", "weights_from_torch"]

@@ -1,0 +1,96 @@
+"""The one-line constructor of the standard multi-head attention layer."""
+from __future__ import annotations
+
+import math
+
+from mhagen.errors import GraphError
+from mhagen.ir import expr as ex
+from mhagen.ir.graph import Graph
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GraphError(f"{name}={value!r} must be a positive integer")
+
+
+def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
+        kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
+        bias: bool = True, name: str = "mha") -> Graph:
+    """The standard multi-head attention layer as a graph, head by head.
+
+    Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
+    query head h reads K/V head h // (num_heads // kv_heads). Per head:
+    softmax(mask(Q K^T / sqrt(head_dim))) V; the heads are concatenated and projected by
+    W_O ([num_heads * head_dim, d_model]).
+
+    Args:
+        d_model: model width D of the input and the output.
+        num_heads: number of query heads H.
+        head_dim: width d of each head; default d_model // num_heads (must divide then).
+        kv_heads: number of K/V heads (grouped/multi-query attention); default num_heads.
+            Must divide num_heads; 1 is multi-query attention.
+        causal: query i sees keys 0..i.
+        mask: any boolean mask expression of (batch, head, q_idx, kv_idx), e.g.
+            `mhagen.sliding_window(128)`; combined with `causal` by & when both are given.
+        bias: add biases to every projection (as torch.nn.MultiheadAttention does).
+
+    Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
+    w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d], b_o [D].
+    Input x: [batch, seq, D]; output [batch, seq, D].
+    """
+    _positive_int("d_model", d_model)
+    _positive_int("num_heads", num_heads)
+    if head_dim is None:
+        if d_model % num_heads:
+            ok = [h for h in _divisors(d_model) if h <= 4 * num_heads]
+            near = [m for m in (d_model - d_model % num_heads,
+                                d_model + num_heads - d_model % num_heads) if m > 0]
+            raise GraphError(
+                f"d_model={d_model} is not divisible by num_heads={num_heads}; use d_model in "
+                f"{near}, num_heads in {ok[-6:]}, or pass head_dim= explicitly")
+        head_dim = d_model // num_heads
+    _positive_int("head_dim", head_dim)
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    _positive_int("kv_heads", kv_heads)
+    if num_heads % kv_heads:
+        raise GraphError(f"kv_heads={kv_heads} does not divide num_heads={num_heads}; choose "
+                         f"kv_heads in {_divisors(num_heads)}")
+    if mask is not None and not (isinstance(mask, ex.Expr) and mask.is_bool):
+        raise GraphError("mask= takes a boolean mask expression, e.g. mhagen.sliding_window(64) "
+                         "or (mhagen.kv_idx <= mhagen.q_idx)")
+    full_mask = ex.causal() if causal else None
+    if mask is not None:
+        full_mask = mask if full_mask is None else (full_mask & mask)
+
+    options = {"d_model": d_model, "num_heads": num_heads, "head_dim": head_dim,
+               "kv_heads": kv_heads, "causal": bool(causal), "bias": bool(bias)}
+    if mask is not None:
+        options["mask"] = repr(mask)
+    g = Graph(name, options=options)
+    x = g.input("x", d_model)
+    group = num_heads // kv_heads
+
+    def proj(w, i):
+        return g.head_projection(x, f"w_{w}", i, head_dim, bias=f"b_{w}" if bias else None,
+                                 name=f"{w}{i}")
+
+    keys = [proj("k", i) for i in range(kv_heads)]
+    values = [proj("v", i) for i in range(kv_heads)]
+    outs = []
+    for h in range(num_heads):
+        q = proj("q", h)
+        s = g.scores(q, keys[h // group], name=f"s{h}")
+        s = g.scale(s, 1.0 / math.sqrt(head_dim), name=f"scaled{h}")
+        if full_mask is not None:
+            s = g.mask(s, full_mask, head=h, name=f"masked{h}")
+        p = g.softmax(s, name=f"p{h}")
+        outs.append(g.weighted_sum(p, values[h // group], name=f"o{h}"))
+    c = g.concat_heads(outs, name="concat")
+    y = g.output_projection(c, "w_o", d_model, bias="b_o" if bias else None, name="y")
+    g.set_output(y)
+    g.shapes()
+    return g

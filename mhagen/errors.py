@@ -1,0 +1,21 @@
+"""The errors mhagen raises: each message says what is wrong and how to fix it."""
+
+
+class MhagenError(Exception):
+    """Base class of mhagen's errors."""
+
+
+class GraphError(MhagenError, ValueError):
+    """A graph or layer option is invalid (shapes, kinds, names, options)."""
+
+
+class InputError(MhagenError, ValueError):
+    """Arrays passed to a kernel or the reference have the wrong shape, dtype or names."""
+
+
+class TargetError(MhagenError, ValueError):
+    """An unknown target preset, or a target this machine cannot build for or run."""
+
+
+class ArtifactError(MhagenError, ValueError):
+    """A saved module is missing files, corrupted, or from an incompatible version."""

@@ -1,0 +1,218 @@
+"""The graph IR: nodes in definition order, a builder API, JSON round trip and printing.
+
+A Graph is also the user's "layer": `init_weights`, `reference` and `weight_specs` live here
+so that `layer = mhagen.mha(...)` is all a user needs before `mhagen.build(layer, ...)`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from mhagen.errors import GraphError
+from mhagen.ir import expr as ex
+from mhagen.ir.kinds import KINDS
+
+GRAPH_FORMAT = "mhagen.graph"
+GRAPH_VERSION = 1
+
+
+@dataclass
+class Node:
+    name: str
+    kind: str
+    inputs: tuple = ()
+    attrs: dict = field(default_factory=dict)
+
+    def to_json(self):
+        attrs = {k: ({"$expr": v.to_json()} if isinstance(v, ex.Expr) else v)
+                 for k, v in self.attrs.items()}
+        return {"name": self.name, "kind": self.kind, "inputs": list(self.inputs), "attrs": attrs}
+
+    @staticmethod
+    def from_json(data) -> "Node":
+        try:
+            attrs = {k: (ex.from_json(v["$expr"]) if isinstance(v, dict) and "$expr" in v else v)
+                     for k, v in data.get("attrs", {}).items()}
+            return Node(data["name"], data["kind"], tuple(data.get("inputs", ())), attrs)
+        except (KeyError, TypeError, ValueError) as err:
+            raise GraphError(f"bad node in graph JSON {data!r}: {err}; each node needs "
+                             "'name', 'kind', 'inputs' and 'attrs'") from None
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A named weight tensor. Per-head weights are stacked: shape[0] is the head index."""
+    name: str
+    shape: tuple
+    role: str      # "weight" or "bias"
+    fan_in: int    # input width of the projection it belongs to (for initialisation)
+    fan_out: int
+
+
+class Graph:
+    """An attention layer as a graph of nodes, built node by node.
+
+        g = Graph("tiny")
+        x = g.input("x", d_model=16)
+        q = g.head_projection(x, "w_q", head=0, bias="b_q")
+        ...
+        g.set_output(g.output_projection(c, "w_o"))
+
+    Every builder method returns the new node's name; nodes may only read earlier nodes.
+    `options` records how a constructor such as `mha()` made the graph (for printing and
+    for passes that want to know); the nodes alone define what the graph computes.
+    """
+
+    def __init__(self, name: str = "graph", dtype: str = "float32", options: dict | None = None):
+        self.name = name
+        self.dtype = dtype
+        self.options = dict(options or {})
+        self.nodes: list[Node] = []
+        self.output: str | None = None
+        self._names: set = set()
+
+    # -- builder -------------------------------------------------------------------------
+    def add(self, kind: str, inputs=(), name: str | None = None, **attrs) -> str:
+        if kind not in KINDS:
+            raise GraphError(f"unknown node kind {kind!r}; use one of: {', '.join(KINDS)}")
+        name = name or self._fresh(kind)
+        if name in self._names:
+            raise GraphError(f"node name {name!r} is used twice; give each node its own name")
+        self.nodes.append(Node(name, kind, tuple(inputs), attrs))
+        self._names.add(name)
+        return name
+
+    def _fresh(self, kind):
+        i = 0
+        while f"{kind}{i}" in self._names:
+            i += 1
+        return f"{kind}{i}"
+
+    def input(self, name: str = "x", d_model: int = 512, batch: str = "batch",
+              seq: str = "seq") -> str:
+        """A [batch, seq, d_model] input; batch and seq are symbolic, bound at build time."""
+        return self.add("input", (), name, shape=[batch, seq, int(d_model)])
+
+    def head_projection(self, x, weight, head, out_features, bias=None, name=None) -> str:
+        """Head `head`'s projection: x @ weight[head] (+ bias[head]), out_features wide."""
+        return self.add("head_projection", (x,), name, weight=weight, head=int(head),
+                        out_features=int(out_features), **({"bias": bias} if bias else {}))
+
+    def scores(self, q, k, name=None) -> str:
+        return self.add("scores", (q, k), name)
+
+    def scale(self, s, factor, name=None) -> str:
+        return self.add("scale", (s,), name, factor=float(factor))
+
+    def mask(self, s, mask: ex.Expr, head: int, name=None) -> str:
+        return self.add("mask", (s,), name, mask=mask, head=int(head))
+
+    def softmax(self, s, name=None) -> str:
+        return self.add("softmax", (s,), name)
+
+    def weighted_sum(self, p, v, name=None) -> str:
+        return self.add("weighted_sum", (p, v), name)
+
+    def concat_heads(self, heads, name=None) -> str:
+        return self.add("concat_heads", tuple(heads), name)
+
+    def output_projection(self, c, weight, out_features, bias=None, name=None) -> str:
+        """The output projection W_O: c @ weight (+ bias), out_features wide (d_model)."""
+        return self.add("output_projection", (c,), name, weight=weight,
+                        out_features=int(out_features), **({"bias": bias} if bias else {}))
+
+    def set_output(self, name: str) -> "Graph":
+        self.output = name
+        return self
+
+    # -- queries -------------------------------------------------------------------------
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise GraphError(f"graph {self.name!r} has no node {name!r}")
+
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.kind == "input"]
+
+    def shapes(self, **dims) -> dict:
+        """Verify the graph; return node name -> shape (symbolic dims bound from `dims`)."""
+        from mhagen.ir.verify import verify
+        return verify(self, **dims)
+
+    def weight_specs(self) -> list[WeightSpec]:
+        from mhagen.ir.verify import weight_specs
+        return weight_specs(self)
+
+    def init_weights(self, seed: int = 0) -> dict:
+        """Random float32 weights in the per-head layout (Xavier-uniform; biases +-0.1)."""
+        from mhagen.weights import init_weights
+        return init_weights(self, seed)
+
+    def reference(self, x, weights) -> "numpy.ndarray":  # noqa: F821
+        """The float64 numpy oracle of this graph: returns the output as float64."""
+        from mhagen.reference import run_reference
+        return run_reference(self, x, weights)
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"format": GRAPH_FORMAT, "version": GRAPH_VERSION, "name": self.name,
+                           "dtype": self.dtype, "options": self.options,
+                           "nodes": [n.to_json() for n in self.nodes], "output": self.output},
+                          indent=1)
+
+    @staticmethod
+    def from_json(text) -> "Graph":
+        data = json.loads(text) if isinstance(text, (str, bytes)) else text
+        if not isinstance(data, dict) or data.get("format") != GRAPH_FORMAT:
+            raise GraphError("not an mhagen graph: expected a JSON object with "
+                             f"\"format\": \"{GRAPH_FORMAT}\"")
+        if data.get("version") != GRAPH_VERSION:
+            raise GraphError(f"graph JSON version {data.get('version')} is not supported by this "
+                             f"mhagen (reads version {GRAPH_VERSION}); upgrade mhagen or "
+                             "re-export the graph")
+        g = Graph(data.get("name", "graph"), data.get("dtype", "float32"), data.get("options"))
+        for nd in data.get("nodes", []):
+            node = Node.from_json(nd)
+            g.add(node.kind, node.inputs, node.name, **node.attrs)
+        g.output = data.get("output")
+        return g
+
+    def __eq__(self, other):
+        return isinstance(other, Graph) and self.to_json() == other.to_json()
+
+    def __str__(self):
+        try:
+            shapes = self.shapes()
+        except GraphError as err:
+            shapes, problem = {}, f"  # invalid: {err}"
+        else:
+            problem = ""
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        lines = [f"graph {self.name}({opts}) {self.dtype}" + problem]
+        for n in self.nodes:
+            args = ", ".join(f"%{i}" for i in n.inputs)
+            attrs = []
+            for k, v in n.attrs.items():
+                if k == "shape":
+                    continue
+                if k == "weight" and "head" in n.attrs:
+                    v = f"{v}[{n.attrs['head']}]"
+                if k == "bias" and "head" in n.attrs:
+                    v = f"{v}[{n.attrs['head']}]"
+                if k in ("out_features", "shape") or (k == "head" and "weight" in n.attrs):
+                    continue
+                if k == "factor":
+                    v = f"{v:.6g}"
+                attrs.append(f"{k}={v}")
+            shape = shapes.get(n.name)
+            shape_txt = "[" + ", ".join(str(d) for d in shape) + "]" if shape else "?"
+            call = f"{n.kind}({args})" + (" " + " ".join(attrs) if attrs else "")
+            lines.append(f"  %{n.name:<8} = {call:<58} -> {shape_txt}")
+        lines.append(f"  return %{self.output}")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"<Graph {self.name}({opts}): {len(self.nodes)} nodes>"

@@ -1,0 +1,187 @@
+"""verify(graph): checks kinds, names, attributes and shapes; every error says how to fix it.
+
+Shapes are lists of dims; a dim is an int or a symbolic name ("batch", "seq") that
+`verify(graph, batch=2, seq=97)` binds to a number.
+"""
+from __future__ import annotations
+
+from mhagen.errors import GraphError
+from mhagen.ir import expr as ex
+from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES
+
+
+def _fmt(shape):
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _check_attrs(node):
+    spec = KINDS[node.kind]
+    missing = [a for a in spec.required if a not in node.attrs]
+    if missing:
+        raise GraphError(f"node {node.name!r} ({node.kind}) lacks attribute(s) {missing}; "
+                         f"{node.kind} needs {list(spec.required)}")
+    unknown = [a for a in node.attrs if a not in spec.required + spec.optional]
+    if unknown:
+        raise GraphError(f"node {node.name!r} ({node.kind}) has unknown attribute(s) {unknown}; "
+                         f"allowed: {list(spec.required + spec.optional)}")
+    if spec.arity is not None and len(node.inputs) != spec.arity:
+        raise GraphError(f"node {node.name!r} ({node.kind}) takes {spec.arity} input(s), "
+                         f"got {len(node.inputs)}: {list(node.inputs)}")
+    if spec.arity is None and not node.inputs:
+        raise GraphError(f"node {node.name!r} ({node.kind}) needs at least one input")
+
+
+def weight_specs(graph) -> list:
+    """The graph's weights (name, shape, role), checked for consistent use across nodes."""
+    from mhagen.ir.graph import WeightSpec
+    shapes = verify(graph)
+    found = {}  # name -> dict(heads, d_in, d_out, per_head, role)
+
+    def record(name, role, per_head, head, d_in, d_out, node):
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"node {node.name!r}: {role} name must be a non-empty string")
+        info = found.setdefault(name, {"heads": set(), "d_in": d_in, "d_out": d_out,
+                                       "per_head": per_head, "role": role, "node": node.name})
+        if (info["d_in"], info["d_out"], info["per_head"], info["role"]) != (
+                d_in, d_out, per_head, role):
+            raise GraphError(
+                f"weight {name!r} is used with different shapes or roles: by node "
+                f"{info['node']!r} as a {info['role']} [{info['d_in']}x{info['d_out']}] and by "
+                f"{node.name!r} as a {role} [{d_in}x{d_out}]; give each its own weight name")
+        if per_head:
+            if head in info["heads"]:
+                raise GraphError(f"weight {name!r}[{head}] is used by two nodes; heads own their "
+                                 "projections: give each head its own index")
+            info["heads"].add(head)
+
+    for n in graph.nodes:
+        if n.kind in ("head_projection", "output_projection"):
+            d_in = shapes[n.inputs[0]][-1]
+            d_out = shapes[n.name][-1]
+            per_head = n.kind == "head_projection"
+            head = n.attrs.get("head")
+            record(n.attrs["weight"], "weight", per_head, head, d_in, d_out, n)
+            if n.attrs.get("bias"):
+                record(n.attrs["bias"], "bias", per_head, head, d_in, d_out, n)
+    specs = []
+    for name, info in sorted(found.items()):
+        if info["per_head"]:
+            count = max(info["heads"]) + 1
+            if len(info["heads"]) != count:
+                gaps = sorted(set(range(count)) - info["heads"])
+                raise GraphError(f"weight {name!r} has heads {sorted(info['heads'])} but not "
+                                 f"{gaps}; number heads 0..{len(info['heads']) - 1}")
+            lead = (count,)
+        else:
+            lead = ()
+        shape = lead + ((info["d_in"], info["d_out"]) if info["role"] == "weight"
+                        else (info["d_out"],))
+        specs.append(WeightSpec(name, shape, info["role"], info["d_in"], info["d_out"]))
+    return specs
+
+
+def verify(graph, **dims) -> dict:
+    """Check `graph`; return {node name: shape}. Raises GraphError saying how to fix problems."""
+    if graph.dtype not in SUPPORTED_DTYPES:
+        raise GraphError(f"dtype {graph.dtype!r} is not supported yet; use one of "
+                         f"{list(SUPPORTED_DTYPES)}")
+    if not graph.nodes:
+        raise GraphError("the graph is empty; add an input and some nodes, or use mhagen.mha()")
+    shapes: dict = {}
+    for n in graph.nodes:
+        if n.kind not in KINDS:
+            raise GraphError(f"node {n.name!r} has unknown kind {n.kind!r}; use one of: "
+                             f"{', '.join(KINDS)}")
+        _check_attrs(n)
+        for i in n.inputs:
+            if i not in shapes:
+                later = any(m.name == i for m in graph.nodes)
+                hint = ("it is defined later: nodes may only read nodes defined before them"
+                        if later else "no node has that name: check the spelling")
+                raise GraphError(f"node {n.name!r} reads unknown node {i!r}; {hint}")
+        ins = [shapes[i] for i in n.inputs]
+        shapes[n.name] = _infer(n, ins, graph)
+    if graph.output is None:
+        raise GraphError("the graph has no output; call graph.set_output(name)")
+    if graph.output not in shapes:
+        raise GraphError(f"the graph output {graph.output!r} is not a node; set_output() takes "
+                         "the name a builder method returned")
+    out_shape = shapes[graph.output]
+    if len(out_shape) != 3:
+        raise GraphError(f"the graph output must be [batch, seq, features], got {_fmt(out_shape)}")
+    if dims:
+        unknown = set(dims) - {d for s in shapes.values() for d in s if isinstance(d, str)}
+        if unknown:
+            raise GraphError(f"unknown dimension(s) {sorted(unknown)}; the graph's symbolic dims "
+                             f"are {sorted({d for s in shapes.values() for d in s if isinstance(d, str)})}")
+        for name, value in dims.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GraphError(f"dimension {name}={value!r} must be a positive integer")
+        shapes = {k: [dims.get(d, d) if isinstance(d, str) else d for d in s]
+                  for k, s in shapes.items()}
+    return shapes
+
+
+def _infer(n, ins, graph):
+    k = n.kind
+    if k == "input":
+        shape = n.attrs["shape"]
+        if not isinstance(shape, (list, tuple)) or len(shape) != 3:
+            raise GraphError(f"input {n.name!r} must have shape [batch, seq, d_model], got {shape}")
+        for d in shape:
+            if not (isinstance(d, str) and d.isidentifier()) and not (
+                    isinstance(d, int) and not isinstance(d, bool) and d > 0):
+                raise GraphError(f"input {n.name!r}: dim {d!r} must be a positive int or a "
+                                 "symbolic name like 'batch'")
+        if not isinstance(shape[2], int):
+            raise GraphError(f"input {n.name!r}: the feature dim must be a number (d_model), "
+                             f"got {shape[2]!r}")
+        return list(shape)
+    if k in ("head_projection", "output_projection"):
+        (x,) = ins
+        if k == "head_projection":
+            head = n.attrs["head"]
+            if not isinstance(head, int) or isinstance(head, bool) or head < 0:
+                raise GraphError(f"node {n.name!r}: head must be an int >= 0, got {head!r}")
+        d_out = _projection_width(n, graph, x[-1])
+        return x[:-1] + [d_out]
+    if k == "scores":
+        q, kk = ins
+        if q[0] != kk[0] or q[-1] != kk[-1]:
+            raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
+                             "and head width; project Q and K to the same head_dim")
+        return [q[0], q[1], kk[1]]
+    if k in ("scale", "mask", "softmax"):
+        (s,) = ins
+        if len(s) != 3:
+            raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
+        if k == "scale" and not isinstance(n.attrs["factor"], (int, float)):
+            raise GraphError(f"scale {n.name!r}: factor must be a number")
+        if k == "mask":
+            m = n.attrs["mask"]
+            if not isinstance(m, ex.Expr) or not m.is_bool:
+                raise GraphError(f"mask {n.name!r}: mask must be a boolean mask expression "
+                                 "such as kv_idx <= q_idx (see mhagen.ir.expr)")
+        return list(s)
+    if k == "weighted_sum":
+        p, v = ins
+        if p[0] != v[0] or p[2] != v[1]:
+            raise GraphError(f"weighted_sum {n.name!r}: weights {_fmt(p)} and values {_fmt(v)} "
+                             "must share batch and key length (p is [B,S,T], v is [B,T,d])")
+        return [p[0], p[1], v[2]]
+    if k == "concat_heads":
+        first = ins[0]
+        for i, s in zip(n.inputs, ins):
+            if s[:-1] != first[:-1]:
+                raise GraphError(f"concat_heads {n.name!r}: {i!r} is {_fmt(s)} but "
+                                 f"{n.inputs[0]!r} is {_fmt(first)}; heads must share batch "
+                                 "and seq")
+        return first[:-1] + [sum(s[-1] for s in ins)]
+    raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
+
+
+def _projection_width(n, graph, d_in):
+    w = n.attrs["out_features"]
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        raise GraphError(f"node {n.name!r}: out_features must be a positive int, got {w!r}")
+    return w

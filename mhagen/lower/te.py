@@ -1,0 +1,235 @@
+"""Lower a graph to TVM tensor expressions (TE), one function per node kind, then to a PrimFunc.
+
+Each node becomes one or more TE stages (TIR blocks named after the node). `lower()` reports,
+per stage, its pattern so schedule rules can pick it up:
+  matmul      C[b, i, j] = sum_k A[b, i, k] * B[.., k, j]   (projections, scores, weighted sums)
+  epilogue    elementwise on a matmul result (bias, scale, mask): folded into its write-back
+  softmax     the four blocks of a row softmax (max, exp, sum, normalise)
+  elementwise anything else injective (transposes, concat)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import te
+
+from mhagen.ir import expr as ex
+
+
+@dataclass
+class Stage:
+    """One scheduling unit: its pattern, the blocks it owns and a workload description."""
+    name: str
+    pattern: str
+    node: str
+    blocks: tuple
+    workload: dict = field(default_factory=dict)
+
+
+@dataclass
+class Lowered:
+    prim_func: object
+    params: list          # argument names in call order: inputs, weights, output
+    stages: list          # Stage, in graph order
+    te_text: str          # a readable dump of the TE compute definitions
+
+
+def _tir_ops():
+    return {
+        "const": lambda v: tvm.tirx.const(v, "int32"),
+        "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+        "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+        "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+        "&": tvm.tirx.all, "|": tvm.tirx.any,
+    }
+
+
+def lower(graph, batch: int, seq_len: int) -> Lowered:
+    dims = {}
+    in_shape = graph.inputs[0].attrs["shape"]
+    for d, v in zip(in_shape[:2], (batch, seq_len)):
+        if isinstance(d, str):
+            dims[d] = v
+    shapes = graph.shapes(**dims)
+    dtype = graph.dtype
+    specs = graph.weight_specs()
+    weights = {s.name: te.placeholder(tuple(s.shape), dtype, name=s.name) for s in specs}
+    ctx = _Ctx(graph, shapes, weights, dtype)
+    for n in graph.nodes:
+        ctx.vals[n.name] = _LOWER[n.kind](ctx, n)
+    out = ctx.vals[graph.output]
+    inputs = [ctx.vals[n.name] for n in graph.inputs]
+    args = inputs + [weights[s.name] for s in specs] + [out]
+    func = te.create_prim_func(args).with_attr("global_symbol", "main")
+    params = [n.name for n in graph.inputs] + [s.name for s in specs] + ["out"]
+    return Lowered(func, params, ctx.stages, "\n".join(ctx.text))
+
+
+class _Ctx:
+    def __init__(self, graph, shapes, weights, dtype):
+        self.graph, self.shapes, self.weights, self.dtype = graph, shapes, weights, dtype
+        self.vals, self.stages, self.text = {}, [], []
+        self.transposed = {}
+
+    def stage(self, name, pattern, node, blocks, **workload):
+        self.stages.append(Stage(name, pattern, node, tuple(blocks), workload))
+
+    def note(self, line):
+        self.text.append(line)
+
+
+def _shape(ctx, n):
+    return tuple(int(d) for d in ctx.shapes[n.name])
+
+
+def _matmul(ctx, n, name, a, b_at, depth, shape):
+    """C[b, i, j] = sum_k a[b, i, k] * b_at(b, k, j), as a matmul stage."""
+    k = te.reduce_axis((0, depth), name="k")
+    c = te.compute(shape, lambda bb, i, j: te.sum(a[bb, i, k] * b_at(bb, k, j), axis=k), name=name)
+    ctx.stage(name, "matmul", n.name, [name], batch=shape[0], rows=shape[1], cols=shape[2],
+              depth=depth)
+    return c
+
+
+def _epilogue(ctx, n, name, fcompute, shape):
+    t = te.compute(shape, fcompute, name=name)
+    ctx.stage(name, "epilogue", n.name, [name])
+    return t
+
+
+def _lower_input(ctx, n):
+    shape = _shape(ctx, n)
+    ctx.note(f"{n.name} = placeholder{list(shape)}")
+    return te.placeholder(shape, ctx.dtype, name=n.name)
+
+
+def _lower_projection(ctx, n):
+    x = ctx.vals[n.inputs[0]]
+    shape = _shape(ctx, n)
+    w = ctx.weights[n.attrs["weight"]]
+    head = n.attrs.get("head")
+    depth = int(x.shape[2])
+    if n.kind == "head_projection":
+        def w_at(bb, k, j): return w[head, k, j]
+    else:
+        def w_at(bb, k, j): return w[k, j]
+    bias = n.attrs.get("bias")
+    mm_name = n.name + "_matmul" if bias else n.name
+    c = _matmul(ctx, n, mm_name, x, w_at, depth, shape)
+    wtxt = f"{n.attrs['weight']}[{head}]" if head is not None else n.attrs["weight"]
+    ctx.note(f"{mm_name}[b,i,j] = sum_k {n.inputs[0]}[b,i,k] * {wtxt}[k,j]")
+    if not bias:
+        return c
+    b = ctx.weights[bias]
+    if head is not None:
+        def fb(bb, i, j): return c[bb, i, j] + b[head, j]
+    else:
+        def fb(bb, i, j): return c[bb, i, j] + b[j]
+    ctx.note(f"{n.name}[b,i,j] = {mm_name}[b,i,j] + {bias}{f'[{head}]' if head is not None else ''}[j]")
+    return _epilogue(ctx, n, n.name, fb, shape)
+
+
+def _lower_scores(ctx, n):
+    q, k = (ctx.vals[i] for i in n.inputs)
+    key = n.inputs[1]
+    if key not in ctx.transposed:  # K^T once per K head, so the matmul reads rows of K^T
+        bsz, t, d = (int(s) for s in k.shape)
+        kt = te.compute((bsz, d, t), lambda bb, dd, tt: k[bb, tt, dd], name=key + "_t")
+        ctx.stage(key + "_t", "elementwise", n.name, [key + "_t"])
+        ctx.note(f"{key}_t[b,d,t] = {key}[b,t,d]")
+        ctx.transposed[key] = kt
+    kt = ctx.transposed[key]
+    ctx.note(f"{n.name}[b,i,j] = sum_k {n.inputs[0]}[b,i,k] * {key}_t[b,k,j]")
+    return _matmul(ctx, n, n.name, q, lambda bb, kk, j: kt[bb, kk, j], int(q.shape[2]),
+                   _shape(ctx, n))
+
+
+def _lower_scale(ctx, n):
+    s = ctx.vals[n.inputs[0]]
+    f = tvm.tirx.const(n.attrs["factor"], ctx.dtype)
+    ctx.note(f"{n.name} = {n.inputs[0]} * {n.attrs['factor']:.6g}")
+    return _epilogue(ctx, n, n.name, lambda bb, i, j: s[bb, i, j] * f, _shape(ctx, n))
+
+
+def _lower_mask(ctx, n):
+    s = ctx.vals[n.inputs[0]]
+    shape = _shape(ctx, n)
+    neg_inf = tvm.tirx.const(float("-inf"), ctx.dtype)
+    ops = _tir_ops()
+
+    def f(bb, i, j):
+        env = {"batch": bb, "head": tvm.tirx.const(n.attrs["head"], "int32"), "q_idx": i,
+               "kv_idx": j, "q_len": tvm.tirx.const(shape[1], "int32"),
+               "kv_len": tvm.tirx.const(shape[2], "int32")}
+        visible = ex.evaluate(n.attrs["mask"], env, ops)
+        return tvm.tirx.Select(visible, s[bb, i, j], neg_inf)
+
+    ctx.note(f"{n.name} = where({n.attrs['mask']!r}, {n.inputs[0]}, -inf)")
+    return _epilogue(ctx, n, n.name, f, shape)
+
+
+def _lower_softmax(ctx, n):
+    """Row softmax with the max subtracted; a fully masked row (max = -inf) gives zeros."""
+    s = ctx.vals[n.inputs[0]]
+    bsz, rows, cols = _shape(ctx, n)
+    neg_inf = tvm.tirx.const(float("-inf"), ctx.dtype)
+    zero = tvm.tirx.const(0.0, ctx.dtype)
+    k1 = te.reduce_axis((0, cols), name="k")
+    mx = te.compute((bsz, rows), lambda bb, i: te.max(s[bb, i, k1], axis=k1), name=n.name + "_max")
+    safe = te.compute((bsz, rows), lambda bb, i: tvm.tirx.Select(mx[bb, i] == neg_inf, zero,
+                                                                 mx[bb, i]), name=n.name + "_safe")
+    e = te.compute((bsz, rows, cols), lambda bb, i, j: te.exp(s[bb, i, j] - safe[bb, i]),
+                   name=n.name + "_exp")
+    k2 = te.reduce_axis((0, cols), name="k")
+    total = te.compute((bsz, rows), lambda bb, i: te.sum(e[bb, i, k2], axis=k2),
+                       name=n.name + "_sum")
+    inv = te.compute((bsz, rows), lambda bb, i: tvm.tirx.Select(
+        total[bb, i] > zero, tvm.tirx.const(1.0, ctx.dtype) / total[bb, i], zero),
+        name=n.name + "_inv")
+    p = te.compute((bsz, rows, cols), lambda bb, i, j: e[bb, i, j] * inv[bb, i], name=n.name)
+    ctx.stage(n.name, "softmax", n.name,
+              [mx.op.name, safe.op.name, e.op.name, total.op.name, inv.op.name, n.name],
+              batch=bsz, rows=rows, cols=cols)
+    ctx.note(f"{n.name} = softmax_rows({n.inputs[0]})  # max-subtracted; all -inf row -> 0")
+    return p
+
+
+def _lower_weighted_sum(ctx, n):
+    p, v = (ctx.vals[i] for i in n.inputs)
+    ctx.note(f"{n.name}[b,i,j] = sum_k {n.inputs[0]}[b,i,k] * {n.inputs[1]}[b,k,j]")
+    return _matmul(ctx, n, n.name, p, lambda bb, k, j: v[bb, k, j], int(p.shape[2]),
+                   _shape(ctx, n))
+
+
+def _lower_concat(ctx, n):
+    parts = [ctx.vals[i] for i in n.inputs]
+    offsets, off = [], 0
+    for t in parts:
+        offsets.append(off)
+        off += int(t.shape[2])
+
+    def f(bb, i, c):
+        out = parts[-1][bb, i, c - offsets[-1]]
+        for t, o in zip(reversed(parts[:-1]), reversed(offsets[:-1])):
+            out = tvm.tirx.Select(c < o + int(t.shape[2]), t[bb, i, c - o], out)
+        return out
+
+    c = te.compute(_shape(ctx, n), f, name=n.name)
+    ctx.stage(n.name, "elementwise", n.name, [n.name])
+    ctx.note(f"{n.name} = concat({', '.join(n.inputs)}, axis=-1)")
+    return c
+
+
+_LOWER = {
+    "input": _lower_input,
+    "head_projection": _lower_projection,
+    "output_projection": _lower_projection,
+    "scores": _lower_scores,
+    "scale": _lower_scale,
+    "mask": _lower_mask,
+    "softmax": _lower_softmax,
+    "weighted_sum": _lower_weighted_sum,
+    "concat_heads": _lower_concat,
+}

@@ -1,0 +1,266 @@
+"""Module: a compiled layer you call with numpy arrays; save/load; inspection.
+
+A saved module is a directory:
+  kernel.so       the compiled library (tvm.runtime.load_module)
+  weights.bin     bound weights, float32 little-endian, back to back (offsets in the manifest)
+  manifest.json   format version, versions, target, graph, shapes, weight table with sha256,
+                  file checksums, schedule decisions
+  te.txt, tir.txt, source.txt   tensor expressions, scheduled TensorIR, assembly (inspect)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mhagen.errors import ArtifactError, InputError
+from mhagen.reference import check_input
+from mhagen.weights import check_weights
+
+MODULE_FORMAT = "mhagen.module"
+MODULE_VERSION = 1
+INSPECT_KINDS = ("graph", "te", "tir", "source", "schedule", "manifest")
+TEXT_FILES = ("te", "tir", "source")
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Module:
+    """A layer compiled for one target and one input shape [batch, seq_len, d_model].
+
+    `module(x)` runs it on a float32 numpy array x and returns a float32 numpy array;
+    `module(x, weights=w)` uses other weights for that call (same names and shapes).
+    """
+
+    def __init__(self, graph, target, batch, seq_len, params, runtime_module, *, weights=None,
+                 texts=None, decisions=None, executable=None, compile_seconds=None):
+        self.graph, self.target = graph, target
+        self.batch, self.seq_len = batch, seq_len
+        self.params = list(params)
+        self._rt = runtime_module
+        self._executable = executable
+        self._func = runtime_module["main"]
+        self.texts = dict(texts or {})
+        self.decisions = list(decisions or [])
+        self.compile_seconds = compile_seconds
+        self.d_model = graph.inputs[0].attrs["shape"][2]
+        self.out_shape = tuple(graph.shapes(**self._dims())[graph.output])
+        self.weights = None
+        self._bound = None
+        if weights is not None:
+            self.bind(weights)
+
+    def _dims(self):
+        shape = self.graph.inputs[0].attrs["shape"]
+        return {d: v for d, v in zip(shape[:2], (self.batch, self.seq_len)) if isinstance(d, str)}
+
+    @property
+    def in_shape(self):
+        return (self.batch, self.seq_len, self.d_model)
+
+    def bind(self, weights) -> "Module":
+        """Bind weights to the module (copied to the device once)."""
+        import tvm
+        self.weights = check_weights(self.graph, weights, dtype=np.float32)
+        dev = tvm.cpu()
+        self._bound = [tvm.runtime.tensor(self.weights[n], dev) for n in self.params[1:-1]]
+        return self
+
+    def _args(self, x, weights):
+        import tvm
+        if self.target.arch != _host_arch():
+            raise ArtifactError(f"this module is {self.target.arch} code ({self.target.name}); "
+                                f"it cannot run on this {_host_arch()} machine")
+        x = check_input(self.graph, x)
+        if x.shape != self.in_shape:
+            raise InputError(f"x has shape {x.shape}, but this module was built for "
+                             f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
+                             f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
+        if x.dtype != np.float32:
+            raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
+                             "pass x.astype(np.float32)")
+        dev = tvm.cpu()
+        if weights is not None:
+            w = check_weights(self.graph, weights, dtype=np.float32)
+            bound = [tvm.runtime.tensor(w[n], dev) for n in self.params[1:-1]]
+        elif self._bound is not None:
+            bound = self._bound
+        else:
+            raise InputError("no weights: pass weights= to mhagen.build(), call "
+                             "module.bind(weights), or call module(x, weights=...)")
+        out = tvm.runtime.empty(self.out_shape, "float32", dev)
+        return [tvm.runtime.tensor(np.ascontiguousarray(x), dev), *bound, out]
+
+    def __call__(self, x, weights=None) -> np.ndarray:
+        args = self._args(x, weights)
+        self._func(*args)
+        return args[-1].numpy()
+
+    def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50):
+        """Median seconds per call over `repeat` measurements (TVM's time_evaluator)."""
+        import tvm
+        if x is None:
+            x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
+        args = self._args(x, None)
+        timer = self._rt.time_evaluator("main", tvm.cpu(), number=number, repeat=repeat,
+                                        min_repeat_ms=min_repeat_ms)
+        return float(np.median(timer(*args).results))
+
+    def flops(self) -> int:
+        """Floating-point operations of one call (2 per multiply-add of every matmul)."""
+        from mhagen.cost import graph_flops
+        return graph_flops(self.graph, **self._dims())
+
+    # -- inspection ----------------------------------------------------------------------
+    def inspect(self, what: str = "graph") -> str:
+        """One stage as text: graph, te, tir (scheduled), source (assembly), schedule, manifest."""
+        if what not in INSPECT_KINDS:
+            raise ValueError(f"inspect() takes one of {', '.join(INSPECT_KINDS)}, got {what!r}")
+        if what == "graph":
+            return str(self.graph)
+        if what == "schedule":
+            return "\n".join(f"{d['stage']:<16} {d['rule']:<12} {d['config']}"
+                             for d in self.decisions)
+        if what == "manifest":
+            return json.dumps(self._manifest(), indent=1)
+        if what == "source":
+            if not self.texts.get("source"):
+                self.texts["source"] = self._rt.inspect_source("asm")
+            return self.texts["source"]
+        if what not in self.texts:
+            raise ArtifactError(f"this module carries no {what} text")
+        return self.texts[what]
+
+    def __repr__(self):
+        return (f"<mhagen.Module {self.graph.name} on {self.target.name} x{self.in_shape} "
+                f"-> {self.out_shape}, weights {'bound' if self._bound else 'not bound'}>")
+
+    # -- save / load ---------------------------------------------------------------------
+    def _manifest(self, weight_table=None, files=None):
+        import tvm
+
+        import mhagen
+        t = self.target
+        return {
+            "format": MODULE_FORMAT, "version": MODULE_VERSION,
+            "mhagen_version": mhagen.__version__, "tvm_version": tvm.__version__,
+            "target": {"name": t.name, "tvm": t.tvm_target_dict(), "arch": t.arch,
+                       "cores": t.cores, "vector_bits": t.vector_bits,
+                       "features": list(t.required_features()), "all_features": list(t.features)},
+            "graph": json.loads(self.graph.to_json()),
+            "shapes": {"batch": self.batch, "seq_len": self.seq_len,
+                       "input": list(self.in_shape), "output": list(self.out_shape),
+                       "dtype": "float32"},
+            "params": self.params,
+            "weights": weight_table,
+            "schedule": self.decisions,
+            "files": files or {},
+        }
+
+    def save(self, path) -> Path:
+        """Write the module to directory `path` (created); returns the path."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self._executable is not None:
+            self._executable.export_library(str(path / "kernel.so"))
+        else:
+            self._rt.export_library(str(path / "kernel.so"))
+        self.inspect("source")
+        for what in TEXT_FILES:
+            (path / f"{what}.txt").write_text(self.texts.get(what, ""))
+        table = None
+        if self.weights is not None:
+            table, offset = [], 0
+            with open(path / "weights.bin", "wb") as f:
+                for name in self.params[1:-1]:
+                    data = np.ascontiguousarray(self.weights[name], dtype="<f4").tobytes()
+                    f.write(data)
+                    table.append({"name": name, "shape": list(self.weights[name].shape),
+                                  "dtype": "float32", "offset": offset, "nbytes": len(data),
+                                  "sha256": hashlib.sha256(data).hexdigest()})
+                    offset += len(data)
+        elif (path / "weights.bin").exists():
+            os.remove(path / "weights.bin")
+        names = ["kernel.so", "weights.bin"] + [f"{w}.txt" for w in TEXT_FILES]
+        files = {n: _sha256(path / n) for n in names if (path / n).exists()}
+        (path / "manifest.json").write_text(json.dumps(self._manifest(table, files), indent=1))
+        return path
+
+
+def _host_arch():
+    from mhagen.target import host_arch
+    return host_arch()
+
+
+def load(path) -> Module:
+    """Load a directory written by Module.save(); checks format, target and checksums."""
+    import tvm
+
+    from mhagen.ir.graph import Graph
+    from mhagen.target import Target
+
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        raise ArtifactError(f"{path} is not a saved mhagen module: {mpath.name} is missing "
+                            "(save one with module.save(dir) or `mhagen build --out dir`)")
+    try:
+        man = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{mpath} is corrupt ({err}); rebuild the module") from None
+    if not isinstance(man, dict) or man.get("format") != MODULE_FORMAT:
+        raise ArtifactError(f"{mpath} is not an mhagen module manifest")
+    if man.get("version") != MODULE_VERSION:
+        raise ArtifactError(f"{path} has module format version {man.get('version')}; this mhagen "
+                            f"reads version {MODULE_VERSION}: rebuild it with this mhagen")
+    try:
+        files, tinfo = man["files"], man["target"]
+        graph = Graph.from_json(man["graph"])
+        shapes = man["shapes"]
+    except KeyError as err:
+        raise ArtifactError(f"{mpath} lacks {err}; rebuild the module") from None
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ArtifactError(f"{path}: {name} is missing; copy the whole directory")
+        if _sha256(f) != digest:
+            raise ArtifactError(f"{path}: {name} is corrupted (checksum mismatch); rebuild or "
+                                "copy it again")
+    if "kernel.so" not in files:
+        raise ArtifactError(f"{path}: the manifest lists no kernel.so; rebuild the module")
+    if tinfo["arch"] != _host_arch():
+        raise ArtifactError(f"{path} holds {tinfo['arch']} code (target {tinfo['name']}); this "
+                            f"machine is {_host_arch()}: run it on a {tinfo['arch']} machine")
+    from mhagen.target import host_features
+    missing = sorted(set(tinfo.get("features", [])) - set(host_features()))
+    if missing:
+        raise ArtifactError(f"{path} needs CPU features {missing} that this machine lacks; "
+                            "rebuild it here with --target x86")
+    target = Target(tinfo["name"], tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                for k, v in tinfo["tvm"].items())),
+                    tinfo["arch"], tinfo["cores"], tinfo["vector_bits"],
+                    tuple(tinfo.get("all_features", [])))
+    weights = None
+    if man.get("weights"):
+        raw = (path / "weights.bin").read_bytes()
+        weights = {}
+        for e in man["weights"]:
+            chunk = raw[e["offset"]:e["offset"] + e["nbytes"]]
+            if len(chunk) != e["nbytes"] or hashlib.sha256(chunk).hexdigest() != e["sha256"]:
+                raise ArtifactError(f"{path}: weight {e['name']!r} in weights.bin is truncated or "
+                                    "corrupted; rebuild the module")
+            weights[e["name"]] = np.frombuffer(chunk, dtype="<f4").reshape(e["shape"]).copy()
+    rt = tvm.runtime.load_module(str(path / "kernel.so"))
+    texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
+             if (path / f"{w}.txt").is_file()}
+    return Module(graph, target, shapes["batch"], shapes["seq_len"], man["params"], rt,
+                  weights=weights, texts=texts, decisions=man.get("schedule", []))

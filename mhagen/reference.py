@@ -1,0 +1,99 @@
+"""The float64 numpy oracle: interprets any graph node by node (no fusion, no tricks).
+
+Every compiled path is compared against this. Semantics per node kind:
+softmax of a fully masked row (all -inf) is zeros, not NaN.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mhagen.errors import InputError
+from mhagen.ir import expr as ex
+from mhagen.weights import check_weights
+
+NUMPY_OPS = {
+    "const": lambda v: v,
+    "+": np.add, "-": np.subtract, "*": np.multiply,
+    "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+    "==": np.equal, "!=": np.not_equal, "&": np.logical_and, "|": np.logical_or,
+}
+
+
+def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int) -> np.ndarray:
+    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head."""
+    b = np.arange(batch)[:, None, None]
+    q = np.arange(q_len)[None, :, None]
+    k = np.arange(kv_len)[None, None, :]
+    env = {"batch": b, "head": head, "q_idx": q, "kv_idx": k, "q_len": q_len, "kv_len": kv_len}
+    grid = ex.evaluate(mask, env, NUMPY_OPS)
+    return np.broadcast_to(grid, (batch, q_len, kv_len)).astype(bool)
+
+
+def softmax_rows(s: np.ndarray) -> np.ndarray:
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def check_input(graph, x, dtype=None) -> np.ndarray:
+    """Check x against the graph's input [batch, seq, d_model]; return it as an array."""
+    x = np.asarray(x)
+    d_model = graph.inputs[0].attrs["shape"][2]
+    if x.ndim != 3 or x.shape[2] != d_model:
+        raise InputError(f"x has shape {x.shape}; graph {graph.name!r} takes "
+                         f"[batch, seq, {d_model}]")
+    if not np.issubdtype(x.dtype, np.floating):
+        raise InputError(f"x has dtype {x.dtype}; pass a floating-point array (float32)")
+    return np.ascontiguousarray(x, dtype=dtype) if dtype else x
+
+
+def run_reference(graph, x, weights, return_all: bool = False):
+    """Evaluate `graph` on x with `weights` in float64; the output, or every node's value."""
+    if len(graph.inputs) != 1:
+        raise InputError("run_reference takes one input x; this graph has "
+                         f"{len(graph.inputs)} inputs")
+    x = check_input(graph, x).astype(np.float64)
+    w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
+    graph.shapes(**_dims(graph, x))
+    vals = {}
+    for n in graph.nodes:
+        a = [vals[i] for i in n.inputs]
+        vals[n.name] = _EVAL[n.kind](n, a, w, x)
+    return vals if return_all else vals[graph.output]
+
+
+def _dims(graph, x):
+    shape = graph.inputs[0].attrs["shape"]
+    return {d: int(v) for d, v in zip(shape[:2], x.shape[:2]) if isinstance(d, str)}
+
+
+def _projection(n, a, w, x):
+    weight = w[n.attrs["weight"]]
+    if n.kind == "head_projection":
+        weight = weight[n.attrs["head"]]
+    y = a[0] @ weight
+    if n.attrs.get("bias"):
+        b = w[n.attrs["bias"]]
+        y = y + (b[n.attrs["head"]] if n.kind == "head_projection" else b)
+    return y
+
+
+def _mask(n, a, w, x):
+    s = a[0]
+    grid = mask_grid(n.attrs["mask"], s.shape[0], n.attrs["head"], s.shape[1], s.shape[2])
+    return np.where(grid, s, -np.inf)
+
+
+_EVAL = {
+    "input": lambda n, a, w, x: x,
+    "head_projection": _projection,
+    "output_projection": _projection,
+    "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
+    "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
+    "mask": _mask,
+    "softmax": lambda n, a, w, x: softmax_rows(a[0]),
+    "weighted_sum": lambda n, a, w, x: a[0] @ a[1],
+    "concat_heads": lambda n, a, w, x: np.concatenate(a, axis=-1),
+}

@@ -1,0 +1,109 @@
+"""Resolve a target preset (targets/*.json) into what rules and the compiler read.
+
+Rules read attributes (vector_bits, cores, features), never target names.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+from mhagen.errors import TargetError
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    tvm_dict: tuple          # sorted items of the TVM target dict (hashable)
+    arch: str
+    cores: int
+    vector_bits: int
+    features: tuple
+    cross_compiler: str | None = None
+
+    @property
+    def lanes(self) -> int:
+        """float32 lanes per vector register."""
+        return self.vector_bits // 32
+
+    @property
+    def tvm(self):
+        import tvm
+        return tvm.target.Target(self.tvm_target_dict())
+
+    def tvm_target_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.tvm_dict}
+
+    def runs_here(self) -> bool:
+        return self.arch == host_arch() and set(self.required_features()) <= set(host_features())
+
+    def required_features(self) -> tuple:
+        return tuple(f for f in self.features if f in _RUNTIME_FEATURES)
+
+    def describe(self) -> str:
+        d = self.tvm_target_dict()
+        return (f"{self.name}: {d.get('mtriple')} cpu={d.get('mcpu')} vector={self.vector_bits} "
+                f"bits, cores={self.cores}")
+
+
+_RUNTIME_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "neon", "sve")
+
+
+def host_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def host_features() -> tuple:
+    import tvm
+    cpu = tvm.target.codegen.llvm_get_system_cpu()
+    t = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
+    return tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(t)))
+
+
+def _vector_bits(features) -> int:
+    if "avx512f" in features:
+        return 512
+    if "avx2" in features or "avx" in features:
+        return 256
+    return 128
+
+
+def resolve(target) -> Target:
+    """A preset name ("x86") or a Target -> a resolved Target for this build."""
+    if isinstance(target, Target):
+        return target
+    from mhagen.targets import load_preset, preset_names
+    if not isinstance(target, str):
+        raise TargetError(f"target must be a preset name, got {target!r}; presets: "
+                          f"{', '.join(preset_names())}")
+    try:
+        preset = load_preset(target)
+    except KeyError:
+        raise TargetError(f"unknown target {target!r}; choose one of: "
+                          f"{', '.join(preset_names())}") from None
+    import tvm
+    tvm_dict = dict(preset["tvm"])
+    if tvm_dict.get("mcpu") == "host":
+        if preset["arch"] != host_arch():
+            raise TargetError(f"target {target!r} means this machine's CPU, but this machine is "
+                              f"{host_arch()}, not {preset['arch']}; pick a named-CPU preset")
+        tvm_dict["mcpu"] = str(tvm.target.codegen.llvm_get_system_cpu())
+        if tvm_dict["mcpu"] in ("generic", ""):
+            raise TargetError("LLVM does not recognise this CPU; use a named preset such as "
+                              "x86-avx2 instead of the host preset")
+    cores = host_cores() if preset.get("cores", "host") == "host" else int(preset["cores"])
+    tvm_dict["num-cores"] = cores
+    features = tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(
+        tvm.target.Target(tvm_dict))))
+    bits = preset.get("vector_bits") or _vector_bits(features)
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in tvm_dict.items()))
+    return Target(preset["name"], frozen,
+                  preset["arch"], cores, int(bits), features, preset.get("cross_compiler"))

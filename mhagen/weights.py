@@ -1,0 +1,91 @@
+"""Weights: random initialisation, checks, and conversion from torch.nn.MultiheadAttention.
+
+Layout (per head): a head projection's weight is stacked over heads, w[h] is [d_in, d_out],
+so y_h = x @ w[h] + b[h]; the output projection's weight is [sum of head widths, d_model].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mhagen.errors import InputError
+
+
+def init_weights(graph, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in graph.weight_specs():
+        if spec.role == "weight":
+            a = np.sqrt(6.0 / (spec.fan_in + spec.fan_out))
+            out[spec.name] = rng.uniform(-a, a, spec.shape).astype(np.float32)
+        else:
+            out[spec.name] = rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
+    return out
+
+
+def check_weights(graph, weights, dtype=None) -> dict:
+    """Check names and shapes against the graph; return the arrays (cast to dtype if given)."""
+    if not isinstance(weights, dict):
+        raise InputError(f"weights must be a dict of name -> array, got {type(weights).__name__}; "
+                         "use layer.init_weights() or mhagen.weights_from_torch()")
+    specs = graph.weight_specs()
+    names = {s.name for s in specs}
+    missing = sorted(names - set(weights))
+    extra = sorted(set(weights) - names)
+    if missing or extra:
+        raise InputError(f"weights do not match graph {graph.name!r}: missing {missing}, "
+                         f"unexpected {extra}; expected names {sorted(names)}")
+    out = {}
+    for s in specs:
+        arr = np.asarray(weights[s.name])
+        if arr.shape != tuple(s.shape):
+            raise InputError(f"weight {s.name!r} has shape {arr.shape}, expected {tuple(s.shape)} "
+                             f"({'heads x ' if len(s.shape) == 3 else ''}in x out for a "
+                             f"{s.role})")
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise InputError(f"weight {s.name!r} has dtype {arr.dtype}; pass floating-point arrays")
+        if not np.all(np.isfinite(arr)):
+            raise InputError(f"weight {s.name!r} contains NaN or inf")
+        out[s.name] = np.ascontiguousarray(arr, dtype=dtype) if dtype else arr
+    return out
+
+
+def weights_from_torch(module) -> dict:
+    """Convert a torch.nn.MultiheadAttention into mhagen weights for
+    `mhagen.mha(d_model=module.embed_dim, num_heads=module.num_heads, bias=<has in_proj_bias>)`.
+
+    torch computes q = x @ W_q^T + b_q with W_q the first embed_dim rows of in_proj_weight;
+    head h owns rows h*d:(h+1)*d. So w_q[h] = W_q[h*d:(h+1)*d].T, and w_o = out_proj.weight.T.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is an optional peer
+        raise ImportError("weights_from_torch needs PyTorch: pip install torch") from None
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise InputError(f"weights_from_torch takes a torch.nn.MultiheadAttention, got "
+                         f"{type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise InputError("add_bias_kv / add_zero_attn are not supported: mhagen layers have no "
+                         "learned extra key; build the module without them")
+    if not module._qkv_same_embed_dim:
+        raise InputError("kdim/vdim different from embed_dim are not supported yet; use a "
+                         "module with kdim == vdim == embed_dim")
+    e, h = module.embed_dim, module.num_heads
+    d = e // h
+
+    def np32(t):
+        return t.detach().to(torch.float32).cpu().numpy()
+
+    w_in = np32(module.in_proj_weight)           # [3E, E]
+    out = {}
+    for i, role in enumerate("qkv"):
+        w = w_in[i * e:(i + 1) * e]              # [E_out, E_in]
+        out[f"w_{role}"] = np.ascontiguousarray(w.reshape(h, d, e).transpose(0, 2, 1))
+        if module.in_proj_bias is not None:
+            out[f"b_{role}"] = np32(module.in_proj_bias)[i * e:(i + 1) * e].reshape(h, d).copy()
+    out["w_o"] = np.ascontiguousarray(np32(module.out_proj.weight).T)
+    if module.out_proj.bias is not None:
+        out["b_o"] = np32(module.out_proj.bias).copy()
+    if (module.in_proj_bias is None) != (module.out_proj.bias is None):
+        raise InputError("the module has bias on only some projections; mhagen.mha(bias=...) "
+                         "adds or drops all of them together")
+    return out

@@ -1,0 +1,30 @@
+"""Row softmax: parallel over rows; max, exp, sum and normalise computed per row in cache."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig:
+    rows_per_task: int
+    """rows handled by one parallel task (amortises the thread pool for short rows)."""
+
+
+class SoftmaxRule:
+    name = "softmax"
+
+    def applies(self, stage, target):
+        return stage.pattern == "softmax"
+
+    def default_config(self, stage, target):
+        return SoftmaxConfig(rows_per_task=4 if stage.workload["cols"] < 256 else 1)
+
+    def apply(self, sch, stage, cfg, plan):
+        mx, safe, e, total, inv, p = (sch.get_sblock(b) for b in stage.blocks)
+        b, i, j = sch.get_loops(p)
+        rows = sch.fuse(b, i)
+        outer, inner = sch.split(rows, [None, cfg.rows_per_task])
+        sch.parallel(outer)
+        for blk in (inv, total, e, safe, mx):
+            sch.compute_at(blk, inner)
+        sch.vectorize(sch.get_loops(p)[-1])
+        sch.vectorize(sch.get_loops(e)[-1])
+        return []

@@ -1,0 +1,20 @@
+"""Target presets: data, one JSON file per preset (installed as mhagen.targets).
+
+Fields: name, description, tvm (the TVM target dict; "mcpu": "host" means this machine's CPU),
+arch (the ISA the code runs on), cores ("host" = this machine's usable cores),
+vector_bits (null = derived from the CPU's features), cross_compiler (null = the host's cc).
+"""
+import json
+from importlib import resources
+
+
+def preset_names() -> list:
+    return sorted(p.name[:-5] for p in resources.files(__name__).iterdir()
+                  if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> dict:
+    path = resources.files(__name__) / f"{name}.json"
+    if not path.is_file():
+        raise KeyError(name)
+    return json.loads(path.read_text())
