@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test`.
+# Both create .venv and install mhagen with its test extras on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Build the default layer (d_model 512, 8 heads) for this machine, check it, time it.
+demo: $(STAMP)
+	$(BIN)/mhagen build --d-model 512 --heads 8 --batch 1 --seq-len 128 --out build/mha-512x8
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from mhagen.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""The `mhagen` command line: build, inspect.
+
+Errors in options or layers print one line `mhagen CMD: error: ...` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mhagen.errors import MhagenError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Fail(Exception):
+    pass
+
+
+def _layer_options(p):
+    g = p.add_argument_group("layer")
+    g.add_argument("--graph", type=Path, help="a graph JSON file (instead of the options below)")
+    g.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
+    g.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    g.add_argument("--head-dim", type=int, help="width per head (default d_model / heads)")
+    g.add_argument("--kv-heads", type=int, help="K/V heads for grouped/multi-query attention")
+    g.add_argument("--causal", action="store_true", help="causal mask")
+    g.add_argument("--no-bias", action="store_true", help="projections without bias")
+
+
+def _shape_options(p):
+    p.add_argument("--target", default="x86", help="target preset (default x86: this machine)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
+
+
+def _layer(args):
+    import mhagen
+    if args.graph:
+        try:
+            return mhagen.Graph.from_json(args.graph.read_text())
+        except OSError as err:
+            raise _Fail(f"cannot read {args.graph}: {err.strerror}") from None
+    return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
+                      causal=args.causal, bias=not args.no_bias)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mhagen", description="A compiler for multi-head attention layers.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.required = True
+
+    b = sub.add_parser("build", help="compile a layer, check it against the reference, time it",
+                       description="Compile a layer for a target, compare it with the float64 "
+                                   "numpy reference, report the median latency.")
+    _layer_options(b)
+    _shape_options(b)
+    b.add_argument("--out", type=Path, help="save the compiled module to this directory")
+    b.add_argument("--repeat", type=int, default=5, help="timing repeats (median is reported)")
+
+    i = sub.add_parser("inspect", help="print a module's graph, TE, TIR, source or manifest",
+                       description="Show one stage of a saved module (DIR) or of a layer built "
+                                   "from the options.")
+    i.add_argument("module", nargs="?", type=Path, help="a directory written by build --out")
+    i.add_argument("--what", default="graph", help="graph, te, tir, source, schedule, manifest")
+    _layer_options(i)
+    _shape_options(i)
+    return p
+
+
+def _cmd_build(args):
+    import numpy as np
+
+    import mhagen
+    from mhagen.tolerances import tolerance
+    layer = _layer(args)
+    weights = layer.init_weights(args.seed)
+    module = mhagen.build(layer, args.target, batch=args.batch, seq_len=args.seq_len,
+                          weights=weights)
+    print(f"built {layer!r}\n  for {module.target.describe()}\n  input {module.in_shape} in "
+          f"{module.compile_seconds:.1f} s")
+    if args.out:
+        print(f"wrote {module.save(args.out)}/ (kernel.so, manifest.json, weights.bin, "
+              "te/tir/source text)")
+    x = np.random.default_rng(args.seed).standard_normal(module.in_shape).astype(np.float32)
+    if not module.target.runs_here():
+        print("not run: this machine cannot run the target's code")
+        return 0
+    expected = layer.reference(x, weights)
+    err, tol = mhagen.max_error(module(x), expected), tolerance(expected)
+    seconds = module.latency(x, repeat=args.repeat)
+    print(f"max error vs float64 reference: {err:.2e} (tolerance {tol:.1e}) "
+          f"{'ok' if err <= tol else 'FAILED'}")
+    print(f"median latency: {seconds * 1e3:.3f} ms  ({module.flops() / seconds / 1e9:.1f} "
+          f"GFLOP/s)")
+    return 0 if err <= tol else 1
+
+
+def _cmd_inspect(args):
+    import mhagen
+    from mhagen.module import INSPECT_KINDS
+    if args.what not in INSPECT_KINDS:
+        raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
+    if args.module is not None:
+        module = mhagen.load(args.module)
+    elif args.what == "graph":
+        print(_layer(args))
+        return 0
+    else:
+        module = mhagen.build(_layer(args), args.target, batch=args.batch, seq_len=args.seq_len)
+    print(module.inspect(args.what))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    cmd = {"build": _cmd_build, "inspect": _cmd_inspect}[args.command]
+    try:
+        return cmd(args)
+    except (MhagenError, _Fail) as err:
+        print(f"mhagen {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Compiled x86 modules against the float64 reference; save/load; bad input to modules."""
+import json
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.tolerances import assert_close
+from tests.conftest import random_input
+
+CASES = {
+    # id: (mha kwargs, batch, seq_len)
+    "tiny": (dict(d_model=64, num_heads=4), 2, 7),
+    "causal": (dict(d_model=64, num_heads=4, causal=True), 1, 33),
+    "gqa-2of8-hd40-seq97-b3": (dict(d_model=320, num_heads=8, head_dim=40, kv_heads=2), 3, 97),
+    "causal-gqa-hd40-seq97": (dict(d_model=320, num_heads=8, head_dim=40, kv_heads=2,
+                                   causal=True), 1, 97),
+    "mqa-nobias": (dict(d_model=96, num_heads=6, kv_heads=1, bias=False), 2, 20),
+    "sliding-window": (dict(d_model=64, num_heads=2, mask=mhagen.sliding_window(5)), 1, 40),
+}
+SLOW_CASES = {
+    "default-512x8-seq128": (dict(d_model=512, num_heads=8), 1, 128),
+    "causal-512x8-b3-seq97": (dict(d_model=512, num_heads=8, causal=True), 3, 97),
+}
+
+
+def _check(kwargs, batch, seq_len):
+    layer = mhagen.mha(**kwargs)
+    w = layer.init_weights(seed=1)
+    x = random_input(layer, batch, seq_len)
+    module = mhagen.build(layer, "x86", batch=batch, seq_len=seq_len, weights=w)
+    assert_close(module(x), layer.reference(x, w))
+    return module, layer, w, x
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_compiled_matches_reference(case):
+    _check(*CASES[case])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=list(SLOW_CASES))
+def test_compiled_matches_reference_large(case):
+    _check(*SLOW_CASES[case])
+
+
+@pytest.fixture(scope="module")
+def small():
+    layer = mhagen.mha(64, 4, causal=True)
+    w = layer.init_weights(seed=2)
+    x = random_input(layer, 2, 9)
+    return layer, w, x, mhagen.build(layer, batch=2, seq_len=9, weights=w)
+
+
+def test_fully_masked_rows_give_zeros_not_nan():
+    # Queries 0..3 see no key at all: their attention output is 0, so y = bias path only.
+    layer = mhagen.mha(32, 2, mask=(mhagen.q_idx >= 4) & (mhagen.kv_idx <= mhagen.q_idx))
+    w = layer.init_weights()
+    x = random_input(layer, 1, 12)
+    y = mhagen.build(layer, batch=1, seq_len=12, weights=w)(x)
+    assert np.all(np.isfinite(y))
+    assert_close(y, layer.reference(x, w))
+    # with zero attention, each head outputs 0 and y[:, :4] is exactly the output bias
+    np.testing.assert_allclose(y[0, :4], np.broadcast_to(w["b_o"], (4, 32)), atol=1e-6)
+
+
+def test_weights_at_call_time(small):
+    layer, w, x, module = small
+    w2 = layer.init_weights(seed=7)
+    assert_close(module(x, weights=w2), layer.reference(x, w2))
+    unbound = mhagen.build(layer, batch=2, seq_len=9)
+    with pytest.raises(mhagen.InputError, match="no weights"):
+        unbound(x)
+    assert_close(unbound(x, weights=w), layer.reference(x, w))
+
+
+def test_save_load_round_trip(small, tmp_path):
+    layer, w, x, module = small
+    module.save(tmp_path / "m")
+    loaded = mhagen.load(tmp_path / "m")
+    np.testing.assert_array_equal(loaded(x), module(x))
+    assert loaded.graph == layer
+    assert "scores" in loaded.inspect("graph")
+    assert "T.prim_func" in loaded.inspect("tir")
+    assert "vfmadd" in loaded.inspect("source")  # AVX-512/AVX2 fused multiply-add
+    assert json.loads(loaded.inspect("manifest"))["shapes"]["input"] == [2, 9, 64]
+
+
+@pytest.mark.parametrize("x_shape,dtype,match", [
+    ((2, 9, 63), np.float32, r"takes \[batch, seq, 64\]"),
+    ((2, 10, 64), np.float32, "rebuild with"),
+    ((2, 9, 64), np.float64, "astype"),
+    ((2, 9, 64), np.int32, "floating-point"),
+], ids=["d_model", "seq_len", "float64", "int"])
+def test_bad_input_to_module(small, x_shape, dtype, match):
+    module = small[3]
+    with pytest.raises(mhagen.InputError, match=match):
+        module(np.zeros(x_shape, dtype))
+
+
+def test_bad_weights_to_module(small):
+    layer, w, x, module = small
+    bad = dict(w, w_q=w["w_q"][:, :, :8])
+    with pytest.raises(mhagen.InputError, match="expected"):
+        module(x, weights=bad)
+    with pytest.raises(mhagen.InputError, match="missing"):
+        module(x, weights={k: v for k, v in w.items() if k != "b_o"})
+
+
+def test_unknown_target_and_bad_shapes():
+    layer = mhagen.mha(64, 4)
+    with pytest.raises(mhagen.TargetError, match="choose one of"):
+        mhagen.build(layer, "arm9")
+    with pytest.raises(mhagen.GraphError, match="seq_len"):
+        mhagen.build(layer, seq_len=0)
+
+
+def _saved(small, tmp_path):
+    path = small[3].save(tmp_path / "m")
+    return path, json.loads((path / "manifest.json").read_text())
+
+
+def test_load_rejects_corrupt_files(small, tmp_path):
+    path, _ = _saved(small, tmp_path)
+    data = bytearray((path / "weights.bin").read_bytes())
+    data[10] ^= 0xFF
+    (path / "weights.bin").write_bytes(bytes(data))
+    with pytest.raises(mhagen.ArtifactError, match="weights.bin is corrupted"):
+        mhagen.load(path)
+    (path / "weights.bin").write_bytes(bytes(data[:100]))
+    with pytest.raises(mhagen.ArtifactError, match="weights.bin"):
+        mhagen.load(path)
+    (path / "kernel.so").unlink()
+    with pytest.raises(mhagen.ArtifactError, match="kernel.so is missing"):
+        mhagen.load(path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m.update(version=99), "format version 99"),
+    (lambda m: m["target"].update(arch="aarch64", name="arm-neon"), "aarch64 code"),
+    (lambda m: m["target"].update(features=["avx512f", "made-up-feature"]), "lacks"),
+    (lambda m: m.pop("graph"), "lacks"),
+], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph"])
+def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
+    path, manifest = _saved(small, tmp_path)
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(mhagen.ArtifactError, match=match):
+        mhagen.load(path)
+
+
+def test_load_missing_and_garbage(tmp_path):
+    with pytest.raises(mhagen.ArtifactError, match="manifest.json is missing"):
+        mhagen.load(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(mhagen.ArtifactError, match="corrupt"):
+        mhagen.load(tmp_path)
+
+
+def test_target_preset_uses_host_avx512():
+    from mhagen.target import resolve
+    t = resolve("x86")
+    assert t.tvm_target_dict()["mcpu"] not in ("generic", "host")
+    assert t.cores >= 1 and t.tvm_target_dict()["num-cores"] == t.cores
+    expected_bits = 512 if "avx512f" in t.features else 256
+    assert t.vector_bits == expected_bits

@@ -1,0 +1,51 @@
+"""The command line: build, inspect, --help, and one-line errors with exit code 2."""
+import subprocess
+import sys
+
+import pytest
+
+from mhagen.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "mhagen", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args", [[], ["build"], ["inspect"]], ids=["top", "build", "inspect"])
+def test_help(args):
+    r = run(*args, "--help")
+    assert r.returncode == 0 and "usage: mhagen" in r.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["build", "--d-model", "500"], "not divisible by num_heads=8"),
+    (["build", "--heads", "8", "--kv-heads", "3"], "kv_heads=3 does not divide"),
+    (["build", "--target", "sparc"], "unknown target 'sparc'"),
+    (["build", "--seq-len", "zero"], "invalid int value"),
+    (["build", "--bogus"], "unrecognized arguments"),
+    (["frobnicate"], "invalid choice"),
+    (["inspect", "/nonexistent/dir"], "manifest.json is missing"),
+    (["inspect", "--what", "everything"], "--what must be one of"),
+], ids=["d_model", "kv_heads", "target", "int", "unknown-flag", "command", "no-module", "what"])
+def test_bad_options_one_line_exit_2(args, fragment, capsys):
+    with pytest.raises(SystemExit) as exc:
+        code = main(args)
+        raise SystemExit(code)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_build_reports_and_saves_then_inspect(tmp_path):
+    out = tmp_path / "mod"
+    r = run("build", "--d-model", "64", "--heads", "4", "--causal", "--seq-len", "17",
+            "--batch", "2", "--out", str(out), "--repeat", "2")
+    assert r.returncode == 0, r.stderr
+    assert "max error vs float64 reference" in r.stdout and " ok" in r.stdout
+    assert "median latency" in r.stdout and (out / "manifest.json").is_file()
+    r = run("inspect", str(out), "--what", "tir")
+    assert r.returncode == 0 and "T.prim_func" in r.stdout
+    r = run("inspect", "--d-model", "64", "--heads", "4", "--what", "graph")
+    assert r.returncode == 0 and "output_projection" in r.stdout

@@ -1,0 +1,131 @@
+"""The examples run, check themselves, and show what they claim to show."""
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_script(name, *args):
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def printed_error(stdout):
+    m = re.search(r"max error:?\s+([0-9.eE+-]+)", stdout)
+    assert m, f"no max error printed:\n{stdout}"
+    return float(m.group(1))
+
+
+# -- heads_specialise ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def heads():
+    return load_example("heads_specialise")
+
+
+@pytest.fixture(scope="module")
+def heads_run(heads, tmp_path_factory):
+    return heads.run(tmp_path_factory.mktemp("png"))
+
+
+def test_heads_compiled_matches_reference(heads_run):
+    assert heads_run["error"] < 1e-4
+
+
+def test_head_b_attends_to_first_token(heads_run):
+    p = heads_run["map_b"]
+    assert p.shape == (6, 6)
+    assert np.all(p[:, 0] > 0.9), p
+
+
+def test_head_a_attends_to_previous_tokens(heads_run):
+    p = heads_run["map_a"]
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-9)
+    for i in range(2, 6):
+        assert p[i, i - 1] + p[i, i - 2] > 0.9, (i, p[i])
+        assert p[i, i - 1] > 0.45 and p[i, i - 2] > 0.45, (i, p[i])
+    assert p[1, 0] > 0.9                     # only one previous token
+    assert p[0, 0] > 0.9                     # none: rests on itself
+
+
+def test_heads_disagree(heads_run):
+    # The two heads look at different places for every query from position 2 on.
+    a, b = heads_run["map_a"], heads_run["map_b"]
+    assert np.all(np.abs(a - b)[2:].sum(axis=1) > 1.5)
+
+
+def test_concat_wo_merges_both_views(heads, heads_run):
+    sent = heads.SENTENCE
+    for i, (prev, first) in enumerate(heads_run["decoded"]):
+        assert first == "the"
+        want = {sent[i]} if i == 0 else set(sent[max(0, i - 2):i])
+        assert set(prev) == want, (i, prev)
+
+
+def test_views_follow_the_tokens_not_the_positions(heads):
+    # Another sentence: the decoded views change with it (nothing is hard-wired to the text).
+    layer = heads.make_layer()
+    tokens = "mat on the cat sat the".split()
+    x = heads.embed(tokens)
+    decoded = heads.decode(layer.reference(x, heads.make_weights(layer)))
+    assert [first for _, first in decoded] == ["mat"] * 6
+    assert set(decoded[3][0]) == {"on", "the"}
+    assert set(decoded[5][0]) == {"cat", "sat"}
+
+
+def test_heads_png(heads_run):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert heads_run["png"] is None
+    else:
+        assert heads_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_heads_fails_on_large_error(heads, monkeypatch):
+    bad = dict(error=1.0, map_a=None, map_b=None, y=None, decoded=[], png=None)
+    monkeypatch.setattr(heads, "run", lambda out_dir=None: bad)
+    assert heads.main([]) == 1
+
+
+def test_heads_script(tmp_path):
+    r = run_script("heads_specialise", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert printed_error(r.stdout) < 1e-4
+    assert "pos 3 'on'  : prev -> {cat, sat}  first -> the" in r.stdout
+    assert "head A: previous tokens" in r.stdout and "head B: first token" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("4:the"))
+    assert [float(v) for v in row.split()[1:]] == [0.0, 0.0, 0.5, 0.5, 0.0, 0.0]
+
+
+# -- textbook_512x8 ------------------------------------------------------------------------
+def test_textbook_run_causal():
+    tb = load_example("textbook_512x8")
+    r = tb.run(batch=2, seq_len=16, causal=True)
+    assert r["error"] < 1e-4
+    assert r["layer"].options["causal"] is True
+    b, s, d, h, hd = 2, 16, 512, 8, 64
+    assert r["flops"] == 4 * 2 * b * s * d * d + 2 * 2 * b * h * s * s * hd
+    assert r["latency"] > 0 and r["gflops"] > 0
+
+
+def test_textbook_script():
+    r = run_script("textbook_512x8", "--seq-len", "32")
+    assert r.returncode == 0, r.stderr
+    assert "num_heads=8, head_dim=64" in r.stdout
+    assert printed_error(r.stdout) < 1e-4
+    assert float(re.search(r"latency:\s+([0-9.]+) ms", r.stdout).group(1)) > 0
+    assert float(re.search(r"throughput:\s+([0-9.]+) GFLOP/s", r.stdout).group(1)) > 0

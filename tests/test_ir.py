@@ -1,0 +1,486 @@
+"""The graph IR and the DSL: mha() options, printing, JSON round trip, the builder API, and
+every error path (GraphError / TypeError with a message that says how to fix it)."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen import GraphError
+from mhagen.ir import expr as ex
+from mhagen.ir.graph import Graph, Node
+
+
+def kinds(g):
+    return [n.kind for n in g.nodes]
+
+
+# -- mha(): defaults and options ---------------------------------------------------------------
+def test_mha_defaults():
+    g = mhagen.mha()
+    assert g.name == "mha"
+    assert g.dtype == "float32"
+    assert g.options == {"d_model": 512, "num_heads": 8, "head_dim": 64, "kv_heads": 8,
+                         "causal": False, "bias": True}
+    assert g.inputs[0].attrs["shape"] == ["batch", "seq", 512]
+    assert kinds(g).count("head_projection") == 8 * 3
+    assert kinds(g).count("softmax") == 8
+    assert "mask" not in kinds(g)
+    shapes = g.shapes(batch=2, seq=5)
+    assert shapes[g.output] == [2, 5, 512]
+    assert shapes["s0"] == [2, 5, 5]
+    assert shapes["concat"] == [2, 5, 512]
+    assert math.isclose(g.node("scaled0").attrs["factor"], 1 / 8)
+    assert {s.name: s.shape for s in g.weight_specs()} == {
+        "w_q": (8, 512, 64), "w_k": (8, 512, 64), "w_v": (8, 512, 64), "w_o": (512, 512),
+        "b_q": (8, 64), "b_k": (8, 64), "b_v": (8, 64), "b_o": (512,)}
+
+
+def test_mha_head_dim_explicit():
+    g = mhagen.mha(d_model=64, num_heads=4, head_dim=40)
+    assert g.options["head_dim"] == 40
+    assert g.shapes()["q0"] == ["batch", "seq", 40]
+    assert g.shapes()["concat"] == ["batch", "seq", 160]
+    assert g.shapes()[g.output] == ["batch", "seq", 64]
+    assert math.isclose(g.node("scaled0").attrs["factor"], 1 / math.sqrt(40))
+    specs = {s.name: s.shape for s in g.weight_specs()}
+    assert specs["w_q"] == (4, 64, 40) and specs["w_o"] == (160, 64)
+
+
+@pytest.mark.parametrize("kv_heads, expected_kv", [(2, [0, 0, 0, 0, 1, 1, 1, 1]),
+                                                   (1, [0] * 8), (8, list(range(8)))],
+                         ids=["grouped-2", "multi-query", "full"])
+def test_mha_kv_heads(kv_heads, expected_kv):
+    g = mhagen.mha(d_model=64, num_heads=8, kv_heads=kv_heads)
+    assert g.options["kv_heads"] == kv_heads
+    specs = {s.name: s.shape for s in g.weight_specs()}
+    assert specs["w_k"] == (kv_heads, 64, 8) and specs["w_v"] == (kv_heads, 64, 8)
+    assert specs["w_q"] == (8, 64, 8)
+    assert [g.node(f"s{h}").inputs[1] for h in range(8)] == [f"k{i}" for i in expected_kv]
+    assert [g.node(f"o{h}").inputs[1] for h in range(8)] == [f"v{i}" for i in expected_kv]
+
+
+def test_mha_causal():
+    g = mhagen.mha(d_model=32, num_heads=2, causal=True)
+    assert g.options["causal"] is True
+    masks = [n for n in g.nodes if n.kind == "mask"]
+    assert [m.attrs["head"] for m in masks] == [0, 1]
+    assert all(m.attrs["mask"] == mhagen.causal() for m in masks)
+
+
+def test_mha_no_bias():
+    g = mhagen.mha(d_model=32, num_heads=2, bias=False)
+    assert g.options["bias"] is False
+    assert not any("bias" in n.attrs for n in g.nodes)
+    assert sorted(s.name for s in g.weight_specs()) == ["w_k", "w_o", "w_q", "w_v"]
+
+
+def test_mha_sliding_window_mask():
+    window = mhagen.sliding_window(3)
+    g = mhagen.mha(d_model=32, num_heads=2, mask=window)
+    assert g.options["mask"] == repr(window)
+    assert g.node("masked1").attrs["mask"] == window
+    both = mhagen.mha(d_model=32, num_heads=2, causal=True, mask=window)
+    assert both.node("masked0").attrs["mask"] == (mhagen.causal() & window)
+
+
+def test_mha_name():
+    assert mhagen.mha(32, 2, name="attn").name == "attn"
+
+
+# -- printing ------------------------------------------------------------------------------------
+def test_print_shows_kinds_shapes_and_attrs():
+    text = str(mhagen.mha(d_model=64, num_heads=4, causal=True))
+    lines = text.splitlines()
+    assert lines[0].startswith("graph mha(") and "num_heads=4" in lines[0]
+    assert "invalid" not in text
+    for kind in ("input", "head_projection", "scores", "scale", "mask", "softmax",
+                 "weighted_sum", "concat_heads", "output_projection"):
+        assert f"= {kind}(" in text, kind
+    assert "-> [batch, seq, 64]" in text
+    assert "-> [batch, seq, 16]" in text
+    assert "-> [batch, seq, seq]" in text
+    assert "weight=w_q[3]" in text and "bias=b_q[3]" in text
+    assert "factor=0.25" in text
+    assert "(kv_idx <= q_idx)" in text
+    assert lines[-1] == "  return %y"
+    # one line per node, plus header and return
+    assert len(lines) == 35 + 2
+
+
+def test_print_invalid_graph_says_why():
+    g = Graph("broken")
+    x = g.input("x", d_model=16)
+    g.scores(x, "nope")
+    text = str(g)
+    assert "# invalid:" in text and "'nope'" in text
+    assert "%x" in text
+
+
+def test_repr_is_short():
+    r = repr(mhagen.mha(d_model=32, num_heads=2))
+    assert r.startswith("<Graph mha(") and r.endswith(" nodes>") and "\n" not in r
+
+
+# -- JSON round trip -----------------------------------------------------------------------------
+ROUND_TRIP = {
+    "default": lambda: mhagen.mha(d_model=32, num_heads=4),
+    "causal": lambda: mhagen.mha(d_model=32, num_heads=4, causal=True),
+    "sliding-window": lambda: mhagen.mha(d_model=32, num_heads=4, mask=mhagen.sliding_window(3)),
+    "causal+window": lambda: mhagen.mha(32, 4, causal=True, mask=mhagen.sliding_window(5)),
+    "grouped-no-bias": lambda: mhagen.mha(d_model=32, num_heads=4, kv_heads=2, bias=False),
+    "all-mask-vars": lambda: mhagen.mha(
+        d_model=32, num_heads=4,
+        mask=(ex.head.eq(0) | (ex.batch.ne(1) & (mhagen.kv_idx * 2 >= mhagen.q_idx - 1)))
+        & (mhagen.kv_idx < ex.kv_len) & (mhagen.q_idx <= ex.q_len + -1) & (3 > mhagen.kv_idx)),
+}
+
+
+@pytest.mark.parametrize("make", ROUND_TRIP.values(), ids=ROUND_TRIP.keys())
+def test_json_round_trip(make):
+    g = make()
+    text = g.to_json()
+    back = Graph.from_json(text)
+    assert back == g
+    assert back.to_json() == text
+    assert [(n.name, n.kind, n.inputs, n.attrs) for n in back.nodes] == \
+        [(n.name, n.kind, n.inputs, n.attrs) for n in g.nodes]
+    assert back.output == g.output and back.options == g.options
+    for n in back.nodes:
+        if n.kind == "mask":
+            assert isinstance(n.attrs["mask"], ex.Expr)
+            assert repr(n.attrs["mask"]) == repr(g.node(n.name).attrs["mask"])
+    # also from an already parsed dict
+    assert Graph.from_json(json.loads(text)) == g
+
+
+def test_json_round_trip_computes_the_same():
+    g = ROUND_TRIP["all-mask-vars"]()
+    back = Graph.from_json(g.to_json())
+    w = g.init_weights(3)
+    x = np.random.default_rng(0).standard_normal((2, 6, 32))
+    np.testing.assert_array_equal(back.reference(x, w), g.reference(x, w))
+
+
+def test_graph_equality_sees_mask_differences():
+    a = mhagen.mha(32, 4, mask=mhagen.sliding_window(3))
+    b = mhagen.mha(32, 4, mask=mhagen.sliding_window(4))
+    assert a != b
+    assert a == mhagen.mha(32, 4, mask=mhagen.sliding_window(3))
+
+
+# -- the builder API -----------------------------------------------------------------------------
+def build_by_hand(d_model=16, heads=2, bias=True, mask=None):
+    """mha(d_model, heads) node by node, with other node names than mha() uses."""
+    d = d_model // heads
+    g = Graph("by_hand")
+    x = g.input("x", d_model=d_model)
+    outs = []
+    for h in range(heads):
+        def proj(w):
+            return g.head_projection(x, f"w_{w}", head=h, out_features=d,
+                                     bias=f"b_{w}" if bias else None)
+        q, k, v = proj("q"), proj("k"), proj("v")
+        s = g.scale(g.scores(q, k), 1 / math.sqrt(d))
+        if mask is not None:
+            s = g.mask(s, mask, head=h)
+        outs.append(g.weighted_sum(g.softmax(s), v))
+    c = g.concat_heads(outs)
+    g.set_output(g.output_projection(c, "w_o", out_features=d_model,
+                                      bias="b_o" if bias else None, name="out"))
+    return g
+
+
+@pytest.mark.parametrize("bias, mask", [(True, None), (False, None),
+                                        (True, mhagen.sliding_window(2))],
+                         ids=["bias", "no-bias", "sliding-window"])
+def test_builder_matches_mha(bias, mask):
+    g = build_by_hand(bias=bias, mask=mask)
+    assert g.output == "out"
+    assert g.shapes(batch=2, seq=7)["out"] == [2, 7, 16]
+    names = [n.name for n in g.nodes]
+    assert "head_projection0" in names and "softmax1" in names  # fresh names per kind
+    assert len(set(names)) == len(names)
+    layer = mhagen.mha(d_model=16, num_heads=2, bias=bias, mask=mask)
+    assert g.weight_specs() == layer.weight_specs()
+    w = layer.init_weights(seed=1)
+    x = np.random.default_rng(1).standard_normal((2, 7, 16)).astype(np.float32)
+    np.testing.assert_allclose(g.reference(x, w), layer.reference(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_builder_returns_names_and_node_lookup():
+    g = Graph("t")
+    assert g.input("inp", d_model=8) == "inp"
+    p = g.head_projection("inp", "w_q", head=0, out_features=4, bias="b_q", name="q")
+    assert p == "q"
+    assert g.node("q").attrs == {"weight": "w_q", "head": 0, "out_features": 4, "bias": "b_q"}
+    with pytest.raises(GraphError, match="has no node 'missing'"):
+        g.node("missing")
+
+
+def test_verify_binds_dims():
+    g = mhagen.mha(32, 4)
+    assert mhagen.verify(g, batch=3, seq=11)["p2"] == [3, 11, 11]
+    with pytest.raises(GraphError, match=r"unknown dimension\(s\) \['sequence'\].*'seq'"):
+        mhagen.verify(g, sequence=4)
+    with pytest.raises(GraphError, match="seq=0 must be a positive integer"):
+        mhagen.verify(g, seq=0)
+
+
+# -- error paths ---------------------------------------------------------------------------------
+def _graph(*steps, output=True, d_model=16, dtype="float32"):
+    """A small graph: x -> q, k (width 8) -> scores; `steps` edit it before the output is set."""
+    g = Graph("t", dtype=dtype)
+    x = g.input("x", d_model=d_model)
+    g.head_projection(x, "w_q", head=0, out_features=8, name="q")
+    g.head_projection(x, "w_k", head=0, out_features=8, name="k")
+    g.head_projection(x, "w_v", head=0, out_features=8, name="v")
+    last = g.weighted_sum(g.softmax(g.scores("q", "k", name="s")), "v", name="o")
+    for step in steps:
+        last = step(g) or last
+    if output:
+        g.set_output(last)
+    return g
+
+
+def _mha_kw(**kw):
+    return lambda: mhagen.mha(**kw)
+
+
+def _verify(*steps, **kw):
+    return lambda: mhagen.verify(_graph(*steps, **kw))
+
+
+def _specs(*steps):
+    return lambda: _graph(*steps).weight_specs()
+
+
+def _from_json(data):
+    return lambda: Graph.from_json(data if isinstance(data, str) else json.dumps(data))
+
+
+def _good_json(**changes):
+    data = json.loads(mhagen.mha(16, 2).to_json())
+    data.update(changes)
+    return data
+
+
+def _bad_node_json(node):
+    data = _good_json()
+    data["nodes"].append(node)
+    return data
+
+
+def _add(kind, inputs=(), name=None, **attrs):
+    return lambda g: g.add(kind, inputs, name, **attrs)
+
+
+def _input_builder(**kw):
+    def make():
+        g = Graph("t")
+        x = g.input("x", **kw)
+        g.set_output(g.output_projection(x, "w_o", out_features=4))
+        return mhagen.verify(g)
+    return make
+
+
+def _out_features_builder(value):
+    def make():
+        g = Graph("t")
+        x = g.input("x", d_model=8)
+        g.set_output(g.output_projection(x, "w_o", out_features=value))
+        return mhagen.verify(g)
+    return make
+
+
+ERRORS = [
+    # (id, callable, message fragments)
+    ("d_model-not-divisible", _mha_kw(d_model=500, num_heads=8),
+     ["d_model=500", "num_heads=8", "496", "504", "head_dim="]),
+    ("kv_heads-not-divisor", _mha_kw(d_model=64, num_heads=8, kv_heads=3),
+     ["kv_heads=3", "num_heads=8", "[1, 2, 4, 8]"]),
+    ("kv_heads-more-than-heads", _mha_kw(d_model=64, num_heads=8, kv_heads=16),
+     ["kv_heads=16", "[1, 2, 4, 8]"]),
+    ("d_model-zero", _mha_kw(d_model=0), ["d_model=0", "positive integer"]),
+    ("d_model-negative", _mha_kw(d_model=-64), ["d_model=-64", "positive integer"]),
+    ("d_model-bool", _mha_kw(d_model=True), ["d_model=True", "positive integer"]),
+    ("d_model-float", _mha_kw(d_model=64.0), ["d_model=64.0", "positive integer"]),
+    ("num_heads-zero", _mha_kw(d_model=64, num_heads=0), ["num_heads=0", "positive integer"]),
+    ("num_heads-bool", _mha_kw(d_model=64, num_heads=True), ["num_heads=True", "positive"]),
+    ("head_dim-negative", _mha_kw(d_model=64, num_heads=4, head_dim=-1),
+     ["head_dim=-1", "positive integer"]),
+    ("kv_heads-zero", _mha_kw(d_model=64, num_heads=4, kv_heads=0),
+     ["kv_heads=0", "positive integer"]),
+    ("kv_heads-bool", _mha_kw(d_model=64, num_heads=4, kv_heads=False),
+     ["kv_heads=False", "positive integer"]),
+    ("mask-not-boolean", _mha_kw(d_model=64, num_heads=4, mask=mhagen.q_idx - mhagen.kv_idx),
+     ["boolean mask expression", "sliding_window"]),
+    ("mask-not-expr", _mha_kw(d_model=64, num_heads=4, mask="causal"),
+     ["boolean mask expression"]),
+    ("input-misspelled", _verify(_add("softmax", ("ss",), "p2")),
+     ["'p2'", "unknown node 'ss'", "check the spelling"]),
+    ("input-defined-later", _verify(_add("softmax", ("later",), "p2"), _add("scale", ("s",),
+                                                                            "later", factor=2.0)),
+     ["'p2'", "unknown node 'later'", "defined later", "defined before"]),
+    ("duplicate-name", lambda: _graph(_add("softmax", ("s",), "q")),
+     ["'q'", "used twice", "its own name"]),
+    ("unknown-kind", lambda: _graph(_add("relu", ("o",))),
+     ["'relu'", "use one of", "head_projection"]),
+    ("unknown-kind-in-nodes", _verify(lambda g: g.nodes.append(Node("r", "relu", ("o",)))),
+     ["'relu'", "use one of", "softmax"]),
+    ("missing-attr", _verify(_add("scale", ("s",), "sc")),
+     ["'sc'", "lacks attribute", "'factor'"]),
+    ("missing-mask-attrs", _verify(_add("mask", ("s",), "m")),
+     ["'m'", "['mask', 'head']"]),
+    ("unknown-attr", _verify(_add("softmax", ("s",), "p2", axis=-1)),
+     ["'p2'", "unknown attribute", "'axis'", "allowed"]),
+    ("wrong-arity", _verify(_add("scores", ("q",), "s2")),
+     ["'s2'", "takes 2 input(s)", "got 1"]),
+    ("concat-no-inputs", _verify(_add("concat_heads", (), "c")),
+     ["'c'", "at least one input"]),
+    ("no-output", _verify(output=False), ["no output", "set_output"]),
+    ("output-not-a-node", _verify(lambda g: "nowhere"), ["'nowhere'", "set_output"]),
+    ("input-not-3d", lambda: mhagen.verify(Graph.from_json(_good_json(nodes=[
+        {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", 4, 4]}}],
+        output="x"))), ["'x'", "shape [batch, seq, d_model]", "['b', 's', 4, 4]"]),
+    ("empty-graph", lambda: mhagen.verify(Graph("e")), ["empty", "mhagen.mha()"]),
+    ("qk-width-mismatch", _verify(
+        lambda g: g.head_projection("x", "w_k2", head=0, out_features=6, name="k6"),
+        _add("scores", ("q", "k6"), "s2")),
+     ["'s2'", "[batch, seq, 8]", "[batch, seq, 6]", "same head_dim"]),
+    ("weighted-sum-mismatch", _verify(
+        lambda g: g.output_projection("x", "w_t", out_features=8, name="t"),
+        _add("weighted_sum", ("t", "v"), "ws")),
+     ["'ws'", "share batch and key length"]),
+    ("weight-reused-different-shape", _specs(
+        lambda g: g.head_projection("x", "w_q", head=1, out_features=4, name="q4")),
+     ["'w_q'", "different shapes", "'q'", "'q4'", "[16x8]", "[16x4]", "its own weight name"]),
+    ("weight-reused-as-bias", _specs(
+        lambda g: g.head_projection("x", "w_x", head=0, out_features=8, bias="w_q", name="q9")),
+     ["'w_q'", "different shapes or roles", "its own weight name"]),
+    ("weight-head-used-twice", _specs(
+        lambda g: g.head_projection("x", "w_q", head=0, out_features=8, name="q_again")),
+     ["'w_q'[0]", "two nodes", "its own index"]),
+    ("head-index-gap", _specs(
+        lambda g: g.head_projection("x", "w_q", head=2, out_features=8, name="q2")),
+     ["'w_q'", "[0, 2]", "but not [1]", "0..1"]),
+    ("head-negative", _verify(
+        lambda g: g.head_projection("x", "w_n", head=-1, out_features=8, name="qn")),
+     ["'qn'", "head must be an int >= 0"]),
+    ("out_features-zero", _out_features_builder(0), ["out_features must be a positive int"]),
+    ("out_features-bool", _out_features_builder(True), ["out_features must be a positive int"]),
+    ("input-d_model-zero", _input_builder(d_model=0), ["dim 0", "positive int"]),
+    ("input-d_model-negative", _input_builder(d_model=-3), ["dim -3", "positive int"]),
+    ("input-d_model-bool", _input_builder(d_model=True), ["positive int"]),
+    ("input-symbolic-d_model", lambda: mhagen.verify(Graph.from_json(_good_json(nodes=[
+        {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", "d"]}}],
+        output="x"))), ["feature dim must be a number"]),
+    ("input-bool-dim-json", lambda: mhagen.verify(Graph.from_json(_good_json(nodes=[
+        {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", True]}}],
+        output="x"))), ["dim True", "positive int"]),
+    ("dtype-unsupported", _verify(dtype="float16"), ["'float16'", "not supported", "float32"]),
+    ("json-wrong-format", _from_json(_good_json(format="onnx")),
+     ["not an mhagen graph", '"format": "mhagen.graph"']),
+    ("json-not-an-object", _from_json([1, 2]), ["not an mhagen graph"]),
+    ("json-wrong-version", _from_json(_good_json(version=2)),
+     ["version 2", "reads version 1", "upgrade mhagen"]),
+    ("json-no-version", _from_json(_good_json(version=None)), ["version None", "upgrade"]),
+    ("json-not-json", _from_json('{"format": "mhagen.graph", "version": 1, "nodes": ['),
+     ["JSON"]),
+    ("json-node-without-kind", _from_json(_bad_node_json({"name": "z", "inputs": ["x"]})),
+     ["bad node", "'kind'"]),
+    ("json-node-not-an-object", _from_json(_bad_node_json(["softmax", "x"])),
+     ["bad node", "'name', 'kind'"]),
+    ("json-bad-mask-expr", _from_json(_bad_node_json(
+        {"name": "m", "kind": "mask", "inputs": ["s0"],
+         "attrs": {"head": 0, "mask": {"$expr": {"var": "i"}}}})),
+     ["bad node", "unknown mask variable 'i'"]),
+    ("json-unknown-kind", _from_json(_bad_node_json({"name": "z", "kind": "gelu",
+                                                     "inputs": ["x"], "attrs": {}})),
+     ["'gelu'", "use one of"]),
+    ("json-duplicate-name", _from_json(_bad_node_json({"name": "q0", "kind": "softmax",
+                                                       "inputs": ["s0"], "attrs": {}})),
+     ["'q0'", "used twice"]),
+]
+
+
+@pytest.mark.parametrize("make, fragments", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_graph_errors(make, fragments):
+    with pytest.raises(GraphError) as info:
+        make()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_graph_error_is_a_value_error():
+    assert issubclass(GraphError, ValueError) and issubclass(GraphError, mhagen.MhagenError)
+
+
+# -- mask expressions ----------------------------------------------------------------------------
+def test_mask_expression_building():
+    m = mhagen.causal() & (mhagen.q_idx - mhagen.kv_idx < 4)
+    assert m.is_bool and repr(m) == "((kv_idx <= q_idx) & ((q_idx - kv_idx) < 4))"
+    assert m == mhagen.sliding_window(4)
+    assert not (mhagen.q_idx + 1).is_bool
+    assert (1 + mhagen.q_idx).to_json() == {"op": "+", "args": [{"const": 1}, {"var": "q_idx"}]}
+    assert mhagen.q_idx.eq(mhagen.kv_idx).is_bool and mhagen.q_idx.ne(3).is_bool
+    # == stays structural (returns a bool), so masks can live in sets and dicts
+    assert (mhagen.q_idx == mhagen.kv_idx) is False
+    assert len({mhagen.causal(), mhagen.causal()}) == 1
+    assert ex.from_json(m.to_json()) == m
+
+
+def test_mask_expression_evaluates_like_its_meaning():
+    from mhagen.reference import mask_grid
+    grid = mask_grid(mhagen.sliding_window(3), batch=1, head=0, q_len=6, kv_len=6)[0]
+    q, k = np.indices((6, 6))
+    np.testing.assert_array_equal(grid, (k <= q) & (q - k < 3))
+
+
+@pytest.mark.parametrize("combine", [
+    lambda a, b: a and b,
+    lambda a, b: a or b,
+    lambda a, b: not a,
+    lambda a, b: bool(a),
+    lambda a, b: b if a else a,
+], ids=["and", "or", "not", "bool", "if"])
+def test_mask_truth_value_raises(combine):
+    with pytest.raises(TypeError, match=r"no truth value.*& and \|.*\.eq\(\)"):
+        combine(mhagen.causal(), mhagen.sliding_window(3))
+
+
+@pytest.mark.parametrize("combine", [
+    lambda: mhagen.q_idx & mhagen.kv_idx,
+    lambda: mhagen.causal() & (mhagen.q_idx + 1),
+    lambda: (mhagen.q_idx - mhagen.kv_idx) | mhagen.causal(),
+    lambda: mhagen.causal() & 1,
+    lambda: 1 | mhagen.causal(),
+], ids=["vars", "bool&int-expr", "int-expr|bool", "bool&const", "const|bool"])
+def test_mask_and_or_on_non_boolean_raises(combine):
+    with pytest.raises(TypeError, match="combines boolean masks"):
+        combine()
+
+
+@pytest.mark.parametrize("make, exc, fragment", [
+    (lambda: mhagen.q_idx < 1.5, TypeError, "mask constants must be integers"),
+    (lambda: mhagen.q_idx + True, TypeError, "mask constants must be integers"),
+    (lambda: ex.Var("i"), ValueError, "use one of batch, head, q_idx, kv_idx"),
+    (lambda: ex.BinOp("//", mhagen.q_idx, mhagen.kv_idx), ValueError, "unknown operator '//'"),
+    (lambda: mhagen.sliding_window(0), ValueError, "sliding window must be >= 1"),
+    (lambda: ex.from_json({"op": "<", "args": [{"var": "q_idx"}]}), ValueError,
+     "expected var, const or op with two args"),
+    (lambda: ex.from_json(3), ValueError, "expected an object"),
+], ids=["float-const", "bool-const", "unknown-var", "unknown-op", "window-zero",
+        "json-one-arg", "json-not-object"])
+def test_mask_expression_errors(make, exc, fragment):
+    with pytest.raises(exc, match=None) as info:
+        make()
+    assert fragment in str(info.value)
+
+
+def test_mask_node_with_non_boolean_mask_rejected():
+    g = _graph(lambda g: g.mask("s", mhagen.q_idx + 1, head=0, name="m"))
+    with pytest.raises(GraphError, match="'m': mask must be a boolean mask expression"):
+        mhagen.verify(g)
