@@ -64,7 +64,7 @@ def test_head_a_attends_to_previous_tokens(heads_run):
 def test_heads_disagree(heads_run):
     # The two heads look at different places for every query from position 2 on.
     a, b = heads_run["map_a"], heads_run["map_b"]
-    assert np.all(np.abs(a - b)[2:].sum(axis=1) > 1.5)
+    assert np.all(np.abs(a - b)[2:].sum(axis=1) > 0.9)   # L1 distance of the rows
 
 
 def test_concat_wo_merges_both_views(heads, heads_run):

@@ -30,6 +30,9 @@ class Node:
 
     @staticmethod
     def from_json(data) -> "Node":
+        if not isinstance(data, dict):
+            raise GraphError(f"bad node in graph JSON {data!r}: expected an object with "
+                             "'name', 'kind', 'inputs' and 'attrs'")
         try:
             attrs = {k: (ex.from_json(v["$expr"]) if isinstance(v, dict) and "$expr" in v else v)
                      for k, v in data.get("attrs", {}).items()}
@@ -91,12 +94,12 @@ class Graph:
     def input(self, name: str = "x", d_model: int = 512, batch: str = "batch",
               seq: str = "seq") -> str:
         """A [batch, seq, d_model] input; batch and seq are symbolic, bound at build time."""
-        return self.add("input", (), name, shape=[batch, seq, int(d_model)])
+        return self.add("input", (), name, shape=[batch, seq, d_model])
 
     def head_projection(self, x, weight, head, out_features, bias=None, name=None) -> str:
         """Head `head`'s projection: x @ weight[head] (+ bias[head]), out_features wide."""
-        return self.add("head_projection", (x,), name, weight=weight, head=int(head),
-                        out_features=int(out_features), **({"bias": bias} if bias else {}))
+        return self.add("head_projection", (x,), name, weight=weight, head=head,
+                        out_features=out_features, **({"bias": bias} if bias else {}))
 
     def scores(self, q, k, name=None) -> str:
         return self.add("scores", (q, k), name)
@@ -105,7 +108,7 @@ class Graph:
         return self.add("scale", (s,), name, factor=float(factor))
 
     def mask(self, s, mask: ex.Expr, head: int, name=None) -> str:
-        return self.add("mask", (s,), name, mask=mask, head=int(head))
+        return self.add("mask", (s,), name, mask=mask, head=head)
 
     def softmax(self, s, name=None) -> str:
         return self.add("softmax", (s,), name)
@@ -119,7 +122,7 @@ class Graph:
     def output_projection(self, c, weight, out_features, bias=None, name=None) -> str:
         """The output projection W_O: c @ weight (+ bias), out_features wide (d_model)."""
         return self.add("output_projection", (c,), name, weight=weight,
-                        out_features=int(out_features), **({"bias": bias} if bias else {}))
+                        out_features=out_features, **({"bias": bias} if bias else {}))
 
     def set_output(self, name: str) -> "Graph":
         self.output = name
@@ -164,7 +167,11 @@ class Graph:
 
     @staticmethod
     def from_json(text) -> "Graph":
-        data = json.loads(text) if isinstance(text, (str, bytes)) else text
+        try:
+            data = json.loads(text) if isinstance(text, (str, bytes)) else text
+        except json.JSONDecodeError as err:
+            raise GraphError(f"graph JSON does not parse ({err}); pass the text written by "
+                             "Graph.to_json()") from None
         if not isinstance(data, dict) or data.get("format") != GRAPH_FORMAT:
             raise GraphError("not an mhagen graph: expected a JSON object with "
                              f"\"format\": \"{GRAPH_FORMAT}\"")

@@ -33,8 +33,11 @@ def _check_attrs(node):
 
 def weight_specs(graph) -> list:
     """The graph's weights (name, shape, role), checked for consistent use across nodes."""
+    return _collect_weights(graph, verify(graph))
+
+
+def _collect_weights(graph, shapes) -> list:
     from mhagen.ir.graph import WeightSpec
-    shapes = verify(graph)
     found = {}  # name -> dict(heads, d_in, d_out, per_head, role)
 
     def record(name, role, per_head, head, d_in, d_out, node):
@@ -109,6 +112,7 @@ def verify(graph, **dims) -> dict:
     out_shape = shapes[graph.output]
     if len(out_shape) != 3:
         raise GraphError(f"the graph output must be [batch, seq, features], got {_fmt(out_shape)}")
+    _collect_weights(graph, shapes)
     if dims:
         unknown = set(dims) - {d for s in shapes.values() for d in s if isinstance(d, str)}
         if unknown:
@@ -155,7 +159,11 @@ def _infer(n, ins, graph):
         (s,) = ins
         if len(s) != 3:
             raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
-        if k == "scale" and not isinstance(n.attrs["factor"], (int, float)):
+        if k == "mask" and (not isinstance(n.attrs["head"], int) or isinstance(n.attrs["head"], bool)
+                            or n.attrs["head"] < 0):
+            raise GraphError(f"mask {n.name!r}: head must be an int >= 0, got {n.attrs['head']!r}")
+        if k == "scale" and (isinstance(n.attrs["factor"], bool)
+                             or not isinstance(n.attrs["factor"], (int, float))):
             raise GraphError(f"scale {n.name!r}: factor must be a number")
         if k == "mask":
             m = n.attrs["mask"]
