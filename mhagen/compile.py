@@ -1,4 +1,5 @@
-"""build(): graph -> verify -> lower to TE -> schedule rules -> tvm.compile -> Module."""
+"""build(): graph -> verify -> passes -> lower (TE / templates) -> schedule rules ->
+tvm.compile (one library, one function per kernel) -> Module."""
 from __future__ import annotations
 
 import time
@@ -7,13 +8,26 @@ from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 
 
-def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None):
+def compile_program(program, target):
+    """Schedule every kernel and compile them into one library; returns (executable, texts,
+    decisions)."""
     import tvm
-    from tvm import s_tir
 
-    from mhagen.lower.te import lower
+    from mhagen.schedules import schedule_kernel
+    funcs, decisions = {}, []
+    for kernel in program.kernels:
+        func, dec = schedule_kernel(kernel, target)
+        funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
+        decisions += [d.__dict__ for d in dec]
+    mod = tvm.IRModule(funcs)
+    executable = tvm.compile(mod, target=target.tvm)
+    return executable, {"te": program.te_text, "tir": mod.script()}, decisions
+
+
+def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None,
+          fuse: bool = True):
+    from mhagen.lower import lower
     from mhagen.module import Module
-    from mhagen.schedules import apply_rules
     from mhagen.target import resolve
 
     if not isinstance(layer, Graph):
@@ -27,12 +41,8 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
         raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")
     start = time.perf_counter()
-    lowered = lower(layer, batch, seq_len)
-    sch = s_tir.Schedule(tvm.IRModule({"main": lowered.prim_func}))
-    decisions = apply_rules(sch, lowered.stages, t)
-    executable = tvm.compile(sch.mod, target=t.tvm)
-    seconds = time.perf_counter() - start
-    return Module(layer, t, batch, seq_len, lowered.params, executable.mod,
-                  weights=weights, texts={"te": lowered.te_text, "tir": sch.mod.script()},
-                  decisions=[d.__dict__ for d in decisions], executable=executable,
-                  compile_seconds=seconds)
+    program = lower(layer, batch, seq_len, t, fuse=fuse)
+    executable, texts, decisions = compile_program(program, t)
+    return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights,
+                  texts=texts, decisions=decisions, executable=executable,
+                  compile_seconds=time.perf_counter() - start, fuse=fuse)

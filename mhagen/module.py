@@ -41,14 +41,17 @@ class Module:
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
     """
 
-    def __init__(self, graph, target, batch, seq_len, params, runtime_module, *, weights=None,
-                 texts=None, decisions=None, executable=None, compile_seconds=None):
+    def __init__(self, graph, target, batch, seq_len, program, runtime_module, *, weights=None,
+                 texts=None, decisions=None, executable=None, compile_seconds=None, fuse=True):
         self.graph, self.target = graph, target
         self.batch, self.seq_len = batch, seq_len
-        self.params = list(params)
+        self.program = program
+        self.fuse = fuse
+        self.params = [b.name for b in program.role("param")]
         self._rt = runtime_module
         self._executable = executable
-        self._func = runtime_module["main"]
+        self._calls = [(runtime_module[k.name], k.args) for k in program.kernels]
+        self._temps = None
         self.texts = dict(texts or {})
         self.decisions = list(decisions or [])
         self.compile_seconds = compile_seconds
@@ -68,12 +71,19 @@ class Module:
         return (self.batch, self.seq_len, self.d_model)
 
     def bind(self, weights) -> "Module":
-        """Bind weights to the module (copied to the device once)."""
-        import tvm
+        """Bind weights: checked, repacked for the kernels and copied to the device once."""
         self.weights = check_weights(self.graph, weights, dtype=np.float32)
-        dev = tvm.cpu()
-        self._bound = [tvm.runtime.tensor(self.weights[n], dev) for n in self.params[1:-1]]
+        self._bound = self._params(self.weights)
         return self
+
+    def _params(self, weights) -> dict:
+        import tvm
+        out = {}
+        for b in self.program.role("param"):
+            arr = np.ascontiguousarray(b.make(weights), dtype=b.dtype)
+            assert arr.shape == tuple(b.shape), (b.name, arr.shape, b.shape)
+            out[b.name] = tvm.runtime.tensor(arr, tvm.cpu())
+        return out
 
     def _args(self, x, weights):
         import tvm
@@ -90,30 +100,50 @@ class Module:
                              "pass x.astype(np.float32)")
         dev = tvm.cpu()
         if weights is not None:
-            w = check_weights(self.graph, weights, dtype=np.float32)
-            bound = [tvm.runtime.tensor(w[n], dev) for n in self.params[1:-1]]
+            bound = self._params(check_weights(self.graph, weights, dtype=np.float32))
         elif self._bound is not None:
             bound = self._bound
         else:
             raise InputError("no weights: pass weights= to mhagen.build(), call "
                              "module.bind(weights), or call module(x, weights=...)")
-        out = tvm.runtime.empty(self.out_shape, "float32", dev)
-        return [tvm.runtime.tensor(np.ascontiguousarray(x), dev), *bound, out]
+        if self._temps is None:  # allocated once; a Module is not safe to call from threads
+            self._temps = {b.name: tvm.runtime.empty(b.shape, b.dtype, dev)
+                           for b in self.program.buffers.values() if b.role in ("temp",)}
+        buffers = dict(bound, **self._temps)
+        for b in self.program.buffers.values():
+            if b.role == "input":
+                buffers[b.name] = tvm.runtime.tensor(
+                    np.ascontiguousarray(x.reshape(b.shape)), dev)
+            elif b.role == "output":
+                buffers[b.name] = tvm.runtime.empty(b.shape, b.dtype, dev)
+        return buffers
+
+    def _run(self, buffers):
+        for func, args in self._calls:
+            func(*(buffers[a] for a in args))
 
     def __call__(self, x, weights=None) -> np.ndarray:
-        args = self._args(x, weights)
-        self._func(*args)
-        return args[-1].numpy()
+        buffers = self._args(x, weights)
+        self._run(buffers)
+        out = buffers[self.program.role("output")[0].name].numpy()
+        return np.ascontiguousarray(out.reshape(self.batch, self.seq_len, -1)[..., :self.out_shape[2]])
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50):
-        """Median seconds per call over `repeat` measurements (TVM's time_evaluator)."""
-        import tvm
+        """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
+        least `number` calls and `min_repeat_ms` each."""
+        import time
         if x is None:
             x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
-        args = self._args(x, None)
-        timer = self._rt.time_evaluator("main", tvm.cpu(), number=number, repeat=repeat,
-                                        min_repeat_ms=min_repeat_ms)
-        return float(np.median(timer(*args).results))
+        buffers = self._args(x, None)
+        self._run(buffers)
+        results = []
+        for _ in range(repeat):
+            n, start = 0, time.perf_counter()
+            while n < number or (time.perf_counter() - start) * 1e3 < min_repeat_ms:
+                self._run(buffers)
+                n += 1
+            results.append((time.perf_counter() - start) / n)
+        return float(np.median(results))
 
     def flops(self) -> int:
         """Floating-point operations of one call (2 per multiply-add of every matmul)."""
@@ -128,8 +158,10 @@ class Module:
         if what == "graph":
             return str(self.graph)
         if what == "schedule":
-            return "\n".join(f"{d['stage']:<16} {d['rule']:<12} {d['config']}"
-                             for d in self.decisions)
+            lines = [self.program.fusion]
+            lines += [f"{d['kernel']:<18} {d['stage']:<16} {d['rule']:<12} {d['config']}"
+                      for d in self.decisions]
+            return "\n".join(lines)
         if what == "manifest":
             return json.dumps(self._manifest(), indent=1)
         if what == "source":
@@ -160,7 +192,8 @@ class Module:
             "shapes": {"batch": self.batch, "seq_len": self.seq_len,
                        "input": list(self.in_shape), "output": list(self.out_shape),
                        "dtype": "float32"},
-            "params": self.params,
+            "fuse": self.fuse,
+            "program": self.program.describe(),
             "weights": weight_table,
             "schedule": self.decisions,
             "files": files or {},
@@ -181,7 +214,7 @@ class Module:
         if self.weights is not None:
             table, offset = [], 0
             with open(path / "weights.bin", "wb") as f:
-                for name in self.params[1:-1]:
+                for name in sorted(self.weights):
                     data = np.ascontiguousarray(self.weights[name], dtype="<f4").tobytes()
                     f.write(data)
                     table.append({"name": name, "shape": list(self.weights[name].shape),
@@ -259,8 +292,14 @@ def load(path) -> Module:
                 raise ArtifactError(f"{path}: weight {e['name']!r} in weights.bin is truncated or "
                                     "corrupted; rebuild the module")
             weights[e["name"]] = np.frombuffer(chunk, dtype="<f4").reshape(e["shape"]).copy()
+    from mhagen.lower import lower
+    fuse = bool(man.get("fuse", True))
+    program = lower(graph, shapes["batch"], shapes["seq_len"], target, fuse=fuse)
+    if program.describe() != man.get("program"):
+        raise ArtifactError(f"{path} was built by a different mhagen (its kernels and buffers "
+                            "differ from what this version lowers); rebuild it")
     rt = tvm.runtime.load_module(str(path / "kernel.so"))
     texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
              if (path / f"{w}.txt").is_file()}
-    return Module(graph, target, shapes["batch"], shapes["seq_len"], man["params"], rt,
-                  weights=weights, texts=texts, decisions=man.get("schedule", []))
+    return Module(graph, target, shapes["batch"], shapes["seq_len"], program, rt,
+                  weights=weights, texts=texts, decisions=man.get("schedule", []), fuse=fuse)

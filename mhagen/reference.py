@@ -86,6 +86,29 @@ def _mask(n, a, w, x):
     return np.where(grid, s, -np.inf)
 
 
+def _qkv_projection(n, a, w, x):
+    cols = []
+    for seg in n.attrs["segments"]:
+        y = a[0] @ w[seg["weight"]][seg["head"]]
+        if seg.get("bias"):
+            y = y + w[seg["bias"]][seg["head"]]
+        cols.append(y)
+    return np.concatenate(cols, axis=-1)
+
+
+def _attention(n, a, w, x):
+    qkv, d = a[0], n.attrs["head_dim"]
+    bsz, seq = qkv.shape[:2]
+    outs = []
+    for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
+                                         n.attrs["v_offsets"])):
+        s = qkv[..., qo:qo + d] @ np.swapaxes(qkv[..., ko:ko + d], -1, -2) * n.attrs["scale"]
+        if n.attrs.get("mask") is not None:
+            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, seq), s, -np.inf)
+        outs.append(softmax_rows(s) @ qkv[..., vo:vo + d])
+    return np.concatenate(outs, axis=-1)
+
+
 _EVAL = {
     "input": lambda n, a, w, x: x,
     "head_projection": _projection,
@@ -96,4 +119,6 @@ _EVAL = {
     "softmax": lambda n, a, w, x: softmax_rows(a[0]),
     "weighted_sum": lambda n, a, w, x: a[0] @ a[1],
     "concat_heads": lambda n, a, w, x: np.concatenate(a, axis=-1),
+    "qkv_projection": _qkv_projection,
+    "attention": _attention,
 }

@@ -1,9 +1,10 @@
 """Schedule rules, one folder per target (installed as mhagen.schedules).
 
 A rule is a small class in the style of TVM's dlight rules:
-  applies(stage, target) -> bool         does this rule handle that stage on that target?
-  default_config(stage, target) -> cfg   a frozen dataclass, one docstring'd field per knob
-  apply(sch, stage, cfg, plan) -> names  schedules the stage; returns the stages it absorbed
+  applies(stage, target) -> bool           does this rule handle that stage on that target?
+  default_config(workload, target) -> cfg  a frozen dataclass, one docstring'd field per knob
+  apply(sch, stage, cfg, plan) -> names    schedules a TE stage; returns the stages it absorbed
+  build(workload, cfg, target) -> func     (template rules) writes the kernel's TIR itself
 Rules for a target are an ordered list; the first that applies wins and a Fallback always
 applies. Rules read target attributes (lanes, cores), never target names.
 """
@@ -15,13 +16,14 @@ from dataclasses import asdict, dataclass
 @dataclass
 class Decision:
     """What was done to one stage: for inspection and, later, for tuning records."""
+    kernel: str
     stage: str
     rule: str
     config: dict
 
 
 class Plan:
-    """The stages of one lowered function, looked up by block name while rules run."""
+    """The stages of one kernel, looked up by block name while rules run."""
 
     def __init__(self, stages):
         self.stages = list(stages)
@@ -36,18 +38,36 @@ def rules_for(target):
     raise NotImplementedError(f"no schedule rules for {target.arch} yet")
 
 
-def apply_rules(sch, stages, target, rules=None) -> list:
-    """Schedule every stage with the first applicable rule; returns the Decisions."""
+def fused_attention_rule(target):
+    """The attention template rule of this target, or None (then the graph stays unfused)."""
+    try:
+        rules = rules_for(target)
+    except NotImplementedError:
+        return None
+    return next((r for r in rules if hasattr(r, "build")), None)
+
+
+def schedule_kernel(kernel, target, rules=None):
+    """A scheduled PrimFunc for `kernel` (TE stages by rules, or a template) and Decisions."""
+    import tvm
+    from tvm import s_tir
     rules = rules or rules_for(target)
-    plan = Plan(stages)
+    if kernel.template:
+        stage = kernel.stages[0]
+        rule = next(r for r in rules if r.applies(stage, target))
+        cfg = kernel.config or rule.default_config(kernel.workload, target)
+        func = rule.build(kernel.workload, cfg, target)
+        return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg))]
+    sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
+    plan = Plan(kernel.stages)
     decisions = []
     for stage in plan.stages:
         if stage.name in plan.done:
             continue
         rule = next(r for r in rules if r.applies(stage, target))
-        cfg = rule.default_config(stage, target)
+        cfg = rule.default_config(stage.workload, target)
         absorbed = rule.apply(sch, stage, cfg, plan) or []
         plan.done.add(stage.name)
         plan.done.update(absorbed)
-        decisions.append(Decision(stage.name, rule.name, asdict(cfg) if cfg else {}))
-    return decisions
+        decisions.append(Decision(kernel.name, stage.name, rule.name, asdict(cfg) if cfg else {}))
+    return sch.mod["main"], decisions

@@ -32,6 +32,17 @@ KINDS = {
     "concat_heads": KindSpec(None, (), (), "[B,S,d_0], [B,S,d_1], ... -> [B,S,sum d_i]"),
     "output_projection": KindSpec(
         1, ("weight", "out_features"), ("bias",), "[B,S,C] @ weight ([C,D]) (+ bias [D]) -> [B,S,D]"),
+    # Fused kinds: made by mhagen/passes from the kinds above, never needed in user graphs.
+    "qkv_projection": KindSpec(
+        1, ("segments",), (),
+        "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
+        "{weight, head, bias, width} in column order"),
+    "attention": KindSpec(
+        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask",),
+        "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(Q_h K_h^T * scale)) V_h with "
+        "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side"),
 }
+
+FUSED_KINDS = ("qkv_projection", "attention")
 
 SUPPORTED_DTYPES = ("float32",)

@@ -58,6 +58,12 @@ def _collect_weights(graph, shapes) -> list:
             info["heads"].add(head)
 
     for n in graph.nodes:
+        if n.kind == "qkv_projection":
+            d_in = shapes[n.inputs[0]][-1]
+            for seg in n.attrs["segments"]:
+                record(seg["weight"], "weight", True, seg["head"], d_in, seg["width"], n)
+                if seg.get("bias"):
+                    record(seg["bias"], "bias", True, seg["head"], d_in, seg["width"], n)
         if n.kind in ("head_projection", "output_projection"):
             d_in = shapes[n.inputs[0]][-1]
             d_out = shapes[n.name][-1]
@@ -185,6 +191,27 @@ def _infer(n, ins, graph):
                                  f"{n.inputs[0]!r} is {_fmt(first)}; heads must share batch "
                                  "and seq")
         return first[:-1] + [sum(s[-1] for s in ins)]
+    if k == "qkv_projection":
+        (x,) = ins
+        segs = n.attrs["segments"]
+        if not isinstance(segs, list) or not segs or not all(
+                isinstance(g, dict) and {"weight", "head", "width"} <= set(g) for g in segs):
+            raise GraphError(f"qkv_projection {n.name!r}: segments must be a non-empty list of "
+                             "{weight, head, bias, width}")
+        return x[:-1] + [sum(int(g["width"]) for g in segs)]
+    if k == "attention":
+        (qkv,) = ins
+        d = n.attrs["head_dim"]
+        offs = [n.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets")]
+        if len({len(o) for o in offs}) != 1 or not offs[0]:
+            raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per head")
+        if any(o < 0 or o + d > qkv[-1] for lst in offs for o in lst):
+            raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "
+                             f"width {qkv[-1]}")
+        m = n.attrs.get("mask")
+        if m is not None and not (isinstance(m, ex.Expr) and m.is_bool):
+            raise GraphError(f"attention {n.name!r}: mask must be a boolean mask expression")
+        return qkv[:-1] + [d * len(offs[0])]
     raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
 
 

@@ -9,30 +9,11 @@ per stage, its pattern so schedule rules can pick it up:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import tvm
 from tvm import te
 
 from mhagen.ir import expr as ex
-
-
-@dataclass
-class Stage:
-    """One scheduling unit: its pattern, the blocks it owns and a workload description."""
-    name: str
-    pattern: str
-    node: str
-    blocks: tuple
-    workload: dict = field(default_factory=dict)
-
-
-@dataclass
-class Lowered:
-    prim_func: object
-    params: list          # argument names in call order: inputs, weights, output
-    stages: list          # Stage, in graph order
-    te_text: str          # a readable dump of the TE compute definitions
+from mhagen.lower.program import Buffer, Kernel, Program, Stage
 
 
 def _tir_ops():
@@ -46,7 +27,8 @@ def _tir_ops():
     }
 
 
-def lower(graph, batch: int, seq_len: int) -> Lowered:
+def lower_unfused(graph, batch: int, seq_len: int) -> Program:
+    """Every node as TE stages of one kernel, `main` (any graph verify accepts)."""
     dims = {}
     in_shape = graph.inputs[0].attrs["shape"]
     for d, v in zip(in_shape[:2], (batch, seq_len)):
@@ -62,9 +44,13 @@ def lower(graph, batch: int, seq_len: int) -> Lowered:
     out = ctx.vals[graph.output]
     inputs = [ctx.vals[n.name] for n in graph.inputs]
     args = inputs + [weights[s.name] for s in specs] + [out]
-    func = te.create_prim_func(args).with_attr("global_symbol", "main")
-    params = [n.name for n in graph.inputs] + [s.name for s in specs] + ["out"]
-    return Lowered(func, params, ctx.stages, "\n".join(ctx.text))
+    func = te.create_prim_func(args)
+    buffers = [Buffer(n.name, _shape(ctx, n), "input") for n in graph.inputs]
+    buffers += [Buffer(s.name, tuple(s.shape), "param", make=lambda w, k=s.name: w[k])
+                for s in specs]
+    buffers.append(Buffer("out", tuple(int(v) for v in out.shape), "output"))
+    kernel = Kernel("main", [b.name for b in buffers], func, ctx.stages)
+    return Program({b.name: b for b in buffers}, [kernel], "\n".join(ctx.text))
 
 
 class _Ctx:

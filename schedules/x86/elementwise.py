@@ -14,7 +14,7 @@ class ElementwiseRule:
     def applies(self, stage, target):
         return stage.pattern in ("elementwise", "epilogue")
 
-    def default_config(self, stage, target):
+    def default_config(self, workload, target):
         return ElementwiseConfig(vector=target.lanes)
 
     def apply(self, sch, stage, cfg, plan):
@@ -35,7 +35,7 @@ class Fallback:
     def applies(self, stage, target):
         return True
 
-    def default_config(self, stage, target):
+    def default_config(self, workload, target):
         return None
 
     def apply(self, sch, stage, cfg, plan):

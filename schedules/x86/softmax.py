@@ -14,8 +14,8 @@ class SoftmaxRule:
     def applies(self, stage, target):
         return stage.pattern == "softmax"
 
-    def default_config(self, stage, target):
-        return SoftmaxConfig(rows_per_task=4 if stage.workload["cols"] < 256 else 1)
+    def default_config(self, workload, target):
+        return SoftmaxConfig(rows_per_task=4 if workload["cols"] < 256 else 1)
 
     def apply(self, sch, stage, cfg, plan):
         mx, safe, e, total, inv, p = (sch.get_sblock(b) for b in stage.blocks)

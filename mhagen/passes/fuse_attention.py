@@ -1,0 +1,125 @@
+"""Fuse a multi-head attention graph into qkv_projection -> attention -> output_projection.
+
+Recognised: output_projection(concat_heads(o_0..o_H-1)) where each o_h is
+weighted_sum(softmax([mask]([scale](scores(q_h, k_h)))), v_h), every q/k/v is a
+head_projection of one input, all heads share head_dim, scale and mask expression, and no
+other node reads the intermediates. The fused graph computes the same function:
+  - one packed GEMM for every head's Q, K and V (K/V heads shared by query heads once),
+  - one attention node that never builds [B, heads, S, S] (see the attention templates),
+  - the concat is free: attention writes each head at its concat offset, where W_O reads it.
+Anything else is left alone and compiles through the unfused path; `reason` says why.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from mhagen.ir.graph import Graph
+
+
+@dataclass
+class FusionResult:
+    graph: Graph
+    fused: bool
+    reason: str
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _need(cond, reason):
+    if not cond:
+        raise _NoMatch(reason)
+
+
+def fuse_attention(graph: Graph) -> FusionResult:
+    try:
+        return FusionResult(_fuse(graph), True, "fused: qkv_projection + attention")
+    except _NoMatch as why:
+        return FusionResult(graph, False, f"not fused: {why}")
+
+
+def _fuse(g: Graph) -> Graph:
+    g.shapes()
+    nodes = {n.name: n for n in g.nodes}
+    uses = Counter(i for n in g.nodes for i in n.inputs)
+    out = nodes[g.output]
+    _need(out.kind == "output_projection", "the output is not an output_projection")
+    concat = nodes[out.inputs[0]]
+    _need(concat.kind == "concat_heads", "the output projection does not read concat_heads")
+    _need(uses[concat.name] == 1, "the concat has other readers")
+
+    def single_use(name, kind):
+        node = nodes[name]
+        _need(node.kind == kind, f"{name!r} is a {node.kind}, expected {kind}")
+        _need(uses[name] == 1, f"{name!r} has more than one reader")
+        return node
+
+    heads, matched = [], {out.name, concat.name}
+    scales, masks = set(), set()
+    for h, o_name in enumerate(concat.inputs):
+        o = single_use(o_name, "weighted_sum")
+        p = single_use(o.inputs[0], "softmax")
+        cur = nodes[p.inputs[0]]
+        matched |= {o.name, p.name}
+        mask = None
+        if cur.kind == "mask":
+            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
+            _need(cur.attrs["head"] == h, f"mask {cur.name!r} is for head {cur.attrs['head']} "
+                                          f"but feeds head {h} of the concat")
+            mask = cur.attrs["mask"]
+            matched.add(cur.name)
+            cur = nodes[cur.inputs[0]]
+        scale = 1.0
+        if cur.kind == "scale":
+            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
+            scale = cur.attrs["factor"]
+            matched.add(cur.name)
+            cur = nodes[cur.inputs[0]]
+        _need(cur.kind == "scores" and uses[cur.name] == 1,
+              f"head {h}: expected scores -> [scale] -> [mask] -> softmax")
+        matched.add(cur.name)
+        scales.add(float(scale))
+        masks.add(None if mask is None else repr(mask))
+        heads.append((cur.inputs[0], cur.inputs[1], o.inputs[1], mask))
+    _need(len(scales) == 1, "heads use different scales")
+    _need(len(masks) == 1, "heads use different masks")
+
+    projections = [nodes[name] for hd in heads for name in hd[:3]]
+    _need(all(p.kind == "head_projection" for p in projections),
+          "q, k and v must all be head_projection nodes")
+    sources = {p.inputs[0] for p in projections}
+    _need(len(sources) == 1, "q, k and v project different inputs")
+    widths = {p.attrs["out_features"] for p in projections}
+    _need(len(widths) == 1, "heads have different widths")
+    d = widths.pop()
+    x = nodes[sources.pop()]
+    _need(x.kind == "input", "q, k and v do not project a graph input")
+    matched.add(x.name)
+
+    order = []  # column order: all Q, then K, then V (shared K/V heads once)
+    for role in range(3):
+        for hd in heads:
+            if hd[role] not in order:
+                order.append(hd[role])
+    _need(len(order) == len(set(order)), "a projection is used as two of q/k/v")
+    matched |= set(order)
+    _need(matched == set(nodes), "the graph has nodes outside the attention pattern: "
+                                 f"{sorted(set(nodes) - matched)}")
+    offset = {name: i * d for i, name in enumerate(order)}
+    segments = [{"weight": nodes[n].attrs["weight"], "head": nodes[n].attrs["head"],
+                 "bias": nodes[n].attrs.get("bias"), "width": d} for n in order]
+
+    f = Graph(g.name, g.dtype, dict(g.options, fused=True))
+    xi = f.add("input", (), x.name, **x.attrs)
+    qkv = f.add("qkv_projection", (xi,), "qkv", segments=segments)
+    attrs = {"head_dim": d, "q_offsets": [offset[hd[0]] for hd in heads],
+             "k_offsets": [offset[hd[1]] for hd in heads],
+             "v_offsets": [offset[hd[2]] for hd in heads], "scale": scales.pop()}
+    if heads[0][3] is not None:
+        attrs["mask"] = heads[0][3]
+    att = f.add("attention", (qkv,), "attention", **attrs)
+    f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
+    f.shapes()
+    return f

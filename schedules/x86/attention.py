@@ -1,0 +1,204 @@
+"""Fused attention template for CPUs with wide vectors (flash-style online softmax).
+
+One parallel task per (batch, head, query tile of q_tile rows). For each key block of
+kv_block keys that the block table does not skip:
+    S = Q K^T * scale (register tiles of tile_rows x tile_cols), masked only if the block is
+        partially visible;
+    online softmax per row: m' = max(m, max S), P = exp(S - m'), l = l e^(m-m') + sum P,
+        O = O e^(m-m');
+    O += P V (register tiles).
+Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (kv_block +
+head_dim) floats; the [S, S] score matrix never exists. The block table (built at build
+time from the mask expression, like FlexAttention's BlockMask) marks each (query tile, key
+block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal masks skip about
+half the blocks.
+"""
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from mhagen.ir import expr as ex
+from mhagen.schedules.x86.fast_math import exp, f32
+
+SKIP, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    q_tile: int
+    """query rows per task (a multiple of tile_rows)."""
+    kv_block: int
+    """keys per block of the online softmax (a multiple of tile_cols)."""
+    tile_rows: int
+    """rows of a register tile (unrolled)."""
+    tile_cols: int
+    """columns of a score register tile (vectorised; a multiple of the lanes)."""
+
+
+def _round_up(a, b):
+    return (a + b - 1) // b * b
+
+
+class AttentionRule:
+    name = "attention"
+
+    def applies(self, stage, target):
+        return stage.pattern == "attention_template"
+
+    def default_config(self, workload, target):
+        lanes = target.lanes
+        seq = workload["seq"]
+        q_tile = 64 if seq >= 256 else _round_up(min(seq, 32), 8)
+        kv_block = 128 if seq >= 128 else _round_up(seq, 2 * lanes)
+        return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=8,
+                               tile_cols=2 * lanes)
+
+    def build(self, w, cfg, target):
+        return build_attention(w, cfg, target.lanes)
+
+
+def _tir_ops():
+    return {"const": lambda v: tirx.const(v, "int32"),
+            "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+            "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+            ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+            "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+            "&": tirx.all, "|": tirx.any}
+
+
+def layout(w, cfg):
+    """Padded sizes shared by the lowering (K/V layout kernel, block table) and the template."""
+    seq, d = w["seq"], w["head_dim"]
+    return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
+            "seq_padded": _round_up(seq, cfg.kv_block), "head_dim_padded": _round_up(d, 16)}
+
+
+def build_attention(w, cfg, lanes):
+    """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
+    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
+    L = layout(w, cfg)
+    NQT, NKB, TP, DP = L["n_q_tiles"], L["n_kv_blocks"], L["seq_padded"], L["head_dim_padded"]
+    MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
+    NV = 32 if DP % 32 == 0 else 16          # output register tile width (over head_dim)
+    LN = lanes
+    GROUP = H // G
+    QKV_W, Q_BASE, HD = w["qkv_width"], w["q_base"], H * d
+    TB, TH = w["table_batch"], w["table_heads"]
+    scale = f32(w["scale"])
+    neg_inf = f32(float("-inf"))
+    mask = w.get("mask")
+    ops = _tir_ops()
+    M = B * S
+
+    def visible(b, h, qi, kj):
+        cond = kj < S
+        if mask is not None:
+            env = {"batch": b, "head": h, "q_idx": qi, "kv_idx": kj,
+                   "q_len": tirx.const(S, "int32"), "kv_len": tirx.const(S, "int32")}
+            cond = tirx.all(cond, ex.evaluate(mask, env, ops))
+        return cond
+
+    def tb(b):
+        return b if TB > 1 else 0
+
+    def th(h):
+        return h if TH > 1 else 0
+
+    @T.prim_func
+    def attention(qkv: T.Buffer((M, QKV_W), "float32"),
+                  kt: T.Buffer((B, G, NKB, d, KB), "float32"),
+                  vp: T.Buffer((B, G, TP, DP), "float32"),
+                  blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                  out: T.Buffer((M, HD), "float32")):
+        T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+        for task in T.parallel(B * H * NQT):
+            s_buf = T.decl_buffer((MQ, KB), "float32")
+            o_buf = T.decl_buffer((MQ, DP), "float32")
+            m_buf = T.decl_buffer((MQ,), "float32")
+            l_buf = T.decl_buffer((MQ,), "float32")
+            acc = T.decl_buffer((MR, NR), "float32", scope="local")
+            acc_o = T.decl_buffer((MR, NV), "float32", scope="local")
+            red = T.decl_buffer((LN,), "float32", scope="local")
+            row = T.decl_buffer((2,), "float32", scope="local")
+            b = task // (H * NQT)
+            h = task // NQT % H
+            qt = task % NQT
+            g = h // GROUP
+            q0 = qt * MQ
+            for i in range(MQ):
+                m_buf[i] = neg_inf
+                l_buf[i] = T.float32(0)
+                for j in T.vectorized(DP):
+                    o_buf[i, j] = T.float32(0)
+            for kb in range(NKB):
+                state = blocks[tb(b), th(h), qt, kb]
+                if state != SKIP:
+                    k0 = kb * KB
+                    for io in range(MQ // MR):
+                        for jo in range(KB // NR):
+                            for ii in T.unroll(MR):
+                                for jj in T.vectorized(NR):
+                                    acc[ii, jj] = T.float32(0)
+                            for c in range(d):
+                                for ii in T.unroll(MR):
+                                    for jj in T.vectorized(NR):
+                                        acc[ii, jj] = acc[ii, jj] + qkv[
+                                            b * S + T.min(q0 + io * MR + ii, S - 1),
+                                            Q_BASE + h * d + c] * kt[b, g, kb, c, jo * NR + jj]
+                            if state == FULL:
+                                for ii in T.unroll(MR):
+                                    for jj in T.vectorized(NR):
+                                        s_buf[io * MR + ii, jo * NR + jj] = acc[ii, jj] * scale
+                            else:
+                                for ii in T.unroll(MR):
+                                    for jj in T.vectorized(NR):
+                                        s_buf[io * MR + ii, jo * NR + jj] = T.Select(
+                                            visible(b, h, q0 + io * MR + ii, k0 + jo * NR + jj),
+                                            acc[ii, jj] * scale, neg_inf)
+                    for i in range(MQ):
+                        for jj in T.vectorized(LN):
+                            red[jj] = neg_inf
+                        for jo in range(KB // LN):
+                            for jj in T.vectorized(LN):
+                                red[jj] = T.max(red[jj], s_buf[i, jo * LN + jj])
+                        row[0] = m_buf[i]
+                        for jj in range(LN):
+                            row[0] = T.max(row[0], red[jj])
+                        row[1] = T.Select(row[0] == neg_inf, T.float32(0), row[0])
+                        for jj in T.vectorized(LN):
+                            red[jj] = T.float32(0)
+                        for jo in range(KB // LN):
+                            for jj in T.vectorized(LN):
+                                s_buf[i, jo * LN + jj] = exp(s_buf[i, jo * LN + jj] - row[1])
+                                red[jj] = red[jj] + s_buf[i, jo * LN + jj]
+                        alpha = exp(m_buf[i] - row[1])
+                        m_buf[i] = row[0]
+                        row[0] = T.float32(0)
+                        for jj in range(LN):
+                            row[0] = row[0] + red[jj]
+                        l_buf[i] = l_buf[i] * alpha + row[0]
+                        for j in T.vectorized(DP):
+                            o_buf[i, j] = o_buf[i, j] * alpha
+                    for io in range(MQ // MR):
+                        for jo in range(DP // NV):
+                            for ii in T.unroll(MR):
+                                for jj in T.vectorized(NV):
+                                    acc_o[ii, jj] = o_buf[io * MR + ii, jo * NV + jj]
+                            for kk in range(KB):
+                                for ii in T.unroll(MR):
+                                    for jj in T.vectorized(NV):
+                                        acc_o[ii, jj] = acc_o[ii, jj] + s_buf[
+                                            io * MR + ii, kk] * vp[b, g, k0 + kk, jo * NV + jj]
+                            for ii in T.unroll(MR):
+                                for jj in T.vectorized(NV):
+                                    o_buf[io * MR + ii, jo * NV + jj] = acc_o[ii, jj]
+            for i in range(MQ):
+                if q0 + i < S:
+                    row[0] = T.Select(l_buf[i] > T.float32(0), T.float32(1) / l_buf[i],
+                                      T.float32(0))
+                    for j in range(d):
+                        out[b * S + q0 + i, h * d + j] = o_buf[i, j] * row[0]
+
+    return attention
