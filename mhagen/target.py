@@ -62,6 +62,8 @@ def host_cores() -> int:
 
 
 def host_features() -> tuple:
+    from mhagen.runtime import prepare_tvm_threads
+    prepare_tvm_threads()
     import tvm
     cpu = tvm.target.codegen.llvm_get_system_cpu()
     t = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
@@ -80,7 +82,9 @@ def resolve(target) -> Target:
     """A preset name ("x86") or a Target -> a resolved Target for this build."""
     if isinstance(target, Target):
         return target
+    from mhagen.runtime import prepare_tvm_threads
     from mhagen.targets import load_preset, preset_names
+    prepare_tvm_threads()
     if not isinstance(target, str):
         raise TargetError(f"target must be a preset name, got {target!r}; presets: "
                           f"{', '.join(preset_names())}")
