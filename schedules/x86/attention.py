@@ -20,7 +20,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.ir import expr as ex
-from mhagen.schedules.x86.fast_math import exp, f32
+from mhagen.schedules.x86.fast_math import exp2, f32
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 
@@ -86,7 +86,7 @@ def build_attention(w, cfg, lanes):
     GROUP = H // G
     QKV_W, Q_BASE, HD = w["qkv_width"], w["q_base"], H * d
     TB, TH = w["table_batch"], w["table_heads"]
-    scale = f32(w["scale"])
+    c_log2e = f32(w["scale"] * 1.4426950408889634)
     neg_inf = f32(float("-inf"))
     mask = w.get("mask")
     ops = _tir_ops()
@@ -105,6 +105,40 @@ def build_attention(w, cfg, lanes):
 
     def th(h):
         return h if TH > 1 else 0
+
+    @T.macro
+    def online_softmax(masked, s_buf, o_buf, m_buf, l_buf, red, row):
+        # per row i: m' = max(m, max_j s), p = 2^(c (s - m')), l = l 2^(c (m - m')) + sum p,
+        # O *= 2^(c (m - m')), with c = scale * log2(e) (scores are stored unscaled).
+        for i in range(MQ):
+            for jj in T.vectorized(LN):
+                red[jj] = neg_inf
+            for jo in range(KB // LN):
+                for jj in T.vectorized(LN):
+                    red[jj] = T.max(red[jj], s_buf[i, jo * LN + jj])
+            row[0] = m_buf[i]
+            for jj in range(LN):
+                row[0] = T.max(row[0], red[jj])
+            row[1] = T.Select(row[0] == neg_inf, T.float32(0), row[0] * c_log2e)
+            for jj in T.vectorized(LN):
+                red[jj] = T.float32(0)
+            for jo in range(KB // LN):
+                for jj in T.vectorized(LN):
+                    if masked:
+                        s_buf[i, jo * LN + jj] = T.Select(
+                            s_buf[i, jo * LN + jj] == neg_inf, T.float32(0),
+                            exp2(s_buf[i, jo * LN + jj] * c_log2e - row[1]))
+                    else:
+                        s_buf[i, jo * LN + jj] = exp2(s_buf[i, jo * LN + jj] * c_log2e - row[1])
+                    red[jj] = red[jj] + s_buf[i, jo * LN + jj]
+            alpha = exp2(m_buf[i] * c_log2e - row[1])
+            m_buf[i] = row[0]
+            row[0] = T.float32(0)
+            for jj in range(LN):
+                row[0] = row[0] + red[jj]
+            l_buf[i] = l_buf[i] * alpha + row[0]
+            for j in T.vectorized(DP):
+                o_buf[i, j] = o_buf[i, j] * alpha
 
     @T.prim_func
     def attention(qkv: T.Buffer((M, QKV_W), "float32"),
@@ -150,37 +184,17 @@ def build_attention(w, cfg, lanes):
                             if state == FULL:
                                 for ii in T.unroll(MR):
                                     for jj in T.vectorized(NR):
-                                        s_buf[io * MR + ii, jo * NR + jj] = acc[ii, jj] * scale
+                                        s_buf[io * MR + ii, jo * NR + jj] = acc[ii, jj]
                             else:
                                 for ii in T.unroll(MR):
                                     for jj in T.vectorized(NR):
                                         s_buf[io * MR + ii, jo * NR + jj] = T.Select(
                                             visible(b, h, q0 + io * MR + ii, k0 + jo * NR + jj),
-                                            acc[ii, jj] * scale, neg_inf)
-                    for i in range(MQ):
-                        for jj in T.vectorized(LN):
-                            red[jj] = neg_inf
-                        for jo in range(KB // LN):
-                            for jj in T.vectorized(LN):
-                                red[jj] = T.max(red[jj], s_buf[i, jo * LN + jj])
-                        row[0] = m_buf[i]
-                        for jj in range(LN):
-                            row[0] = T.max(row[0], red[jj])
-                        row[1] = T.Select(row[0] == neg_inf, T.float32(0), row[0])
-                        for jj in T.vectorized(LN):
-                            red[jj] = T.float32(0)
-                        for jo in range(KB // LN):
-                            for jj in T.vectorized(LN):
-                                s_buf[i, jo * LN + jj] = exp(s_buf[i, jo * LN + jj] - row[1])
-                                red[jj] = red[jj] + s_buf[i, jo * LN + jj]
-                        alpha = exp(m_buf[i] - row[1])
-                        m_buf[i] = row[0]
-                        row[0] = T.float32(0)
-                        for jj in range(LN):
-                            row[0] = row[0] + red[jj]
-                        l_buf[i] = l_buf[i] * alpha + row[0]
-                        for j in T.vectorized(DP):
-                            o_buf[i, j] = o_buf[i, j] * alpha
+                                            acc[ii, jj], neg_inf)
+                    if state == FULL:
+                        online_softmax(False, s_buf, o_buf, m_buf, l_buf, red, row)
+                    else:
+                        online_softmax(True, s_buf, o_buf, m_buf, l_buf, red, row)
                     for io in range(MQ // MR):
                         for jo in range(DP // NV):
                             for ii in T.unroll(MR):

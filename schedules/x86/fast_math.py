@@ -25,3 +25,20 @@ def exp(x):
     ni = tirx.Cast("int32", tirx.max(tirx.min(n, f32(127.0)), f32(-126.0)))
     two_n = tirx.reinterpret("float32", tirx.shift_left(ni + 127, 23))
     return tirx.Select(x < f32(-87.0), f32(0.0), p * two_n)
+
+
+_LN2 = 0.6931471805599453
+_EXP2_TAYLOR = tuple(_LN2 ** k / __import__("math").factorial(k) for k in range(6, -1, -1))
+
+
+def exp2(t):
+    """2^t for t <= 0, relative error ~2e-7; t below -126 gives about 1e-38 (not 0): callers
+    that need exact zeros (masked scores) select them explicitly."""
+    t = tirx.max(t, f32(-126.0))
+    n = tirx.round(t)
+    f = t - n
+    p = f32(_EXP2_TAYLOR[0])
+    for c in _EXP2_TAYLOR[1:]:
+        p = p * f + f32(c)
+    two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
+    return p * two_n
