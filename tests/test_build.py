@@ -24,18 +24,20 @@ SLOW_CASES = {
 }
 
 
-def _check(kwargs, batch, seq_len):
+def _check(kwargs, batch, seq_len, fuse=True):
     layer = mhagen.mha(**kwargs)
     w = layer.init_weights(seed=1)
     x = random_input(layer, batch, seq_len)
-    module = mhagen.build(layer, "x86", batch=batch, seq_len=seq_len, weights=w)
+    module = mhagen.build(layer, "x86", batch=batch, seq_len=seq_len, weights=w, fuse=fuse)
+    assert module.program.fusion.startswith("fused" if fuse else "not fused")
     assert_close(module(x), layer.reference(x, w))
     return module, layer, w, x
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_compiled_matches_reference(case):
-    _check(*CASES[case])
+def test_compiled_matches_reference(case, fuse):
+    _check(*CASES[case], fuse=fuse)
 
 
 @pytest.mark.slow

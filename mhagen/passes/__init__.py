@@ -5,7 +5,7 @@ from mhagen.passes.fuse_attention import FusionResult, fuse_attention
 def run_passes(graph, fuse: bool = True) -> FusionResult:
     """The optimised graph; with fuse=False (or an unrecognised graph) the graph unchanged."""
     if not fuse:
-        return FusionResult(graph, False, "fusion disabled")
+        return FusionResult(graph, False, "not fused: fusion disabled (fuse=False)")
     return fuse_attention(graph)
 
 

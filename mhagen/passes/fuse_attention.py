@@ -77,8 +77,8 @@ def _fuse(g: Graph) -> Graph:
             scale = cur.attrs["factor"]
             matched.add(cur.name)
             cur = nodes[cur.inputs[0]]
-        _need(cur.kind == "scores" and uses[cur.name] == 1,
-              f"head {h}: expected scores -> [scale] -> [mask] -> softmax")
+        _need(cur.kind == "scores", f"head {h}: expected scores -> [scale] -> [mask] -> softmax")
+        _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
         matched.add(cur.name)
         scales.add(float(scale))
         masks.add(None if mask is None else repr(mask))
