@@ -1,4 +1,4 @@
-"""The `mhagen` command line: build, inspect.
+"""The `mhagen` command line: build, inspect, bench.
 
 Errors in options or layers print one line `mhagen CMD: error: ...` and exit with status 2.
 """
@@ -36,6 +36,8 @@ def _shape_options(p):
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="compile node by node (no fused QKV GEMM / attention kernels)")
 
 
 def _layer(args):
@@ -69,30 +71,71 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--what", default="graph", help="graph, te, tir, source, schedule, manifest")
     _layer_options(i)
     _shape_options(i)
+    n = sub.add_parser("bench", help="time one layer on a target: latency and GFLOP/s",
+                       description="Build a layer (checked against the reference) and time it "
+                                   "at each thread count; prints median latency and GFLOP/s.")
+    _layer_options(n)
+    _shape_options(n)
+    n.add_argument("--threads", type=int, nargs="+", help="thread counts (default: 1 .. cores)")
+    n.add_argument("--repeat", type=int, default=7, help="timing repeats (median is reported)")
     return p
 
 
-def _cmd_build(args):
+def _build_checked(args, layer):
+    """Build `layer` from CLI args with random weights; (module, max error, tolerance)."""
     import numpy as np
 
     import mhagen
     from mhagen.tolerances import tolerance
-    layer = _layer(args)
     weights = layer.init_weights(args.seed)
     module = mhagen.build(layer, args.target, batch=args.batch, seq_len=args.seq_len,
-                          weights=weights)
-    print(f"built {layer!r}\n  for {module.target.describe()}\n  input {module.in_shape} in "
-          f"{module.compile_seconds:.1f} s")
+                          weights=weights, fuse=not args.no_fuse)
+    if not module.target.runs_here():
+        return module, None, None
+    x = np.random.default_rng(args.seed).standard_normal(module.in_shape).astype(np.float32)
+    expected = layer.reference(x, weights)
+    return module, mhagen.max_error(module(x), expected), tolerance(expected)
+
+
+def _cmd_bench(args):
+    from mhagen.runtime import num_threads, set_num_threads
+    layer = _layer(args)
+    module, err, tol = _build_checked(args, layer)
+    if err is None:
+        raise _Fail(f"target {args.target} cannot run on this machine; bench needs a runnable "
+                    "target")
+    if err > tol:
+        print(f"mhagen bench: error: result is off by {err:.2e} (> {tol:.1e}); not timing",
+              file=sys.stderr)
+        return 1
+    available = num_threads()
+    threads = args.threads or list(range(1, available + 1))
+    bad = [t for t in threads if t < 1 or t > available]
+    if bad:
+        raise _Fail(f"--threads {bad} outside 1..{available} (set TVM_NUM_THREADS for more)")
+    print(f"{layer!r}\n{module.program.fusion}; {module.target.describe()}; input "
+          f"{module.in_shape}; max error {err:.1e}")
+    print(f"{'threads':>7} {'median ms':>10} {'GFLOP/s':>9}")
+    for t in threads:
+        set_num_threads(t)
+        seconds = module.latency(repeat=args.repeat)
+        print(f"{t:>7} {seconds * 1e3:>10.3f} {module.flops() / seconds / 1e9:>9.1f}")
+    set_num_threads(available)
+    return 0
+
+
+def _cmd_build(args):
+    layer = _layer(args)
+    module, err, tol = _build_checked(args, layer)
+    print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
+          f"  input {module.in_shape} in {module.compile_seconds:.1f} s")
     if args.out:
         print(f"wrote {module.save(args.out)}/ (kernel.so, manifest.json, weights.bin, "
               "te/tir/source text)")
-    x = np.random.default_rng(args.seed).standard_normal(module.in_shape).astype(np.float32)
-    if not module.target.runs_here():
+    if err is None:
         print("not run: this machine cannot run the target's code")
         return 0
-    expected = layer.reference(x, weights)
-    err, tol = mhagen.max_error(module(x), expected), tolerance(expected)
-    seconds = module.latency(x, repeat=args.repeat)
+    seconds = module.latency(repeat=args.repeat)
     print(f"max error vs float64 reference: {err:.2e} (tolerance {tol:.1e}) "
           f"{'ok' if err <= tol else 'FAILED'}")
     print(f"median latency: {seconds * 1e3:.3f} ms  ({module.flops() / seconds / 1e9:.1f} "
@@ -111,7 +154,8 @@ def _cmd_inspect(args):
         print(_layer(args))
         return 0
     else:
-        module = mhagen.build(_layer(args), args.target, batch=args.batch, seq_len=args.seq_len)
+        module = mhagen.build(_layer(args), args.target, batch=args.batch, seq_len=args.seq_len,
+                              fuse=not args.no_fuse)
     print(module.inspect(args.what))
     return 0
 
@@ -119,7 +163,7 @@ def _cmd_inspect(args):
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    cmd = {"build": _cmd_build, "inspect": _cmd_inspect}[args.command]
+    cmd = {"build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench}[args.command]
     try:
         return cmd(args)
     except (MhagenError, _Fail) as err:

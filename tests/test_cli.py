@@ -49,3 +49,24 @@ def test_build_reports_and_saves_then_inspect(tmp_path):
     assert r.returncode == 0 and "T.prim_func" in r.stdout
     r = run("inspect", "--d-model", "64", "--heads", "4", "--what", "graph")
     assert r.returncode == 0 and "output_projection" in r.stdout
+
+
+def test_bench_prints_a_row_per_thread_count():
+    r = run("bench", "--d-model", "64", "--heads", "4", "--seq-len", "16", "--threads", "1",
+            "--repeat", "2")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("1 ")]
+    assert len(rows) == 1 and float(rows[0][1]) > 0 and float(rows[0][2]) > 0
+    assert "fused" in r.stdout and "max error" in r.stdout
+
+
+def test_bench_rejects_too_many_threads(capsys):
+    assert main(["bench", "--d-model", "32", "--heads", "2", "--seq-len", "8",
+                 "--threads", "999"]) == 2
+    assert "--threads [999] outside" in capsys.readouterr().err
+
+
+def test_build_without_fusion(tmp_path):
+    r = run("build", "--d-model", "32", "--heads", "2", "--seq-len", "9", "--no-fuse",
+            "--repeat", "1")
+    assert r.returncode == 0 and "not fused" in r.stdout and " ok" in r.stdout
