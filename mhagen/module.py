@@ -2,7 +2,10 @@
 
 A saved module is a directory:
   kernel.so       the compiled library (tvm.runtime.load_module)
-  weights.bin     bound weights, float32 little-endian, back to back (offsets in the manifest)
+  weights.bin     bound weights in the user's layout (w_q [H, D, d], ...), float32 little-endian,
+                  back to back, no header; name/shape/offset/nbytes/sha256 in manifest "weights"
+  params.bin      the kernels' parameters (weights repacked, block tables) in the same format,
+                  table in manifest "params": what a C program passes to the kernels
   manifest.json   format version, versions, target, graph, shapes, weight table with sha256,
                   file checksums, schedule decisions
   te.txt, tir.txt, source.txt   tensor expressions, scheduled TensorIR, assembly (inspect)
@@ -210,23 +213,37 @@ class Module:
         self.inspect("source")
         for what in TEXT_FILES:
             (path / f"{what}.txt").write_text(self.texts.get(what, ""))
-        table = None
+        table = params = None
         if self.weights is not None:
-            table, offset = [], 0
-            with open(path / "weights.bin", "wb") as f:
-                for name in sorted(self.weights):
-                    data = np.ascontiguousarray(self.weights[name], dtype="<f4").tobytes()
-                    f.write(data)
-                    table.append({"name": name, "shape": list(self.weights[name].shape),
-                                  "dtype": "float32", "offset": offset, "nbytes": len(data),
-                                  "sha256": hashlib.sha256(data).hexdigest()})
-                    offset += len(data)
-        elif (path / "weights.bin").exists():
-            os.remove(path / "weights.bin")
-        names = ["kernel.so", "weights.bin"] + [f"{w}.txt" for w in TEXT_FILES]
+            table = _write_tensors(path / "weights.bin",
+                                   {n: self.weights[n] for n in sorted(self.weights)})
+            params = _write_tensors(path / "params.bin",
+                                    {n: t.numpy() for n, t in self._bound.items()})
+        else:
+            for name in ("weights.bin", "params.bin"):
+                if (path / name).exists():
+                    os.remove(path / name)
+        names = ["kernel.so", "weights.bin", "params.bin"] + [f"{w}.txt" for w in TEXT_FILES]
         files = {n: _sha256(path / n) for n in names if (path / n).exists()}
-        (path / "manifest.json").write_text(json.dumps(self._manifest(table, files), indent=1))
+        manifest = self._manifest(table, files)
+        manifest["params"] = params
+        (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
         return path
+
+
+def _write_tensors(path, arrays: dict) -> list:
+    """Arrays back to back, little-endian, no header; returns the table for the manifest."""
+    table, offset = [], 0
+    with open(path, "wb") as f:
+        for name, arr in arrays.items():
+            dtype = {"float32": "<f4", "int32": "<i4"}[str(arr.dtype)]
+            data = np.ascontiguousarray(arr, dtype=dtype).tobytes()
+            f.write(data)
+            table.append({"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype),
+                          "offset": offset, "nbytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+            offset += len(data)
+    return table
 
 
 def _host_arch():
