@@ -8,15 +8,16 @@ from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 
 
-def compile_program(program, target):
-    """Schedule every kernel and compile them into one library; returns (executable, texts,
-    decisions)."""
+def compile_program(program, target, tuning=None):
+    """Schedule every kernel (consulting `tuning` records) and compile them into one library;
+    returns (executable, texts, decisions)."""
     import tvm
 
     from mhagen.schedules import schedule_kernel
     funcs, decisions = {}, []
     for kernel in program.kernels:
-        func, dec = schedule_kernel(kernel, target)
+        record = tuning.lookup(program.key(kernel.name)) if tuning and program.key else None
+        func, dec = schedule_kernel(kernel, target, record=record)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
         decisions += [d.__dict__ for d in dec]
     mod = tvm.IRModule(funcs)
@@ -24,8 +25,21 @@ def compile_program(program, target):
     return executable, {"te": program.te_text, "tir": mod.script()}, decisions
 
 
+def resolve_tuning(tuning, target_name):
+    """"auto" (user database, then shipped records), None (defaults only), a database path,
+    or a Tuning object."""
+    from mhagen.tune.records import Database, Tuning
+    if isinstance(tuning, Tuning):
+        return tuning
+    if tuning == "auto":
+        return Tuning.default(target_name)
+    if tuning is None or tuning == "none":
+        return Tuning.none()
+    return Tuning([Database.load(tuning, missing_ok=False)])
+
+
 def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None,
-          fuse: bool = True):
+          fuse: bool = True, tuning="auto"):
     from mhagen.lower import lower
     from mhagen.module import Module
     from mhagen.target import resolve
@@ -41,8 +55,12 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
         raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")
     start = time.perf_counter()
-    program = lower(layer, batch, seq_len, t, fuse=fuse)
-    executable, texts, decisions = compile_program(program, t)
+    tuning = resolve_tuning(tuning, t.name)
+    program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning)
+    executable, texts, decisions = compile_program(program, t, tuning)
+    tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
+    used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights,
                   texts=texts, decisions=decisions, executable=executable,
-                  compile_seconds=time.perf_counter() - start, fuse=fuse)
+                  compile_seconds=time.perf_counter() - start, fuse=fuse,
+                  tuning_records=used)

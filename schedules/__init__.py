@@ -20,6 +20,7 @@ class Decision:
     stage: str
     rule: str
     config: dict
+    source: str = "default"   # "default", "tuned" (a record), or "stale" (record refused)
 
 
 class Plan:
@@ -47,8 +48,9 @@ def fused_attention_rule(target):
     return next((r for r in rules if hasattr(r, "build")), None)
 
 
-def schedule_kernel(kernel, target, rules=None):
-    """A scheduled PrimFunc for `kernel` (TE stages by rules, or a template) and Decisions."""
+def schedule_kernel(kernel, target, rules=None, record=None):
+    """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
+    is given and still fits the kernel, else the rules (TE stages) or the template."""
     import tvm
     from tvm import s_tir
     rules = rules or rules_for(target)
@@ -57,7 +59,16 @@ def schedule_kernel(kernel, target, rules=None):
         rule = next(r for r in rules if r.applies(stage, target))
         cfg = kernel.config or rule.default_config(kernel.workload, target)
         func = rule.build(kernel.workload, cfg, target)
-        return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg))]
+        source = "tuned" if record is not None and record.get("kind") == "config" else "default"
+        return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg), source)]
+    stale = False
+    if record is not None and record.get("kind") == "trace":
+        from mhagen.tune.apply import apply_trace
+        sch = apply_trace(kernel, record)
+        if sch is not None:
+            return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
+                                              {"trials": record.get("trials")}, "tuned")]
+        stale = True
     sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
     plan = Plan(kernel.stages)
     decisions = []
@@ -69,5 +80,6 @@ def schedule_kernel(kernel, target, rules=None):
         absorbed = rule.apply(sch, stage, cfg, plan) or []
         plan.done.add(stage.name)
         plan.done.update(absorbed)
-        decisions.append(Decision(kernel.name, stage.name, rule.name, asdict(cfg) if cfg else {}))
+        decisions.append(Decision(kernel.name, stage.name, rule.name, asdict(cfg) if cfg else {},
+                                  "stale" if stale else "default"))
     return sch.mod["main"], decisions

@@ -5,21 +5,45 @@ from mhagen.lower.program import Buffer, Kernel, Program, Stage
 from mhagen.passes import run_passes
 
 
-def lower(graph, batch: int, seq_len: int, target, fuse: bool = True) -> Program:
-    """Fused kernels when the passes recognise the graph, else one unfused kernel."""
+def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None) -> Program:
+    """Fused kernels when the passes recognise the graph, else one unfused kernel.
+    `tuning` (mhagen.tune.records.Tuning) may supply the attention template's config."""
     from mhagen.lower.te import lower_unfused
     from mhagen.schedules import fused_attention_rule
+    from mhagen.tune.records import workload_key
     graph.shapes(**_dims(graph, batch, seq_len))
     fusion = run_passes(graph, fuse=fuse)
     rule = fused_attention_rule(target) if fusion.fused else None
+
+    def key(kernel_name):
+        return workload_key(graph, target, batch, seq_len, kernel_name)
+
     if fusion.fused and rule is not None:
         from mhagen.lower.fused import lower_fused
-        program = lower_fused(fusion.graph, batch, seq_len, target, rule)
+        config = _tuned_config(rule, tuning, key("attention"), target)
+        program = lower_fused(fusion.graph, batch, seq_len, target, rule, config)
     else:
         program = lower_unfused(graph, batch, seq_len)
+    program.key = key
     program.fusion = fusion.reason if rule is not None or not fusion.fused else \
         "not fused: no attention template for this target"
     return program
+
+
+def _tuned_config(rule, tuning, key, target):
+    """The attention config a tuning record asks for, if valid; else None (the default)."""
+    import warnings
+
+    from mhagen.tune.records import TuningWarning
+    record = tuning.lookup(key) if tuning is not None else None
+    if record is None or record.get("kind") != "config":
+        return None
+    try:
+        return rule.make_config(record["config"], target)
+    except (KeyError, TypeError, ValueError) as err:
+        warnings.warn(f"tuning record for {key['kernel']} is invalid ({err}); using the "
+                      "default config", TuningWarning, stacklevel=3)
+        return None
 
 
 def _dims(graph, batch, seq_len):

@@ -39,7 +39,7 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr):
     return out, stages
 
 
-def lower_fused(graph, batch, seq, target, attention_rule) -> Program:
+def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
     from mhagen.schedules.x86.attention import layout
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
@@ -67,7 +67,7 @@ def lower_fused(graph, batch, seq, target, attention_rule) -> Program:
 
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "qkv_width": n_qkv_p, "q_base": q_base, "scale": a["scale"], "mask": a.get("mask")}
-    cfg = attention_rule.default_config(work, target)
+    cfg = attention_config or attention_rule.default_config(work, target)
     lay = layout(work, cfg)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)

@@ -48,6 +48,7 @@ class Program:
     kernels: list
     te_text: str = ""
     fusion: str = ""
+    key: Callable | None = None   # kernel name -> readable tuning key (set by lower())
 
     def role(self, role):
         return [b for b in self.buffers.values() if b.role == role]

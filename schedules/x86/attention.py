@@ -55,6 +55,28 @@ class AttentionRule:
         return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=8,
                                tile_cols=2 * lanes)
 
+    def make_config(self, values: dict, target) -> AttentionConfig:
+        """A config from a tuning record, checked against the template's constraints."""
+        cfg = AttentionConfig(**{k: int(values[k]) for k in
+                                 ("q_tile", "kv_block", "tile_rows", "tile_cols")})
+        lanes = target.lanes
+        if (cfg.q_tile % cfg.tile_rows or cfg.kv_block % cfg.tile_cols or cfg.tile_cols % lanes
+                or min(cfg.q_tile, cfg.kv_block, cfg.tile_rows) < 1):
+            raise ValueError(f"{cfg} breaks the template's tiling constraints")
+        return cfg
+
+    def candidates(self, workload, target) -> list:
+        """Configs worth measuring for a workload (the tuning space of this template)."""
+        seq, lanes = workload["seq"], target.lanes
+        out = []
+        for q_tile in (32, 64, 128):
+            for kv_block in (64, 128, 256):
+                if q_tile > 2 * seq or kv_block > 2 * max(seq, 2 * lanes):
+                    continue
+                out.append(AttentionConfig(q_tile, kv_block, 8, 2 * lanes))
+        default = self.default_config(workload, target)
+        return [default] + [c for c in out if c != default]
+
     def build(self, w, cfg, target):
         return build_attention(w, cfg, target.lanes)
 

@@ -1,0 +1,344 @@
+"""mhagen.tune(): tune a layer's kernels for a target with TVM MetaSchedule.
+
+Per kernel of the lowered program:
+  - GEMM kernels (TE): MetaSchedule's evolutionary search over the union of two spaces: our
+    x86 matmul template with its knobs sampled (tile rows) and TVM's generic post-order-apply
+    rules. Each kernel has a MetaSchedule JSON database under the work dir, so an interrupted
+    run (Ctrl-C, time budget) keeps every measurement and a re-run resumes.
+  - the attention template: its few knobs (query tile, key block) are measured one by one
+    through the same MetaSchedule builder/runner (its block table is passed as real data).
+  - data-movement kernels (K/V layout) are not tuned.
+The default schedule and the best tuned one are then measured side by side; the record keeps
+the tuned schedule only if it is faster (kind "trace"/"config"), else records "default".
+Measurements run locally or on a remote device through TVM's RPC tracker.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhagen.tune.records import Database, Tuning, user_database_path
+
+
+@dataclass
+class KernelResult:
+    shape: tuple
+    kernel: str
+    method: str
+    trials: int
+    default_us: float | None
+    tuned_us: float | None
+    kept: str                     # "tuned" or "default"
+
+
+@dataclass
+class TuneReport:
+    database: Path
+    results: list = field(default_factory=list)
+    interrupted: bool = False
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        rows = [f"{'shape':>10} {'kernel':<18} {'method':<12} {'trials':>6} {'default us':>11} "
+                f"{'tuned us':>9} {'speedup':>7} kept"]
+        for r in self.results:
+            d = f"{r.default_us:.1f}" if r.default_us else "-"
+            t = f"{r.tuned_us:.1f}" if r.tuned_us else "-"
+            sp = f"{r.default_us / r.tuned_us:.2f}x" if (
+                r.default_us and r.tuned_us) else "-"
+            rows.append(f"{'x'.join(map(str, r.shape)):>10} {r.kernel:<18} {r.method:<12} "
+                        f"{r.trials:>6} {d:>11} {t:>9} {sp:>7} {r.kept}")
+        return "\n".join(rows)
+
+
+class _Stop(Exception):
+    pass
+
+
+def fast_build(mod, target, _params):
+    """MetaSchedule's default build without importing tensor intrinsics (fp32 needs none):
+    the default re-imports them in every builder worker (~16 s each batch)."""
+    import tvm
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    return tvm.tirx.build(mod, target=target)
+
+
+class _Progress:
+    """One status line on stderr: trials done, best latency per kernel, time left."""
+
+    def __init__(self, enabled, total_kernels, deadline):
+        self.enabled, self.total, self.deadline = enabled, total_kernels, deadline
+        self.index, self.name, self.budget, self.done, self.best = 0, "", 0, 0, None
+        self.start = time.time()
+
+    def kernel(self, index, name, budget, done=0):
+        self.index, self.name, self.budget, self.done, self.best = index, name, budget, done, None
+        self.show()
+
+    def trial(self, seconds):
+        self.done += 1
+        if seconds is not None and (self.best is None or seconds < self.best):
+            self.best = seconds
+        self.show()
+        if self.deadline and time.time() > self.deadline:
+            raise _Stop()
+
+    def show(self, final=False):
+        if not self.enabled:
+            return
+        width = 24
+        filled = int(width * min(self.done, self.budget) / max(self.budget, 1))
+        best = f"{self.best * 1e6:9.1f} us" if self.best else "        - us"
+        left = (f"{max(0, self.deadline - time.time()):5.0f}s left" if self.deadline
+                else f"{time.time() - self.start:5.0f}s")
+        sys.stderr.write(f"\r[{self.index}/{self.total}] {self.name:<26} "
+                         f"[{'#' * filled}{'.' * (width - filled)}] {self.done:>4}/{self.budget} "
+                         f"best {best}  {left}" + ("\n" if final else ""))
+        sys.stderr.flush()
+
+
+def _runner(rpc, ms):
+    if rpc is None:
+        return None
+    host, port, key = rpc
+    return ms.runner.RPCRunner(ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port),
+                                                   tracker_key=key, session_timeout_sec=120))
+
+
+def _measure(funcs, target, runner, fixed=None, repeat=5):
+    """Median seconds of each PrimFunc via MetaSchedule's builder and runner (local or RPC).
+    fixed: {argument index: numpy array} for arguments that must hold real data."""
+    import numpy as np
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+
+    builder = ms.builder.LocalBuilder(f_build=fast_build, max_workers=1)
+    built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target)
+                           for f in funcs])
+    config = ms.runner.EvaluatorConfig(number=3, repeat=repeat, min_repeat_ms=50,
+                                       enable_cpu_cache_flush=False)
+    if runner is None:
+        runner = ms.runner.LocalRunner(evaluator_config=config,
+                                       f_alloc_argument=_alloc_with(fixed, remote=False))
+    else:
+        runner = ms.runner.RPCRunner(runner.rpc_config, evaluator_config=config,
+                                     f_alloc_argument=_alloc_with(fixed, remote=True))
+    inputs, index = [], []
+    for i, (f, b) in enumerate(zip(funcs, built)):
+        if b.error_msg is None:
+            device = "cpu" if target.kind.name == "llvm" else target.kind.name
+            inputs.append(ms.runner.RunnerInput(b.artifact_path, device,
+                                                ms.arg_info.ArgInfo.from_prim_func(f)))
+            index.append(i)
+    out = [None] * len(funcs)
+    for i, fut in zip(index, runner.run(inputs)):
+        res = fut.result()
+        if res.error_msg is None:
+            out[i] = float(np.median([float(s) for s in res.run_secs]))
+    return out
+
+
+def _alloc_with(fixed, remote):
+    """MetaSchedule's random arguments, with `fixed` ones overwritten by real data."""
+    fixed = {int(k): v for k, v in (fixed or {}).items()}
+
+    def fill(args_list):
+        for args in args_list:
+            for i, arr in fixed.items():
+                args[i].copyfrom(arr)
+        return args_list
+
+    if remote:
+        def alloc(session, device, args_info, alloc_repeat):
+            from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
+            return fill(default_alloc_argument(session, device, args_info, alloc_repeat))
+    else:
+        def alloc(device, args_info, alloc_repeat):
+            from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
+            return fill(default_alloc_argument(device, args_info, alloc_repeat))
+    return alloc
+
+
+def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
+         time_budget: float | None = None, database=None, work_dir=None, rpc=None,
+         fuse: bool = True, progress: bool = True, seed: int = 0) -> TuneReport:
+    """Tune `layer` for `target` at each (batch, seq_len) in `shapes`; write the records.
+
+    trials: MetaSchedule trials per GEMM kernel; time_budget: seconds for the whole run
+    (stops early, keeping what was measured); database: the records file (default: the
+    user database that builds consult); work_dir: MetaSchedule's databases (default: beside
+    the records), reused to resume; rpc: (tracker_host, tracker_port, device_key) to measure
+    on a remote device. Ctrl-C stops tuning and still writes what was found.
+    """
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+
+    from mhagen.lower import lower
+    from mhagen.schedules import fused_attention_rule, schedule_kernel
+    from mhagen.target import resolve
+    from mhagen.tune.apply import kernel_hash, versions
+
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    t = resolve(target)
+    db_path = Path(database) if database else user_database_path(t.name)
+    db = Database.load(db_path)
+    work_dir = Path(work_dir) if work_dir else db_path.parent / f"{t.name}-work"
+    report = TuneReport(db_path)
+    start = time.time()
+    deadline = start + time_budget if time_budget else None
+    runner = _runner(rpc, ms)
+
+    plans = []
+    for batch, seq in shapes:
+        program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
+        for k in program.kernels:
+            if k.template or any(s.pattern in ("matmul", "packed_matmul") for s in k.stages):
+                plans.append(((batch, seq), program, k))
+    bar = _Progress(progress, len(plans), deadline)
+    try:
+        for i, (shape, program, kernel) in enumerate(plans, 1):
+            key = program.key(kernel.name)
+            if kernel.template:
+                res = _tune_template(kernel, t, runner, bar, i, key, shape, layer, fuse)
+            else:
+                res = _tune_metaschedule(kernel, t, runner, bar, i, key, trials, work_dir,
+                                         seed, ms, tvm, schedule_kernel, kernel_hash)
+            report.results.append(res[0])
+            res[1].update(versions())
+            db.put(res[1])
+            db.save()
+            bar.show(final=True)
+    except (KeyboardInterrupt, _Stop):
+        report.interrupted = True
+        bar.show(final=True)
+    report.seconds = time.time() - start
+    db.save()
+    return report
+
+
+def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed, ms, tvm,
+                       schedule_kernel, kernel_hash):
+    from tvm.ir.utils import derived_object
+
+    from mhagen.schedules import Plan
+    from mhagen.schedules.x86.matmul import MatmulConfig, MatmulRule
+
+    mod = tvm.IRModule({"main": kernel.prim_func})
+    work = work_dir / f"{key['graph']}-{key['batch']}x{key['seq']}-{kernel.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    ms_db = ms.database.JSONDatabase(work_dir=str(work))
+    done = len(ms_db.get_all_tuning_records())
+    bar.kernel(index, f"{kernel.name} {key['batch']}x{key['seq']}", trials, done)
+    stages = kernel.stages
+    gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
+    rule = MatmulRule()
+
+    def template(sch):
+        rows = sch.sample_categorical([4, 6, 8, 10, 12], [0.2] * 5)
+        cfg = rule.default_config(gemm.workload, t)
+        rule.apply(sch, gemm, MatmulConfig(tile_rows=rows, tile_cols=cfg.tile_cols),
+                   Plan(stages))
+        return sch
+
+    class Progress(ms.measure_callback.PyMeasureCallback):
+        def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results):
+            for r in runner_results:
+                secs = [float(s) for s in r.run_secs] if r.error_msg is None else None
+                bar.trial(sorted(secs)[len(secs) // 2] if secs else None)
+
+    callbacks = ms.measure_callback.MeasureCallback.create("default") + [
+        derived_object(Progress)()]
+    remaining = trials - done
+    if remaining > 0:
+        space = ms.space_generator.SpaceGeneratorUnion(
+            [ms.space_generator.ScheduleFn(template), ms.space_generator.PostOrderApply()])
+        ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=remaining,
+                    num_trials_per_iter=min(16, remaining), database=ms_db,
+                    builder=ms.builder.LocalBuilder(f_build=fast_build),
+                    runner=runner or "local", cost_model="xgb",
+                    measure_callbacks=callbacks, space=space,
+                    num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
+    done = len(ms_db.get_all_tuning_records())
+    best = ms_db.get_top_k(ms_db.commit_workload(mod), 1)
+    default_func, _ = schedule_kernel(kernel, t)
+    funcs = [default_func]
+    trace_json = None
+    if best:
+        sch = tvm.s_tir.Schedule(mod)
+        best[0].trace.apply_to_schedule(sch, remove_postproc=False)
+        funcs.append(sch.mod["main"])
+        trace_json = _plain_json(best[0].trace.as_json())
+    times = _measure(funcs, t.tvm, runner)
+    default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
+    keep = tuned_s is not None and default_s is not None and tuned_s < default_s
+    record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
+              "kernel_hash": kernel_hash(kernel.prim_func),
+              "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
+    if keep:
+        record["trace"] = trace_json
+    return (KernelResult((key["batch"], key["seq"]), kernel.name, "metaschedule", done,
+                         _us(default_s), _us(tuned_s), "tuned" if keep else "default"), record)
+
+
+def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
+    from dataclasses import asdict
+
+    from mhagen.lower import lower
+    from mhagen.schedules import fused_attention_rule
+
+    rule = fused_attention_rule(t)
+    candidates = rule.candidates(kernel.workload, t)
+    bar.kernel(index, f"{kernel.name} {shape[0]}x{shape[1]}", len(candidates))
+    funcs, tables = [], []
+    for cfg in candidates:
+        program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key))
+        k = next(k for k in program.kernels if k.name == kernel.name)
+        funcs.append(rule.build(k.workload, cfg, t))
+        tables.append(program.buffers["blocks"].make(None))
+    times = []
+    for f, table in zip(funcs, tables):  # one at a time: each has its own block table
+        s = _measure([f], t.tvm, runner, fixed={3: table})[0]
+        times.append(s)
+        bar.trial(s)
+    best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
+    default_s, tuned_s = times[0], times[best]
+    keep = best != 0 and tuned_s is not None and default_s is not None and tuned_s < default_s
+    record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
+              "config": asdict(candidates[best if keep else 0]),
+              "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
+    return (KernelResult(shape, kernel.name, "config sweep", len(candidates), _us(default_s),
+                         _us(tuned_s), "tuned" if keep else "default"), record)
+
+
+class _Fixed:
+    """A Tuning that answers one attention config (to lower a candidate)."""
+
+    def __init__(self, cfg, key):
+        from dataclasses import asdict
+        self.record = {"key": key, "kind": "config", "config": asdict(cfg)}
+
+    def lookup(self, key):
+        return self.record if key["kernel"] == "attention" else None
+
+
+def _plain_json(obj):
+    """A trace's JSON (TVM containers, IntImm/FloatImm) as plain Python JSON values."""
+    import tvm
+    if obj is None or isinstance(obj, (str, int, float)):
+        return obj
+    if isinstance(obj, tvm.tirx.IntImm):
+        return int(obj.value)
+    if isinstance(obj, tvm.tirx.FloatImm):
+        return float(obj.value)
+    if hasattr(obj, "items"):
+        return {str(k): _plain_json(v) for k, v in obj.items()}
+    return [_plain_json(x) for x in obj]
+
+
+def _us(seconds):
+    return round(seconds * 1e6, 2) if seconds else None
