@@ -1,4 +1,4 @@
-"""The `mhagen` command line: build, inspect, bench.
+"""The `mhagen` command line: build, inspect, bench, tune.
 
 Errors in options or layers print one line `mhagen CMD: error: ...` and exit with status 2.
 """
@@ -78,7 +78,67 @@ def parser() -> argparse.ArgumentParser:
     _shape_options(n)
     n.add_argument("--threads", type=int, nargs="+", help="thread counts (default: 1 .. cores)")
     n.add_argument("--repeat", type=int, default=7, help="timing repeats (median is reported)")
+    t = sub.add_parser("tune", help="autotune a layer's kernels with TVM MetaSchedule",
+                       description="Tune the kernels of a layer for a target at the given "
+                                   "shapes; records go to the tuning database that builds "
+                                   "consult. Ctrl-C stops and keeps what was measured; a "
+                                   "re-run resumes.")
+    _layer_options(t)
+    t.add_argument("--target", default="x86", help="target preset (default x86)")
+    t.add_argument("--shapes", nargs="+", default=["1x128"],
+                   help="BATCHxSEQ shapes to tune (default 1x128)")
+    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per GEMM kernel")
+    t.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    t.add_argument("--db", type=Path, help="records file (default: the user database)")
+    t.add_argument("--work-dir", type=Path, help="MetaSchedule databases (to resume)")
+    t.add_argument("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker (remote measuring)")
+    t.add_argument("--device-key", help="device key registered with the tracker")
+    t.add_argument("--kernels", nargs="+", help="only these kernels (e.g. qkv_projection)")
+    t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
+    t.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _shape_arg(text):
+    try:
+        batch, seq = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise _Fail(f"--shapes takes BATCHxSEQ like 1x128, not {text!r}") from None
+    if batch < 1 or seq < 1:
+        raise _Fail(f"--shapes {text!r}: batch and seq must be >= 1")
+    return batch, seq
+
+
+def _cmd_tune(args):
+    import mhagen.tune
+    layer = _layer(args)
+    shapes = [_shape_arg(s) for s in args.shapes]
+    if args.trials < 1:
+        raise _Fail("--trials must be >= 1")
+    rpc = None
+    if args.rpc_tracker or args.device_key:
+        if not (args.rpc_tracker and args.device_key):
+            raise _Fail("--rpc-tracker and --device-key go together")
+        host, _, port = args.rpc_tracker.rpartition(":")
+        if not host or not port.isdigit():
+            raise _Fail(f"--rpc-tracker takes HOST:PORT, not {args.rpc_tracker!r}")
+        rpc = (host, int(port), args.device_key)
+    report = mhagen.tune.tune(layer, args.target, shapes=shapes, trials=args.trials,
+                              time_budget=args.time_budget, database=args.db,
+                              work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
+                              kernels=args.kernels)
+    print(report.table())
+    state = "interrupted: kept what was measured; re-run to resume" if report.interrupted \
+        else "done"
+    print(f"{state} in {report.seconds:.0f} s; records in {report.database}")
+    return 0
+
+
+def _schedule_summary(module) -> str:
+    by_kernel = {}
+    for d in module.decisions:
+        by_kernel.setdefault(d["kernel"], set()).add(d.get("source", "default"))
+    return ", ".join(f"{k} {'/'.join(sorted(v))}" for k, v in by_kernel.items())
 
 
 def _build_checked(args, layer):
@@ -128,9 +188,13 @@ def _cmd_build(args):
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
-          f"  input {module.in_shape} in {module.compile_seconds:.1f} s")
+          f"  input {module.in_shape} in {module.compile_seconds:.1f} s\n"
+          f"  schedules: {_schedule_summary(module)}")
     if args.out:
-        print(f"wrote {module.save(args.out)}/ (kernel.so, manifest.json, weights.bin, "
+        out = module.save(args.out)
+        c_api = "mha.h + libmha.so (C API), lib/ (TVM runtime), " if (out / "mha.h").exists() \
+            else ""
+        print(f"wrote {out}/ (kernel.so, manifest.json, weights.bin, params.bin, {c_api}"
               "te/tir/source text)")
     if err is None:
         print("not run: this machine cannot run the target's code")
@@ -148,6 +212,10 @@ def _cmd_inspect(args):
     from mhagen.module import INSPECT_KINDS
     if args.what not in INSPECT_KINDS:
         raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
+    if args.module is not None and args.what == "manifest":
+        from mhagen.artifact import describe
+        print(describe(args.module))
+        return 0
     if args.module is not None:
         module = mhagen.load(args.module)
     elif args.what == "graph":
@@ -163,7 +231,8 @@ def _cmd_inspect(args):
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    cmd = {"build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench}[args.command]
+    cmd = {"build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench,
+           "tune": _cmd_tune}[args.command]
     try:
         return cmd(args)
     except (MhagenError, _Fail) as err:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,8 @@ class Module:
     """
 
     def __init__(self, graph, target, batch, seq_len, program, runtime_module, *, weights=None,
-                 texts=None, decisions=None, executable=None, compile_seconds=None, fuse=True):
+                 texts=None, decisions=None, executable=None, compile_seconds=None, fuse=True,
+                 tuning_records=None, library_path=None):
         self.graph, self.target = graph, target
         self.batch, self.seq_len = batch, seq_len
         self.program = program
@@ -54,6 +56,8 @@ class Module:
         self._rt = runtime_module
         self._executable = executable
         self._calls = [(runtime_module[k.name], k.args) for k in program.kernels]
+        self.tuning_records = list(tuning_records or [])
+        self.library_path = library_path
         self._temps = None
         self.texts = dict(texts or {})
         self.decisions = list(decisions or [])
@@ -196,6 +200,7 @@ class Module:
                        "input": list(self.in_shape), "output": list(self.out_shape),
                        "dtype": "float32"},
             "fuse": self.fuse,
+            "tuning": self.tuning_records,
             "program": self.program.describe(),
             "weights": weight_table,
             "schedule": self.decisions,
@@ -208,8 +213,11 @@ class Module:
         path.mkdir(parents=True, exist_ok=True)
         if self._executable is not None:
             self._executable.export_library(str(path / "kernel.so"))
+        elif self.library_path is not None:  # a loaded module: its library, copied as is
+            if Path(self.library_path).resolve() != (path / "kernel.so").resolve():
+                shutil.copyfile(self.library_path, path / "kernel.so")
         else:
-            self._rt.export_library(str(path / "kernel.so"))
+            raise ArtifactError("this module has no library to save")
         self.inspect("source")
         for what in TEXT_FILES:
             (path / f"{what}.txt").write_text(self.texts.get(what, ""))
@@ -227,6 +235,8 @@ class Module:
         files = {n: _sha256(path / n) for n in names if (path / n).exists()}
         manifest = self._manifest(table, files)
         manifest["params"] = params
+        from mhagen.artifact import finish  # content hash; C API (mha.h, libmha.so, lib/)
+        finish(path, manifest)
         (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
         return path
 
@@ -295,6 +305,8 @@ def load(path) -> Module:
     if missing:
         raise ArtifactError(f"{path} needs CPU features {missing} that this machine lacks; "
                             "rebuild it here with --target x86")
+    from mhagen.artifact import check_content_hash
+    check_content_hash(man, path)  # any other edit of manifest.json
     target = Target(tinfo["name"], tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                 for k, v in tinfo["tvm"].items())),
                     tinfo["arch"], tinfo["cores"], tinfo["vector_bits"],
@@ -311,7 +323,9 @@ def load(path) -> Module:
             weights[e["name"]] = np.frombuffer(chunk, dtype="<f4").reshape(e["shape"]).copy()
     from mhagen.lower import lower
     fuse = bool(man.get("fuse", True))
-    program = lower(graph, shapes["batch"], shapes["seq_len"], target, fuse=fuse)
+    from mhagen.tune.records import Database, Tuning
+    used = Tuning([Database(records=man.get("tuning") or [])])
+    program = lower(graph, shapes["batch"], shapes["seq_len"], target, fuse=fuse, tuning=used)
     if program.describe() != man.get("program"):
         raise ArtifactError(f"{path} was built by a different mhagen (its kernels and buffers "
                             "differ from what this version lowers); rebuild it")
@@ -319,4 +333,5 @@ def load(path) -> Module:
     texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
              if (path / f"{w}.txt").is_file()}
     return Module(graph, target, shapes["batch"], shapes["seq_len"], program, rt,
-                  weights=weights, texts=texts, decisions=man.get("schedule", []), fuse=fuse)
+                  weights=weights, texts=texts, decisions=man.get("schedule", []), fuse=fuse,
+                  tuning_records=man.get("tuning"), library_path=str(path / "kernel.so"))

@@ -166,3 +166,10 @@ def test_target_preset_uses_host_avx512():
     assert t.cores >= 1 and t.tvm_target_dict()["num-cores"] == t.cores
     expected_bits = 512 if "avx512f" in t.features else 256
     assert t.vector_bits == expected_bits
+
+
+def test_loaded_module_saves_again(small, tmp_path):
+    layer, w, x, module = small
+    loaded = mhagen.load(module.save(tmp_path / "a"))
+    again = mhagen.load(loaded.save(tmp_path / "b"))
+    np.testing.assert_array_equal(again(x), module(x))

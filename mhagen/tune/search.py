@@ -75,6 +75,7 @@ class _Progress:
         self.enabled, self.total, self.deadline = enabled, total_kernels, deadline
         self.index, self.name, self.budget, self.done, self.best = 0, "", 0, 0, None
         self.start = time.time()
+        self.stopped = False
 
     def kernel(self, index, name, budget, done=0):
         self.index, self.name, self.budget, self.done, self.best = index, name, budget, done, None
@@ -86,6 +87,7 @@ class _Progress:
             self.best = seconds
         self.show()
         if self.deadline and time.time() > self.deadline:
+            self.stopped = True
             raise _Stop()
 
     def show(self, final=False):
@@ -166,14 +168,16 @@ def _alloc_with(fixed, remote):
 
 def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
          time_budget: float | None = None, database=None, work_dir=None, rpc=None,
-         fuse: bool = True, progress: bool = True, seed: int = 0) -> TuneReport:
+         fuse: bool = True, progress: bool = True, seed: int = 0,
+         kernels=None) -> TuneReport:
     """Tune `layer` for `target` at each (batch, seq_len) in `shapes`; write the records.
 
     trials: MetaSchedule trials per GEMM kernel; time_budget: seconds for the whole run
     (stops early, keeping what was measured); database: the records file (default: the
     user database that builds consult); work_dir: MetaSchedule's databases (default: beside
     the records), reused to resume; rpc: (tracker_host, tracker_port, device_key) to measure
-    on a remote device. Ctrl-C stops tuning and still writes what was found.
+    on a remote device; kernels: names of the kernels to tune (default: all tunable).
+    Ctrl-C stops tuning and still writes what was found.
     """
     import tvm
     import tvm.s_tir.meta_schedule as ms
@@ -193,12 +197,20 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     deadline = start + time_budget if time_budget else None
     runner = _runner(rpc, ms)
 
-    plans = []
+    plans, known = [], set()
     for batch, seq in shapes:
         program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
         for k in program.kernels:
             if k.template or any(s.pattern in ("matmul", "packed_matmul") for s in k.stages):
-                plans.append(((batch, seq), program, k))
+                known.add(k.name)
+                if kernels is None or k.name in kernels:
+                    plans.append(((batch, seq), program, k))
+    if kernels is not None:
+        unknown = sorted(set(kernels) - known)
+        if unknown:
+            from mhagen.errors import MhagenError
+            raise MhagenError(f"no tunable kernel named {unknown}; this layer has "
+                              f"{sorted(known)}")
     bar = _Progress(progress, len(plans), deadline)
     try:
         for i, (shape, program, kernel) in enumerate(plans, 1):
@@ -214,6 +226,12 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
             db.save()
             bar.show(final=True)
     except (KeyboardInterrupt, _Stop):
+        report.interrupted = True
+        bar.show(final=True)
+    except Exception:
+        # a stop raised inside MetaSchedule's callback comes back wrapped as a TVM error
+        if not bar.stopped:
+            raise
         report.interrupted = True
         bar.show(final=True)
     report.seconds = time.time() - start

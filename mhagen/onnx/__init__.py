@@ -1,0 +1,16 @@
+"""ONNX export and import of mhagen layers.
+
+    mhagen.onnx.export_onnx(layer, "m.onnx", weights=w)                   # decomposed ops
+    mhagen.onnx.export_onnx(layer, "m.onnx", weights=w, form="fused")     # Attention op
+    for graph, weights in mhagen.onnx.import_onnx("m.onnx"):              # find attention
+        kernel = mhagen.build(graph, batch=1, seq_len=128, weights=weights)
+
+Needs the `onnx` package (a dependency of mhagen); importing finds weights by running the
+model in onnxruntime. Neither this package nor `import mhagen` imports TVM, and `onnx` is
+imported on first use.
+"""
+from mhagen.onnx._common import OnnxError
+from mhagen.onnx.export import export_onnx
+from mhagen.onnx.importer import ImportedAttention, import_onnx
+
+__all__ = ["ImportedAttention", "OnnxError", "export_onnx", "import_onnx"]

@@ -1,0 +1,46 @@
+"""Shared pieces of mhagen.onnx: the error type, lazy `onnx` import, model running."""
+from __future__ import annotations
+
+from mhagen.errors import MhagenError
+
+
+class OnnxError(MhagenError, ValueError):
+    """An ONNX export or import problem: the message names the layer option or the ONNX node,
+    says what is wrong and how to get around it."""
+
+
+def need_onnx():
+    """The `onnx` package (a dependency of mhagen), imported on first use."""
+    try:
+        import onnx
+    except ImportError:  # pragma: no cover - onnx is a declared dependency
+        raise OnnxError("mhagen.onnx needs the `onnx` package: pip install onnx") from None
+    return onnx
+
+
+def ort_session(model, *, optimize: bool = False):
+    """An onnxruntime CPU session of `model` (a ModelProto) and its output names.
+
+    Models above the 2 GB protobuf limit go through a temporary file with external data.
+    `optimize=False` disables graph rewrites so that intermediate tensors stay as written.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise OnnxError("running ONNX models needs onnxruntime: pip install onnxruntime") from None
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        data = model.SerializeToString()
+    except ValueError:  # larger than 2 GB: write it out with external data
+        import os
+        import tempfile
+        onnx = need_onnx()
+        tmp = tempfile.mkdtemp(prefix="mhagen-onnx-")
+        path = os.path.join(tmp, "model.onnx")
+        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+        data = path
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return sess

@@ -1,0 +1,504 @@
+"""Export any mhagen layer to ONNX, in one of two forms.
+
+``decomposed`` (the default, for portability; opset 17 or later): the graph is walked node by
+node and every node becomes plain ONNX ops -- MatMul/Add per head projection (each head's
+weight and bias is its own initializer, ``w_q.3``, ``b_q.3``), MatMul + Transpose for the
+scores, Mul for the scale, Where for masks, Softmax, MatMul for the weighted sum, Concat,
+MatMul/Add for W_O. Any verified graph exports this way, builder-made graphs and graphs with
+the fused kinds (``qkv_projection`` becomes one MatMul per segment + Concat, ``attention``
+becomes per-head Slice + the ops above).
+
+``fused``: Q, K and V projections (one MatMul each, heads side by side), the standard
+``Attention`` operator (opset 23+: ``q_num_heads``, ``kv_num_heads``, ``scale``,
+``is_causal``, ``attn_mask``), then W_O. Only for layers whose heads all have the same
+structure (what ``mhagen.passes.fuse_attention`` accepts); otherwise an ``OnnxError`` says why
+and suggests ``form="decomposed"``.
+
+Masks (any boolean mask expression of batch, head, q_idx, kv_idx):
+  * ``masks="constant"``: materialised as a constant boolean initializer, [S, S] (with a
+    leading batch and/or head axis when the expression uses them). Needs static shapes.
+  * ``masks="computed"``: computed in the graph from Range and comparison ops on the runtime
+    sequence length (``Shape(x)``), so it works with a dynamic sequence axis.
+  * ``masks="auto"`` (default): constant when the dimensions the mask needs are static,
+    computed otherwise. A plain causal mask in the fused form is ``is_causal=1``.
+
+Semantics that differ from a naive reading of the ONNX spec, and what the export does:
+  * **Fully masked rows.** mhagen gives zeros for a query that sees no key. ONNX ``Softmax``
+    of an all ``-inf`` row is NaN (onnxruntime and the reference evaluator agree), so the
+    decomposed form follows each masked Softmax with ``Where(row_is_fully_masked, 0, p)``
+    (the condition is computed from the mask, never from the data; it is left out when a
+    constant mask has no such row). The ``Attention`` operator's spec (errata of onnx 1.23)
+    gives a zero output row for a fully masked query, and onnxruntime 1.32 does so: the fused
+    form needs no fix-up. (``com.microsoft.MultiHeadAttention`` with a ``-inf`` bias gives NaN,
+    with a finite large negative bias a uniform average.)
+  * **Causal alignment.** mhagen's causal mask is top-left aligned (query i sees keys 0..i).
+    ``Attention``'s ``is_causal`` is bottom-right (offset-aware) aligned: query i sees keys
+    ``j <= i + offset`` with offset = past length, or ``nonpad_kv_seqlen - q_len``, and 0
+    without a cache. mhagen layers are self-attention without a cache (query and key lengths
+    are equal, offset 0), where both alignments are the same lower triangle; so
+    ``is_causal=1`` is exact here. Other masks go in ``attn_mask`` (boolean, True = attend).
+  * **Grouped K/V.** ``Attention`` with ``kv_num_heads < q_num_heads`` gives query head h the
+    K/V head ``h // (q_num_heads // kv_num_heads)`` -- mhagen's rule. K/V sharing patterns that
+    are not contiguous groups are exported with one (duplicated) K/V head per query head.
+
+Weights are initializers; above 2 GB (or with ``external_data=True``) they are written as
+external data next to the model (``<name>.onnx.data``). ``onnx.checker`` (full check, with
+shape inference) runs on every export.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mhagen.errors import GraphError, InputError
+from mhagen.ir import expr as ex
+from mhagen.ir.graph import Graph
+from mhagen.onnx._common import OnnxError, need_onnx
+
+FORMS = ("decomposed", "fused")
+MASK_MODES = ("auto", "constant", "computed")
+MIN_OPSET = {"decomposed": 17, "fused": 23}
+#: protobuf refuses messages of 2 GiB; stay clear of it.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
+
+_CMP = {"<": "Less", "<=": "LessOrEqual", ">": "Greater", ">=": "GreaterOrEqual", "==": "Equal"}
+_ARITH = {"+": "Add", "-": "Sub", "*": "Mul"}
+
+
+def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = "decomposed",
+                batch: int = 1, seq_len: int = 128, dynamic_batch: bool = False,
+                dynamic_seq: bool = False, opset: int | None = None, masks: str = "auto",
+                external_data: bool | None = None) -> Path:
+    """Write `layer` with `weights` as an ONNX model at `path`; returns the path.
+
+    Args:
+        layer: any mhagen graph with one input [batch, seq, d_model] (``mhagen.mha(...)``, a
+            builder-made ``Graph``, or a fused graph).
+        path: the ``.onnx`` file to write (its directory is created).
+        weights: the layer's weights (``layer.init_weights(seed)``, ``weights_from_torch``...);
+            required -- an export never invents weights.
+        form: ``"decomposed"`` (plain ops, every graph) or ``"fused"`` (the ``Attention``
+            operator, opset 23+, for layers whose heads share one structure).
+        batch, seq_len: the static input shape [batch, seq_len, d_model].
+        dynamic_batch, dynamic_seq: make that axis symbolic (``"batch"``, ``"seq"``).
+        opset: ONNX opset; default 17 (decomposed) or 23 (fused).
+        masks: ``"auto"``, ``"constant"`` or ``"computed"`` (see the module docstring).
+        external_data: store initializers in ``<path>.data``; default: only above 2 GB.
+
+    The model's input is ``x`` [batch, seq, d_model] float32, its output ``y``.
+    """
+    onnx = need_onnx()
+    if not isinstance(layer, Graph):
+        raise GraphError(f"export_onnx() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
+                         f"{type(layer).__name__}")
+    if form not in FORMS:
+        raise OnnxError(f"form={form!r} is not an ONNX form; use one of {', '.join(FORMS)}")
+    if masks not in MASK_MODES:
+        raise OnnxError(f"masks={masks!r}: use one of {', '.join(MASK_MODES)}")
+    for name, value in (("batch", batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GraphError(f"{name}={value!r} must be a positive integer")
+    layer.shapes()
+    if len(layer.inputs) != 1:
+        raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model]; "
+                         f"{layer.name!r} has {len(layer.inputs)}")
+    if weights is None:
+        raise InputError("export_onnx() needs weights: pass weights=layer.init_weights(seed) "
+                         "(random) or trained weights, e.g. mhagen.weights_from_torch(module)")
+    from mhagen.weights import check_weights
+    w = check_weights(layer, weights, dtype=np.float32)
+    opset = MIN_OPSET[form] if opset is None else opset
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET[form]:
+        hint = (" (the Attention operator is opset 23); or use form='decomposed'"
+                if form == "fused" else "")
+        raise OnnxError(f"opset={opset!r}: the {form} form needs opset >= {MIN_OPSET[form]}{hint}")
+    if opset > onnx.defs.onnx_opset_version():
+        raise OnnxError(f"opset={opset} is newer than this onnx package supports "
+                        f"({onnx.defs.onnx_opset_version()}); upgrade onnx or pass a lower opset")
+
+    b = _Builder(onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks)
+    if form == "decomposed":
+        out = _decomposed(b, layer, w)
+    else:
+        out = _fused(b, layer, w)
+    model = b.model(out, form)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    big = sum(t.ByteSize() for t in model.graph.initializer) >= EXTERNAL_DATA_THRESHOLD
+    if external_data is None:
+        external_data = big
+    elif not external_data and big:
+        raise OnnxError("the weights exceed the 2 GB protobuf limit; export with "
+                        "external_data=True (or leave it unset)")
+    data = path.with_name(path.name + ".data")
+    if data.exists():
+        data.unlink()   # onnx appends to an existing data file
+    if external_data:
+        onnx.save_model(model, str(path), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data.name, size_threshold=0)
+        onnx.checker.check_model(str(path), full_check=True)
+    else:
+        onnx.checker.check_model(model, full_check=True)
+        onnx.save_model(model, str(path))
+    return path
+
+
+# -- building ONNX graphs -----------------------------------------------------------------
+class _Builder:
+    """Collects nodes and initializers with unique, readable names."""
+
+    def __init__(self, onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks):
+        from onnx import numpy_helper
+        self.onnx, self.h, self.nh, self.opset = onnx, onnx.helper, numpy_helper, opset
+        self.layer = layer
+        self.nodes, self.inits, self.used, self._consts, self._cache = [], [], set(), {}, {}
+        self.batch = "batch" if dynamic_batch else batch
+        self.seq = "seq" if dynamic_seq else seq_len
+        self.masks = masks
+        self.d_model = layer.inputs[0].attrs["shape"][2]
+        self.x = self.fresh("x")
+        self.used.add("y")
+
+    # names, constants, ops
+    def fresh(self, base):
+        base = "".join(c if c.isalnum() or c in "._-" else "_" for c in str(base)) or "t"
+        name, i = base, 1
+        while name in self.used:
+            name, i = f"{base}_{i}", i + 1
+        self.used.add(name)
+        return name
+
+    def init(self, base, array):
+        name = self.fresh(base)
+        self.inits.append(self.nh.from_array(np.array(array, copy=True, order="C"), name))
+        return name
+
+    def const(self, value, dtype):
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            if arr.size == 1:
+                v = arr.reshape(-1)[0]
+                txt = "ninf" if np.isneginf(v) else str(v).replace("-", "m").replace(".", "_")
+                base = f"c_{arr.dtype.name}_{txt}" + ("" if arr.ndim == 0 else f"_{arr.ndim}d")
+            else:
+                base = "c_" + arr.dtype.name
+            self._consts[key] = self.init(base, arr)
+        return self._consts[key]
+
+    def op(self, op_type, inputs, base=None, **attrs):
+        name = self.fresh(base or op_type)
+        self.nodes.append(self.h.make_node(op_type, list(inputs), [name], name=name, **attrs))
+        return name
+
+    def i64(self, *values):
+        return self.const(list(values), np.int64)
+
+    def cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # dims at run time (scalars, int64)
+    def dim(self, axis):
+        static = self.batch if axis == 0 else self.seq
+        if isinstance(static, int):
+            return self.const(static, np.int64)
+        return self.cached(("dim", axis), lambda: self.op(
+            "Gather", [self.cached("shape_x", lambda: self.op("Shape", [self.x], "shape_x")),
+                       self.const(axis, np.int64)], f"{'batch' if axis == 0 else 'seq'}_len",
+            axis=0))
+
+    def reduce_max_last(self, t, base):
+        if self.opset >= 18:
+            return self.op("ReduceMax", [t, self.i64(-1)], base, keepdims=1)
+        return self.op("ReduceMax", [t], base, axes=[-1], keepdims=1)
+
+    def model(self, out, form):
+        h, onnx = self.h, self.onnx
+        d_out = self.layer.shapes()[self.layer.output][-1]
+        x_info = h.make_tensor_value_info(self.x, onnx.TensorProto.FLOAT,
+                                          [self.batch, self.seq, self.d_model])
+        y_info = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
+                                          [self.batch, self.seq, d_out])
+        if not any(out in node.output for node in self.nodes):   # the output is x itself
+            self.nodes.append(h.make_node("Identity", [out], ["y"], name="y"))
+        for node in self.nodes:   # the output tensor is called y ("y" is reserved)
+            node.input[:] = ["y" if i == out else i for i in node.input]
+            node.output[:] = ["y" if o == out else o for o in node.output]
+        graph = h.make_graph(self.nodes, self.layer.name, [x_info], [y_info], self.inits,
+                             doc_string=f"mhagen layer {self.layer!r}, {form} form")
+        opsets = [h.make_opsetid("", self.opset)]
+        from mhagen import __version__
+        model = h.make_model(graph, opset_imports=opsets, producer_name="mhagen",
+                             producer_version=__version__,
+                             ir_version=h.find_min_ir_version_for(opsets))
+        h.set_model_props(model, {"mhagen.form": form, "mhagen.graph": self.layer.to_json()})
+        return model
+
+    # masks -----------------------------------------------------------------------------
+    def mask_static(self, expr):
+        """Whether the mask can be a constant: the dims it depends on are static."""
+        dims = {"seq"}   # every mask grid is [.., S, S]
+        if "batch" in ex.variables(expr):
+            dims.add("batch")
+        static = all(isinstance(self.batch if d == "batch" else self.seq, int) for d in dims)
+        if self.masks == "constant" and not static:
+            raise OnnxError(f"masks='constant' needs static shapes, but mask {expr!r} depends on "
+                            "a dynamic axis; use masks='computed' or 'auto'")
+        return static and self.masks != "computed"
+
+    def mask_grid(self, expr, heads):
+        """numpy bool grid: [S, S], or [B?, H?, S, S] for heads=list (fused form)."""
+        from mhagen.reference import mask_grid
+        uses = ex.variables(expr)
+        nb = self.batch if "batch" in uses else 1
+        hs = heads if isinstance(heads, list) else [heads]
+        hs = hs if "head" in uses else hs[:1]
+        grid = np.stack([mask_grid(expr, nb, h, self.seq, self.seq) for h in hs], axis=1)
+        return grid   # [B?, H?, S, S]
+
+    def mask_computed(self, expr, head, rank):
+        """Bool tensor of `expr` computed from Range ops; shape broadcastable to rank dims,
+        expanded to at least [.., S, S]. head: an int, or None for all heads (fused)."""
+        s = self.dim(1)
+
+        def var(name):
+            if name in ("q_len", "kv_len"):
+                return s
+            if name == "kv_idx":
+                return self.cached("kv_idx", lambda: self.op(
+                    "Range", [self.const(0, np.int64), s, self.const(1, np.int64)], "kv_idx"))
+            if name == "q_idx":
+                return self.cached("q_idx", lambda: self.op(
+                    "Unsqueeze", [var("kv_idx"), self.i64(1)], "q_idx"))
+            if name == "batch":
+                return self.cached(("batch_idx", rank), lambda: self.op(
+                    "Reshape", [self.op("Range", [self.const(0, np.int64), self.dim(0),
+                                                  self.const(1, np.int64)], "batch_range"),
+                                self.i64(-1, *[1] * (rank - 1))], "batch_idx"))
+            if name == "head":
+                if head is not None:
+                    return self.const(head, np.int64)
+                n_heads = self._n_heads
+                return self.cached("head_idx", lambda: self.const(
+                    np.arange(n_heads, dtype=np.int64).reshape(n_heads, 1, 1), np.int64))
+            raise OnnxError(f"mask variable {name!r} cannot be exported")
+
+        def emit(e):   # -> (tensor name, is_bool)
+            if isinstance(e, ex.Var):
+                return var(e.name), False
+            if isinstance(e, ex.Const):
+                return self.const(e.value, np.int64), False
+            (a, ab), (c, cb) = emit(e.lhs), emit(e.rhs)
+            if e.op in ("&", "|"):
+                return self.op("And" if e.op == "&" else "Or", [a, c], "mask_and"
+                               if e.op == "&" else "mask_or"), True
+            if ab != cb or (ab and e.op not in ("==", "!=")):   # arithmetic on bools: as ints
+                a = self.op("Cast", [a], "mask_int", to=self.onnx.TensorProto.INT64) if ab else a
+                c = self.op("Cast", [c], "mask_int", to=self.onnx.TensorProto.INT64) if cb else c
+            if e.op in _ARITH:
+                return self.op(_ARITH[e.op], [a, c], "mask_" + _ARITH[e.op].lower()), False
+            if e.op == "!=":
+                return self.op("Not", [self.op("Equal", [a, c], "mask_eq")], "mask_ne"), True
+            return self.op(_CMP[e.op], [a, c], "mask_" + _CMP[e.op].lower()), True
+
+        key = ("computed", repr(expr), head if "head" in ex.variables(expr) else None, rank)
+
+        def make():
+            t, _ = emit(expr)
+            shape = self.cached(("mask_shape", rank), lambda: self.op(
+                "Concat", [self.i64(*[1] * (rank - 2)), self.op("Unsqueeze", [s, self.i64(0)],
+                                                                "seq_1d"),
+                           self.op("Unsqueeze", [s, self.i64(0)], "seq_1d")],
+                "mask_shape", axis=0))
+            return self.op("Expand", [t, shape], "mask")
+        return self.cached(key, make)
+
+
+# -- decomposed form ----------------------------------------------------------------------
+def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
+    vals, keep = {}, {}   # node -> tensor; node -> (keep mask tensor, its constant grid or None)
+    for n in layer.nodes:
+        a = [vals[i] for i in n.inputs]
+        k = n.kind
+        if k == "input":
+            vals[n.name] = b.x
+        elif k == "head_projection":
+            head = n.attrs["head"]
+            wt = b.init(f"{n.attrs['weight']}.{head}", w[n.attrs["weight"]][head])
+            y = b.op("MatMul", [a[0], wt], n.name + "_matmul" if n.attrs.get("bias") else n.name)
+            if n.attrs.get("bias"):
+                bt = b.init(f"{n.attrs['bias']}.{head}", w[n.attrs["bias"]][head])
+                y = b.op("Add", [y, bt], n.name)
+            vals[n.name] = y
+        elif k == "output_projection":
+            wt = b.init(n.attrs["weight"], w[n.attrs["weight"]])
+            y = b.op("MatMul", [a[0], wt], n.name + "_matmul" if n.attrs.get("bias") else n.name)
+            if n.attrs.get("bias"):
+                y = b.op("Add", [y, b.init(n.attrs["bias"], w[n.attrs["bias"]])], n.name)
+            vals[n.name] = y
+        elif k == "scores":
+            kt = b.op("Transpose", [a[1]], n.name + "_kT", perm=[0, 2, 1])
+            vals[n.name] = b.op("MatMul", [a[0], kt], n.name)
+        elif k == "scale":
+            vals[n.name] = b.op("Mul", [a[0], b.const(n.attrs["factor"], np.float32)], n.name)
+            if n.inputs[0] in keep:
+                keep[n.name] = keep[n.inputs[0]]
+        elif k == "mask":
+            m = _keep_mask(b, n.attrs["mask"], n.attrs["head"])
+            prev = keep.get(n.inputs[0])
+            if prev is not None:   # masks in a row: all apply
+                m = (b.op("And", [prev[0], m[0]], n.name + "_keep"),
+                     None if prev[1] is None or m[1] is None else prev[1] & m[1])
+            keep[n.name] = m
+            vals[n.name] = b.op("Where", [m[0], a[0], b.const(-np.inf, np.float32)], n.name)
+        elif k == "softmax":
+            dead = _dead_rows(b, *keep[n.inputs[0]]) if n.inputs[0] in keep else None
+            p = b.op("Softmax", [a[0]], n.name if dead is None else n.name + "_raw", axis=-1)
+            if dead is not None:
+                p = b.op("Where", [dead, b.const(0.0, np.float32), p], n.name)
+            vals[n.name] = p
+        elif k == "weighted_sum":
+            vals[n.name] = b.op("MatMul", [a[0], a[1]], n.name)
+        elif k == "concat_heads":
+            vals[n.name] = (b.op("Concat", a, n.name, axis=-1) if len(a) > 1
+                            else b.op("Identity", a, n.name))
+        elif k == "qkv_projection":
+            cols = []
+            for i, seg in enumerate(n.attrs["segments"]):
+                head, wname = seg["head"], seg["weight"]
+                wt = b.init(f"{wname}.{head}", w[wname][head])
+                y = b.op("MatMul", [a[0], wt], f"{n.name}_{wname}{head}")
+                if seg.get("bias"):
+                    y = b.op("Add", [y, b.init(f"{seg['bias']}.{head}", w[seg["bias"]][head])],
+                             f"{n.name}_{wname}{head}_bias")
+                cols.append(y)
+            vals[n.name] = b.op("Concat", cols, n.name, axis=-1)
+        elif k == "attention":
+            vals[n.name] = _decomposed_attention(b, n, a[0])
+        else:  # pragma: no cover - verify() knows every kind
+            raise OnnxError(f"node {n.name!r}: kind {k!r} has no ONNX export")
+    return vals[layer.output]
+
+
+def _keep_mask(b, expr, head):
+    """(bool tensor of the visible keys, broadcastable to [B, S, S]; its numpy grid when it
+    is a constant, else None)."""
+    if b.mask_static(expr):
+        grid = b.mask_grid(expr, head)[:, 0]          # [B?, S, S]
+        if "batch" not in ex.variables(expr):
+            grid = grid[0]
+        return b.const(grid, np.bool_), grid
+    return b.mask_computed(expr, head, rank=3), None
+
+
+def _dead_rows(b, keep, grid):
+    """Bool tensor [.., S, 1]: rows with no visible key (None if a constant mask has none)."""
+    if grid is not None:
+        dead = ~grid.any(axis=-1, keepdims=True)
+        return b.const(dead, np.bool_) if dead.any() else None
+    return b.cached(("dead", keep), lambda: b.op("Equal", [b.reduce_max_last(
+        b.op("Cast", [keep], keep + "_int", to=b.onnx.TensorProto.INT32), keep + "_any"),
+        b.const(0, np.int32)], keep + "_dead"))
+
+
+def _decomposed_attention(b, n, qkv):
+    d = n.attrs["head_dim"]
+    mask = n.attrs.get("mask")
+    outs = []
+    for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
+                                         n.attrs["v_offsets"])):
+        def cols(off, role):
+            return b.cached(("slice", qkv, off), lambda: b.op(
+                "Slice", [qkv, b.i64(off), b.i64(off + d), b.i64(-1)], f"{n.name}_{role}{h}"))
+        q, k, v = cols(qo, "q"), cols(ko, "k"), cols(vo, "v")
+        s = b.op("MatMul", [q, b.op("Transpose", [k], f"{n.name}_kT{h}", perm=[0, 2, 1])],
+                 f"{n.name}_s{h}")
+        s = b.op("Mul", [s, b.const(n.attrs["scale"], np.float32)], f"{n.name}_scaled{h}")
+        dead = None
+        if mask is not None:
+            keep, grid = _keep_mask(b, mask, h)
+            dead = _dead_rows(b, keep, grid)
+            s = b.op("Where", [keep, s, b.const(-np.inf, np.float32)], f"{n.name}_masked{h}")
+        p = b.op("Softmax", [s], f"{n.name}_p{h}", axis=-1)
+        if dead is not None:
+            p = b.op("Where", [dead, b.const(0.0, np.float32), p], f"{n.name}_p{h}_rows")
+        outs.append(b.op("MatMul", [p, v], f"{n.name}_o{h}"))
+    return b.op("Concat", outs, n.name, axis=-1) if len(outs) > 1 else outs[0]
+
+
+# -- fused form ---------------------------------------------------------------------------
+def fused_view(layer: Graph) -> Graph:
+    """The layer as input -> qkv_projection -> attention -> output_projection, or OnnxError."""
+    kinds = [n.kind for n in layer.nodes]
+    if kinds == ["input", "qkv_projection", "attention", "output_projection"]:
+        return layer
+    if "attention" in kinds or "qkv_projection" in kinds:
+        raise OnnxError(f"graph {layer.name!r} has fused nodes but not in the shape input -> "
+                        "qkv_projection -> attention -> output_projection; export it with "
+                        "form='decomposed' (--form decomposed)")
+    from mhagen.passes.fuse_attention import fuse_attention
+    result = fuse_attention(layer)
+    if not result.fused:
+        raise OnnxError(f"graph {layer.name!r} cannot use the fused ONNX form (the Attention "
+                        f"operator needs every head to have the same structure): "
+                        f"{result.reason.removeprefix('not fused: ')}; export it with "
+                        "form='decomposed' (--form decomposed)")
+    return result.graph
+
+
+def _fused(b: _Builder, layer: Graph, w: dict) -> str:
+    f = fused_view(layer)
+    qkv, att, out = f.nodes[1], f.nodes[2], f.nodes[3]
+    d = att.attrs["head_dim"]
+    segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
+    widths = {int(s["width"]) for s in segs.values()}
+    if widths != {d} or len(segs) * d != sum(int(s["width"]) for s in segs.values()):
+        raise OnnxError(f"graph {layer.name!r}: qkv segments are not all {d} wide; export it "
+                        "with form='decomposed'")
+    q_off, k_off, v_off = (att.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets"))
+    n_heads = len(q_off)
+    pairs = list(zip(k_off, v_off))
+    group = max(g for g in range(1, n_heads + 1) if n_heads % g == 0 and all(
+        pairs[h] == pairs[(h // g) * g] for h in range(n_heads)))
+    kv_heads = n_heads // group
+    has_bias = any(s.get("bias") for s in segs.values())
+
+    def packed(offsets, role):
+        ws = [w[segs[o]["weight"]][segs[o]["head"]] for o in offsets]
+        y = b.op("MatMul", [b.x, b.init(f"w_{role}", np.concatenate(ws, axis=1))],
+                 f"{role}_matmul" if has_bias else role)
+        if has_bias:
+            bs = [w[segs[o]["bias"]][segs[o]["head"]] if segs[o].get("bias")
+                  else np.zeros(d, np.float32) for o in offsets]
+            y = b.op("Add", [y, b.init(f"b_{role}", np.concatenate(bs))], role)
+        return y
+
+    q = packed(q_off, "q")
+    k = packed([k_off[j * group] for j in range(kv_heads)], "k")
+    v = packed([v_off[j * group] for j in range(kv_heads)], "v")
+    inputs = [q, k, v]
+    attrs = {"q_num_heads": n_heads, "kv_num_heads": kv_heads,
+             "scale": float(att.attrs["scale"])}
+    mask = att.attrs.get("mask")
+    if mask is not None and mask == ex.causal():
+        attrs["is_causal"] = 1
+    elif mask is not None:
+        b._n_heads = n_heads
+        if b.mask_static(mask):
+            grid = b.mask_grid(mask, list(range(n_heads)))   # [B?, H?, S, S]
+            uses = ex.variables(mask)
+            if not ({"batch", "head"} & uses):
+                grid = grid[0, 0]
+            inputs.append(b.const(grid, np.bool_))
+        else:
+            inputs.append(b.mask_computed(mask, None, rank=4))
+    y = b.op("Attention", inputs, "attention", **attrs)
+    wt = b.init(out.attrs["weight"], w[out.attrs["weight"]])
+    y = b.op("MatMul", [y, wt], "out_matmul" if out.attrs.get("bias") else "out")
+    if out.attrs.get("bias"):
+        y = b.op("Add", [y, b.init(out.attrs["bias"], w[out.attrs["bias"]])], "out")
+    return y

@@ -1,0 +1,356 @@
+"""The artifact directory and its generated C API: the C and C++ example apps against the
+reference, and every error path of mha_create/mha_run (through a small C driver)."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.artifact import content_hash, describe
+from mhagen.tolerances import assert_close, max_error
+from tests.conftest import random_input
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "examples" / "c_app"
+CC, CXX = shutil.which("gcc") or shutil.which("cc"), shutil.which("g++") or shutil.which("c++")
+pytestmark = pytest.mark.skipif(not (CC and CXX), reason="needs gcc and g++")
+
+ARTIFACTS = {
+    # id: (mha kwargs, batch, seq_len, fuse)
+    "small-causal": (dict(d_model=64, num_heads=4, causal=True), 2, 17, True),
+    "default-512x8": (dict(d_model=512, num_heads=8), 1, 32, True),
+    "padded-out-d40": (dict(d_model=40, num_heads=4), 2, 5, True),   # out [10, 64]: y = out[:, :40]
+    "unfused-d40": (dict(d_model=40, num_heads=4), 2, 5, False),     # x, out [batch, seq, d]
+}
+
+
+class Artifact:
+    def __init__(self, key, root):
+        kwargs, self.batch, self.seq_len, fuse = ARTIFACTS[key]
+        self.layer = mhagen.mha(**kwargs)
+        self.w = self.layer.init_weights(seed=3)
+        module = mhagen.build(self.layer, "x86", batch=self.batch, seq_len=self.seq_len,
+                              weights=self.w, fuse=fuse)
+        self.dir = module.save(root / key)
+        self.x = random_input(self.layer, self.batch, self.seq_len, seed=5)
+        self.expected = self.layer.reference(self.x, self.w)
+        self.xfile = root / f"{key}.x.f32"
+        self.x.tofile(self.xfile)
+        self._apps = {}
+
+    def app(self, kind="c"):
+        """The example app (kind c|cpp) or the test driver (driver), built against this
+        artifact with the one-line command of examples/c_app/README.md."""
+        if kind not in self._apps:
+            src = {"c": APP / "mha_app.c", "cpp": APP / "mha_app.cpp",
+                   "driver": self.dir.parent / "driver.c"}[kind]
+            exe = self.dir.parent / f"{self.dir.name}.{kind}"
+            std = "-std=c++17" if kind == "cpp" else "-std=c11"
+            cmd = [CXX if kind == "cpp" else CC, "-O2", std, "-Wall", "-Werror", str(src),
+                   f"-I{self.dir}", f"-L{self.dir}", "-lmha", f"-Wl,-rpath,{self.dir}",
+                   "-o", str(exe)] + (["-lpthread"] if kind == "driver" else [])
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            self._apps[kind] = exe
+        return self._apps[kind]
+
+    def run(self, kind, *args):
+        return subprocess.run([str(self.app(kind)), *map(str, args)], capture_output=True,
+                              text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("artifacts")
+    (path / "driver.c").write_text(DRIVER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifacts(root):
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            cache[key] = Artifact(key, root)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def small(artifacts):
+    return artifacts("small-causal")
+
+
+def copy_of(art, tmp_path):
+    """A copy of the artifact directory to damage (the apps keep using the original libmha.so,
+    which checks the copy's files)."""
+    return Path(shutil.copytree(art.dir, tmp_path / "copy"))
+
+
+# -- the directory -------------------------------------------------------------------------
+def test_artifact_layout(small):
+    d = small.dir
+    for name in ("kernel.so", "params.bin", "weights.bin", "manifest.json", "mha.h", "libmha.so",
+                 "mha_api.cc", "lib/libtvm_ffi.so", "lib/libtvm_runtime.so"):
+        assert (d / name).is_file(), name
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["content_hash"] == content_hash(man)
+    assert "tuning" in man and man["tvm_version"] and man["mhagen_version"]
+    assert man["c_api"]["library"] == "libmha.so" and "skipped" not in man["c_api"]
+    header = (d / "mha.h").read_text()
+    for text in ("#define MHA_BATCH 2", "#define MHA_SEQ_LEN 17", "#define MHA_D_MODEL 64",
+                 f"#define MHA_FORMAT_VERSION {man['version']}", man["content_hash"],
+                 "MHA_ERR_SHAPE", "mutex", "64-byte aligned", "causal=True"):
+        assert text in header, text
+    readelf = shutil.which("readelf")
+    if readelf:
+        dyn = subprocess.run([readelf, "-d", str(d / "libmha.so")], capture_output=True,
+                             text=True).stdout
+        assert "$ORIGIN/lib" in dyn and "libtvm_runtime.so" in dyn
+    text = describe(d)
+    assert "content hash" in text and "C API" in text and "kernel  attention(" in text
+
+
+def test_python_load_still_works_and_checks_content_hash(small, tmp_path):
+    loaded = mhagen.load(small.dir)
+    assert_close(loaded(small.x), small.expected)
+    d = copy_of(small, tmp_path)
+    man = json.loads((d / "manifest.json").read_text())
+    man["shapes"]["dtype"] = "float16"   # an edit no other check looks at
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(mhagen.ArtifactError, match="content hash"):
+        mhagen.load(d)
+
+
+def test_no_cxx_compiler_skips_c_api_with_a_note(small, tmp_path, monkeypatch):
+    module = mhagen.build(small.layer, "x86", batch=small.batch, seq_len=small.seq_len,
+                          weights=small.w)
+    from mhagen.artifact import capi
+    monkeypatch.setattr(capi, "_which", lambda program: None)   # as on a host without g++
+    d = module.save(tmp_path / "m")
+    man = json.loads((d / "manifest.json").read_text())
+    assert "no C++ compiler" in man["c_api"]["skipped"]
+    assert not (d / "libmha.so").exists() and not (d / "mha.h").exists()
+    assert_close(mhagen.load(d)(small.x), small.expected)
+
+
+# -- the example apps against the reference ------------------------------------------------
+@pytest.mark.parametrize("key", list(ARTIFACTS))
+def test_c_app_matches_reference(artifacts, key):
+    art = artifacts(key)
+    out = art.dir.parent / f"{key}.y.f32"
+    r = art.run("c", art.dir, art.xfile, out)
+    assert r.returncode == 0, r.stderr
+    assert f"y: [{art.batch}, {art.seq_len}, " in r.stdout and "wrote" in r.stdout
+    y = np.fromfile(out, np.float32).reshape(art.expected.shape)
+    assert max_error(y, art.expected) < 1e-4
+    assert_close(y, art.expected)
+
+
+@pytest.mark.parametrize("key", ["small-causal", "default-512x8"])
+def test_cpp_app_matches_reference(artifacts, key):
+    art = artifacts(key)
+    out = art.dir.parent / f"{key}.cpp.y.f32"
+    r = art.run("cpp", art.dir, art.xfile, out)
+    assert r.returncode == 0, r.stderr
+    y = np.fromfile(out, np.float32).reshape(art.expected.shape)
+    assert max_error(y, art.expected) < 1e-4
+    assert_close(y, art.expected)
+
+
+@pytest.mark.skipif(not shutil.which("cmake"), reason="needs cmake")
+def test_cmake_builds_the_cpp_app(small, tmp_path):
+    build = tmp_path / "build"
+    for cmd in (["cmake", "-S", str(APP), "-B", str(build), f"-DMHA_ARTIFACT={small.dir}"],
+                ["cmake", "--build", str(build), "--target", "mha_app_cpp"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([str(build / "mha_app_cpp"), str(small.dir), str(small.xfile),
+                        str(tmp_path / "y.f32")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(small.expected.shape)
+    assert_close(y, small.expected)
+
+
+def test_app_reports_a_bad_input_file(small, tmp_path):
+    bad = tmp_path / "short.f32"
+    small.x.ravel()[:10].tofile(bad)
+    r = small.run("c", small.dir, bad)
+    assert r.returncode == 1 and "must hold exactly" in r.stderr
+
+
+# -- damaged artifacts: a clean message and a non-zero exit, never a crash -----------------
+def _flip(path, at=100):
+    data = bytearray(path.read_bytes())
+    data[min(at, len(data) - 1)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+DAMAGE = {
+    "corrupt-params": (lambda d: _flip(d / "params.bin"), "MHA_ERR_CORRUPT",
+                       "params.bin is corrupted"),
+    "corrupt-weights": (lambda d: _flip(d / "weights.bin"), "MHA_ERR_CORRUPT",
+                        "weights.bin is corrupted"),
+    "corrupt-kernel": (lambda d: _flip(d / "kernel.so", 5000), "MHA_ERR_CORRUPT",
+                       "kernel.so is corrupted"),
+    "truncated-params": (lambda d: _truncate(d / "params.bin"), "MHA_ERR_CORRUPT", "truncated"),
+    "missing-params": (lambda d: (d / "params.bin").unlink(), "MHA_ERR_NOT_FOUND",
+                       "params.bin is missing"),
+    "missing-manifest": (lambda d: (d / "manifest.json").unlink(), "MHA_ERR_NOT_FOUND",
+                         "manifest.json is missing"),
+    "garbage-manifest": (lambda d: (d / "manifest.json").write_text("{not json"),
+                         "MHA_ERR_CORRUPT", "not an mhagen module manifest"),
+    "newer-format": (lambda d: _edit_manifest(d, version=lambda v: v + 1), "MHA_ERR_VERSION",
+                     "newer than"),
+    "older-format": (lambda d: _edit_manifest(d, version=lambda v: v - 1), "MHA_ERR_VERSION",
+                     "older than"),
+    "other-build": (lambda d: _edit_manifest(d, content_hash=lambda h: "0" * 64),
+                    "MHA_ERR_MISMATCH", "use the mha.h and libmha.so of that directory"),
+    "missing-dir": (lambda d: shutil.rmtree(d), "MHA_ERR_NOT_FOUND", "no artifact directory"),
+}
+
+
+def _edit_manifest(d, **edits):
+    man = json.loads((d / "manifest.json").read_text())
+    for key, f in edits.items():
+        man[key] = f(man[key])
+    (d / "manifest.json").write_text(json.dumps(man, indent=1))
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_artifact_gives_clean_error(small, tmp_path, case):
+    damage, status, message = DAMAGE[case]
+    d = copy_of(small, tmp_path)
+    damage(d)
+    r = small.run("c", d, small.xfile)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"mha_app: error: {status}: " in r.stderr and message in r.stderr, r.stderr
+    r = small.run("driver", "create", d)        # the code itself, through mha_last_error_code
+    assert r.returncode == 0 and r.stdout.split("|")[0] == status, r.stdout + r.stderr
+
+
+def test_another_artifacts_directory_is_refused(small, artifacts):
+    other = artifacts("padded-out-d40")
+    r = small.run("driver", "create", other.dir)
+    assert r.stdout.startswith("MHA_ERR_MISMATCH|"), r.stdout + r.stderr
+
+
+# -- the API's error codes and guarantees (the driver below) --------------------------------
+@pytest.mark.parametrize("case,status,message", [
+    ("create", "MHA_OK", ""),
+    ("null_dir", "MHA_ERR_NULL_ARGUMENT", "artifact_dir is NULL"),
+    ("null_handle", "MHA_ERR_NULL_ARGUMENT", "handle is NULL"),
+    ("null_x", "MHA_ERR_NULL_ARGUMENT", "x is NULL"),
+    ("null_y", "MHA_ERR_NULL_ARGUMENT", "y is NULL"),
+    ("wrong_batch", "MHA_ERR_SHAPE", "compiled for batch=2, seq_len=17 only"),
+    ("wrong_seq", "MHA_ERR_SHAPE", "--seq-len 18"),
+    ("negative_seq", "MHA_ERR_SHAPE", "seq_len=-1"),
+    ("ok_after_error", "MHA_OK", ""),
+    ("unaligned", "MHA_OK", "same result"),
+    ("threads", "MHA_OK", "4 threads agree"),
+])
+def test_api_status_codes(small, case, status, message):
+    r = small.run("driver", case, small.dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got_status, got_message = r.stdout.strip().split("|", 1)
+    assert got_status == status and message in got_message, r.stdout
+
+
+DRIVER = r"""
+/* Test driver: prints "STATUS_NAME|message" for one case of the C API. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+static void report(int code) { printf("%s|%s\n", mha_status_name(code), mha_last_error()); }
+
+static float *filled(size_t n, size_t pad) {  /* 64-byte aligned, pad extra floats */
+  float *p = aligned_alloc(64, ((n + pad) * sizeof(float) + 63) / 64 * 64);
+  for (size_t i = 0; i < n + pad; ++i) p[i] = (float)((i * 7919) % 1000) / 500.0f - 1.0f;
+  return p;
+}
+
+struct job { mha_handle *h; const float *x; const float *expected; int ok; };
+
+static void *worker(void *arg) {
+  struct job *j = arg;
+  float *y = malloc(sizeof(float) * MHA_OUTPUT_SIZE + 4);
+  j->ok = 1;
+  for (int it = 0; it < 25; ++it) {
+    float *out = (it % 2) ? y + 1 : y;   /* aligned and unaligned y */
+    if (mha_run(j->h, j->x, MHA_BATCH, MHA_SEQ_LEN, out) != MHA_OK ||
+        memcmp(out, j->expected, sizeof(float) * MHA_OUTPUT_SIZE) != 0)
+      j->ok = 0;
+  }
+  free(y);
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 3) return 2;
+  const char *c = argv[1];
+  if (!strcmp(c, "null_dir")) { (void)mha_create(NULL); report(mha_last_error_code()); return 0; }
+  if (!strcmp(c, "null_handle")) {
+    float x[1] = {0}, y[1] = {0};
+    report(mha_run(NULL, x, MHA_BATCH, MHA_SEQ_LEN, y));
+    return 0;
+  }
+  mha_handle *h = mha_create(argv[2]);
+  if (!strcmp(c, "create") || h == NULL) {
+    report(mha_last_error_code());
+    mha_destroy(h);
+    return 0;
+  }
+  float *x = filled(MHA_INPUT_SIZE, 1), *y = filled(MHA_OUTPUT_SIZE, 1);
+  float *y2 = filled(MHA_OUTPUT_SIZE, 1);
+  int rc = MHA_OK;
+  if (!strcmp(c, "null_x")) rc = mha_run(h, NULL, MHA_BATCH, MHA_SEQ_LEN, y);
+  else if (!strcmp(c, "null_y")) rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, NULL);
+  else if (!strcmp(c, "wrong_batch")) rc = mha_run(h, x, MHA_BATCH + 1, MHA_SEQ_LEN, y);
+  else if (!strcmp(c, "wrong_seq")) rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN + 1, y);
+  else if (!strcmp(c, "negative_seq")) rc = mha_run(h, x, MHA_BATCH, -1, y);
+  else if (!strcmp(c, "ok_after_error")) {
+    mha_run(h, x, 0, 0, y);
+    rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y);
+  } else if (!strcmp(c, "unaligned")) {
+    /* the same values at an aligned and a 4-byte-offset address give the same bits */
+    float *xu = filled(MHA_INPUT_SIZE, 1);
+    memmove(xu + 1, x, sizeof(float) * MHA_INPUT_SIZE);
+    rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y);
+    if (rc == MHA_OK) rc = mha_run(h, xu + 1, MHA_BATCH, MHA_SEQ_LEN, y2 + 1);
+    free(xu);
+    if (rc == MHA_OK) {
+      int same = !memcmp(y, y2 + 1, sizeof(float) * MHA_OUTPUT_SIZE);
+      printf("%s|%s\n", same ? "MHA_OK" : "MISMATCH", same ? "same result" : "differs");
+    }
+  } else if (!strcmp(c, "threads")) {
+    rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y);
+    struct job jobs[4];
+    pthread_t t[4];
+    for (int i = 0; i < 4; ++i) {
+      jobs[i] = (struct job){h, x, y, 0};
+      pthread_create(&t[i], NULL, worker, &jobs[i]);
+    }
+    int ok = rc == MHA_OK;
+    for (int i = 0; i < 4; ++i) pthread_join(t[i], NULL), ok &= jobs[i].ok;
+    printf("%s|%s\n", ok ? "MHA_OK" : "MISMATCH", ok ? "4 threads agree" : "threads differ");
+  } else {
+    rc = -1;
+  }
+  if (rc != -1 && strcmp(c, "unaligned") && strcmp(c, "threads")) report(rc);
+  mha_destroy(h);
+  free(x), free(y), free(y2);
+  return rc == -1 ? 2 : 0;
+}
+"""
