@@ -5,6 +5,7 @@ Importing mhagen does not import TVM; build/load do, on first use.
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import Graph, causal, kv_idx, q_idx, sliding_window, verify
+from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.weights import weights_from_torch
 
@@ -17,6 +18,12 @@ def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options)
     return _build(layer, target, batch=batch, seq_len=seq_len, weights=weights, **options)
 
 
+def tune(layer, target="x86", **options):
+    """Autotune `layer`'s kernels with TVM MetaSchedule; see mhagen.tuning.search.tune."""
+    from mhagen.tuning.search import tune as _tune
+    return _tune(layer, target, **options)
+
+
 def load(path):
     """Load a module saved with Module.save(path)."""
     from mhagen.module import load as _load
@@ -24,5 +31,6 @@ def load(path):
 
 
 __all__ = ["ArtifactError", "Graph", "GraphError", "InputError", "MhagenError", "TOLERANCES",
-           "TargetError", "build", "causal", "kv_idx", "load", "max_error", "mha", "q_idx",
-           "sliding_window", "verify", "weights_from_torch"]
+           "TargetError", "build", "causal", "export_onnx", "import_onnx", "kv_idx", "load",
+           "max_error", "mha", "q_idx", "sliding_window", "tune", "verify",
+           "weights_from_torch"]

@@ -1,4 +1,4 @@
-"""The `mhagen` command line: build, inspect, bench, tune.
+"""The `mhagen` command line: build, inspect, bench, tune, export-onnx, import-onnx.
 
 Errors in options or layers print one line `mhagen CMD: error: ...` and exit with status 2.
 """
@@ -96,6 +96,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--kernels", nargs="+", help="only these kernels (e.g. qkv_projection)")
     t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
     t.add_argument("--seed", type=int, default=0)
+
+    from mhagen.onnx.cli import add_parsers
+    for name, handler in add_parsers(sub, _layer_options).items():
+        sub.choices[name].set_defaults(handler=handler)
     return p
 
 
@@ -110,7 +114,7 @@ def _shape_arg(text):
 
 
 def _cmd_tune(args):
-    import mhagen.tune
+    import mhagen
     layer = _layer(args)
     shapes = [_shape_arg(s) for s in args.shapes]
     if args.trials < 1:
@@ -123,7 +127,7 @@ def _cmd_tune(args):
         if not host or not port.isdigit():
             raise _Fail(f"--rpc-tracker takes HOST:PORT, not {args.rpc_tracker!r}")
         rpc = (host, int(port), args.device_key)
-    report = mhagen.tune.tune(layer, args.target, shapes=shapes, trials=args.trials,
+    report = mhagen.tune(layer, args.target, shapes=shapes, trials=args.trials,
                               time_budget=args.time_budget, database=args.db,
                               work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
                               kernels=args.kernels)
@@ -231,8 +235,9 @@ def _cmd_inspect(args):
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    cmd = {"build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench,
-           "tune": _cmd_tune}[args.command]
+    cmd = getattr(args, "handler", None) or {
+        "build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench,
+        "tune": _cmd_tune}[args.command]
     try:
         return cmd(args)
     except (MhagenError, _Fail) as err:

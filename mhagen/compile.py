@@ -28,7 +28,7 @@ def compile_program(program, target, tuning=None):
 def resolve_tuning(tuning, target_name):
     """"auto" (user database, then shipped records), None (defaults only), a database path,
     or a Tuning object."""
-    from mhagen.tune.records import Database, Tuning
+    from mhagen.tuning.records import Database, Tuning
     if isinstance(tuning, Tuning):
         return tuning
     if tuning == "auto":

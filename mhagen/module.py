@@ -323,7 +323,7 @@ def load(path) -> Module:
             weights[e["name"]] = np.frombuffer(chunk, dtype="<f4").reshape(e["shape"]).copy()
     from mhagen.lower import lower
     fuse = bool(man.get("fuse", True))
-    from mhagen.tune.records import Database, Tuning
+    from mhagen.tuning.records import Database, Tuning
     used = Tuning([Database(records=man.get("tuning") or [])])
     program = lower(graph, shapes["batch"], shapes["seq_len"], target, fuse=fuse, tuning=used)
     if program.describe() != man.get("program"):

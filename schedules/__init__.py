@@ -59,11 +59,11 @@ def schedule_kernel(kernel, target, rules=None, record=None):
         rule = next(r for r in rules if r.applies(stage, target))
         cfg = kernel.config or rule.default_config(kernel.workload, target)
         func = rule.build(kernel.workload, cfg, target)
-        source = "tuned" if record is not None and record.get("kind") == "config" else "default"
+        source = "tuned" if kernel.tuned else "default"
         return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg), source)]
     stale = False
     if record is not None and record.get("kind") == "trace":
-        from mhagen.tune.apply import apply_trace
+        from mhagen.tuning.apply import apply_trace
         sch = apply_trace(kernel, record)
         if sch is not None:
             return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",

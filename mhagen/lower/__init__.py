@@ -7,10 +7,10 @@ from mhagen.passes import run_passes
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel.
-    `tuning` (mhagen.tune.records.Tuning) may supply the attention template's config."""
+    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config."""
     from mhagen.lower.te import lower_unfused
     from mhagen.schedules import fused_attention_rule
-    from mhagen.tune.records import workload_key
+    from mhagen.tuning.records import workload_key
     graph.shapes(**_dims(graph, batch, seq_len))
     fusion = run_passes(graph, fuse=fuse)
     rule = fused_attention_rule(target) if fusion.fused else None
@@ -34,7 +34,7 @@ def _tuned_config(rule, tuning, key, target):
     """The attention config a tuning record asks for, if valid; else None (the default)."""
     import warnings
 
-    from mhagen.tune.records import TuningWarning
+    from mhagen.tuning.records import TuningWarning
     record = tuning.lookup(key) if tuning is not None else None
     if record is None or record.get("kind") != "config":
         return None

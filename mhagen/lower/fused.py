@@ -141,7 +141,8 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     kernels.append(Kernel("attention", ["qkv", "k_t", "v", "blocks", "att"],
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
-                          template="attention", workload=work, config=cfg))
+                          template="attention", workload=work, config=cfg,
+                          tuned=attention_config is not None))
     text.append(f"att = attention(qkv)  # template: {heads} heads, {kv_heads} K/V heads, "
                 f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                 f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "

@@ -40,6 +40,7 @@ class Kernel:
     template: str | None = None  # ... or a template a rule instantiates (e.g. "attention")
     workload: dict = field(default_factory=dict)
     config: object = None        # the template's config (its layout depends on it)
+    tuned: bool = False          # config came from a tuning record
 
 
 @dataclass

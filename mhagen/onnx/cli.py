@@ -130,10 +130,13 @@ def _cmd_import(args) -> int:
         if args.show:
             print(item.graph)
         if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
             safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in item.graph.name)
             stem = args.out / (safe or f"attention{k}")
-            Path(f"{stem}.json").write_text(item.graph.to_json())
-            np.savez(f"{stem}.npz", **item.weights)
+            try:
+                args.out.mkdir(parents=True, exist_ok=True)
+                Path(f"{stem}.json").write_text(item.graph.to_json())
+                np.savez(f"{stem}.npz", **item.weights)
+            except OSError as err:
+                raise InputError(f"cannot write to {args.out}: {err.strerror or err}") from None
             print(f"  wrote {stem}.json, {stem}.npz")
     return 0

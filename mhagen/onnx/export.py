@@ -34,9 +34,12 @@ Semantics that differ from a naive reading of the ONNX spec, and what the export
   * **Causal alignment.** mhagen's causal mask is top-left aligned (query i sees keys 0..i).
     ``Attention``'s ``is_causal`` is bottom-right (offset-aware) aligned: query i sees keys
     ``j <= i + offset`` with offset = past length, or ``nonpad_kv_seqlen - q_len``, and 0
-    without a cache. mhagen layers are self-attention without a cache (query and key lengths
-    are equal, offset 0), where both alignments are the same lower triangle; so
-    ``is_causal=1`` is exact here. Other masks go in ``attn_mask`` (boolean, True = attend).
+    without a cache. So bottom-right alignment comes from a cache offset, not from the
+    lengths alone: q_len 3, kv_len 5 without a cache is top-left (query i sees keys 0..i;
+    onnxruntime 1.32 and onnx's reference evaluator agree).
+    mhagen layers are self-attention without a cache (equal lengths, offset 0), where all
+    readings give the same lower triangle: ``is_causal=1`` is exact here. Other masks go in
+    ``attn_mask`` (boolean, True = attend).
   * **Grouped K/V.** ``Attention`` with ``kv_num_heads < q_num_heads`` gives query head h the
     K/V head ``h // (q_num_heads // kv_num_heads)`` -- mhagen's rule. K/V sharing patterns that
     are not contiguous groups are exported with one (duplicated) K/V head per query head.
@@ -125,7 +128,6 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     model = b.model(out, form)
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     big = sum(t.ByteSize() for t in model.graph.initializer) >= EXTERNAL_DATA_THRESHOLD
     if external_data is None:
         external_data = big
@@ -133,15 +135,19 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         raise OnnxError("the weights exceed the 2 GB protobuf limit; export with "
                         "external_data=True (or leave it unset)")
     data = path.with_name(path.name + ".data")
-    if data.exists():
-        data.unlink()   # onnx appends to an existing data file
-    if external_data:
-        onnx.save_model(model, str(path), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=data.name, size_threshold=0)
-        onnx.checker.check_model(str(path), full_check=True)
-    else:
-        onnx.checker.check_model(model, full_check=True)
-        onnx.save_model(model, str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if data.exists():
+            data.unlink()   # onnx appends to an existing data file
+        if external_data:
+            onnx.save_model(model, str(path), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data.name, size_threshold=0)
+            onnx.checker.check_model(str(path), full_check=True)
+        else:
+            onnx.checker.check_model(model, full_check=True)
+            onnx.save_model(model, str(path))
+    except OSError as err:
+        raise OnnxError(f"cannot write {path}: {err.strerror or err}") from None
     return path
 
 

@@ -679,7 +679,8 @@ def _blocks(m, cores, vals):
             raise OnnxError(f"{c.label} and {blk['cores'][0].label} feed the same output "
                             f"{y!r} but project different tensors ({x!r}, {blk['x']!r})")
         blk["cores"].append(c)
-    return list(blocks.values())
+    order = {id(n): i for i, n in enumerate(m.nodes)}   # layers in model order
+    return sorted(blocks.values(), key=lambda b: min(order[id(c.node)] for c in b["cores"]))
 
 
 def _bsd(a, layout):

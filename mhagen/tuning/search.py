@@ -14,6 +14,8 @@ Measurements run locally or on a remote device through TVM's RPC tracker.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mhagen.tune.records import Database, Tuning, user_database_path
+from mhagen.tuning.records import Database, Tuning, user_database_path
 
 
 @dataclass
@@ -102,6 +104,15 @@ class _Progress:
                          f"[{'#' * filled}{'.' * (width - filled)}] {self.done:>4}/{self.budget} "
                          f"best {best}  {left}" + ("\n" if final else ""))
         sys.stderr.flush()
+
+
+def _quiet_metaschedule_logging():
+    """MetaSchedule re-configures its logger from the handlers it finds; a handler without a
+    name (added by another library) breaks that, so drop those first."""
+    logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(logger.handlers):
+        if handler.get_name() is None:
+            logger.removeHandler(handler)
 
 
 def _runner(rpc, ms):
@@ -185,9 +196,8 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     from mhagen.lower import lower
     from mhagen.schedules import fused_attention_rule, schedule_kernel
     from mhagen.target import resolve
-    from mhagen.tune.apply import kernel_hash, versions
+    from mhagen.tuning.apply import kernel_hash, versions
 
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
     t = resolve(target)
     db_path = Path(database) if database else user_database_path(t.name)
     db = Database.load(db_path)
@@ -275,12 +285,14 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     if remaining > 0:
         space = ms.space_generator.SpaceGeneratorUnion(
             [ms.space_generator.ScheduleFn(template), ms.space_generator.PostOrderApply()])
-        ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=remaining,
-                    num_trials_per_iter=min(16, remaining), database=ms_db,
-                    builder=ms.builder.LocalBuilder(f_build=fast_build),
-                    runner=runner or "local", cost_model="xgb",
-                    measure_callbacks=callbacks, space=space,
-                    num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
+        _quiet_metaschedule_logging()
+        with contextlib.redirect_stdout(io.StringIO()):  # its console log; our bar is on stderr
+            ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=remaining,
+                        num_trials_per_iter=min(16, remaining), database=ms_db,
+                        builder=ms.builder.LocalBuilder(f_build=fast_build),
+                        runner=runner or "local", cost_model="xgb",
+                        measure_callbacks=callbacks, space=space,
+                        num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
     done = len(ms_db.get_all_tuning_records())
     best = ms_db.get_top_k(ms_db.commit_workload(mod), 1)
     default_func, _ = schedule_kernel(kernel, t)
@@ -290,7 +302,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
         sch = tvm.s_tir.Schedule(mod)
         best[0].trace.apply_to_schedule(sch, remove_postproc=False)
         funcs.append(sch.mod["main"])
-        trace_json = _plain_json(best[0].trace.as_json())
+        trace_json = plain_json(best[0].trace.as_json())
     times = _measure(funcs, t.tvm, runner)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
     keep = tuned_s is not None and default_s is not None and tuned_s < default_s
@@ -344,7 +356,7 @@ class _Fixed:
         return self.record if key["kernel"] == "attention" else None
 
 
-def _plain_json(obj):
+def plain_json(obj):
     """A trace's JSON (TVM containers, IntImm/FloatImm) as plain Python JSON values."""
     import tvm
     if obj is None or isinstance(obj, (str, int, float)):
@@ -354,8 +366,8 @@ def _plain_json(obj):
     if isinstance(obj, tvm.tirx.FloatImm):
         return float(obj.value)
     if hasattr(obj, "items"):
-        return {str(k): _plain_json(v) for k, v in obj.items()}
-    return [_plain_json(x) for x in obj]
+        return {str(k): plain_json(v) for k, v in obj.items()}
+    return [plain_json(x) for x in obj]
 
 
 def _us(seconds):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from mhagen.tune.records import TuningWarning
+from mhagen.tuning.records import TuningWarning
 
 
 def kernel_hash(prim_func) -> str:

@@ -1,0 +1,170 @@
+"""Tuning: a small MetaSchedule run writes records; builds replay them in a fresh process;
+corrupt or stale records fall back with a warning; distributed tuning over loopback RPC."""
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mhagen
+from mhagen.tolerances import assert_close
+from mhagen import tune
+from mhagen.tuning import Database, Tuning, TuningWarning
+from tests.conftest import random_input
+
+LAYER = dict(d_model=64, num_heads=4, causal=True)
+BATCH, SEQ = 1, 32
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    report = tune(mhagen.mha(**LAYER), shapes=[(BATCH, SEQ)], trials=3, database=d / "x86.json",
+                  kernels=["qkv_projection", "attention"], progress=False)
+    return d, report
+
+
+def test_small_run_writes_sorted_readable_records(tuned):
+    d, report = tuned
+    data = json.loads((d / "x86.json").read_text())
+    assert data["schema"] == 1
+    records = data["records"]
+    assert sorted(r["key"]["kernel"] for r in records) == ["attention", "qkv_projection"]
+    for r in records:
+        assert r["key"]["seq"] == SEQ and r["key"]["heads"] == 4 and r["key"]["mask"] == "causal"
+        assert r["default_us"] > 0 and r["tvm"] and r["mhagen"]
+        assert r["kind"] in ("trace", "config", "default")
+    for res in report.results:  # never keep a slower schedule
+        assert res.kept == "default" or res.tuned_us < res.default_us
+    assert "default us" in report.table() and not report.interrupted
+
+
+def _best_trace(work_dir):
+    import tvm.s_tir.meta_schedule as ms
+
+    from mhagen.tuning.search import plain_json
+    (kernel_dir,) = [p for p in Path(work_dir).iterdir() if p.name.endswith("qkv_projection")]
+    db = ms.database.JSONDatabase(work_dir=str(kernel_dir))
+    records = db.get_all_tuning_records()
+    assert len(records) == 3, "MetaSchedule measured the trials into its database"
+    best = db.get_top_k(records[0].workload, 1)[0]
+    return plain_json(best.trace.as_json())
+
+
+def _forced_records(tuned):
+    """The run's records, with the tuned schedules forced in (so the replay path is used)."""
+    d, _ = tuned
+    db = Database.load(d / "x86.json")
+    out = []
+    for r in db.records.values():
+        r = dict(r)
+        if r["key"]["kernel"] == "qkv_projection":
+            r.update(kind="trace", trace=_best_trace(d / "x86-work"))
+        else:
+            r.update(kind="config", config={"q_tile": 16, "kv_block": 64, "tile_rows": 8,
+                                            "tile_cols": 32})
+        out.append(r)
+    return out
+
+
+def test_fresh_process_builds_with_tuned_records(tuned, tmp_path):
+    Database(tmp_path / "db.json", _forced_records(tuned)).save()
+    script = f"""
+import mhagen, numpy as np
+from mhagen.tolerances import assert_close
+layer = mhagen.mha(**{LAYER!r})
+w = layer.init_weights(0)
+m = mhagen.build(layer, batch={BATCH}, seq_len={SEQ}, weights=w, tuning={str(tmp_path / 'db.json')!r})
+x = np.random.default_rng(0).standard_normal(m.in_shape).astype(np.float32)
+assert_close(m(x), layer.reference(x, w))
+for d in m.decisions:
+    print(d["kernel"], d["source"], d["config"])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("qkv_projection tuned") for line in lines), out.stdout
+    assert any(line.startswith("attention tuned") and "'q_tile': 16" in line for line in lines)
+    assert any(line.startswith("output_projection default") for line in lines)
+
+
+def _build_with(records, tmp_path):
+    Database(tmp_path / "db.json", records).save()
+    layer = mhagen.mha(**LAYER)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, batch=BATCH, seq_len=SEQ, weights=w, tuning=tmp_path / "db.json")
+    x = random_input(layer, BATCH, SEQ)
+    assert_close(m(x), layer.reference(x, w))
+    return {d["kernel"]: d["source"] for d in m.decisions}
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda r: r.update(trace=[["NoSuchInstruction", [], [], []]]), "does not apply"),
+    (lambda r: r.update(kernel_hash="0" * 16), "kernel changed"),
+    (lambda r: r.update(tvm="0.1.0"), "made with TVM 0.1.0"),
+], ids=["garbage-trace", "stale-hash", "other-tvm"])
+def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, match):
+    records = _forced_records(tuned)
+    damage(next(r for r in records if r["key"]["kernel"] == "qkv_projection"))
+    with pytest.warns(TuningWarning, match=match):
+        sources = _build_with(records, tmp_path)
+    assert sources["qkv_projection"] == "stale"
+
+
+def test_invalid_attention_config_falls_back(tuned, tmp_path):
+    records = _forced_records(tuned)
+    next(r for r in records if r["key"]["kernel"] == "attention")["config"]["q_tile"] = 12
+    with pytest.warns(TuningWarning, match="invalid"):
+        sources = _build_with(records, tmp_path)
+    assert sources["attention"] == "default"
+
+
+def test_corrupt_database_file_is_ignored_with_a_warning(tmp_path):
+    (tmp_path / "db.json").write_text('{"schema": 1, "records": [tru')
+    with pytest.warns(TuningWarning, match="unreadable"):
+        tuning = Tuning([Database.load(tmp_path / "db.json")])
+    assert tuning.lookup({"kernel": "attention"}) is None
+
+
+def test_unknown_kernel_name_is_an_error(tmp_path):
+    with pytest.raises(mhagen.MhagenError, match="no tunable kernel"):
+        tune(mhagen.mha(32, 2), shapes=[(1, 8)], kernels=["gemm"], database=tmp_path / "d.json")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_distributed_tuning_over_loopback_rpc(tmp_path):
+    port, server_port = _free_port(), _free_port()
+    tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
+                                "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = None
+    try:
+        time.sleep(2)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
+             "--key", "mhagen-test", "--host", "127.0.0.1", "--port", str(server_port),
+             "--port-end", str(server_port + 1)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(3)
+        report = tune(mhagen.mha(32, 2), shapes=[(1, 16)], trials=2,
+                      database=tmp_path / "x86.json", kernels=["output_projection"],
+                      rpc=("127.0.0.1", port, "mhagen-test"), progress=False)
+        (result,) = report.results
+        assert result.kernel == "output_projection" and result.default_us > 0
+        assert result.trials == 2
+        assert Database.load(tmp_path / "x86.json").records
+    finally:
+        for p in (server, tracker):
+            if p is not None:
+                p.terminate()
+                p.wait(timeout=30)
