@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast test-arm setup-arm venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/mhagen build --d-model 512 --heads 8 --batch 1 --seq-len 128 --out build/mha-512x8
 
-test: $(STAMP)
+# The tests include aarch64 builds run under qemu: setup-arm installs the cross toolchain and
+# qemu-user with apt (skipped when present).
+test: $(STAMP) setup-arm
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+setup-arm:
+	.ci/setup-arm.sh
+
+test-arm: $(STAMP) setup-arm
+	$(BIN)/python -m pytest -q tests/test_arm.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -55,7 +55,10 @@ class Module:
         self.params = [b.name for b in program.role("param")]
         self._rt = runtime_module
         self._executable = executable
-        self._calls = [(runtime_module[k.name], k.args) for k in program.kernels]
+        # Code for another architecture (a cross build) is saved, never called: looking its
+        # functions up would start LLVM's JIT, which refuses a foreign architecture.
+        self._calls = ([(runtime_module[k.name], k.args) for k in program.kernels]
+                       if target.arch == _host_arch() else [])
         self.tuning_records = list(tuning_records or [])
         self.library_path = library_path
         self._temps = None
@@ -113,16 +116,13 @@ class Module:
         else:
             raise InputError("no weights: pass weights= to mhagen.build(), call "
                              "module.bind(weights), or call module(x, weights=...)")
-        if self._temps is None:  # allocated once; a Module is not safe to call from threads
+        if self._temps is None:  # allocated once: a Module is not safe to call from threads
             self._temps = {b.name: tvm.runtime.empty(b.shape, b.dtype, dev)
-                           for b in self.program.buffers.values() if b.role in ("temp",)}
+                           for b in self.program.buffers.values()
+                           if b.role in ("temp", "input", "output")}
         buffers = dict(bound, **self._temps)
-        for b in self.program.buffers.values():
-            if b.role == "input":
-                buffers[b.name] = tvm.runtime.tensor(
-                    np.ascontiguousarray(x.reshape(b.shape)), dev)
-            elif b.role == "output":
-                buffers[b.name] = tvm.runtime.empty(b.shape, b.dtype, dev)
+        for b in self.program.role("input"):
+            buffers[b.name].copyfrom(np.ascontiguousarray(x.reshape(b.shape)))
         return buffers
 
     def _run(self, buffers):
@@ -194,6 +194,7 @@ class Module:
             "mhagen_version": mhagen.__version__, "tvm_version": tvm.__version__,
             "target": {"name": t.name, "tvm": t.tvm_target_dict(), "arch": t.arch,
                        "cores": t.cores, "vector_bits": t.vector_bits,
+                       "vector_registers": t.vector_registers,
                        "features": list(t.required_features()), "all_features": list(t.features)},
             "graph": json.loads(self.graph.to_json()),
             "shapes": {"batch": self.batch, "seq_len": self.seq_len,
@@ -209,10 +210,12 @@ class Module:
 
     def save(self, path) -> Path:
         """Write the module to directory `path` (created); returns the path."""
+        from mhagen.compile import export_options  # the cross g++ for another arch
+        options = export_options(self.target) if self._executable is not None else {}
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         if self._executable is not None:
-            self._executable.export_library(str(path / "kernel.so"))
+            self._executable.export_library(str(path / "kernel.so"), **options)
         elif self.library_path is not None:  # a loaded module: its library, copied as is
             if Path(self.library_path).resolve() != (path / "kernel.so").resolve():
                 shutil.copyfile(self.library_path, path / "kernel.so")
@@ -307,10 +310,13 @@ def load(path) -> Module:
                             "rebuild it here with --target x86")
     from mhagen.artifact import check_content_hash
     check_content_hash(man, path)  # any other edit of manifest.json
+    from mhagen.target import vector_registers
+    features = tuple(tinfo.get("all_features", []))
     target = Target(tinfo["name"], tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                 for k, v in tinfo["tvm"].items())),
-                    tinfo["arch"], tinfo["cores"], tinfo["vector_bits"],
-                    tuple(tinfo.get("all_features", [])))
+                    tinfo["arch"], tinfo["cores"], tinfo["vector_bits"], features,
+                    vector_registers=tinfo.get("vector_registers")
+                    or vector_registers(tinfo["arch"], features))
     weights = None
     if man.get("weights"):
         raw = (path / "weights.bin").read_bytes()

@@ -20,6 +20,7 @@ class Target:
     vector_bits: int
     features: tuple
     cross_compiler: str | None = None
+    vector_registers: int = 16   # architectural vector registers (x86: 16, AVX-512/aarch64: 32)
 
     @property
     def lanes(self) -> int:
@@ -78,6 +79,12 @@ def _vector_bits(features) -> int:
     return 128
 
 
+def vector_registers(arch: str, features) -> int:
+    """Architectural vector registers when a preset does not say: 32 on aarch64 (v0-v31 /
+    z0-z31) and with AVX-512 (zmm0-31), else 16 (x86 AVX2/SSE)."""
+    return 32 if arch == "aarch64" or "avx512f" in features else 16
+
+
 def resolve(target) -> Target:
     """A preset name ("x86") or a Target -> a resolved Target for this build."""
     if isinstance(target, Target):
@@ -108,6 +115,8 @@ def resolve(target) -> Target:
     features = tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(
         tvm.target.Target(tvm_dict))))
     bits = preset.get("vector_bits") or _vector_bits(features)
+    registers = preset.get("vector_registers") or vector_registers(preset["arch"], features)
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in tvm_dict.items()))
     return Target(preset["name"], frozen,
-                  preset["arch"], cores, int(bits), features, preset.get("cross_compiler"))
+                  preset["arch"], cores, int(bits), features, preset.get("cross_compiler"),
+                  int(registers))

@@ -36,6 +36,9 @@ def rules_for(target):
     if target.arch == "x86_64":
         from mhagen.schedules.x86 import RULES
         return RULES
+    if target.arch == "aarch64":
+        from mhagen.schedules.arm import RULES
+        return RULES
     raise NotImplementedError(f"no schedule rules for {target.arch} yet")
 
 

@@ -2,7 +2,9 @@
 
 Fields: name, description, tvm (the TVM target dict; "mcpu": "host" means this machine's CPU),
 arch (the ISA the code runs on), cores ("host" = this machine's usable cores),
-vector_bits (null = derived from the CPU's features), cross_compiler (null = the host's cc).
+vector_bits (null = derived from the CPU's features), vector_registers (null = derived: 32 on
+aarch64 and with AVX-512, else 16), cross_compiler (null = the host's cc; else the g++ that
+links kernel.so for another arch, e.g. aarch64-linux-gnu-g++). cores: "host" or a number.
 """
 import json
 from importlib import resources

@@ -57,14 +57,10 @@ def finish(path, manifest: dict, *, toolchain=None) -> dict:
         reason = "no weights bound (bind weights, then save: the C API runs params.bin)"
     elif toolchain is None:
         arch = manifest["target"]["arch"]
-        if arch != host_arch():
-            reason = (f"{arch} code on a {host_arch()} host: generate it with "
-                      "mhagen.artifact.capi.write_c_api(dir, manifest, Toolchain(cxx=<cross "
-                      "g++>, include_dir=..., runtime_libs=<that arch's TVM libs>))")
-        else:
-            toolchain = Toolchain.host()
-            if isinstance(toolchain, str):
-                reason = toolchain
+        # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross)
+        toolchain = Toolchain.cross(arch) if arch != host_arch() else Toolchain.host()
+        if isinstance(toolchain, str):
+            reason = toolchain
     if reason is None:
         try:
             manifest["c_api"] = write_c_api(path, manifest, toolchain)

@@ -84,6 +84,18 @@ class Toolchain:
         return Toolchain(cxx, include, libs)
 
 
+    @staticmethod
+    def cross(arch: str, cxx: str | None = None) -> "Toolchain | str":
+        """The cross toolchain for `arch` (e.g. aarch64-linux-gnu-g++ and the aarch64 TVM
+        runtime from mhagen's cache, see mhagen.cross), or a string saying why there is none."""
+        from mhagen.cross import toolchain
+        from mhagen.errors import TargetError
+        try:
+            return toolchain(arch, cxx)
+        except TargetError as err:
+            return str(err)
+
+
 def _which(program):
     return shutil.which(program)
 
@@ -251,17 +263,49 @@ MHA_API const char *mha_status_name(int status);
 """
 
 
+# aarch64: Linux's HWCAP bits (asm/hwcap.h) of the features the kernels may need; SVE code
+# compiled for fixed-length vectors also needs the SVE vector length (prctl PR_SVE_GET_VL).
+_AARCH64_HWCAPS = {"neon": 1 << 1, "sve": 1 << 22}
+
+
+def _aarch64_checks(t, feats) -> list:
+    lines = ["#if defined(__aarch64__) && defined(__linux__)",
+             "  unsigned long hwcap = getauxval(AT_HWCAP);"]
+    for f in feats:
+        lines.append(f'  if (!(hwcap & {_AARCH64_HWCAPS[f]}UL)) missing += " {f}";')
+    if "sve" in feats and t.get("vector_bits"):
+        vl = int(t["vector_bits"]) // 8
+        lines += ["  if (hwcap & (1UL << 22)) {",
+                  "    int vl = prctl(51 /* PR_SVE_GET_VL */, 0, 0, 0, 0);",
+                  f"    if (vl >= 0 && (vl & 0xffff) < {vl})",
+                  f'      missing += " sve with {vl * 8}-bit vectors (this CPU\'s are " + '
+                  'std::to_string((vl & 0xffff) * 8) + "-bit)";',
+                  "  }"]
+    lines.append("#endif")
+    return lines
+
+
 def _cpu_check(manifest) -> str:
     t = manifest["target"]
     feats = sorted(t.get("features") or [])
-    checked = [f for f in feats if f in _X86_BUILTIN_FEATURES] if t["arch"] == "x86_64" else []
+    if t["arch"] == "x86_64":
+        checked = [f for f in feats if f in _X86_BUILTIN_FEATURES]
+    elif t["arch"] == "aarch64":
+        checked = [f for f in feats if f in _AARCH64_HWCAPS]
+    else:
+        checked = []
     unchecked = [f for f in feats if f not in checked]
     lines = ["// The CPU features the kernels need (checked at mha_create)."]
     if unchecked:
         lines.append(f"// Not checkable here: {' '.join(unchecked)}.")
+    if checked and t["arch"] == "aarch64":
+        lines += ["#if defined(__aarch64__) && defined(__linux__)", "#include <sys/auxv.h>",
+                  "#include <sys/prctl.h>", "#endif"]
     lines.append("std::string missing_cpu_features() {")
     lines.append("  std::string missing;")
-    if checked:
+    if checked and t["arch"] == "aarch64":
+        lines += _aarch64_checks(t, checked)
+    elif checked:
         lines.append("#if defined(__x86_64__) && defined(__GNUC__)")
         lines.append("  __builtin_cpu_init();")
         for f in checked:

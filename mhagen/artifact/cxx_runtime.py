@@ -327,7 +327,7 @@ mha_handle *create(const char *dir_c) {
   if (!missing.empty()) {
     fail(MHA_ERR_TARGET, "mha_create: this CPU lacks" + missing + " that the kernels in " +
                              dir + " need; rebuild the artifact on this machine "
-                             "(mhagen build --target x86)");
+                             "(rebuild it for this machine: mhagen build --target x86 on x86, arm-neon on aarch64)");
     return nullptr;
   }
   // Every file the kernels depend on: size, then sha256.

@@ -1,10 +1,11 @@
 """mhagen.tune(): tune a layer's kernels for a target with TVM MetaSchedule.
 
 Per kernel of the lowered program:
-  - GEMM kernels (TE): MetaSchedule's evolutionary search over the union of two spaces: our
-    x86 matmul template with its knobs sampled (tile rows) and TVM's generic post-order-apply
-    rules. Each kernel has a MetaSchedule JSON database under the work dir, so an interrupted
-    run (Ctrl-C, time budget) keeps every measurement and a re-run resumes.
+  - GEMM kernels (TE): MetaSchedule, first over our matmul template with its knob sampled
+    (register tile rows; one trial per value), then its evolutionary search over TVM's
+    generic post-order-apply space for the rest of the trials. Each kernel has a MetaSchedule
+    JSON database under the work dir, so an interrupted run (Ctrl-C, time budget) keeps every
+    measurement and a re-run resumes.
   - the attention template: its few knobs (query tile, key block) are measured one by one
     through the same MetaSchedule builder/runner (its block table is passed as real data).
   - data-movement kernels (K/V layout) are not tuned.
@@ -57,6 +58,14 @@ class TuneReport:
         return "\n".join(rows)
 
 
+# A tuned schedule replaces the default only when at least 3% faster (timing noise here is
+# a few percent; a tie keeps the hand-written default).
+KEEP_MARGIN = 0.97
+# The matmul template's tuning knob: register tile rows (columns follow the weight panels).
+TEMPLATE_ROWS = (4, 6, 8, 10, 12)
+TEMPLATE_TRIALS = len(TEMPLATE_ROWS)
+
+
 class _Stop(Exception):
     pass
 
@@ -68,6 +77,35 @@ def fast_build(mod, target, _params):
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm.tirx.build(mod, target=target)
+
+
+def cross_export(mod, cxx):
+    """Export a built candidate as a shared library linked here by `cxx` (a cross g++)."""
+    import tempfile
+
+    from tvm.support import cc
+    path = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so")
+    mod.export_library(path, fcompile=cc.cross_compiler(cxx))
+    return path
+
+
+def _local_builder(target, **kwargs):
+    """MetaSchedule's LocalBuilder with fast_build. Its default export is a .tar of objects
+    that the runner's machine links with its own compiler; for code of another architecture
+    (a board over RPC) link here with the cross compiler instead, as `mhagen build` does, so
+    the board needs no compiler (the .tar stays when no cross compiler is installed)."""
+    import functools
+    import shutil
+
+    import tvm.s_tir.meta_schedule as ms
+
+    from mhagen.cross import ARCHES
+    from mhagen.target import host_arch
+    arch = str(target.attrs.get("mtriple", "")).split("-")[0]
+    cxx = shutil.which(ARCHES[arch].cxx) if arch != host_arch() and arch in ARCHES else None
+    if cxx:
+        kwargs["f_export"] = functools.partial(cross_export, cxx=cxx)
+    return ms.builder.LocalBuilder(f_build=fast_build, **kwargs)
 
 
 class _Progress:
@@ -130,7 +168,7 @@ def _measure(funcs, target, runner, fixed=None, repeat=5):
     import tvm
     import tvm.s_tir.meta_schedule as ms
 
-    builder = ms.builder.LocalBuilder(f_build=fast_build, max_workers=1)
+    builder = _local_builder(target, max_workers=1)
     built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target)
                            for f in funcs])
     config = ms.runner.EvaluatorConfig(number=3, repeat=repeat, min_repeat_ms=50,
@@ -199,6 +237,12 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     from mhagen.tuning.apply import kernel_hash, versions
 
     t = resolve(target)
+    from mhagen.target import host_arch
+    if rpc is None and t.arch != host_arch():
+        from mhagen.errors import TargetError
+        raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
+                          "measure it on the device through a TVM RPC tracker "
+                          "(mhagen tune --rpc-tracker HOST:PORT --device-key KEY)")
     db_path = Path(database) if database else user_database_path(t.name)
     db = Database.load(db_path)
     work_dir = Path(work_dir) if work_dir else db_path.parent / f"{t.name}-work"
@@ -267,7 +311,8 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     rule = MatmulRule()
 
     def template(sch):
-        rows = sch.sample_categorical([4, 6, 8, 10, 12], [0.2] * 5)
+        rows = sch.sample_categorical(list(TEMPLATE_ROWS), [1 / len(TEMPLATE_ROWS)] * len(
+            TEMPLATE_ROWS))
         cfg = rule.default_config(gemm.workload, t)
         rule.apply(sch, gemm, MatmulConfig(tile_rows=rows, tile_cols=cfg.tile_cols),
                    Plan(stages))
@@ -281,15 +326,20 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
 
     callbacks = ms.measure_callback.MeasureCallback.create("default") + [
         derived_object(Progress)()]
-    remaining = trials - done
-    if remaining > 0:
-        space = ms.space_generator.SpaceGeneratorUnion(
-            [ms.space_generator.ScheduleFn(template), ms.space_generator.PostOrderApply()])
+    # Phase 1 (fresh runs): every knob value of our template, so the search starts from the
+    # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
+    phases = []
+    if done == 0:
+        phases.append((ms.space_generator.ScheduleFn(template), min(TEMPLATE_TRIALS, trials)))
+    phases.append(("post-order-apply", trials - done - sum(n for _, n in phases)))
+    for space, budget in phases:
+        if budget <= 0:
+            continue
         _quiet_metaschedule_logging()
         with contextlib.redirect_stdout(io.StringIO()):  # its console log; our bar is on stderr
-            ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=remaining,
-                        num_trials_per_iter=min(16, remaining), database=ms_db,
-                        builder=ms.builder.LocalBuilder(f_build=fast_build),
+            ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=budget,
+                        num_trials_per_iter=min(16, budget), database=ms_db,
+                        builder=_local_builder(t.tvm),
                         runner=runner or "local", cost_model="xgb",
                         measure_callbacks=callbacks, space=space,
                         num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
@@ -305,7 +355,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
         trace_json = plain_json(best[0].trace.as_json())
     times = _measure(funcs, t.tvm, runner)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
-    keep = tuned_s is not None and default_s is not None and tuned_s < default_s
+    keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
     record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
               "kernel_hash": kernel_hash(kernel.prim_func),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
@@ -337,7 +387,8 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
         bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
     default_s, tuned_s = times[0], times[best]
-    keep = best != 0 and tuned_s is not None and default_s is not None and tuned_s < default_s
+    keep = (best != 0 and tuned_s is not None and default_s is not None
+            and tuned_s < KEEP_MARGIN * default_s)
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}

@@ -78,7 +78,7 @@ class AttentionRule:
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes)
+        return build_attention(w, cfg, target.lanes, target.vector_registers)
 
 
 def _tir_ops():
@@ -97,13 +97,23 @@ def layout(w, cfg):
             "seq_padded": _round_up(seq, cfg.kv_block), "head_dim_padded": _round_up(d, 16)}
 
 
-def build_attention(w, cfg, lanes):
+def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):
+    """Width (over head_dim) of the P V register tile: the widest of 32, 16, 8 that divides
+    the padded head_dim and whose tile_rows x width accumulators leave 4 vector registers
+    free. AVX-512 (16 lanes, 32 registers): 32; 256-bit SVE (8, 32): 16; NEON (4, 32): 8."""
+    for width in (32, 16, 8):
+        if head_dim_padded % width == 0 and tile_rows * width // lanes <= registers - 4:
+            return width
+    return 8
+
+
+def build_attention(w, cfg, lanes, registers=32):
     """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
     B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
     L = layout(w, cfg)
     NQT, NKB, TP, DP = L["n_q_tiles"], L["n_kv_blocks"], L["seq_padded"], L["head_dim_padded"]
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
-    NV = 32 if DP % 32 == 0 else 16          # output register tile width (over head_dim)
+    NV = output_tile_cols(DP, MR, lanes, registers)   # output register tile width
     LN = lanes
     GROUP = H // G
     QKV_W, Q_BASE, HD = w["qkv_width"], w["q_base"], H * d

@@ -28,13 +28,17 @@ class MatmulRule:
         return stage.pattern in ("matmul", "packed_matmul")
 
     def default_config(self, workload, target):
-        lanes = target.lanes
+        # Accumulators take tile_rows * tile_cols / lanes vector registers; 4 stay free for
+        # the A broadcast and the B loads. AVX-512 (32 regs, 16 lanes): 8 x 32; AVX2 (16, 8):
+        # 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
+        lanes, budget = target.lanes, target.vector_registers - 4
         if "panel" in workload:
-            return MatmulConfig(tile_rows=8 if lanes >= 16 else 6, tile_cols=workload["panel"])
+            tile_cols = workload["panel"]
+            return MatmulConfig(tile_rows=max(1, min(8, budget * lanes // tile_cols)),
+                                tile_cols=tile_cols)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
-        registers = 32 if target.vector_bits >= 512 else 16
-        tile_rows = max(1, min(8, (registers - 4) * lanes // tile_cols, workload["rows"]))
+        tile_rows = max(1, min(8, budget * lanes // tile_cols, workload["rows"]))
         return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols)
 
     def apply(self, sch, stage, cfg, plan):

@@ -1,0 +1,293 @@
+"""ARM (aarch64) targets, built on this x86 machine: presets and rules, cross-compiled kernels
+checked instruction by instruction (NEON fmla on v registers, SVE on z registers), and run
+under qemu-user through the generated C API and the same C example app as on x86
+(examples/c_app/mha_app.c) against the float64 reference.
+
+Needs the cross toolchain and qemu (.ci/setup-arm.sh installs them) and TVM's aarch64 runtime
+(fetched from PyPI into mhagen's cache on first use). Without them these tests skip with the
+reason, or fail with the install hint when the CI environment variable is set.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen import cross
+from mhagen.errors import ArtifactError, TargetError
+from mhagen.target import host_arch, resolve
+from mhagen.tolerances import assert_close, max_error
+from tests.conftest import random_input
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "examples" / "c_app" / "mha_app.c"
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+EM_AARCH64 = 183
+PACKAGES = ("gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "libc6-dev-arm64-cross")
+
+LAYERS = {
+    # id: (mha kwargs, batch, seq_len)
+    "default-512x8": (dict(d_model=512, num_heads=8), 1, 32),
+    "causal-gqa-256x8-kv2": (dict(d_model=256, num_heads=8, kv_heads=2, causal=True), 1, 32),
+}
+RUN_TARGETS = ("arm-neon", "arm-sve")
+
+pytestmark = pytest.mark.skipif(host_arch() == "aarch64",
+                                reason="these tests cross-build from another architecture")
+
+
+def _unavailable(reason):
+    """A missing tool: a failure in CI (which installs it), else a skip saying what to do."""
+    if CI:
+        pytest.fail(f"CI is set but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    a = cross.arch_info("aarch64")
+    missing = [t for t in (a.cc, a.cxx, a.objdump) if shutil.which(t) is None]
+    if missing:
+        _unavailable(f"{', '.join(missing)} not installed; {cross.install_hint('aarch64')}")
+    return a
+
+
+@pytest.fixture(scope="module")
+def qemu(toolchain):
+    try:
+        return cross.require_emulator("aarch64")
+    except TargetError as err:
+        _unavailable(str(err))
+
+
+@pytest.fixture(scope="module")
+def aarch64_runtime(toolchain):
+    """TVM's aarch64 runtime in mhagen's cache (downloaded once, ~100 MB, 6 MB kept)."""
+    try:
+        return cross.fetch_runtime("aarch64")
+    except TargetError as err:
+        _unavailable(f"TVM's aarch64 runtime could not be fetched: {err}")
+
+
+class Artifact:
+    """One layer cross-built for one ARM target and saved with its C API; the C example app
+    cross-compiled against it."""
+
+    def __init__(self, target, key, root):
+        kwargs, self.batch, self.seq_len = LAYERS[key]
+        self.layer = mhagen.mha(**kwargs)
+        self.w = self.layer.init_weights(seed=3)
+        self.module = mhagen.build(self.layer, target, batch=self.batch, seq_len=self.seq_len,
+                                   weights=self.w)
+        self.dir = self.module.save(root / f"{target}-{key}")
+        self.manifest = json.loads((self.dir / "manifest.json").read_text())
+        self.x = random_input(self.layer, self.batch, self.seq_len, seed=5)
+        self.expected = self.layer.reference(self.x, self.w)
+        self.xfile = root / f"{target}-{key}.x.f32"
+        self.x.tofile(self.xfile)
+        self._app = None
+
+    @property
+    def app(self):
+        if self._app is None:
+            self._app = cross.compile_app(APP, self.dir, self.dir.parent / f"{self.dir.name}.app")
+        return self._app
+
+    def cpu(self):
+        t = self.manifest["target"]
+        return cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"])
+
+    def run(self, cpu=None):
+        """Run the app under qemu; returns (completed process, y or None)."""
+        out = self.dir.parent / f"{self.dir.name}.y.f32"
+        if out.exists():
+            out.unlink()
+        r = cross.run([self.app, self.dir, self.xfile, out], cpu=cpu or self.cpu(), timeout=600)
+        y = np.fromfile(out, np.float32).reshape(self.expected.shape) if out.exists() else None
+        return r, y
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, toolchain, aarch64_runtime):
+    root = tmp_path_factory.mktemp("arm")
+    cache = {}
+
+    def get(target, key):
+        if (target, key) not in cache:
+            cache[target, key] = Artifact(target, key, root)
+        return cache[target, key]
+    return get
+
+
+def _elf_machine(path) -> int:
+    with open(path, "rb") as f:
+        head = f.read(20)
+    assert head[:4] == b"\x7fELF", f"{path} is not an ELF file"
+    return int.from_bytes(head[18:20], "little")
+
+
+# -- presets and rules (no toolchain needed) -------------------------------------------------
+@pytest.mark.parametrize("name, lanes, features", [
+    ("arm-neon", 4, ("neon",)), ("arm-sve", 8, ("neon", "sve")), ("arm-a72", 4, ("neon",))])
+def test_arm_presets_resolve_as_data(name, lanes, features):
+    t = resolve(name)
+    assert t.arch == "aarch64" and t.lanes == lanes and t.vector_registers == 32
+    assert isinstance(t.cores, int) and t.cores >= 1
+    assert t.cross_compiler == "aarch64-linux-gnu-g++"
+    assert t.required_features() == features
+    assert t.tvm_target_dict()["mtriple"] == "aarch64-linux-gnu"
+    assert not t.runs_here()
+
+
+def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
+    from mhagen.schedules import fused_attention_rule, rules_for
+    from mhagen.schedules.x86 import RULES as X86
+    from mhagen.schedules.x86.attention import output_tile_cols
+    from mhagen.schedules.x86.matmul import MatmulConfig
+    neon, sve = resolve("arm-neon"), resolve("arm-sve")
+    assert [type(r) for r in rules_for(neon)] == [type(r) for r in X86]
+    assert fused_attention_rule(neon) is not None
+    matmul = next(r for r in rules_for(neon) if r.name == "matmul")
+    # register tiles sized from lanes and the 32 vector registers (4 kept for operands)
+    assert matmul.default_config({"panel": 8}, neon) == MatmulConfig(8, 8)
+    assert matmul.default_config({"panel": 16}, sve) == MatmulConfig(8, 16)
+    assert output_tile_cols(64, 8, neon.lanes, neon.vector_registers) == 8
+    assert output_tile_cols(64, 8, sve.lanes, sve.vector_registers) == 16
+
+
+def test_building_without_the_cross_compiler_names_the_packages(tmp_path, monkeypatch):
+    layer = mhagen.mha(64, 4)
+    module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
+    assert "fmla" in module.inspect("source")   # compiling needs no cross toolchain...
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(TargetError, match="aarch64-linux-gnu-g\\+\\+") as err:
+        module.save(tmp_path / "m")          # ...linking kernel.so does
+    for package in PACKAGES:
+        assert package in str(err.value)
+    assert not (tmp_path / "m").exists(), "nothing is written when the compiler is missing"
+
+
+def test_cli_build_without_the_cross_compiler_is_one_line(tmp_path, monkeypatch, capsys):
+    from mhagen.cli import main
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    rc = main(["build", "--target", "arm-neon", "--d-model", "64", "--heads", "4",
+               "--seq-len", "8", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("mhagen build: error: building for arm-neon")
+    assert "sudo apt-get install -y gcc-aarch64-linux-gnu" in err
+
+
+def test_arm_module_cannot_be_called_here():
+    layer = mhagen.mha(64, 4)
+    module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
+    with pytest.raises(ArtifactError, match="aarch64 code"):
+        module(random_input(layer, 1, 8))
+
+
+def test_tuning_for_arm_needs_a_device(tmp_path):
+    with pytest.raises(TargetError, match="--rpc-tracker HOST:PORT --device-key"):
+        mhagen.tune(mhagen.mha(64, 4), "arm-a72", shapes=[(1, 8)], trials=1,
+                    database=tmp_path / "db.json", progress=False)
+
+
+# -- cross-compiled code ---------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["arm-neon", "arm-sve"])
+def test_disassembly_shows_neon_or_sve(artifacts, target):
+    art = artifacts(target, "default-512x8")
+    assert _elf_machine(art.dir / "kernel.so") == EM_AARCH64
+    text = cross.disassemble(art.dir / "kernel.so")
+    assert "file format elf64-littleaarch64" in text
+    neon_fmla = len([ln for ln in text.splitlines() if "\tfmla\tv" in ln and ".4s" in ln])
+    sve_fmla = len([ln for ln in text.splitlines() if "\tfmla\tz" in ln])
+    z_regs = len(re.findall(r"[\s,{]z\d+\b", text))
+    if target == "arm-neon":
+        assert neon_fmla > 50 and sve_fmla == 0 and z_regs == 0
+    else:  # fixed-length SVE: predicated fmla/ld1w/st1w on z registers, 256-bit (vl8) ptrue
+        assert sve_fmla > 50 and neon_fmla == 0
+        assert "\tld1w\t{z" in text and "\tst1w\t{z" in text and "ptrue\tp0.s, vl8" in text
+
+
+def test_a72_preset_builds_neon(tmp_path, toolchain):
+    layer = mhagen.mha(128, 4)
+    module = mhagen.build(layer, "arm-a72", batch=1, seq_len=16, weights=layer.init_weights(0))
+    d = module.save(tmp_path / "a72")
+    text = cross.disassemble(d / "kernel.so")
+    assert "\tfmla\tv" in text and "\tfmla\tz" not in text
+    man = json.loads((d / "manifest.json").read_text())
+    assert man["target"]["tvm"]["mcpu"] == "cortex-a72" and man["target"]["arch"] == "aarch64"
+
+
+def test_artifact_carries_an_aarch64_c_api(artifacts):
+    art = artifacts("arm-neon", "default-512x8")
+    for name in ("libmha.so", "lib/libtvm_ffi.so", "lib/libtvm_runtime.so"):
+        assert _elf_machine(art.dir / name) == EM_AARCH64, name
+    c_api = art.manifest["c_api"]
+    assert "aarch64-linux-gnu-g++" in c_api["compiler"] and "skipped" not in c_api
+    assert "aarch64" in (art.dir / "mha.h").read_text()
+
+
+@pytest.mark.parametrize("key", list(LAYERS))
+@pytest.mark.parametrize("target", RUN_TARGETS)
+def test_runs_under_qemu_and_matches_the_reference(artifacts, qemu, target, key):
+    art = artifacts(target, key)
+    r, y = art.run()
+    assert r.returncode == 0, f"qemu -cpu {art.cpu()}: {r.stderr}"
+    assert "y: [" in r.stdout
+    err = max_error(y, art.expected)
+    assert err < 1e-4, err
+    assert_close(y, art.expected)
+
+
+def test_sve_code_runs_on_wider_sve_vectors(artifacts, qemu):
+    """Fixed-length 256-bit SVE uses predicated (vl8) operations: correct on 512-bit SVE too."""
+    art = artifacts("arm-sve", "default-512x8")
+    r, y = art.run(cpu="max,sve512=on")
+    assert r.returncode == 0, r.stderr
+    assert max_error(y, art.expected) < 1e-4
+
+
+@pytest.mark.parametrize("cpu, why", [("neoverse-n1", "lacks sve "),
+                                      ("max,sve128=on", "sve with 256-bit vectors")])
+def test_sve_artifact_refuses_a_cpu_without_256_bit_sve(artifacts, qemu, cpu, why):
+    art = artifacts("arm-sve", "default-512x8")
+    r, y = art.run(cpu=cpu)
+    assert r.returncode == 1 and y is None
+    assert "MHA_ERR_TARGET" in r.stderr and why in r.stderr, r.stderr
+
+
+def test_loading_an_aarch64_module_here_is_a_clear_error(artifacts):
+    art = artifacts("arm-neon", "causal-gqa-256x8-kv2")
+    with pytest.raises(ArtifactError, match=r"aarch64 code .* run it on a aarch64 machine"):
+        mhagen.load(art.dir)
+
+
+def test_c_api_skipped_with_a_note_when_the_runtime_is_not_cached(tmp_path, monkeypatch,
+                                                                 toolchain):
+    monkeypatch.setenv("MHAGEN_CACHE", str(tmp_path / "empty-cache"))
+    layer = mhagen.mha(64, 4)
+    module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
+    d = module.save(tmp_path / "m")
+    man = json.loads((d / "manifest.json").read_text())
+    assert "python -m mhagen.cross fetch aarch64" in man["c_api"]["skipped"]
+    assert _elf_machine(d / "kernel.so") == EM_AARCH64 and not (d / "libmha.so").exists()
+
+
+def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
+
+    from mhagen.lower import lower
+    from mhagen.tuning.records import Tuning
+    from mhagen.tuning.search import _local_builder
+    t = resolve("arm-a72")
+    program = lower(mhagen.mha(64, 4), 1, 8, t, tuning=Tuning.none())
+    kernel = next(k for k in program.kernels if k.name == "qkv_projection")
+    (res,) = _local_builder(t.tvm, max_workers=1).build(
+        [ms.builder.BuilderInput(tvm.IRModule({"main": kernel.prim_func}), t.tvm)])
+    assert res.error_msg is None, res.error_msg
+    assert res.artifact_path.endswith(".so") and _elf_machine(res.artifact_path) == EM_AARCH64
+    shutil.rmtree(os.path.dirname(res.artifact_path), ignore_errors=True)
