@@ -168,3 +168,17 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
             if p is not None:
                 p.terminate()
                 p.wait(timeout=30)
+
+
+def test_default_layer_uses_the_shipped_records(tmp_path, monkeypatch):
+    from mhagen.target import resolve
+    monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path))  # no user records
+    layer = mhagen.mha(512, 8)
+    m = mhagen.build(layer, batch=1, seq_len=128, weights=layer.init_weights(0))
+    sources = {d["kernel"]: d["source"] for d in m.decisions}
+    shipped = Database.load(Path(mhagen.__file__).parent.parent / "schedules/x86/tuned.json")
+    tuned = {r["key"]["kernel"] for r in shipped.records.values()
+             if r["kind"] != "default" and r["key"]["vector_bits"] == resolve("x86").vector_bits}
+    assert tuned, "the shipped records tune something on this machine's vector width"
+    assert {k for k, s in sources.items() if s == "tuned"} == tuned
+    assert m.tuning_records and all(r["kind"] != "default" for r in m.tuning_records)
