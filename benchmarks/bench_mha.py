@@ -1,0 +1,1217 @@
+#!/usr/bin/env python
+"""Benchmark mhagen's compiled multi-head attention layer against peers, in one process.
+
+Every implementation computes the whole layer in float32 (QKV projections + attention +
+output projection) with the same weights, converted from mhagen's per-head layout:
+
+  mhagen          mhagen.build(layer, "x86", ...) (TVM), built once per shape and mask
+  numpy           one packed QKV matmul, batched attention (max-subtracted softmax), W_O matmul
+  torch_mha       torch.nn.MultiheadAttention (batch_first, need_weights=False, inference_mode)
+  torch_sdpa      Linear(QKV) -> F.scaled_dot_product_attention -> Linear
+  ort_mha         ONNX Runtime, com.microsoft.MultiHeadAttention between MatMul projections
+  ort_attention   ONNX Runtime, standard opset-23 Attention between MatMul projections
+
+Each output is checked against the float64 reference (layer.reference) with mhagen.tolerances
+before timing; a failing peer is reported and excluded, a failing mhagen makes the exit code 1.
+Timing interleaves the implementations in rounds and reports medians. See benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import mhagen
+import mhagen.runtime
+import mhagen.target
+from mhagen import tolerances
+from mhagen.cost import graph_flops
+
+HERE = Path(__file__).resolve().parent
+
+DEFAULT_SHAPES = [(1, 128, 512, 8), (1, 512, 512, 8), (4, 512, 768, 12), (1, 2048, 1024, 16)]
+LONG_SHAPE = (1, 16384, 1024, 16)
+LONG_CHECK_ROWS = 256
+LONG_SMALL_SEQ = 1024
+MASKS = (False, True)
+IMPLS = ("mhagen", "numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention")
+DESCRIPTIONS = {
+    "mhagen": "mhagen.build(layer, 'x86') (TVM)",
+    "numpy": "numpy float32: packed QKV matmul, batched attention, W_O matmul",
+    "torch_mha": "torch.nn.MultiheadAttention (batch_first, need_weights=False)",
+    "torch_sdpa": "torch Linear -> F.scaled_dot_product_attention -> Linear",
+    "ort_mha": "onnxruntime com.microsoft.MultiHeadAttention + MatMul projections",
+    "ort_attention": "onnxruntime opset-23 Attention + MatMul projections",
+}
+REQUIRES = {"mhagen": (), "numpy": (), "torch_mha": ("torch",), "torch_sdpa": ("torch",),
+            "ort_mha": ("onnx", "onnxruntime"), "ort_attention": ("onnx", "onnxruntime")}
+SGEMM = (2048, 1024, 3072)   # [M, K] @ [K, N]
+DISTURBED = 0.25             # cores busy in other processes while timing: numbers disturbed
+
+
+def mask_name(causal: bool) -> str:
+    return "causal" if causal else "none"
+
+
+def shape_name(shape) -> str:
+    return "x".join(str(v) for v in shape)
+
+
+def parse_shape(text: str):
+    parts = text.lower().replace("×", "x").split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"shape {text!r} must be BATCHxSEQxD_MODELxHEADS, e.g. 1x128x512x8")
+    b, s, d, h = (int(p) for p in parts)
+    if d % h:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: d_model {d} is not divisible by "
+                                         f"heads {h}")
+    return (b, s, d, h)
+
+
+def make_input(batch, seq, d_model, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, seq, d_model)).astype(np.float32)
+
+
+def layer_flops(layer, batch, seq) -> int:
+    """Dense flop count of the layer (what kernel.flops() returns; masked work included)."""
+    shape = layer.inputs[0].attrs["shape"]
+    dims = {d: v for d, v in zip(shape[:2], (batch, seq)) if isinstance(d, str)}
+    return graph_flops(layer, **dims)
+
+
+# -- weight conversion (mhagen per-head layout -> peers) -----------------------------------
+# mhagen: w_q/w_k/w_v [H, D, d] with y_h = x @ w[h] + b[h] (b [H, d]); w_o [H*d, D]; b_o [D].
+
+def _heads_to_columns(w_heads):
+    """[H, D, d] -> [D, H*d]: column block h is head h (x @ result = concatenated heads)."""
+    h, d_in, d = w_heads.shape
+    return np.ascontiguousarray(w_heads.transpose(1, 0, 2).reshape(d_in, h * d))
+
+
+def packed_qkv(w):
+    """One [D, 3*H*d] matrix and [3*H*d] bias: columns are q heads, then k heads, then v heads
+    (head h of q is columns h*d:(h+1)*d), so x @ W + b = [Q | K | V], each head-major."""
+    weight = np.concatenate([_heads_to_columns(w[f"w_{r}"]) for r in "qkv"], axis=1)
+    bias = np.concatenate([np.asarray(w[f"b_{r}"]).reshape(-1) for r in "qkv"])
+    return weight.astype(np.float32), bias.astype(np.float32)
+
+
+def torch_in_proj(w):
+    """torch.nn.MultiheadAttention.in_proj_weight [3E, E] and in_proj_bias [3E]: rows of the
+    q block are the per-head W_q[h]^T stacked (torch computes x @ W^T), then k, then v."""
+    weight = np.concatenate(
+        [np.concatenate([np.asarray(w[f"w_{r}"][h]).T for h in range(w[f"w_{r}"].shape[0])],
+                        axis=0) for r in "qkv"], axis=0)
+    bias = np.concatenate([np.asarray(w[f"b_{r}"]).reshape(-1) for r in "qkv"])
+    return np.ascontiguousarray(weight, np.float32), bias.astype(np.float32)
+
+
+def torch_out_proj(w):
+    """out_proj.weight [E, H*d] = w_o^T and out_proj.bias = b_o."""
+    return (np.ascontiguousarray(np.asarray(w["w_o"]).T, np.float32),
+            np.asarray(w["b_o"], np.float32))
+
+
+# -- implementations: callables x [B, S, D] float32 -> y [B, S, D] float32 ------------------
+
+class Mhagen:
+    per_thread = False
+
+    def __init__(self, layer, w, batch, seq, causal, threads=None, kernel=None):
+        self.kernel = kernel or mhagen.build(layer, "x86", batch=batch, seq_len=seq, weights=w)
+
+    def __call__(self, x):
+        return self.kernel(x)
+
+
+class NumpyMHA:
+    per_thread = False
+
+    def __init__(self, layer, w, batch, seq, causal, threads=None):
+        self.w_qkv, self.b_qkv = packed_qkv(w)
+        self.w_o = np.ascontiguousarray(w["w_o"], np.float32)
+        self.b_o = np.asarray(w["b_o"], np.float32)
+        self.heads, _, self.head_dim = w["w_q"].shape
+        self.scale = np.float32(1.0 / math.sqrt(self.head_dim))
+        # additive mask: -inf above the diagonal (query i sees keys 0..i)
+        self.mask = (np.triu(np.full((seq, seq), -np.inf, np.float32), 1) if causal else None)
+
+    def __call__(self, x):
+        b, s, d_model = x.shape
+        h, d = self.heads, self.head_dim
+        qkv = x.reshape(b * s, d_model) @ self.w_qkv
+        qkv += self.b_qkv
+        qkv = qkv.reshape(b, s, 3, h, d).transpose(2, 0, 3, 1, 4)     # [3, B, H, S, d]
+        q = np.ascontiguousarray(qkv[0]) * self.scale
+        k = np.ascontiguousarray(qkv[1])
+        v = np.ascontiguousarray(qkv[2])
+        scores = q @ k.transpose(0, 1, 3, 2)                          # [B, H, S, S]
+        if self.mask is not None:
+            scores += self.mask
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores *= 1.0 / scores.sum(axis=-1, keepdims=True)
+        o = scores @ v                                                # [B, H, S, d]
+        o = o.transpose(0, 2, 1, 3).reshape(b * s, h * d)
+        y = o @ self.w_o
+        y += self.b_o
+        return y.reshape(b, s, d_model)
+
+
+class TorchMHA:
+    per_thread = False
+
+    def __init__(self, layer, w, batch, seq, causal, threads=None):
+        import torch
+        self.torch = torch
+        heads, d_model, _ = w["w_q"].shape
+        m = torch.nn.MultiheadAttention(d_model, heads, bias=True, batch_first=True)
+        w_in, b_in = torch_in_proj(w)
+        w_out, b_out = torch_out_proj(w)
+        with torch.no_grad():
+            m.in_proj_weight.copy_(torch.from_numpy(w_in))
+            m.in_proj_bias.copy_(torch.from_numpy(b_in))
+            m.out_proj.weight.copy_(torch.from_numpy(w_out))
+            m.out_proj.bias.copy_(torch.from_numpy(b_out))
+        self.module = m.eval()
+        self.causal = causal
+        # True = may not attend: strictly above the diagonal
+        self.mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1) if causal else None
+
+    def __call__(self, x):
+        with self.torch.inference_mode():
+            t = self.torch.from_numpy(x)
+            y, _ = self.module(t, t, t, need_weights=False, attn_mask=self.mask,
+                               is_causal=self.causal)
+            return y.numpy()
+
+
+class TorchSDPA:
+    per_thread = False
+
+    def __init__(self, layer, w, batch, seq, causal, threads=None):
+        import torch
+        import torch.nn.functional as F
+        self.torch, self.sdpa = torch, F.scaled_dot_product_attention
+        self.heads, d_model, self.head_dim = w["w_q"].shape
+        w_in, b_in = torch_in_proj(w)
+        w_out, b_out = torch_out_proj(w)
+        self.qkv = torch.nn.Linear(d_model, 3 * self.heads * self.head_dim)
+        self.out = torch.nn.Linear(self.heads * self.head_dim, d_model)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.from_numpy(w_in))
+            self.qkv.bias.copy_(torch.from_numpy(b_in))
+            self.out.weight.copy_(torch.from_numpy(w_out))
+            self.out.bias.copy_(torch.from_numpy(b_out))
+        self.qkv.eval()
+        self.out.eval()
+        self.causal = causal
+
+    def __call__(self, x):
+        torch = self.torch
+        with torch.inference_mode():
+            t = torch.from_numpy(x)
+            b, s, _ = t.shape
+            qkv = self.qkv(t).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            o = self.sdpa(qkv[0], qkv[1], qkv[2], is_causal=self.causal)   # [B, H, S, d]
+            y = self.out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+            return y.numpy()
+
+
+def ort_session(model_bytes, threads):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+
+
+def onnx_model(w, batch, seq, causal, op):
+    """x -> MatMul(W_qkv) -> Split -> attention op -> MatMul(W_O) -> Add(b_O), as bytes.
+
+    op "ort_mha": com.microsoft.MultiHeadAttention(q, k, v, bias=b_qkv; unidirectional=causal).
+    op "ort_attention": Add(b_qkv) -> opset-23 Attention(q, k, v; q_num_heads, kv_num_heads,
+    is_causal) on 3-D [B, S, H*d] inputs."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    heads, d_model, head_dim = w["w_q"].shape
+    width = heads * head_dim
+    w_qkv, b_qkv = packed_qkv(w)
+    inits = [numpy_helper.from_array(w_qkv, "w_qkv"),
+             numpy_helper.from_array(b_qkv, "b_qkv"),
+             numpy_helper.from_array(np.ascontiguousarray(w["w_o"], np.float32), "w_o"),
+             numpy_helper.from_array(np.asarray(w["b_o"], np.float32), "b_o"),
+             numpy_helper.from_array(np.array([width] * 3, np.int64), "split")]
+    if op == "ort_mha":
+        nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"]),
+                 helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
+                 helper.make_node("MultiHeadAttention", ["q", "k", "v", "b_qkv"], ["attn"],
+                                  domain="com.microsoft", num_heads=heads,
+                                  unidirectional=int(causal))]
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    elif op == "ort_attention":
+        nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv0"]),
+                 helper.make_node("Add", ["qkv0", "b_qkv"], ["qkv"]),
+                 helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
+                 helper.make_node("Attention", ["q", "k", "v"], ["attn"], q_num_heads=heads,
+                                  kv_num_heads=heads, is_causal=int(causal))]
+        opsets = [helper.make_opsetid("", 23)]
+    else:
+        raise ValueError(op)
+    nodes += [helper.make_node("MatMul", ["attn", "w_o"], ["y0"]),
+              helper.make_node("Add", ["y0", "b_o"], ["y"])]
+    graph = helper.make_graph(
+        nodes, f"mha_{op}", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            [batch, seq, d_model])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, d_model])], inits)
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="mhagen-bench")
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+class OrtImpl:
+    per_thread = True   # intra_op_num_threads is fixed when the session is created
+    op = None
+
+    def __init__(self, layer, w, batch, seq, causal, threads=1):
+        self.session = ort_session(onnx_model(w, batch, seq, causal, self.op), threads)
+
+    def __call__(self, x):
+        return self.session.run(None, {"x": x})[0]
+
+
+class OrtMHA(OrtImpl):
+    op = "ort_mha"
+
+
+class OrtAttention(OrtImpl):
+    op = "ort_attention"
+
+
+FACTORIES = {"mhagen": Mhagen, "numpy": NumpyMHA, "torch_mha": TorchMHA,
+             "torch_sdpa": TorchSDPA, "ort_mha": OrtMHA, "ort_attention": OrtAttention}
+
+
+def make_impl(name, layer, w, batch, seq, causal, threads=1, **kw):
+    return FACTORIES[name](layer, w, batch, seq, causal, threads, **kw)
+
+
+def peer_status(names):
+    """name -> None when importable, else 'missing (...)'."""
+    import importlib
+    out = {}
+    for name in names:
+        out[name] = None
+        for mod in REQUIRES[name]:
+            try:
+                importlib.import_module(mod)
+            except Exception as err:  # ImportError, or a broken install
+                out[name] = f"missing ({mod}: {type(err).__name__}: {err})"
+                break
+    return out
+
+
+# -- float64 oracle for a few query rows (the long case; tested against layer.reference) ----
+
+def reference_rows(w, x, rows, causal=False):
+    """float64 output rows `rows` of the layer (same math as layer.reference), [B, len(rows), D]."""
+    x64 = np.asarray(x, np.float64)
+    rows = np.asarray(rows)
+    heads, _, d = w["w_q"].shape
+    keys = np.arange(x64.shape[1])
+    outs = []
+    for h in range(heads):
+        q = x64[:, rows] @ np.asarray(w["w_q"][h], np.float64) + w["b_q"][h]
+        k = x64 @ np.asarray(w["w_k"][h], np.float64) + w["b_k"][h]
+        v = x64 @ np.asarray(w["w_v"][h], np.float64) + w["b_v"][h]
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+        if causal:
+            s = np.where(keys[None, None, :] <= rows[None, :, None], s, -np.inf)
+        s -= s.max(axis=-1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        outs.append(p @ v)
+    return np.concatenate(outs, axis=-1) @ np.asarray(w["w_o"], np.float64) + w["b_o"]
+
+
+# -- threads, memory ----------------------------------------------------------------------
+
+_BLAS_LIMITER = []
+
+
+def set_threads(n):
+    """TVM pool, torch intra-op and numpy's BLAS to n threads (ORT: per session)."""
+    mhagen.runtime.set_num_threads(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return False
+    _BLAS_LIMITER[:] = [threadpool_limits(limits=n, user_api="blas")]
+    return True
+
+
+def _proc_status():
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return {}
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", text, re.M)}
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes():
+    st = _proc_status()
+    if "VmHWM" in st:
+        return st["VmHWM"]
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_bytes():
+    return _proc_status().get("VmRSS")
+
+
+def _trim_heap() -> bool:
+    """Give freed heap pages back to the OS (glibc malloc_trim), so that memory freed during
+    setup and reused later cannot hide an allocation from the RSS peak."""
+    import gc
+    gc.collect()
+    try:
+        import ctypes
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0) or True)
+    except (OSError, AttributeError):
+        return False
+
+
+class PeakMeter:
+    """Peak RSS above a baseline taken at start(): reset VmHWM when Linux lets us (then the
+    peak covers only what runs after start()), else max(ru_maxrss) since process start."""
+
+    def start(self):
+        self.trimmed = _trim_heap()
+        self.reset = _reset_peak()
+        self.baseline = _rss_bytes() or _peak_bytes()
+        self.method = ("VmHWM after clear_refs reset, minus VmRSS baseline" if self.reset else
+                       "ru_maxrss/VmHWM since process start, minus RSS baseline")
+        if self.trimmed:
+            self.method += " (heap trimmed with malloc_trim before the baseline)"
+
+    def peak_above_baseline(self):
+        return max(0, _peak_bytes() - self.baseline)
+
+
+def memory_child(spec):
+    """Runs in a child process: peak RSS of one implementation (or the long case)."""
+    if spec.get("mode") == "long":
+        return long_child(spec)
+    name, causal, threads = spec["impl"], spec["causal"], spec["threads"]
+    b, s, d_model, heads = spec["shape"]
+    for mod in REQUIRES[name]:
+        __import__(mod)
+    set_threads(threads)
+    rss_imports = _rss_bytes()
+    layer = mhagen.mha(d_model, heads, causal=causal)
+    w = layer.init_weights(0)
+    x = make_input(b, s, d_model)
+    rss_inputs = _rss_bytes()
+    impl = make_impl(name, layer, w, b, s, causal, threads)
+    meter = PeakMeter()
+    meter.start()
+    for _ in range(spec.get("calls", 3)):
+        impl(x)
+    return {"peak_bytes": meter.peak_above_baseline(), "method": meter.method,
+            "setup_bytes": (meter.baseline - rss_inputs) if rss_inputs else None,
+            "baseline_bytes": meter.baseline, "rss_after_imports": rss_imports,
+            "threads": threads}
+
+
+def long_child(spec):
+    """The long case: mhagen only, [1, 16384, 1024], 16 heads, no mask."""
+    b, s, d_model, heads = spec["shape"]
+    threads = spec["threads"]
+    layer = mhagen.mha(d_model, heads)
+    w = layer.init_weights(0)
+    x = make_input(b, s, d_model)
+    t0 = time.perf_counter()
+    kernel = mhagen.build(layer, "x86", batch=b, seq_len=s, weights=w)
+    build_s = time.perf_counter() - t0
+    set_threads(max(threads))
+    meter = PeakMeter()
+    meter.start()
+    t0 = time.perf_counter()
+    y = kernel(x)
+    first_s = time.perf_counter() - t0
+    peak_above = meter.peak_above_baseline()
+    peak_abs = _peak_bytes()
+    lat = {}
+    for n in threads:
+        set_threads(n)
+        times = []
+        load = LoadMeter()
+        for _ in range(spec["calls"]):
+            t0 = time.perf_counter()
+            kernel(x)
+            times.append(time.perf_counter() - t0)
+        lat[str(n)] = {"median_ms": float(np.median(times)) * 1e3,
+                       "samples_ms": [t * 1e3 for t in times],
+                       "other_load_cores": load.other_cores()}
+    flops = kernel.flops()
+    # check 1: float64 oracle of the first and last LONG_CHECK_ROWS query rows of this very run
+    checks = []
+    r = min(LONG_CHECK_ROWS, s)
+    for label, rows in (("first", np.arange(r)), ("last", np.arange(s - r, s))):
+        ref = reference_rows(w, x, rows)
+        got = y[:, rows]
+        err, tol = tolerances.max_error(got, ref), tolerances.tolerance(ref)
+        checks.append({"what": f"{label} {r} query rows of the seq-{s} output vs a float64 "
+                               "oracle of those rows (reference_rows)",
+                       "max_error": err, "tolerance": tol,
+                       "ok": bool(np.all(np.isfinite(got)) and err <= tol)})
+    # check 2: the same layer and weights built at a smaller seq, vs layer.reference (full)
+    small = min(LONG_SMALL_SEQ, s)
+    xs = make_input(b, small, d_model, seed=1)
+    ks = mhagen.build(layer, "x86", batch=b, seq_len=small, weights=w)
+    ref = layer.reference(xs, w)
+    got = ks(xs)
+    err, tol = tolerances.max_error(got, ref), tolerances.tolerance(ref)
+    checks.append({"what": f"same layer and weights built at seq {small}, full output vs "
+                           "layer.reference", "max_error": err, "tolerance": tol,
+                   "ok": bool(np.all(np.isfinite(got)) and err <= tol)})
+    return {"shape": list(spec["shape"]), "build_s": build_s, "first_call_s": first_s,
+            "latency": lat, "flops": flops, "peak_bytes": peak_above,
+            "peak_abs_bytes": peak_abs, "baseline_bytes": meter.baseline,
+            "method": meter.method, "threads_for_peak": max(threads), "checks": checks,
+            "checked": all(c["ok"] for c in checks)}
+
+
+def run_child(spec, timeout=900):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("CHILD-RESULT "):
+            return json.loads(line[len("CHILD-RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+# -- timing -------------------------------------------------------------------------------
+
+def measure_peak(n, args, peaks, when):
+    """sgemm peak at n threads into peaks[str(n)]: up to 1 + retries attempts, keeping the
+    least disturbed one (also against an earlier measurement)."""
+    set_threads(n)
+    for _ in range(1 + max(0, args.retries)):
+        wait_quiet(args.wait_quiet)
+        p = sgemm_peak(n, 3 if args.quick else 7)
+        p["when"] = when
+        old = peaks.get(str(n))
+        if old is None or (p["other_load_cores"] or 0.0) < (old["other_load_cores"] or 0.0):
+            peaks[str(n)] = p
+        if (p["other_load_cores"] or 0.0) < DISTURBED:
+            break
+    p = peaks[str(n)]
+    print(f"sgemm peak at {n} thread(s) ({when} of run): {p['gflops']:.1f} GFLOP/s (numpy "
+          f"{p['numpy_gflops']:.1f}, torch {p.get('torch_gflops', float('nan')):.1f}; kept the "
+          f"{p['when']} measurement, other processes {fmt(p['other_load_cores'], '.2f', '?')} "
+          "cores)", flush=True)
+
+
+def sgemm_peak(threads, runs):
+    """Best of torch.mm and numpy matmul on [2048,1024] @ [1024,3072] fp32, median of runs."""
+    m, k, n = SGEMM
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    flops = 2 * m * k * n
+    out = {"threads": threads, "shape": f"{m}x{k} @ {k}x{n}", "runs": runs}
+
+    def med(f):
+        f()
+        ts = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return flops / float(np.median(ts)) / 1e9
+
+    c = np.empty((m, n), np.float32)
+    load = LoadMeter()
+    out["numpy_gflops"] = med(lambda: np.matmul(a, b, out=c))
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        tc = torch.empty(m, n)
+        out["torch_gflops"] = med(lambda: torch.mm(ta, tb, out=tc))
+    out["other_load_cores"] = load.other_cores()
+    best = max(("numpy", "torch"), key=lambda lib: out.get(f"{lib}_gflops", 0.0))
+    out["gflops"], out["best"] = out[f"{best}_gflops"], best
+    return out
+
+
+class LoadMeter:
+    """CPU time used by other processes while we time (from /proc/stat minus our own CPU
+    time), in cores: other sessions or daemons on the machine disturb the numbers."""
+
+    def __init__(self):
+        self.start()
+
+    @staticmethod
+    def _busy():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(t) for t in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / hz   # user nice system irq softirq steal
+
+    def start(self):
+        t = os.times()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), t.user + t.system
+
+    def other_cores(self):
+        busy = self._busy()
+        if busy is None or self.busy0 is None:
+            return None
+        t = os.times()
+        wall = time.perf_counter() - self.t0
+        own = t.user + t.system - self.own0
+        return max(0.0, (busy - self.busy0 - own) / wall) if wall > 0 else None
+
+
+def wait_quiet(max_s, threshold=0.2, window_s=0.5):
+    """Wait (up to max_s) until other processes use less than `threshold` cores for a
+    window; returns the seconds waited. For shared machines (--wait-quiet)."""
+    t0 = time.perf_counter()
+    while max_s > 0 and time.perf_counter() - t0 < max_s:
+        meter = LoadMeter()
+        time.sleep(window_s)
+        other = meter.other_cores()
+        if other is None or other < threshold:
+            break
+    return time.perf_counter() - t0
+
+
+def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0):
+    """Rounds; in each every implementation (rotating order) waits gap_s idle (other
+    libraries' worker threads stop spinning: OpenBLAS, OpenMP, ORT and TVM pools busy-wait a
+    while after a call), runs one untimed warm-up call, then `calls` timed calls.
+    Returns name -> list of per-call seconds, one per round."""
+    names = list(funcs)
+    calls = {n: max(1, min(20, int(round(target_s / max(est[n], 1e-6))))) for n in names}
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            f = funcs[n]
+            if gap_s:
+                time.sleep(gap_s)
+            f(x)   # warm-up: caches and thread pool after the previous implementation
+            t0 = time.perf_counter()
+            for _ in range(calls[n]):
+                f(x)
+            samples[n].append((time.perf_counter() - t0) / calls[n])
+    return samples, calls
+
+
+def loud(msg):
+    bar = "!" * 78
+    print(f"\n{bar}\n!!! {msg}\n{bar}\n", flush=True)
+
+
+# -- the benchmark ------------------------------------------------------------------------
+
+def run_case(shape, causal, args, status, rows, memory_specs):
+    """Check and time every implementation on one shape and mask, at every thread count."""
+    b, s, d_model, heads = shape
+    layer = mhagen.mha(d_model, heads, causal=causal)
+    w = layer.init_weights(0)
+    x = make_input(b, s, d_model)
+    t0 = time.perf_counter()
+    ref = layer.reference(x, w)
+    tol = tolerances.tolerance(ref)
+    print(f"\n== {shape_name(shape)} mask={mask_name(causal)}  (reference "
+          f"{time.perf_counter() - t0:.1f} s, tolerance {tol:.2g})", flush=True)
+    flops = layer_flops(layer, b, s)
+    shared, errors, failed = {}, {}, set()
+    base = {"batch": b, "seq": s, "d_model": d_model, "heads": heads, "mask": mask_name(causal),
+            "shape": shape_name(shape), "flops": flops}
+    for n in args.threads:
+        set_threads(n)
+        live, est, case_rows = {}, {}, {}
+        for name in IMPLS:
+            row = dict(base, impl=name, threads=n, checked=False, status="ok")
+            case_rows[name] = row
+            rows.append(row)
+            if name not in args.impls:
+                row["status"] = "skipped (--impls)"
+                continue
+            if status[name]:
+                row["status"] = status[name]
+                continue
+            if name in errors:
+                row["status"] = errors[name]
+                continue
+            if name in failed:
+                row["status"] = "check failed (excluded)"
+                continue
+            try:
+                impl = shared.get(name)
+                if impl is None:
+                    t1 = time.perf_counter()
+                    impl = make_impl(name, layer, w, b, s, causal, n)
+                    if name == "mhagen":
+                        row["build_s"] = time.perf_counter() - t1
+                        flops = impl.kernel.flops()
+                        base["flops"] = row["flops"] = flops
+                    if not impl.per_thread:
+                        shared[name] = impl
+                y = impl(x)
+            except Exception as err:  # a peer that does not run here: reported, excluded
+                msg = f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                if not FACTORIES[name].per_thread:
+                    errors[name] = msg
+                row["status"] = msg
+                loud(f"{name} failed to run on {shape_name(shape)} {mask_name(causal)} "
+                     f"({n} threads): {msg}")
+                if args.verbose:
+                    traceback.print_exc()
+                continue
+            err = tolerances.max_error(y, ref) if y.shape == ref.shape else float("inf")
+            ok = y.shape == ref.shape and bool(np.all(np.isfinite(y))) and err <= tol
+            row.update(max_error=err, tolerance=tol, checked=ok)
+            if not ok:
+                row["status"] = "check failed (excluded)"
+                failed.add(name)
+                loud(f"CHECK FAILED: {name} on {shape_name(shape)} mask={mask_name(causal)} "
+                     f"threads={n}: max error {err:.3g} > tolerance {tol:.3g} "
+                     f"(shape {y.shape}); excluded from timing")
+                continue
+            t1 = time.perf_counter()
+            impl(x)
+            est[name] = time.perf_counter() - t1
+            live[name] = impl
+        attempt = None
+        for k in range(1 + max(0, args.retries)):
+            waited = wait_quiet(args.wait_quiet) if args.wait_quiet else 0.0
+            load = LoadMeter()
+            samples, calls = time_interleaved(live, x, est, args.rounds, args.target_ms / 1e3,
+                                              args.gap_ms / 1e3 if n > 1 else 0.0)
+            other = load.other_cores()
+            if attempt is None or (other is not None and attempt[2] is not None
+                                   and other < attempt[2]):
+                attempt = (samples, calls, other)
+            if other is None or other < DISTURBED:
+                break
+            if k < args.retries:
+                print(f"  threads={n}: other processes used {other:.2f} cores while timing "
+                      f"(waited {waited:.0f} s); timing again", flush=True)
+        samples, calls, other = attempt
+        for r in case_rows.values():
+            r["timing_attempts"] = k + 1
+        if "mhagen" in live:   # kernels only, buffers prepared: what kernel.latency() reports
+            case_rows["mhagen"]["kernel_only_ms"] = live["mhagen"].kernel.latency(
+                number=calls["mhagen"], repeat=3, min_repeat_ms=0) * 1e3
+        for r in case_rows.values():
+            r["other_load_cores"] = other
+        for name, ts in samples.items():
+            med = float(np.median(ts))
+            case_rows[name].update(median_ms=med * 1e3, min_ms=float(np.min(ts)) * 1e3,
+                                   samples_ms=[t * 1e3 for t in ts], calls_per_round=calls[name],
+                                   gflops=flops / med / 1e9)
+        timed = [r for r in case_rows.values() if "median_ms" in r]
+        if timed:
+            best = min(r["median_ms"] for r in timed)
+            for r in timed:
+                r["ratio_to_fastest"] = r["median_ms"] / best
+                r["fastest"] = r["median_ms"] == best
+        for r in case_rows.values():
+            r["flops"] = flops
+        line = "  ".join(f"{r['impl']} {r['median_ms']:.2f}ms" for r in timed)
+        print(f"  threads={n}: {line}  [other processes: "
+              f"{fmt(other, '.2f', '?')} cores busy]", flush=True)
+        # ORT sessions hold their own thread pools: drop them before the next thread count
+        live.clear()
+    shared.clear()
+    if not args.no_memory:
+        mt = max(args.threads)
+        for name in IMPLS:
+            if name in args.impls and not status[name] and name not in errors \
+                    and name not in failed:
+                memory_specs.append({"impl": name, "shape": list(shape), "causal": causal,
+                                     "threads": mt})
+
+
+def measure_memory(memory_specs, rows):
+    print(f"\n== peak memory: {len(memory_specs)} child processes", flush=True)
+    for spec in memory_specs:
+        res = run_child(spec)
+        key = (spec["impl"], shape_name(spec["shape"]), mask_name(spec["causal"]))
+        for r in rows:
+            if (r["impl"], r["shape"], r["mask"]) == key:
+                if "error" in res:
+                    r["memory_error"] = res["error"]
+                else:
+                    r["peak_mem_mb"] = res["peak_bytes"] / 2**20
+                    r["setup_mem_mb"] = (res["setup_bytes"] / 2**20
+                                         if res.get("setup_bytes") is not None else None)
+                    r["memory_threads"] = res["threads"]
+                    r["memory_method"] = res["method"]
+        shown = (f"{res['peak_bytes'] / 2**20:.1f} MiB" if "error" not in res
+                 else res["error"])
+        print(f"  {key[0]:<14} {key[1]:<16} {key[2]:<7} {shown}", flush=True)
+
+
+def summarize(rows, threads, peaks):
+    out = {}
+    for n in threads:
+        mh = [r for r in rows if r["impl"] == "mhagen" and r["threads"] == n
+              and "median_ms" in r]
+        nomask = [r for r in mh if r["mask"] == "none"]
+        shapes_nomask = sorted({r["shape"] for r in rows if r["threads"] == n
+                                and r["mask"] == "none"})
+        fastest = [r["shape"] for r in nomask if r.get("fastest")]
+        worst = max(mh, key=lambda r: r["ratio_to_fastest"]) if mh else None
+        worst_fastest = None
+        if worst:
+            worst_fastest = next((r["impl"] for r in rows if r["threads"] == n
+                                  and r["shape"] == worst["shape"] and r["mask"] == worst["mask"]
+                                  and r.get("fastest")), None)
+        peak = peaks[str(n)]["gflops"]
+        share = {r["shape"]: r["gflops"] / peak for r in nomask if r["seq"] >= 512}
+        causal_ratio = {}
+        for r in rows:
+            if r["threads"] == n and r["seq"] == 2048 and r["mask"] == "causal" \
+                    and "median_ms" in r:
+                other = next((o for o in rows if o["threads"] == n and o["impl"] == r["impl"]
+                              and o["shape"] == r["shape"] and o["mask"] == "none"
+                              and "median_ms" in o), None)
+                if other:
+                    causal_ratio.setdefault(r["impl"], {})[r["shape"]] = \
+                        r["median_ms"] / other["median_ms"]
+        s = {"threads": n, "mhagen_fastest_nomask": len(fastest),
+             "nomask_shapes": len(shapes_nomask), "mhagen_fastest_shapes": fastest,
+             "worst_ratio": worst["ratio_to_fastest"] if worst else None,
+             "worst_at": f"{worst['shape']} {worst['mask']}" if worst else None,
+             "worst_fastest_impl": worst_fastest,
+             "mhagen_peak_share_seq512_nomask": share, "sgemm_peak_gflops": peak,
+             "causal_over_nomask_seq2048": causal_ratio}
+        parts = [f"threads={n}: mhagen fastest on {len(fastest)}/{len(shapes_nomask)} "
+                 "no-mask shapes"]
+        if worst:
+            parts.append(f"worst mhagen/fastest {worst['ratio_to_fastest']:.2f} "
+                         f"({s['worst_at']}, fastest {worst_fastest})")
+        else:
+            parts.append("worst mhagen/fastest n/a (mhagen not timed)")
+        if share:
+            parts.append("mhagen share of sgemm peak "
+                         f"({peak:.0f} GFLOP/s) at seq>=512 no mask: " +
+                         ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
+        else:
+            parts.append("mhagen share of sgemm peak at seq>=512 no mask: n/a (no such shape)")
+        mr = causal_ratio.get("mhagen")
+        if mr:
+            others = ", ".join(f"{impl} {v:.2f}" for impl, d in causal_ratio.items()
+                               if impl != "mhagen" for v in d.values())
+            parts.append("causal/no-mask time at seq 2048: mhagen " +
+                         ", ".join(f"{v:.2f}" for v in mr.values()) +
+                         (f" (peers: {others})" if others else ""))
+        else:
+            parts.append("causal/no-mask time at seq 2048: n/a (no seq-2048 shape timed)")
+        s["line"] = "; ".join(parts)
+        out[str(n)] = s
+    return out
+
+
+def fmt(v, spec, missing="—"):
+    return missing if v is None else format(v, spec)
+
+
+def markdown(meta, peaks, rows, summary, impl_status, long_result):
+    lines = ["# mhagen multi-head attention benchmark", ""]
+    lines.append(f"{meta['date']} · {meta['cpu']} · {meta['cores']} cores · "
+                 f"python {meta['python']} · numpy {meta['numpy']} ({meta['numpy_blas']}) · "
+                 f"torch {meta.get('torch', '-')} · onnxruntime {meta.get('onnxruntime', '-')}")
+    lines.append("")
+    env = ", ".join(f"{k}={v}" for k, v in meta["env"].items() if v is not None) or "none set"
+    lines.append(f"Thread-related environment: {env}.")
+    lines.append("")
+    lines.append("Whole layer in float32 (QKV projections + attention + output projection), same "
+                 "weights everywhere; every output checked against the float64 reference "
+                 "(mhagen.tolerances) before timing. Times are medians over interleaved rounds; "
+                 "GFLOP/s use the same dense flop count for all (kernel.flops(), masked work "
+                 "included); × fastest is the time ratio to the fastest checked implementation "
+                 "on that row group; peak MB is the peak RSS above the child process's baseline "
+                 f"(after imports, inputs, weights and setup) at {max(meta['threads'])} "
+                 "thread(s).")
+    lines.append("")
+    lines.append("## Implementations")
+    lines.append("")
+    for name in IMPLS:
+        lines.append(f"- **{name}**: {impl_status[name]} — {DESCRIPTIONS[name]}")
+    lines.append("")
+    for n in meta["threads"]:
+        p = peaks[str(n)]
+        if not any(r["threads"] == n for r in rows):
+            lines.append(f"sgemm peak at {n} thread(s): {p['gflops']:.1f} GFLOP/s.")
+            lines.append("")
+            continue
+        lines.append(f"## {n} thread{'s' if n > 1 else ''}")
+        lines.append("")
+        lines.append(f"sgemm peak ({p['shape']} fp32, median of {p['runs']}, measured at the "
+                     f"{p.get('when', 'start')} of the run): "
+                     f"**{p['gflops']:.1f} GFLOP/s** (numpy {p['numpy_gflops']:.1f}"
+                     + (f", torch {p['torch_gflops']:.1f}" if "torch_gflops" in p else "")
+                     + ")")
+        lines.append("")
+        lines.append("| shape BxSxDxH | mask | implementation | median ms | GFLOP/s | × fastest "
+                     "| % sgemm peak | peak MB | max err (tol) | status |")
+        lines.append("|---|---|---|---:|---:|---:|---:|---:|---|---|")
+        for r in rows:
+            if r["threads"] != n:
+                continue
+            timed = "median_ms" in r
+            ratio = fmt(r.get("ratio_to_fastest"), ".2f")
+            if r.get("fastest"):
+                ratio = f"**{ratio}**"
+            err = (f"{r['max_error']:.1e} ({r['tolerance']:.1e})" if "max_error" in r else "—")
+            mem = fmt(r.get("peak_mem_mb"), ".1f",
+                      "err" if r.get("memory_error") else "—")
+            name = f"**{r['impl']}**" if r["impl"] == "mhagen" else r["impl"]
+            lines.append(
+                f"| {r['shape']} | {r['mask']} | {name} | "
+                f"{fmt(r.get('median_ms'), '.3f')} | {fmt(r.get('gflops'), '.1f')} | {ratio} | "
+                f"{(format(r['gflops'] / p['gflops'], '.0%') if timed else '—')} | {mem} | "
+                f"{err} | {r['status'] if r['status'] != 'ok' else 'ok, checked'} |")
+        lines.append("")
+        mine = [r for r in rows if r["threads"] == n]
+        ko = [f"{r['shape']} {r['mask']} {r['kernel_only_ms']:.3f}" for r in mine
+              if r["impl"] == "mhagen" and "kernel_only_ms" in r]
+        if ko:
+            lines.append("mhagen kernels only (kernel.latency(): weights bound, buffers "
+                         "prepared, no numpy copies), ms: " + ", ".join(ko) + ".")
+            lines.append("")
+        loads = {}
+        for r in mine:
+            if r.get("other_load_cores") is not None:
+                loads[f"{r['shape']} {r['mask']}"] = r["other_load_cores"]
+        if loads or p.get("other_load_cores") is not None:
+            worst = max(list(loads.values()) + [p.get("other_load_cores") or 0.0])
+            lines.append("CPU used by other processes while timing (cores): sgemm "
+                         f"{fmt(p.get('other_load_cores'), '.2f', '?')}, " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) +
+                         (f" — **disturbed** (up to {worst:.2f} of {meta['cores']} cores busy "
+                          "elsewhere)" if worst >= DISTURBED else " (quiet)") + ".")
+            lines.append("")
+        lines.append(f"**Summary:** {summary[str(n)]['line']}")
+        lines.append("")
+    if long_result is not None:
+        lines += long_markdown(long_result, peaks)
+    return "\n".join(lines) + "\n"
+
+
+def long_markdown(res, peaks):
+    lines = ["## Long sequence (mhagen only)", ""]
+    if "error" in res:
+        return lines + [f"long case failed: {res['error']}", ""]
+    shape = shape_name(res["shape"])
+    lines.append(f"Shape {shape} (batch x seq x d_model x heads), no mask; built in "
+                 f"{res['build_s']:.1f} s; {res['flops'] / 1e9:.0f} GFLOP per call.")
+    lines.append("")
+    lines.append("| threads | median s | GFLOP/s | % sgemm peak | other processes (cores) |")
+    lines.append("|---:|---:|---:|---:|---:|")
+    for n, lat in res["latency"].items():
+        ms = lat["median_ms"]
+        gf = res["flops"] / (ms / 1e3) / 1e9
+        peak = peaks.get(n, {}).get("gflops")
+        lines.append(f"| {n} | {ms / 1e3:.2f} | {gf:.1f} | "
+                     f"{format(gf / peak, '.0%') if peak else '—'} | "
+                     f"{fmt(lat.get('other_load_cores'), '.2f', '?')} |")
+    lines.append("")
+    lines.append(f"Peak RSS at {res['threads_for_peak']} thread(s): "
+                 f"**{res['peak_bytes'] / 2**20:.0f} MiB above baseline**, process peak "
+                 f"{res['peak_abs_bytes'] / 2**30:.2f} GiB (baseline "
+                 f"{res['baseline_bytes'] / 2**20:.0f} MiB: python, TVM, the built module, "
+                 f"x and weights) — {'under' if res['peak_abs_bytes'] < 2**31 else 'OVER'} "
+                 "2 GiB.")
+    lines.append("")
+    lines.append("Checked (the full float64 reference at this size is too slow and large):")
+    for c in res["checks"]:
+        lines.append(f"- {c['what']}: max error {c['max_error']:.2e} "
+                     f"(tolerance {c['tolerance']:.2e}) {'ok' if c['ok'] else 'FAILED'}")
+    lines.append("")
+    return lines
+
+
+def plot(rows, peaks, threads, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as err:
+        print(f"plot skipped: matplotlib unavailable ({err})")
+        return None
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(len(threads), 2, figsize=(13, 3.8 * len(threads)), squeeze=False)
+    width = 0.8 / len(IMPLS)
+    for i, n in enumerate(threads):
+        for j, mask in enumerate(("none", "causal")):
+            ax = axes[i][j]
+            for k, name in enumerate(IMPLS):
+                vals = []
+                for sh in shapes:
+                    r = next((r for r in rows if r["impl"] == name and r["threads"] == n
+                              and r["mask"] == mask and r["shape"] == sh), None)
+                    vals.append(r.get("gflops", 0.0) if r else 0.0)
+                xs = [p + (k - (len(IMPLS) - 1) / 2) * width for p in range(len(shapes))]
+                ax.bar(xs, vals, width, label=name)
+            ax.axhline(peaks[str(n)]["gflops"], color="k", ls="--", lw=1, label="sgemm peak")
+            ax.set_xticks(range(len(shapes)))
+            ax.set_xticklabels(shapes, fontsize=8)
+            ax.set_ylabel("GFLOP/s")
+            ax.set_title(f"mask={mask}, {n} thread{'s' if n > 1 else ''}")
+            ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.8 * len(threads))))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def machine_meta(args):
+    import numpy
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "numpy": numpy.__version__, "mhagen": mhagen.__version__,
+            "threads": args.threads, "rounds": args.rounds, "quick": args.quick,
+            "gap_ms": args.gap_ms, "wait_quiet_s": args.wait_quiet, "retries": args.retries,
+            "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                                                   "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                                   "MKL_NUM_THREADS", "TVM_NUM_THREADS")}}
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            if m:
+                meta["cpu"] = m.group(1).strip()
+    except OSError:
+        pass
+    try:
+        meta["cores"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        meta["cores"] = os.cpu_count()
+    blas = "BLAS unknown"
+    try:
+        from threadpoolctl import threadpool_info
+        info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+        if info:
+            blas = f"{info[0].get('internal_api')} {info[0].get('architecture', '')}".strip()
+    except ImportError:
+        blas = "threadpoolctl missing: numpy threads not controlled"
+    meta["numpy_blas"] = blas
+    for mod in ("torch", "onnxruntime", "onnx"):
+        if mod in sys.modules:
+            meta[mod] = sys.modules[mod].__version__
+    try:
+        import tvm
+        meta["tvm"] = tvm.__version__
+    except Exception:
+        pass
+    return meta
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="first shape only, fewer rounds, 1 thread (unless --threads)")
+    p.add_argument("--threads", type=int, nargs="+", help="thread counts (default 1 2)")
+    p.add_argument("--shapes", nargs="+", metavar="BxSxDxH",
+                   help="shapes batch x seq x d_model x heads (default: "
+                        + " ".join(shape_name(s) for s in DEFAULT_SHAPES)
+                        + "); 'none' for no shapes (with --long)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                   help="implementations to run (default: all)")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 7, quick 3)")
+    p.add_argument("--target-ms", type=float,
+                   help="aim for this many ms per implementation per round (default 40, quick 15)")
+    p.add_argument("--gap-ms", type=float, default=100.0,
+                   help="idle gap before each implementation's turn in a round when threads > 1 "
+                        "(lets the previous library's spinning worker threads park; default 100)")
+    p.add_argument("--wait-quiet", type=float, metavar="S",
+                   help="before each timing phase wait up to S seconds for other processes to "
+                        "use < 0.2 cores (shared machines; default 30, quick 5; 0: no wait)")
+    p.add_argument("--retries", type=int,
+                   help="time a shape/mask/threads group again (keeping the least disturbed "
+                        "attempt) when other processes used >= 0.25 cores meanwhile "
+                        "(default 2, quick 0)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the per-implementation peak-memory child processes")
+    p.add_argument("--long", action="store_true",
+                   help="also run the long case: mhagen only, 1x16384x1024x16, no mask "
+                        "(latency and peak RSS in a child process)")
+    p.add_argument("--out-dir", default=str(HERE / "results"),
+                   help="where to write results.md, results.json, results.png")
+    p.add_argument("--verbose", action="store_true", help="tracebacks of failing peers")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    if args.shapes is None:
+        args.shapes = DEFAULT_SHAPES[:1] if args.quick else list(DEFAULT_SHAPES)
+    elif [s.lower() for s in args.shapes] == ["none"]:
+        args.shapes = []
+    else:
+        try:
+            args.shapes = [parse_shape(s) for s in args.shapes]
+        except argparse.ArgumentTypeError as err:
+            p.error(str(err))
+    if args.threads is None:
+        args.threads = [1] if args.quick else [1, 2]
+    cores = mhagen.target.host_cores()
+    bad = [n for n in args.threads if n < 1 or n > cores]
+    if bad:
+        p.error(f"--threads {bad}: this machine lets us use 1..{cores} threads")
+    args.threads = sorted(set(args.threads))
+    if args.rounds is None:
+        args.rounds = 3 if args.quick else 7
+    if args.wait_quiet is None:
+        args.wait_quiet = 5.0 if args.quick else 30.0
+    if args.retries is None:
+        args.retries = 0 if args.quick else 2
+    if args.target_ms is None:
+        args.target_ms = 15.0 if args.quick else 40.0
+    if not args.shapes and not args.long:
+        p.error("nothing to run: give --shapes or --long")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        res = memory_child(json.loads(args.child))
+        print("CHILD-RESULT " + json.dumps(res), flush=True)
+        return 0
+    status = peer_status(IMPLS)
+    for name in IMPLS:
+        if status[name]:
+            loud(f"peer {name} is {status[name]}: reported as missing")
+    for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        if os.environ.get(k):
+            print(f"note: {k}={os.environ[k]} is set; numpy's OpenBLAS may be slowed. For a fair "
+                  "numpy number run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python "
+                  "benchmarks/bench_mha.py")
+    have_tpc = set_threads(args.threads[0])
+    if not have_tpc:
+        print("note: threadpoolctl is missing: numpy's BLAS threads are not controlled")
+    meta = machine_meta(args)
+    print(f"mhagen benchmark: {meta['cpu']}, {meta['cores']} cores, threads {args.threads}, "
+          f"shapes {[shape_name(s) for s in args.shapes]}, rounds {args.rounds}", flush=True)
+
+    peaks = {}
+    for n in args.threads:
+        measure_peak(n, args, peaks, "start")
+
+    rows, memory_specs = [], []
+    t_start = time.perf_counter()
+    for shape in args.shapes:
+        for causal in MASKS:
+            run_case(shape, causal, args, status, rows, memory_specs)
+    for n in args.threads:   # a busy neighbour at the start: measure again at the end
+        if (peaks[str(n)]["other_load_cores"] or 0.0) >= DISTURBED and rows:
+            measure_peak(n, args, peaks, "end")
+    if memory_specs:
+        measure_memory(memory_specs, rows)
+
+    long_result = None
+    if args.long:
+        print(f"\n== long case {shape_name(LONG_SHAPE)} (mhagen only, child process)",
+              flush=True)
+        long_result = run_child({"mode": "long", "shape": list(LONG_SHAPE),
+                                 "threads": args.threads, "calls": 2 if args.quick else 3},
+                                timeout=3600)
+
+    impl_status = {}
+    for name in IMPLS:
+        mine = [r for r in rows if r["impl"] == name]
+        if name not in args.impls:
+            impl_status[name] = "skipped (--impls)"
+        elif status[name]:
+            impl_status[name] = status[name]
+        elif not mine:
+            impl_status[name] = "not run"
+        elif all(r["checked"] for r in mine):
+            impl_status[name] = "ok, checked on every shape/mask/threads"
+        else:
+            bad = sorted({f"{r['shape']} {r['mask']} {r['threads']}t: {r['status']}"
+                          for r in mine if not r["checked"]})
+            impl_status[name] = "EXCLUDED where it failed: " + "; ".join(bad)
+    summary = summarize(rows, args.threads, peaks) if rows else {
+        str(n): {"line": f"threads={n}: no shapes run"} for n in args.threads}
+    meta["elapsed_s"] = time.perf_counter() - t_start
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(meta, peaks, rows, summary, impl_status, long_result)
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "implementations": impl_status, "sgemm_peak": peaks, "rows": rows,
+         "summary": summary, "long": long_result}, indent=1))
+    png = plot(rows, peaks, args.threads, out / "results.png") if rows else None
+    print("\n" + md)
+    for n in args.threads:
+        print("SUMMARY " + summary[str(n)]["line"])
+    if long_result is not None and "error" not in long_result:
+        lat = ", ".join(f"{n} thr {v['median_ms'] / 1e3:.2f} s"
+                        for n, v in long_result["latency"].items())
+        print(f"LONG {shape_name(LONG_SHAPE)}: {lat}; peak RSS "
+              f"{long_result['peak_bytes'] / 2**20:.0f} MiB above baseline, process "
+              f"{long_result['peak_abs_bytes'] / 2**30:.2f} GiB; checked="
+              f"{long_result['checked']}")
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}"
+          + (f", {png}" if png else ""))
+
+    mh = [r for r in rows if r["impl"] == "mhagen" and "mhagen" in args.impls]
+    bad = [r for r in mh if not r["checked"]]
+    if bad:
+        loud("mhagen FAILED its check on: " + "; ".join(
+            f"{r['shape']} {r['mask']} {r['threads']}t ({r['status']})" for r in bad))
+        return 1
+    if long_result is not None and not long_result.get("checked"):
+        loud(f"mhagen long case failed: {long_result.get('error') or long_result['checks']}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""benchmarks/bench_mha.py: the weight conversions of every peer (against the float64
+reference, causal included), the row oracle of the long case, and a --quick run end to end."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.tolerances import assert_close
+from tests.conftest import random_input
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_mha.py"
+PEERS = ("numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_mha", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _needs(bench, name):
+    for mod in bench.REQUIRES[name]:
+        pytest.importorskip(mod)
+
+
+def _case(causal, batch=2, seq=7, d_model=32, heads=4, seed=3):
+    layer = mhagen.mha(d_model, heads, causal=causal)
+    w = layer.init_weights(seed)
+    x = random_input(layer, batch, seq, seed=seed)
+    return layer, w, x
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+@pytest.mark.parametrize("peer", PEERS)
+def test_peer_matches_reference(bench, peer, causal):
+    _needs(bench, peer)
+    layer, w, x = _case(causal)
+    impl = bench.make_impl(peer, layer, w, 2, 7, causal, threads=1)
+    y = impl(x)
+    assert y.dtype == np.float32
+    assert_close(y, layer.reference(x, w))
+
+
+@pytest.mark.parametrize("peer", PEERS)
+def test_peer_causal_is_not_the_unmasked_layer(bench, peer):
+    # the causal check above must be able to fail: a peer built without the mask is caught
+    _needs(bench, peer)
+    layer, w, x = _case(True)
+    impl = bench.make_impl(peer, layer, w, 2, 7, False, threads=1)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close(impl(x), layer.reference(x, w))
+
+
+@pytest.mark.parametrize("peer", ("numpy", "ort_mha", "ort_attention"))
+def test_wrong_head_layout_is_caught(bench, peer, monkeypatch):
+    # the classic slip: [H, D, d] -> [D, H*d] by reshape instead of transpose-then-reshape
+    _needs(bench, peer)
+    layer, w, x = _case(False)
+    monkeypatch.setattr(bench, "_heads_to_columns",
+                        lambda a: np.ascontiguousarray(a.reshape(a.shape[1], -1)))
+    impl = bench.make_impl(peer, layer, w, 2, 7, False, threads=1)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close(impl(x), layer.reference(x, w))
+
+
+@pytest.mark.parametrize("peer", ("torch_mha", "torch_sdpa"))
+def test_untransposed_out_proj_is_caught(bench, peer, monkeypatch):
+    # w_o is [H*d, D] and out_proj.weight is [D, H*d]: square here, so only numbers tell
+    _needs(bench, peer)
+    layer, w, x = _case(False)
+    monkeypatch.setattr(bench, "torch_out_proj",
+                        lambda w: (np.ascontiguousarray(w["w_o"]), w["b_o"]))
+    impl = bench.make_impl(peer, layer, w, 2, 7, False, threads=1)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_close(impl(x), layer.reference(x, w))
+
+
+def test_torch_conversion_round_trips_through_mhagen(bench):
+    pytest.importorskip("torch")
+    layer, w, x = _case(False, d_model=48, heads=6)
+    impl = bench.make_impl("torch_mha", layer, w, 2, 7, False, threads=1)
+    back = mhagen.weights_from_torch(impl.module)
+    assert sorted(back) == sorted(w)
+    for name in w:
+        np.testing.assert_array_equal(back[name], w[name], err_msg=name)
+
+
+def test_packed_qkv_is_the_concatenated_heads(bench):
+    layer, w, x = _case(False)
+    W, b = bench.packed_qkv(w)
+    x2 = x.reshape(-1, 32).astype(np.float64)
+    got = x2 @ W + b
+    heads = w["w_q"].shape[0]
+    for i, role in enumerate("qkv"):
+        for h in range(heads):
+            want = x2 @ w[f"w_{role}"][h] + w[f"b_{role}"][h]
+            cols = slice(i * 32 + h * 8, i * 32 + (h + 1) * 8)
+            np.testing.assert_allclose(got[:, cols], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["nomask", "causal"])
+def test_reference_rows_matches_layer_reference(bench, causal):
+    layer, w, x = _case(causal, batch=2, seq=19)
+    rows = np.array([0, 3, 11, 18])
+    got = bench.reference_rows(w, x, rows, causal=causal)
+    np.testing.assert_allclose(got, layer.reference(x, w)[:, rows], rtol=1e-12, atol=1e-12)
+
+
+def test_parse_shape(bench):
+    assert bench.parse_shape("1x128x512x8") == (1, 128, 512, 8)
+    for bad in ("1x128x512", "1x128x510x8", "0x1x8x8", "axbxcxd"):
+        with pytest.raises(Exception):
+            bench.parse_shape(bad)
+
+
+def test_quick_run_end_to_end(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--no-memory", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SUMMARY threads=1" in proc.stdout
+    md = (tmp_path / "results.md").read_text()
+    for name in ("mhagen", "numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention"):
+        lines = [ln for ln in md.splitlines() if name in ln]
+        assert lines, f"{name} not in results.md"
+        listed = "\n".join(lines)
+        assert ("missing" in listed) or ("checked" in listed), listed
+    data = json.loads((tmp_path / "results.json").read_text())
+    mh = [r for r in data["rows"] if r["impl"] == "mhagen"]
+    assert mh and all(r["checked"] for r in mh)
+    assert all(r.get("median_ms", 0) > 0 for r in mh)
+    assert {r["mask"] for r in mh} == {"none", "causal"}
+    assert data["sgemm_peak"]["1"]["gflops"] > 0
