@@ -39,7 +39,7 @@ class MatmulRule:
             tile_cols = workload["panel"]
             tile_rows = max(1, min(8, budget * lanes // tile_cols))
             # 16 tiles of 8 rows: 128 x K floats of A (384 KiB at K=768) stay in L2.
-            tiles = -(-workload["rows"] // tile_rows)
+            tiles = -(-workload.get("rows", 0) // tile_rows)
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols,
                                 row_block=16 if tiles > 16 else 1)
         cols = workload["cols"]
