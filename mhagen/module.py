@@ -30,7 +30,8 @@ INSPECT_KINDS = ("graph", "te", "tir", "source", "schedule", "manifest")
 TEXT_FILES = ("te", "tir", "source")
 
 
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
+    """sha256 of a file's bytes, as hex (the manifest's checksums)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -235,7 +236,7 @@ class Module:
                 if (path / name).exists():
                     os.remove(path / name)
         names = ["kernel.so", "weights.bin", "params.bin"] + [f"{w}.txt" for w in TEXT_FILES]
-        files = {n: _sha256(path / n) for n in names if (path / n).exists()}
+        files = {n: sha256_file(path / n) for n in names if (path / n).exists()}
         manifest = self._manifest(table, files)
         manifest["params"] = params
         from mhagen.artifact import finish  # content hash; C API (mha.h, libmha.so, lib/)
@@ -295,7 +296,7 @@ def load(path) -> Module:
         f = path / name
         if not f.is_file():
             raise ArtifactError(f"{path}: {name} is missing; copy the whole directory")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise ArtifactError(f"{path}: {name} is corrupted (checksum mismatch); rebuild or "
                                 "copy it again")
     if "kernel.so" not in files:

@@ -9,7 +9,6 @@ build passes e.g. cxx="aarch64-linux-gnu-g++" and that architecture's runtime li
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shlex
@@ -20,14 +19,7 @@ from pathlib import Path
 
 from mhagen.artifact.cxx_runtime import BODY, INCLUDES
 from mhagen.errors import ArtifactError
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from mhagen.module import sha256_file as _sha256
 
 HEADER = "mha.h"
 SOURCE = "mha_api.cc"
