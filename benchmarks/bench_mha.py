@@ -86,9 +86,7 @@ def make_input(batch, seq, d_model, seed=0):
 
 def layer_flops(layer, batch, seq) -> int:
     """Dense flop count of the layer (what kernel.flops() returns; masked work included)."""
-    shape = layer.inputs[0].attrs["shape"]
-    dims = {d: v for d, v in zip(shape[:2], (batch, seq)) if isinstance(d, str)}
-    return graph_flops(layer, **dims)
+    return graph_flops(layer, **layer.dims(batch, seq))
 
 
 # -- weight conversion (mhagen per-head layout -> peers) -----------------------------------

@@ -67,15 +67,11 @@ class Module:
         self.decisions = list(decisions or [])
         self.compile_seconds = compile_seconds
         self.d_model = graph.inputs[0].attrs["shape"][2]
-        self.out_shape = tuple(graph.shapes(**self._dims())[graph.output])
+        self.out_shape = tuple(graph.shapes(**self.graph.dims(self.batch, self.seq_len))[graph.output])
         self.weights = None
         self._bound = None
         if weights is not None:
             self.bind(weights)
-
-    def _dims(self):
-        shape = self.graph.inputs[0].attrs["shape"]
-        return {d: v for d, v in zip(shape[:2], (self.batch, self.seq_len)) if isinstance(d, str)}
 
     @property
     def in_shape(self):
@@ -156,7 +152,7 @@ class Module:
     def flops(self) -> int:
         """Floating-point operations of one call (2 per multiply-add of every matmul)."""
         from mhagen.cost import graph_flops
-        return graph_flops(self.graph, **self._dims())
+        return graph_flops(self.graph, **self.graph.dims(self.batch, self.seq_len))
 
     # -- inspection ----------------------------------------------------------------------
     def inspect(self, what: str = "graph") -> str:

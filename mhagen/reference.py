@@ -56,17 +56,12 @@ def run_reference(graph, x, weights, return_all: bool = False):
                          f"{len(graph.inputs)} inputs")
     x = check_input(graph, x).astype(np.float64)
     w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
-    graph.shapes(**_dims(graph, x))
+    graph.shapes(**graph.dims(*x.shape[:2]))
     vals = {}
     for n in graph.nodes:
         a = [vals[i] for i in n.inputs]
         vals[n.name] = _EVAL[n.kind](n, a, w, x)
     return vals if return_all else vals[graph.output]
-
-
-def _dims(graph, x):
-    shape = graph.inputs[0].attrs["shape"]
-    return {d: int(v) for d, v in zip(shape[:2], x.shape[:2]) if isinstance(d, str)}
 
 
 def _projection(n, a, w, x):

@@ -139,6 +139,11 @@ class Graph:
     def inputs(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
 
+    def dims(self, batch: int, seq_len: int) -> dict:
+        """The input's symbolic dims bound to numbers, e.g. {"batch": 2, "seq": 97}."""
+        shape = self.inputs[0].attrs["shape"]
+        return {d: int(v) for d, v in zip(shape[:2], (batch, seq_len)) if isinstance(d, str)}
+
     def shapes(self, **dims) -> dict:
         """Verify the graph; return node name -> shape (symbolic dims bound from `dims`)."""
         from mhagen.ir.verify import verify

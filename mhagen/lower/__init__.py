@@ -11,7 +11,7 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     from mhagen.lower.te import lower_unfused
     from mhagen.schedules import fused_attention_rule
     from mhagen.tuning.records import workload_key
-    graph.shapes(**_dims(graph, batch, seq_len))
+    graph.shapes(**graph.dims(batch, seq_len))
     fusion = run_passes(graph, fuse=fuse)
     rule = fused_attention_rule(target) if fusion.fused else None
 
@@ -44,11 +44,6 @@ def _tuned_config(rule, tuning, key, target):
         warnings.warn(f"tuning record for {key['kernel']} is invalid ({err}); using the "
                       "default config", TuningWarning, stacklevel=3)
         return None
-
-
-def _dims(graph, batch, seq_len):
-    shape = graph.inputs[0].attrs["shape"]
-    return {d: v for d, v in zip(shape[:2], (batch, seq_len)) if isinstance(d, str)}
 
 
 __all__ = ["Buffer", "Kernel", "Program", "Stage", "lower"]

@@ -29,12 +29,7 @@ def _tir_ops():
 
 def lower_unfused(graph, batch: int, seq_len: int) -> Program:
     """Every node as TE stages of one kernel, `main` (any graph verify accepts)."""
-    dims = {}
-    in_shape = graph.inputs[0].attrs["shape"]
-    for d, v in zip(in_shape[:2], (batch, seq_len)):
-        if isinstance(d, str):
-            dims[d] = v
-    shapes = graph.shapes(**dims)
+    shapes = graph.shapes(**graph.dims(batch, seq_len))
     dtype = graph.dtype
     specs = graph.weight_specs()
     weights = {s.name: te.placeholder(tuple(s.shape), dtype, name=s.name) for s in specs}
