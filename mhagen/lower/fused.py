@@ -12,17 +12,13 @@ import numpy as np
 from tvm import te, tirx
 
 from mhagen.blockmask import block_table, table_dims
-from mhagen.lower.program import Buffer, Kernel, Program, Stage
-
-
-def _round_up(a, b):
-    return (a + b - 1) // b * b
+from mhagen.lower.program import Buffer, Kernel, Program, Stage, round_up
 
 
 def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
     """[K, N] -> [ceil(N/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
     k, n = w.shape
-    padded = np.zeros((k, _round_up(n, nr)), np.float32)
+    padded = np.zeros((k, round_up(n, nr)), np.float32)
     padded[:, :n] = w
     return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
 
@@ -47,7 +43,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     nr = 2 * target.lanes
     segments = qkv_node.attrs["segments"]
     n_qkv = sum(s["width"] for s in segments)
-    n_qkv_p = _round_up(n_qkv, nr)
+    n_qkv_p = round_up(n_qkv, nr)
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
     kv_pairs = list(dict.fromkeys(zip(a["k_offsets"], a["v_offsets"])))
@@ -62,7 +58,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
         raise NotImplementedError("attention with irregular head offsets")
     k_base, v_base = kv_pairs[0]
     d_out = out_node.attrs["out_features"]
-    d_out_p = _round_up(d_out, nr)
+    d_out_p = round_up(d_out, nr)
     hd = heads * d
 
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,

@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+def round_up(a: int, b: int) -> int:
+    """a rounded up to a multiple of b (padded tile and panel sizes)."""
+    return (a + b - 1) // b * b
+
+
 @dataclass
 class Buffer:
     name: str

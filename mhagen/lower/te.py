@@ -16,15 +16,24 @@ from mhagen.ir import expr as ex
 from mhagen.lower.program import Buffer, Kernel, Program, Stage
 
 
-def _tir_ops():
-    return {
-        "const": lambda v: tvm.tirx.const(v, "int32"),
-        "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-        "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
-        ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
-        "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
-        "&": tvm.tirx.all, "|": tvm.tirx.any,
-    }
+_TIR_OPS = {
+    "const": lambda v: tvm.tirx.const(v, "int32"),
+    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+    "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    "&": tvm.tirx.all, "|": tvm.tirx.any,
+}
+
+
+def mask_to_tir(mask, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
+    """A mask expression as a TIR boolean of loop variables (ints become int32 constants);
+    used by the unfused mask stage and by attention templates."""
+    def value(v):
+        return tvm.tirx.const(v, "int32") if isinstance(v, int) else v
+    env = {"batch": value(batch), "head": value(head), "q_idx": value(q_idx),
+           "kv_idx": value(kv_idx), "q_len": value(q_len), "kv_len": value(kv_len)}
+    return ex.evaluate(mask, env, _TIR_OPS)
 
 
 def lower_unfused(graph, batch: int, seq_len: int) -> Program:
@@ -138,13 +147,9 @@ def _lower_mask(ctx, n):
     s = ctx.vals[n.inputs[0]]
     shape = _shape(ctx, n)
     neg_inf = tvm.tirx.const(float("-inf"), ctx.dtype)
-    ops = _tir_ops()
 
     def f(bb, i, j):
-        env = {"batch": bb, "head": tvm.tirx.const(n.attrs["head"], "int32"), "q_idx": i,
-               "kv_idx": j, "q_len": tvm.tirx.const(shape[1], "int32"),
-               "kv_len": tvm.tirx.const(shape[2], "int32")}
-        visible = ex.evaluate(n.attrs["mask"], env, ops)
+        visible = mask_to_tir(n.attrs["mask"], bb, n.attrs["head"], i, j, shape[1], shape[2])
         return tvm.tirx.Select(visible, s[bb, i, j], neg_inf)
 
     ctx.note(f"{n.name} = where({n.attrs['mask']!r}, {n.inputs[0]}, -inf)")

@@ -232,7 +232,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     import tvm.s_tir.meta_schedule as ms
 
     from mhagen.lower import lower
-    from mhagen.schedules import fused_attention_rule, schedule_kernel
+    from mhagen.schedules import schedule_kernel
     from mhagen.target import resolve
     from mhagen.tuning.apply import kernel_hash, versions
 

@@ -15,11 +15,11 @@ half the blocks.
 """
 from dataclasses import dataclass
 
-import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from mhagen.ir import expr as ex
+from mhagen.lower.program import round_up
+from mhagen.lower.te import mask_to_tir
 from mhagen.schedules.x86.fast_math import exp2, f32
 
 SKIP, PARTIAL, FULL = 0, 1, 2
@@ -37,10 +37,6 @@ class AttentionConfig:
     """columns of a score register tile (vectorised; a multiple of the lanes)."""
 
 
-def _round_up(a, b):
-    return (a + b - 1) // b * b
-
-
 class AttentionRule:
     name = "attention"
 
@@ -50,8 +46,8 @@ class AttentionRule:
     def default_config(self, workload, target):
         lanes = target.lanes
         seq = workload["seq"]
-        q_tile = 64 if seq >= 256 else _round_up(min(seq, 32), 8)
-        kv_block = 128 if seq >= 128 else _round_up(seq, 2 * lanes)
+        q_tile = 64 if seq >= 256 else round_up(min(seq, 32), 8)
+        kv_block = 128 if seq >= 128 else round_up(seq, 2 * lanes)
         return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=8,
                                tile_cols=2 * lanes)
 
@@ -81,20 +77,11 @@ class AttentionRule:
         return build_attention(w, cfg, target.lanes, target.vector_registers)
 
 
-def _tir_ops():
-    return {"const": lambda v: tirx.const(v, "int32"),
-            "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-            "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
-            ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
-            "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
-            "&": tirx.all, "|": tirx.any}
-
-
 def layout(w, cfg):
     """Padded sizes shared by the lowering (K/V layout kernel, block table) and the template."""
     seq, d = w["seq"], w["head_dim"]
     return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
-            "seq_padded": _round_up(seq, cfg.kv_block), "head_dim_padded": _round_up(d, 16)}
+            "seq_padded": round_up(seq, cfg.kv_block), "head_dim_padded": round_up(d, 16)}
 
 
 def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):
@@ -121,15 +108,12 @@ def build_attention(w, cfg, lanes, registers=32):
     c_log2e = f32(w["scale"] * 1.4426950408889634)
     neg_inf = f32(float("-inf"))
     mask = w.get("mask")
-    ops = _tir_ops()
     M = B * S
 
     def visible(b, h, qi, kj):
         cond = kj < S
         if mask is not None:
-            env = {"batch": b, "head": h, "q_idx": qi, "kv_idx": kj,
-                   "q_len": tirx.const(S, "int32"), "kv_len": tirx.const(S, "int32")}
-            cond = tirx.all(cond, ex.evaluate(mask, env, ops))
+            cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
         return cond
 
     def tb(b):
