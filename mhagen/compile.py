@@ -25,14 +25,6 @@ def compile_program(program, target, tuning=None):
     return executable, {"te": program.te_text, "tir": mod.script()}, decisions
 
 
-def export_options(target) -> dict:
-    """Options of Executable.export_library for `target`: none for this machine's code; the
-    cross compiler (fcompile) for another architecture's -- TargetError naming the packages
-    to install when it is missing."""
-    from mhagen.cross import export_options as cross_options
-    return cross_options(target)
-
-
 def resolve_tuning(tuning, target_name):
     """"auto" (user database, then shipped records), None (defaults only), a database path,
     or a Tuning object."""

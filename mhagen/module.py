@@ -22,6 +22,7 @@ import numpy as np
 
 from mhagen.errors import ArtifactError, InputError
 from mhagen.reference import check_input
+from mhagen.target import host_arch
 from mhagen.weights import check_weights
 
 MODULE_FORMAT = "mhagen.module"
@@ -59,7 +60,7 @@ class Module:
         # Code for another architecture (a cross build) is saved, never called: looking its
         # functions up would start LLVM's JIT, which refuses a foreign architecture.
         self._calls = ([(runtime_module[k.name], k.args) for k in program.kernels]
-                       if target.arch == _host_arch() else [])
+                       if target.arch == host_arch() else [])
         self.tuning_records = list(tuning_records or [])
         self.library_path = library_path
         self._temps = None
@@ -94,9 +95,9 @@ class Module:
 
     def _args(self, x, weights):
         import tvm
-        if self.target.arch != _host_arch():
+        if self.target.arch != host_arch():
             raise ArtifactError(f"this module is {self.target.arch} code ({self.target.name}); "
-                                f"it cannot run on this {_host_arch()} machine")
+                                f"it cannot run on this {host_arch()} machine")
         x = check_input(self.graph, x)
         if x.shape != self.in_shape:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
@@ -207,7 +208,7 @@ class Module:
 
     def save(self, path) -> Path:
         """Write the module to directory `path` (created); returns the path."""
-        from mhagen.compile import export_options  # the cross g++ for another arch
+        from mhagen.cross import export_options  # the cross g++ for another arch
         options = export_options(self.target) if self._executable is not None else {}
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -256,11 +257,6 @@ def _write_tensors(path, arrays: dict) -> list:
     return table
 
 
-def _host_arch():
-    from mhagen.target import host_arch
-    return host_arch()
-
-
 def load(path) -> Module:
     """Load a directory written by Module.save(); checks format, target and checksums."""
     import tvm
@@ -297,9 +293,9 @@ def load(path) -> Module:
                                 "copy it again")
     if "kernel.so" not in files:
         raise ArtifactError(f"{path}: the manifest lists no kernel.so; rebuild the module")
-    if tinfo["arch"] != _host_arch():
+    if tinfo["arch"] != host_arch():
         raise ArtifactError(f"{path} holds {tinfo['arch']} code (target {tinfo['name']}); this "
-                            f"machine is {_host_arch()}: run it on a {tinfo['arch']} machine")
+                            f"machine is {host_arch()}: run it on a {tinfo['arch']} machine")
     from mhagen.target import host_features
     missing = sorted(set(tinfo.get("features", [])) - set(host_features()))
     if missing:
