@@ -72,7 +72,21 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["mask"] = repr(mask)
     g = Graph(name, options=options)
     x = g.input("x", d_model)
-    group = num_heads // kv_heads
+    g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
+                           [full_mask] * num_heads, kv_heads, head_dim, d_model, bias))
+    g.shapes()
+    return g
+
+
+def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
+              bias: bool) -> str:
+    """Add multi-head attention over input node x to g; return the output projection's name.
+
+    Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
+    K/V head h // (heads // kv_heads); masks[h] may be None. Heads are concatenated and
+    projected to d_out. Node and weight names are those of mha().
+    """
+    group = len(scales) // kv_heads
 
     def proj(w, i):
         return g.head_projection(x, f"w_{w}", i, head_dim, bias=f"b_{w}" if bias else None,
@@ -81,16 +95,12 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     keys = [proj("k", i) for i in range(kv_heads)]
     values = [proj("v", i) for i in range(kv_heads)]
     outs = []
-    for h in range(num_heads):
-        q = proj("q", h)
-        s = g.scores(q, keys[h // group], name=f"s{h}")
-        s = g.scale(s, 1.0 / math.sqrt(head_dim), name=f"scaled{h}")
-        if full_mask is not None:
-            s = g.mask(s, full_mask, head=h, name=f"masked{h}")
-        p = g.softmax(s, name=f"p{h}")
-        outs.append(g.weighted_sum(p, values[h // group], name=f"o{h}"))
+    for h, (scale, mask) in enumerate(zip(scales, masks)):
+        s = g.scores(proj("q", h), keys[h // group], name=f"s{h}")
+        s = g.scale(s, scale, name=f"scaled{h}")
+        if mask is not None:
+            s = g.mask(s, mask, head=h, name=f"masked{h}")
+        outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[h // group],
+                                   name=f"o{h}"))
     c = g.concat_heads(outs, name="concat")
-    y = g.output_projection(c, "w_o", d_model, bias="b_o" if bias else None, name="y")
-    g.set_output(y)
-    g.shapes()
-    return g
+    return g.output_projection(c, "w_o", d_out, bias="b_o" if bias else None, name="y")

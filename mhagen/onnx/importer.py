@@ -49,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mhagen.dsl import add_heads
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, need_onnx, ort_session
@@ -996,26 +997,9 @@ def _layer(name, d_model, d, d_out, heads, kv_heads, bias):
     g = Graph(name, options={"d_model": d_model, "num_heads": len(heads), "head_dim": d,
                              "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})
     x = g.input("x", d_model)
-    group = len(heads) // kv_heads
-
-    def proj(w, i):
-        return g.head_projection(x, f"w_{w}", i, d, bias=f"b_{w}" if bias else None,
-                                 name=f"{w}{i}")
-    keys = [proj("k", j) for j in range(kv_heads)]
-    values = [proj("v", j) for j in range(kv_heads)]
-    outs = []
-    for h, spec in enumerate(heads):
-        s = g.scores(proj("q", h), keys[h // group], name=f"s{h}")
-        s = g.scale(s, spec["scale"], name=f"scaled{h}")
-        mask = spec["mask"]
-        if spec["causal"]:
-            mask = ex.causal() if mask is None else ex.causal() & mask
-        if mask is not None:
-            s = g.mask(s, mask, head=h, name=f"masked{h}")
-        outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[h // group],
-                                   name=f"o{h}"))
-    c = g.concat_heads(outs, name="concat")
-    g.set_output(g.output_projection(c, "w_o", d_out, bias="b_o" if bias else None, name="y"))
+    masks = [(ex.causal() if h["mask"] is None else ex.causal() & h["mask"]) if h["causal"]
+             else h["mask"] for h in heads]
+    g.set_output(add_heads(g, x, [h["scale"] for h in heads], masks, kv_heads, d, d_out, bias))
     g.shapes()
     return g
 
