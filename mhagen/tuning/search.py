@@ -228,13 +228,11 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     on a remote device; kernels: names of the kernels to tune (default: all tunable).
     Ctrl-C stops tuning and still writes what was found.
     """
-    import tvm
     import tvm.s_tir.meta_schedule as ms
 
     from mhagen.lower import lower
-    from mhagen.schedules import schedule_kernel
     from mhagen.target import resolve
-    from mhagen.tuning.apply import kernel_hash, versions
+    from mhagen.tuning.apply import versions
 
     t = resolve(target)
     from mhagen.target import host_arch
@@ -273,7 +271,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
                 res = _tune_template(kernel, t, runner, bar, i, key, shape, layer, fuse)
             else:
                 res = _tune_metaschedule(kernel, t, runner, bar, i, key, trials, work_dir,
-                                         seed, ms, tvm, schedule_kernel, kernel_hash)
+                                         seed)
             report.results.append(res[0])
             res[1].update(versions())
             db.put(res[1])
@@ -293,9 +291,13 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     return report
 
 
-def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed, ms, tvm,
-                       schedule_kernel, kernel_hash):
+def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed):
+    import tvm
+    import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
+
+    from mhagen.schedules import schedule_kernel
+    from mhagen.tuning.apply import kernel_hash
 
     from mhagen.schedules import Plan
     from mhagen.schedules.x86.matmul import MatmulConfig, MatmulRule
