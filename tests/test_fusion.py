@@ -87,7 +87,7 @@ def test_extra_nodes_block_fusion():
 def test_fused_program_never_builds_the_score_matrix():
     seq, heads = 2048, 8
     program = lower(mhagen.mha(512, heads, causal=True), 1, seq, resolve("x86"))
-    assert [k.name for k in program.kernels] == ["qkv_projection", "kv_layout", "attention",
+    assert [k.name for k in program.kernels] == ["qkv_projection", "attention",
                                                  "output_projection"]
     largest = max(math.prod(b.shape) for b in program.buffers.values())
     assert largest < heads * seq * seq / 8, "a buffer as large as the score matrix exists"

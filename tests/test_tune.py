@@ -64,8 +64,8 @@ def _forced_records(tuned):
         if r["key"]["kernel"] == "qkv_projection":
             r.update(kind="trace", trace=_best_trace(d / "x86-work"))
         else:
-            r.update(kind="config", config={"q_tile": 16, "kv_block": 64, "tile_rows": 8,
-                                            "tile_cols": 32})
+            r.update(kind="config", config={"q_tile": 32, "kv_block": 64, "tile_rows": 8,
+                                            "tile_cols": 16})
         out.append(r)
     return out
 
@@ -88,7 +88,7 @@ for d in m.decisions:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert any(line.startswith("qkv_projection tuned") for line in lines), out.stdout
-    assert any(line.startswith("attention tuned") and "'q_tile': 16" in line for line in lines)
+    assert any(line.startswith("attention tuned") and "'tile_cols': 16" in line for line in lines)
     assert any(line.startswith("output_projection default") for line in lines)
 
 

@@ -1,24 +1,24 @@
-"""Lower a fused graph (qkv_projection -> attention -> output_projection) to four kernels:
+"""Lower a fused graph (qkv_projection -> attention -> output_projection) to three kernels:
 
   qkv_projection  x [M, D] @ W_qkv (packed [N/NR, D, NR]) + b_qkv -> qkv [M, N]    (TE, GEMM)
-  kv_layout       qkv -> K^T in key blocks [B, G, NKB, d, KB], V padded [B, G, TP, DP] (TE)
-  attention       qkv, K^T, V, block table -> att [M, H*d]         (template, flash-style)
+  attention       qkv, block table -> att [M, H*d]  (template, flash-style; reads Q, K, V
+                  where the GEMM wrote them)
   output_proj     att @ W_O (packed) + b_o -> y [M, DO]                           (TE, GEMM)
 with M = batch * seq. Weights are repacked once, when they are bound (Buffer.make).
 """
 from __future__ import annotations
 
 import numpy as np
-from tvm import te, tirx
+from tvm import te
 
 from mhagen.blockmask import block_table, table_dims
 from mhagen.lower.program import Buffer, Kernel, Program, Stage, round_up
 
 
-def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
-    """[K, N] -> [ceil(N/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
+def pack_panels(w: np.ndarray, nr: int, cols: int = 0) -> np.ndarray:
+    """[K, N] -> [ceil(max(N, cols)/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
     k, n = w.shape
-    padded = np.zeros((k, round_up(n, nr)), np.float32)
+    padded = np.zeros((k, round_up(max(n, cols), nr)), np.float32)
     padded[:, :n] = w
     return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
 
@@ -43,7 +43,6 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     nr = 2 * target.lanes
     segments = qkv_node.attrs["segments"]
     n_qkv = sum(s["width"] for s in segments)
-    n_qkv_p = round_up(n_qkv, nr)
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
     kv_pairs = list(dict.fromkeys(zip(a["k_offsets"], a["v_offsets"])))
@@ -62,17 +61,21 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     hd = heads * d
 
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
-            "qkv_width": n_qkv_p, "q_base": q_base, "scale": a["scale"], "mask": a.get("mask")}
+            "q_base": q_base, "k_base": k_base, "v_base": v_base, "scale": a["scale"],
+            "mask": a.get("mask")}
     cfg = attention_config or attention_rule.default_config(work, target)
-    lay = layout(work, cfg)
+    # qkv row length: room for the attention template's padded head_dim past the last head,
+    # and an odd number of panels. An even one (1536 floats = 6 KiB) maps the rows of a key
+    # block to a few L1 cache sets, which evict each other (7% slower attention at 512/8).
+    n_qkv_p = round_up(n_qkv + layout(work, cfg)["qkv_overread"], nr)
+    if (n_qkv_p // nr) % 2 == 0:
+        n_qkv_p += nr
     tb, th = table_dims(a.get("mask"), batch, heads)
-    work.update(table_batch=tb, table_heads=th)
-    nkb, tp, dp = lay["n_kv_blocks"], lay["seq_padded"], lay["head_dim_padded"]
-    kb = cfg.kv_block
+    work.update(qkv_width=n_qkv_p, table_batch=tb, table_heads=th)
 
     def make_wqkv(w):
         cols = [w[s["weight"]][s["head"]] for s in segments]
-        return pack_panels(np.concatenate(cols, axis=1).astype(np.float32), nr)
+        return pack_panels(np.concatenate(cols, axis=1).astype(np.float32), nr, n_qkv_p)
 
     def make_bqkv(w):
         b = np.zeros(n_qkv_p, np.float32)
@@ -90,15 +93,13 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
             b[:d_out] = w[out_node.attrs["bias"]]
         return b
 
-    table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=kb)
+    table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=cfg.kv_block)
     buffers = [
         Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]"),
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", make=make_wqkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
         Buffer("qkv", (rows, n_qkv_p), "temp"),
-        Buffer("k_t", (batch, kv_heads, nkb, d, kb), "temp", doc="K^T per key block"),
-        Buffer("v", (batch, kv_heads, tp, dp), "temp"),
         Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
         Buffer("att", (rows, hd), "temp", doc="attention output, heads side by side"),
@@ -119,22 +120,8 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
                           te.create_prim_func([x, wqkv, bqkv, qkv]), st))
     text.append(f"qkv[m, n] = sum_k x[m, k] * w_qkv[n // {nr}, k, n % {nr}] + b_qkv[n]"
                 f"   # {len(segments)} head projections, one GEMM")
-    # 2. K^T / V layout for the attention template
-    q_in = ph("qkv")
-    zero = tirx.const(0.0, "float32")
-    k_t = te.compute(buf["k_t"].shape, lambda b, g, blk, c, j: tirx.if_then_else(
-        blk * kb + j < seq, q_in[b * seq + tirx.min(blk * kb + j, seq - 1), k_base + g * d + c],
-        zero), name="k_t")
-    v = te.compute(buf["v"].shape, lambda b, g, t, c: tirx.if_then_else(
-        tirx.all(t < seq, c < d), q_in[b * seq + tirx.min(t, seq - 1),
-                                      v_base + g * d + tirx.min(c, d - 1)], zero), name="v")
-    kernels.append(Kernel("kv_layout", ["qkv", "k_t", "v"], te.create_prim_func([q_in, k_t, v]),
-                          [Stage("k_t", "elementwise", att_node.name, ("k_t",)),
-                           Stage("v", "elementwise", att_node.name, ("v",))]))
-    text.append(f"k_t[b, g, blk, c, j] = qkv[b*{seq} + blk*{kb} + j, {k_base} + g*{d} + c]  "
-                f"(0 past seq);  v[b, g, t, c] = qkv[b*{seq} + t, {v_base} + g*{d} + c]")
-    # 3. attention template
-    kernels.append(Kernel("attention", ["qkv", "k_t", "v", "blocks", "att"],
+    # 2. attention template
+    kernels.append(Kernel("attention", ["qkv", "blocks", "att"],
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
                           template="attention", workload=work, config=cfg,
@@ -143,7 +130,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
                 f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                 f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                 "blocks skipped")
-    # 4. output projection
+    # 3. output projection
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows, hd, d_out_p, nr)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],

@@ -8,7 +8,6 @@ Per kernel of the lowered program:
     measurement and a re-run resumes.
   - the attention template: its few knobs (query tile, key block) are measured one by one
     through the same MetaSchedule builder/runner (its block table is passed as real data).
-  - data-movement kernels (K/V layout) are not tuned.
 The default schedule and the best tuned one are then measured side by side; the record keeps
 the tuned schedule only if it is faster (kind "trace"/"config"), else records "default".
 Measurements run locally or on a remote device through TVM's RPC tracker.
@@ -384,7 +383,7 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
         tables.append(program.buffers["blocks"].make(None))
     times = []
     for f, table in zip(funcs, tables):  # one at a time: each has its own block table
-        s = _measure([f], t.tvm, runner, fixed={3: table})[0]
+        s = _measure([f], t.tvm, runner, fixed={kernel.args.index("blocks"): table})[0]
         times.append(s)
         bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))

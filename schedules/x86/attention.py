@@ -1,14 +1,18 @@
 """Fused attention template for CPUs with wide vectors (flash-style online softmax).
 
-One parallel task per (batch, head, query tile of q_tile rows). For each key block of
-kv_block keys that the block table does not skip:
-    S = Q K^T * scale (register tiles of tile_rows x tile_cols), masked only if the block is
-        partially visible;
-    online softmax per row: m' = max(m, max S), P = exp(S - m'), l = l e^(m-m') + sum P,
-        O = O e^(m-m');
-    O += P V (register tiles).
+One parallel task per (batch, head, query tile of q_tile rows). The task works on transposed
+scores: rows are keys, vector lanes are queries. So it reads K and V where the QKV GEMM wrote
+them (no K^T copy), and every softmax reduction runs down the rows, lane-wise, with no
+horizontal reduction. The task first copies its Q tile transposed and scaled by
+scale * log2(e) (Q^T, d x q_tile). Then, for each key block of kv_block keys that the block
+table does not skip:
+    S^T = K Q^T in register tiles of tile_rows keys x tile_cols queries; the tile's write-back
+          applies the mask (partial blocks only) and folds in the running max m' = max(m, S^T);
+    P^T = 2^(S^T - m'), l = l 2^(m - m') + sum_keys P^T (lane-wise over queries);
+    O = O 2^(m - m') + P V in register tiles of tile_rows queries x up to 32 head columns
+        (the rescale happens when the tile is loaded), V rows read straight from qkv.
 Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (kv_block +
-head_dim) floats; the [S, S] score matrix never exists. The block table (built at build
+2 head_dim) floats; the [S, S] score matrix never exists. The block table (built at build
 time from the mask expression, like FlexAttention's BlockMask) marks each (query tile, key
 block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal masks skip about
 half the blocks.
@@ -28,13 +32,13 @@ SKIP, PARTIAL, FULL = 0, 1, 2
 @dataclass(frozen=True)
 class AttentionConfig:
     q_tile: int
-    """query rows per task (a multiple of tile_rows)."""
+    """query rows per task (a multiple of tile_cols and of tile_rows)."""
     kv_block: int
-    """keys per block of the online softmax (a multiple of tile_cols)."""
+    """keys per block of the online softmax (a multiple of tile_rows)."""
     tile_rows: int
-    """rows of a register tile (unrolled)."""
+    """keys per S^T register tile, queries per P V register tile (unrolled)."""
     tile_cols: int
-    """columns of a score register tile (vectorised; a multiple of the lanes)."""
+    """queries per S^T register tile (vectorised; a multiple of the lanes)."""
 
 
 class AttentionRule:
@@ -46,18 +50,20 @@ class AttentionRule:
     def default_config(self, workload, target):
         lanes = target.lanes
         seq = workload["seq"]
-        q_tile = 64 if seq >= 256 else round_up(min(seq, 32), 8)
-        kv_block = 128 if seq >= 128 else round_up(seq, 2 * lanes)
+        q_tile = 64 if seq >= 256 else round_up(min(seq, 32), lanes)
+        tile_cols = 2 * lanes if q_tile % (2 * lanes) == 0 else lanes
+        kv_block = 128 if seq >= 128 else round_up(seq, 8)
         return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=8,
-                               tile_cols=2 * lanes)
+                               tile_cols=tile_cols)
 
     def make_config(self, values: dict, target) -> AttentionConfig:
         """A config from a tuning record, checked against the template's constraints."""
         cfg = AttentionConfig(**{k: int(values[k]) for k in
                                  ("q_tile", "kv_block", "tile_rows", "tile_cols")})
         lanes = target.lanes
-        if (cfg.q_tile % cfg.tile_rows or cfg.kv_block % cfg.tile_cols or cfg.tile_cols % lanes
-                or min(cfg.q_tile, cfg.kv_block, cfg.tile_rows) < 1):
+        if (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols) < 1
+                or cfg.q_tile % cfg.tile_cols or cfg.q_tile % cfg.tile_rows
+                or cfg.kv_block % cfg.tile_rows or cfg.tile_cols % lanes):
             raise ValueError(f"{cfg} breaks the template's tiling constraints")
         return cfg
 
@@ -67,7 +73,7 @@ class AttentionRule:
         out = []
         for q_tile in (32, 64, 128):
             for kv_block in (64, 128, 256):
-                if q_tile > 2 * seq or kv_block > 2 * max(seq, 2 * lanes):
+                if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
                     continue
                 out.append(AttentionConfig(q_tile, kv_block, 8, 2 * lanes))
         default = self.default_config(workload, target)
@@ -78,10 +84,12 @@ class AttentionRule:
 
 
 def layout(w, cfg):
-    """Padded sizes shared by the lowering (K/V layout kernel, block table) and the template."""
+    """Sizes shared by the lowering (qkv width, block table) and the template. P V tiles read
+    head_dim_padded columns from each V head: qkv needs that many past the last head."""
     seq, d = w["seq"], w["head_dim"]
+    dp = round_up(d, 16)
     return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
-            "seq_padded": round_up(seq, cfg.kv_block), "head_dim_padded": round_up(d, 16)}
+            "head_dim_padded": dp, "qkv_overread": dp - d}
 
 
 def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):
@@ -98,15 +106,17 @@ def build_attention(w, cfg, lanes, registers=32):
     """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
     B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
     L = layout(w, cfg)
-    NQT, NKB, TP, DP = L["n_q_tiles"], L["n_kv_blocks"], L["seq_padded"], L["head_dim_padded"]
+    NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
-    NV = output_tile_cols(DP, MR, lanes, registers)   # output register tile width
+    NV = output_tile_cols(DP, MR, lanes, registers)   # P V register tile width
     LN = lanes
     GROUP = H // G
-    QKV_W, Q_BASE, HD = w["qkv_width"], w["q_base"], H * d
+    QKV_W, HD = w["qkv_width"], H * d
+    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]
     TB, TH = w["table_batch"], w["table_heads"]
     c_log2e = f32(w["scale"] * 1.4426950408889634)
     neg_inf = f32(float("-inf"))
+    zero = f32(0.0)
     mask = w.get("mask")
     M = B * S
 
@@ -116,6 +126,10 @@ def build_attention(w, cfg, lanes, registers=32):
             cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
         return cond
 
+    def key_row(b, t, masked):
+        # full blocks hold keys < S only; partial ones may run past S (clamped, then masked)
+        return b * S + (T.min(t, S - 1) if masked else t)
+
     def tb(b):
         return b if TB > 1 else 0
 
@@ -123,112 +137,108 @@ def build_attention(w, cfg, lanes, registers=32):
         return h if TH > 1 else 0
 
     @T.macro
-    def online_softmax(masked, s_buf, o_buf, m_buf, l_buf, red, row):
-        # per row i: m' = max(m, max_j s), p = 2^(c (s - m')), l = l 2^(c (m - m')) + sum p,
-        # O *= 2^(c (m - m')), with c = scale * log2(e) (scores are stored unscaled).
-        for i in range(MQ):
-            for jj in T.vectorized(LN):
-                red[jj] = neg_inf
-            for jo in range(KB // LN):
-                for jj in T.vectorized(LN):
-                    red[jj] = T.max(red[jj], s_buf[i, jo * LN + jj])
-            row[0] = m_buf[i]
-            for jj in range(LN):
-                row[0] = T.max(row[0], red[jj])
-            row[1] = T.Select(row[0] == neg_inf, T.float32(0), row[0] * c_log2e)
-            for jj in T.vectorized(LN):
-                red[jj] = T.float32(0)
-            for jo in range(KB // LN):
-                for jj in T.vectorized(LN):
+    def key_block(masked, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o, vec,
+                  b, h, g, q0, k0):
+        # S^T = K Q^T (log2 units); the write-back masks and takes the running max
+        for i in T.vectorized(MQ):
+            m_new[i] = m_buf[i]
+        for jo in range(KB // MR):
+            for io in range(MQ // NR):
+                for jj in T.unroll(MR):
+                    for ii in T.vectorized(NR):
+                        acc[jj, ii] = zero
+                for c in range(d):
+                    for jj in T.unroll(MR):
+                        for ii in T.vectorized(NR):
+                            acc[jj, ii] = acc[jj, ii] + qkv[
+                                key_row(b, k0 + jo * MR + jj, masked),
+                                K_BASE + g * d + c] * q_t[c, io * NR + ii]
+                for jj in T.unroll(MR):
+                    for ii in T.vectorized(NR):
+                        if masked:
+                            s_buf[jo * MR + jj, io * NR + ii] = T.Select(
+                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj),
+                                acc[jj, ii], neg_inf)
+                        else:
+                            s_buf[jo * MR + jj, io * NR + ii] = acc[jj, ii]
+                        m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
+                                                    s_buf[jo * MR + jj, io * NR + ii])
+        # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.
+        # vec[0]: the subtracted max (0 for queries that saw no key yet), vec[1]: sum of P.
+        for io in range(MQ // LN):
+            for ii in T.vectorized(LN):
+                vec[0, ii] = T.Select(m_new[io * LN + ii] == neg_inf, zero, m_new[io * LN + ii])
+                alpha[io * LN + ii] = exp2(m_buf[io * LN + ii] - vec[0, ii])
+                vec[1, ii] = zero
+            for j in range(KB):
+                for ii in T.vectorized(LN):
                     if masked:
-                        s_buf[i, jo * LN + jj] = T.Select(
-                            s_buf[i, jo * LN + jj] == neg_inf, T.float32(0),
-                            exp2(s_buf[i, jo * LN + jj] * c_log2e - row[1]))
+                        s_buf[j, io * LN + ii] = T.Select(
+                            s_buf[j, io * LN + ii] == neg_inf, zero,
+                            exp2(s_buf[j, io * LN + ii] - vec[0, ii]))
                     else:
-                        s_buf[i, jo * LN + jj] = exp2(s_buf[i, jo * LN + jj] * c_log2e - row[1])
-                    red[jj] = red[jj] + s_buf[i, jo * LN + jj]
-            alpha = exp2(m_buf[i] * c_log2e - row[1])
-            m_buf[i] = row[0]
-            row[0] = T.float32(0)
-            for jj in range(LN):
-                row[0] = row[0] + red[jj]
-            l_buf[i] = l_buf[i] * alpha + row[0]
-            for j in T.vectorized(DP):
-                o_buf[i, j] = o_buf[i, j] * alpha
+                        s_buf[j, io * LN + ii] = exp2(s_buf[j, io * LN + ii] - vec[0, ii])
+                    vec[1, ii] = vec[1, ii] + s_buf[j, io * LN + ii]
+            for ii in T.vectorized(LN):
+                l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
+                m_buf[io * LN + ii] = m_new[io * LN + ii]
+        # O = O alpha + P V
+        for io in range(MQ // MR):
+            for co in range(DP // NV):
+                for ii in T.unroll(MR):
+                    for cc in T.vectorized(NV):
+                        acc_o[ii, cc] = o_buf[io * MR + ii, co * NV + cc] * alpha[io * MR + ii]
+                for j in range(KB):
+                    for ii in T.unroll(MR):
+                        for cc in T.vectorized(NV):
+                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * MR + ii] * qkv[
+                                key_row(b, k0 + j, masked), V_BASE + g * d + co * NV + cc]
+                for ii in T.unroll(MR):
+                    for cc in T.vectorized(NV):
+                        o_buf[io * MR + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.prim_func
     def attention(qkv: T.Buffer((M, QKV_W), "float32"),
-                  kt: T.Buffer((B, G, NKB, d, KB), "float32"),
-                  vp: T.Buffer((B, G, TP, DP), "float32"),
                   blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
                   out: T.Buffer((M, HD), "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         for task in T.parallel(B * H * NQT):
-            s_buf = T.decl_buffer((MQ, KB), "float32")
+            q_t = T.decl_buffer((d, MQ), "float32")
+            s_buf = T.decl_buffer((KB, MQ), "float32")
             o_buf = T.decl_buffer((MQ, DP), "float32")
             m_buf = T.decl_buffer((MQ,), "float32")
             l_buf = T.decl_buffer((MQ,), "float32")
+            m_new = T.decl_buffer((MQ,), "float32")
+            alpha = T.decl_buffer((MQ,), "float32")
             acc = T.decl_buffer((MR, NR), "float32", scope="local")
             acc_o = T.decl_buffer((MR, NV), "float32", scope="local")
-            red = T.decl_buffer((LN,), "float32", scope="local")
-            row = T.decl_buffer((2,), "float32", scope="local")
+            vec = T.decl_buffer((2, LN), "float32", scope="local")
             b = task // (H * NQT)
             h = task // NQT % H
             qt = task % NQT
             g = h // GROUP
             q0 = qt * MQ
             for i in range(MQ):
+                for c in range(d):
+                    q_t[c, i] = qkv[b * S + T.min(q0 + i, S - 1), Q_BASE + h * d + c] * c_log2e
+            for i in T.vectorized(MQ):
                 m_buf[i] = neg_inf
-                l_buf[i] = T.float32(0)
+                l_buf[i] = zero
+            for i in range(MQ):
                 for j in T.vectorized(DP):
-                    o_buf[i, j] = T.float32(0)
+                    o_buf[i, j] = zero
             for kb in range(NKB):
                 state = blocks[tb(b), th(h), qt, kb]
-                if state != SKIP:
-                    k0 = kb * KB
-                    for io in range(MQ // MR):
-                        for jo in range(KB // NR):
-                            for ii in T.unroll(MR):
-                                for jj in T.vectorized(NR):
-                                    acc[ii, jj] = T.float32(0)
-                            for c in range(d):
-                                for ii in T.unroll(MR):
-                                    for jj in T.vectorized(NR):
-                                        acc[ii, jj] = acc[ii, jj] + qkv[
-                                            b * S + T.min(q0 + io * MR + ii, S - 1),
-                                            Q_BASE + h * d + c] * kt[b, g, kb, c, jo * NR + jj]
-                            if state == FULL:
-                                for ii in T.unroll(MR):
-                                    for jj in T.vectorized(NR):
-                                        s_buf[io * MR + ii, jo * NR + jj] = acc[ii, jj]
-                            else:
-                                for ii in T.unroll(MR):
-                                    for jj in T.vectorized(NR):
-                                        s_buf[io * MR + ii, jo * NR + jj] = T.Select(
-                                            visible(b, h, q0 + io * MR + ii, k0 + jo * NR + jj),
-                                            acc[ii, jj], neg_inf)
-                    if state == FULL:
-                        online_softmax(False, s_buf, o_buf, m_buf, l_buf, red, row)
-                    else:
-                        online_softmax(True, s_buf, o_buf, m_buf, l_buf, red, row)
-                    for io in range(MQ // MR):
-                        for jo in range(DP // NV):
-                            for ii in T.unroll(MR):
-                                for jj in T.vectorized(NV):
-                                    acc_o[ii, jj] = o_buf[io * MR + ii, jo * NV + jj]
-                            for kk in range(KB):
-                                for ii in T.unroll(MR):
-                                    for jj in T.vectorized(NV):
-                                        acc_o[ii, jj] = acc_o[ii, jj] + s_buf[
-                                            io * MR + ii, kk] * vp[b, g, k0 + kk, jo * NV + jj]
-                            for ii in T.unroll(MR):
-                                for jj in T.vectorized(NV):
-                                    o_buf[io * MR + ii, jo * NV + jj] = acc_o[ii, jj]
+                if state == FULL:
+                    key_block(False, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
+                              acc_o, vec, b, h, g, q0, kb * KB)
+                elif state == PARTIAL:
+                    key_block(True, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
+                              acc_o, vec, b, h, g, q0, kb * KB)
             for i in range(MQ):
                 if q0 + i < S:
-                    row[0] = T.Select(l_buf[i] > T.float32(0), T.float32(1) / l_buf[i],
-                                      T.float32(0))
+                    vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
-                        out[b * S + q0 + i, h * d + j] = o_buf[i, j] * row[0]
+                        out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
 
     return attention
