@@ -81,7 +81,11 @@ def parse_shape(text: str):
 
 
 def make_input(batch, seq, d_model, seed=0):
-    return np.random.default_rng(seed).standard_normal((batch, seq, d_model)).astype(np.float32)
+    """The same input for every implementation, 64-byte aligned (mhagen.aligned_empty) as a
+    caller who wants mhagen to read it in place allocates it; the peers take any array."""
+    x = mhagen.aligned_empty((batch, seq, d_model))
+    x[...] = np.random.default_rng(seed).standard_normal((batch, seq, d_model))
+    return x
 
 
 def layer_flops(layer, batch, seq) -> int:

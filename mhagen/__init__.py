@@ -5,6 +5,7 @@ Importing mhagen does not import TVM; build/load do, on first use.
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import Graph, causal, kv_idx, q_idx, sliding_window, verify
+from mhagen.module import aligned_empty
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.weights import weights_from_torch
@@ -31,6 +32,6 @@ def load(path):
 
 
 __all__ = ["ArtifactError", "Graph", "GraphError", "InputError", "MhagenError", "TOLERANCES",
-           "TargetError", "build", "causal", "export_onnx", "import_onnx", "kv_idx", "load",
+           "TargetError", "aligned_empty", "build", "causal", "export_onnx", "import_onnx", "kv_idx", "load",
            "max_error", "mha", "q_idx", "sliding_window", "tune", "verify",
            "weights_from_torch"]

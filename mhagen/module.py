@@ -40,6 +40,30 @@ def sha256_file(path) -> str:
     return h.hexdigest()
 
 
+ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned vector stores)
+
+
+def aligned_empty(shape, dtype="float32") -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.empty(n + ALIGNMENT // dtype.itemsize, dtype)
+    start = (-raw.ctypes.data % ALIGNMENT) // dtype.itemsize
+    return raw[start:start + n].reshape(shape)
+
+
+def _tensor_view(a: np.ndarray, shape):
+    """A TVM tensor sharing a's memory (DLPack), or None when a is not C-contiguous, aligned
+    and writable float data that DLPack can export."""
+    import tvm_ffi
+    if not (a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % ALIGNMENT == 0):
+        return None
+    try:
+        return tvm_ffi.from_dlpack(a.reshape(shape))
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return None
+
+
 class Module:
     """A layer compiled for one target and one input shape [batch, seq_len, d_model].
 
@@ -63,7 +87,9 @@ class Module:
                        if target.arch == host_arch() else [])
         self.tuning_records = list(tuning_records or [])
         self.library_path = library_path
-        self._temps = None
+        self._resident_buffers = self._resident_for = self._out_raw = None
+        self._in_buffer = program.role("input")[0]
+        self._out_buffer = program.role("output")[0]
         self.texts = dict(texts or {})
         self.decisions = list(decisions or [])
         self.compile_seconds = compile_seconds
@@ -93,11 +119,34 @@ class Module:
             out[b.name] = tvm.runtime.tensor(arr, tvm.cpu())
         return out
 
-    def _args(self, x, weights):
-        import tvm
-        if self.target.arch != host_arch():
+    def _args(self, x, weights, out=None):
+        """The kernels' arguments by buffer name. The input is passed without a copy when x
+        is C-contiguous float32 on a 64-byte boundary (what the kernels assume), else copied
+        into a buffer of the module; `out` (from _output_array) receives the output."""
+        if not self._calls:
             raise ArtifactError(f"this module is {self.target.arch} code ({self.target.name}); "
                                 f"it cannot run on this {host_arch()} machine")
+        if type(x) is not np.ndarray or x.dtype != np.float32 or x.shape != self.in_shape:
+            x = self._check_x(x)
+        if weights is not None:
+            buffers = dict(self._resident(),
+                           **self._params(check_weights(self.graph, weights, dtype=np.float32)))
+        elif self._bound is not None:
+            buffers = dict(self._resident())
+        else:
+            raise InputError("no weights: pass weights= to mhagen.build(), call "
+                             "module.bind(weights), or call module(x, weights=...)")
+        view = _tensor_view(x, self._in_buffer.shape)
+        if view is None:
+            buffers[self._in_buffer.name].copyfrom(
+                np.ascontiguousarray(x).reshape(self._in_buffer.shape))
+        else:
+            buffers[self._in_buffer.name] = view
+        if out is not None:
+            buffers[self._out_buffer.name] = _tensor_view(out, out.shape)
+        return buffers
+
+    def _check_x(self, x):
         x = check_input(self.graph, x)
         if x.shape != self.in_shape:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
@@ -106,32 +155,46 @@ class Module:
         if x.dtype != np.float32:
             raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
                              "pass x.astype(np.float32)")
-        dev = tvm.cpu()
-        if weights is not None:
-            bound = self._params(check_weights(self.graph, weights, dtype=np.float32))
-        elif self._bound is not None:
-            bound = self._bound
-        else:
-            raise InputError("no weights: pass weights= to mhagen.build(), call "
-                             "module.bind(weights), or call module(x, weights=...)")
-        if self._temps is None:  # allocated once: a Module is not safe to call from threads
-            self._temps = {b.name: tvm.runtime.empty(b.shape, b.dtype, dev)
-                           for b in self.program.buffers.values()
-                           if b.role in ("temp", "input", "output")}
-        buffers = dict(bound, **self._temps)
-        for b in self.program.role("input"):
-            buffers[b.name].copyfrom(np.ascontiguousarray(x.reshape(b.shape)))
-        return buffers
+        return x
+
+    def _resident(self) -> dict:
+        """Bound parameters and the module's own buffers (temporaries, input staging, output),
+        allocated once: a Module is not safe to call from several threads at once."""
+        if self._resident_buffers is None or self._resident_for is not self._bound:
+            import tvm
+            dev = tvm.cpu()
+            temps = {b.name: tvm.runtime.empty(b.shape, b.dtype, dev)
+                     for b in self.program.buffers.values()
+                     if b.role in ("temp", "input", "output")}
+            self._resident_buffers = dict(self._bound or {}, **temps)
+            self._resident_for = self._bound
+        return self._resident_buffers
+
+    def _output_array(self) -> np.ndarray:
+        """A 64-byte aligned array for the kernels to write the output into: the previous
+        call's, when the caller has dropped every reference to it, else a new one (fresh
+        memory costs page faults on every call)."""
+        import sys
+        # references: the attribute and getrefcount's argument; every array of a caller's
+        # that shares the memory adds one
+        if self._out_raw is None or sys.getrefcount(self._out_raw) > 2:
+            b = self._out_buffer
+            self._out_raw = aligned_empty(b.shape, b.dtype).base
+        raw = self._out_raw
+        n = int(np.prod(self._out_buffer.shape))
+        start = (-raw.ctypes.data % ALIGNMENT) // raw.itemsize
+        return raw[start:start + n].reshape(self._out_buffer.shape)
 
     def _run(self, buffers):
         for func, args in self._calls:
-            func(*(buffers[a] for a in args))
+            func(*[buffers[a] for a in args])
 
     def __call__(self, x, weights=None) -> np.ndarray:
-        buffers = self._args(x, weights)
-        self._run(buffers)
-        out = buffers[self.program.role("output")[0].name].numpy()
-        return np.ascontiguousarray(out.reshape(self.batch, self.seq_len, -1)[..., :self.out_shape[2]])
+        out = self._output_array()
+        self._run(self._args(x, weights, out))
+        out = out.reshape(self.batch, self.seq_len, -1)
+        return out if out.shape == self.out_shape else np.ascontiguousarray(
+            out[..., :self.out_shape[2]])
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at

@@ -173,3 +173,31 @@ def test_loaded_module_saves_again(small, tmp_path):
     loaded = mhagen.load(module.save(tmp_path / "a"))
     again = mhagen.load(loaded.save(tmp_path / "b"))
     np.testing.assert_array_equal(again(x), module(x))
+
+
+def test_aligned_input_is_read_in_place_and_outputs_never_alias(small):
+    layer, w, x, module = small
+    xa = mhagen.aligned_empty(x.shape)
+    xa[...] = x
+    assert xa.ctypes.data % 64 == 0
+    misaligned = np.empty(x.size + 1, np.float32)[1:].reshape(x.shape)   # 4 bytes off
+    misaligned[...] = x
+    readonly = x.copy()
+    readonly.flags.writeable = False
+    want = layer.reference(x, w)
+    y1 = module(xa)           # zero-copy input
+    y2 = module(misaligned)   # copied input
+    y3 = module(readonly)
+    assert_close(y1, want)
+    assert_close(y2, want)
+    assert_close(y3, want)
+    # every result the caller holds is its own memory ...
+    assert not np.shares_memory(y1, y2) and not np.shares_memory(y2, y3)
+    np.testing.assert_array_equal(y1, y2)
+    # ... and a dropped result's memory is reused, with the right answer
+    addr = y3.ctypes.data
+    del y3
+    y4 = module(-xa)
+    assert y4.ctypes.data == addr
+    assert_close(y4, layer.reference(-x, w))
+    np.testing.assert_array_equal(y1, module(x))

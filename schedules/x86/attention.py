@@ -27,6 +27,8 @@ from mhagen.lower.te import mask_to_tir
 from mhagen.schedules.x86.fast_math import exp2, f32
 
 SKIP, PARTIAL, FULL = 0, 1, 2
+# register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
+ON_STACK = {"disable_lower_builtin": True}
 
 
 @dataclass(frozen=True)
@@ -210,9 +212,9 @@ def build_attention(w, cfg, lanes, registers=32):
             l_buf = T.decl_buffer((MQ,), "float32")
             m_new = T.decl_buffer((MQ,), "float32")
             alpha = T.decl_buffer((MQ,), "float32")
-            acc = T.decl_buffer((MR, NR), "float32", scope="local")
-            acc_o = T.decl_buffer((MR, NV), "float32", scope="local")
-            vec = T.decl_buffer((2, LN), "float32", scope="local")
+            acc = T.alloc_buffer((MR, NR), "float32", scope="local", annotations=ON_STACK)
+            acc_o = T.alloc_buffer((MR, NV), "float32", scope="local", annotations=ON_STACK)
+            vec = T.alloc_buffer((2, LN), "float32", scope="local", annotations=ON_STACK)
             b = task // (H * NQT)
             h = task // NQT % H
             qt = task % NQT
