@@ -1,6 +1,7 @@
 """Lower a fused graph (qkv_projection -> attention -> output_projection) to three kernels:
 
-  qkv_projection  x [M, D] @ W_qkv (packed [N/NR, D, NR]) + b_qkv -> qkv [M, N]    (TE, GEMM)
+  qkv_projection  x [M, D] @ W_qkv (packed [N/NR, D, NR]) + b_qkv -> qkv [N/NR, M, NR]
+                  (TE, GEMM; the output stays in column panels: a head's rows are contiguous)
   attention       qkv, block table -> att [M, H*d]  (template, flash-style; reads Q, K, V
                   where the GEMM wrote them)
   output_proj     att @ W_O (packed) + b_o -> y [M, DO]                           (TE, GEMM)
@@ -23,20 +24,27 @@ def pack_panels(w: np.ndarray, nr: int, cols: int = 0) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
 
 
-def _gemm(name, node, a, wp, bias, rows, depth, cols, nr):
-    """C[m, n] = sum_k a[m, k] wp[n // nr, k, n % nr] (+ bias[n]): one packed-GEMM stage."""
+def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False):
+    """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
+    stage. C is [rows, cols], or [cols / nr, rows, nr] (column panels) when panel_major."""
     k = te.reduce_axis((0, depth), name="k")
-    mm = te.compute((rows, cols), lambda m, n: te.sum(a[m, k] * wp[n // nr, k, n % nr], axis=k),
-                    name=name + "_matmul")
-    out = te.compute((rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
+    if panel_major:
+        shape = (cols // nr, rows, nr)
+        mm = te.compute(shape, lambda p, m, j: te.sum(a[m, k] * wp[p, k, j], axis=k),
+                        name=name + "_matmul")
+        out = te.compute(shape, lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
+    else:
+        mm = te.compute((rows, cols), lambda m, n: te.sum(a[m, k] * wp[n // nr, k, n % nr],
+                                                          axis=k), name=name + "_matmul")
+        out = te.compute((rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,),
-                    {"rows": rows, "cols": cols, "depth": depth, "panel": nr}),
+                    {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
+                     "panel_major": panel_major}),
               Stage(name, "epilogue", node, (name,))]
     return out, stages
 
 
 def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
-    from mhagen.schedules.x86.attention import layout
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
@@ -60,28 +68,28 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     d_out_p = round_up(d_out, nr)
     hd = heads * d
 
+    # qkv columns: every head's d columns padded to dp (a multiple of 16), so the attention
+    # template's vectors over head_dim never straddle two panels
+    dp = round_up(d, 16)
+    n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
-            "q_base": q_base, "k_base": k_base, "v_base": v_base, "scale": a["scale"],
-            "mask": a.get("mask")}
+            "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
+            "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask")}
     cfg = attention_config or attention_rule.default_config(work, target)
-    # qkv row length: room for the attention template's padded head_dim past the last head,
-    # and an odd number of panels. An even one (1536 floats = 6 KiB) maps the rows of a key
-    # block to a few L1 cache sets, which evict each other (7% slower attention at 512/8).
-    n_qkv_p = round_up(n_qkv + layout(work, cfg)["qkv_overread"], nr)
-    if (n_qkv_p // nr) % 2 == 0:
-        n_qkv_p += nr
     tb, th = table_dims(a.get("mask"), batch, heads)
-    work.update(qkv_width=n_qkv_p, table_batch=tb, table_heads=th)
+    work.update(table_batch=tb, table_heads=th)
 
     def make_wqkv(w):
-        cols = [w[s["weight"]][s["head"]] for s in segments]
-        return pack_panels(np.concatenate(cols, axis=1).astype(np.float32), nr, n_qkv_p)
+        cols = np.zeros((d_model, n_qkv_p), np.float32)
+        for i, s in enumerate(segments):
+            cols[:, i * dp:i * dp + d] = w[s["weight"]][s["head"]]
+        return pack_panels(cols, nr)
 
     def make_bqkv(w):
         b = np.zeros(n_qkv_p, np.float32)
         for i, s in enumerate(segments):
             if s.get("bias"):
-                b[i * d:(i + 1) * d] = w[s["bias"]][s["head"]]
+                b[i * dp:i * dp + d] = w[s["bias"]][s["head"]]
         return b
 
     def make_wo(w):
@@ -99,7 +107,8 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", make=make_wqkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
-        Buffer("qkv", (rows, n_qkv_p), "temp"),
+        Buffer("qkv", (n_qkv_p // nr, rows, nr), "temp",
+               doc="Q, K, V of every head in column panels, each head padded to 16 columns"),
         Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
         Buffer("att", (rows, hd), "temp", doc="attention output, heads side by side"),
@@ -115,10 +124,11 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     kernels, text = [], []
     # 1. packed QKV GEMM
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
-    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows, d_model, n_qkv_p, nr)
+    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows, d_model, n_qkv_p, nr,
+                    panel_major=True)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"],
                           te.create_prim_func([x, wqkv, bqkv, qkv]), st))
-    text.append(f"qkv[m, n] = sum_k x[m, k] * w_qkv[n // {nr}, k, n % {nr}] + b_qkv[n]"
+    text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
                 f"   # {len(segments)} head projections, one GEMM")
     # 2. attention template
     kernels.append(Kernel("attention", ["qkv", "blocks", "att"],

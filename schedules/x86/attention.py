@@ -86,12 +86,11 @@ class AttentionRule:
 
 
 def layout(w, cfg):
-    """Sizes shared by the lowering (qkv width, block table) and the template. P V tiles read
-    head_dim_padded columns from each V head: qkv needs that many past the last head."""
+    """Sizes shared by the lowering (block table) and the template. Each head of qkv holds
+    head_dim_padded columns (the lowering pads them with zeros)."""
     seq, d = w["seq"], w["head_dim"]
-    dp = round_up(d, 16)
     return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
-            "head_dim_padded": dp, "qkv_overread": dp - d}
+            "head_dim_padded": round_up(d, 16)}
 
 
 def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):
@@ -113,8 +112,11 @@ def build_attention(w, cfg, lanes, registers=32):
     NV = output_tile_cols(DP, MR, lanes, registers)   # P V register tile width
     LN = lanes
     GROUP = H // G
-    QKV_W, HD = w["qkv_width"], H * d
-    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]
+    PW, HD = w["panel"], H * d                        # qkv is [columns / PW, M, PW]
+    NP = w["qkv_width"] // PW
+    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]   # in columns
+    # a P V vector (NV columns of one V head) must lie inside one panel
+    assert PW % NV == 0 and V_BASE % NV == 0 and DP % NV == 0, (PW, NV, V_BASE, DP)
     TB, TH = w["table_batch"], w["table_heads"]
     c_log2e = f32(w["scale"] * 1.4426950408889634)
     neg_inf = f32(float("-inf"))
@@ -153,8 +155,9 @@ def build_attention(w, cfg, lanes, registers=32):
                     for jj in T.unroll(MR):
                         for ii in T.vectorized(NR):
                             acc[jj, ii] = acc[jj, ii] + qkv[
+                                (K_BASE + g * DP + c) // PW,
                                 key_row(b, k0 + jo * MR + jj, masked),
-                                K_BASE + g * d + c] * q_t[c, io * NR + ii]
+                                (K_BASE + g * DP + c) % PW] * q_t[c, io * NR + ii]
                 for jj in T.unroll(MR):
                     for ii in T.vectorized(NR):
                         if masked:
@@ -194,13 +197,14 @@ def build_attention(w, cfg, lanes, registers=32):
                     for ii in T.unroll(MR):
                         for cc in T.vectorized(NV):
                             acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * MR + ii] * qkv[
-                                key_row(b, k0 + j, masked), V_BASE + g * d + co * NV + cc]
+                                (V_BASE + g * DP + co * NV) // PW, key_row(b, k0 + j, masked),
+                                (V_BASE + g * DP + co * NV) % PW + cc]
                 for ii in T.unroll(MR):
                     for cc in T.vectorized(NV):
                         o_buf[io * MR + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.prim_func
-    def attention(qkv: T.Buffer((M, QKV_W), "float32"),
+    def attention(qkv: T.Buffer((NP, M, PW), "float32"),
                   blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
                   out: T.Buffer((M, HD), "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
@@ -222,7 +226,8 @@ def build_attention(w, cfg, lanes, registers=32):
             q0 = qt * MQ
             for i in range(MQ):
                 for c in range(d):
-                    q_t[c, i] = qkv[b * S + T.min(q0 + i, S - 1), Q_BASE + h * d + c] * c_log2e
+                    q_t[c, i] = qkv[(Q_BASE + h * DP + c) // PW, b * S + T.min(q0 + i, S - 1),
+                                    (Q_BASE + h * DP + c) % PW] * c_log2e
             for i in T.vectorized(MQ):
                 m_buf[i] = neg_inf
                 l_buf[i] = zero

@@ -2,7 +2,8 @@
 
 Two forms, one schedule:
   packed_matmul  C[m, n] = sum_k A[m, k] W[n // NR, k, n % NR]  (weights in column panels,
-                 repacked at build time): loop order (panel, row tile, k, rows, cols)
+                 repacked at build time), or C[p, m, j] (the output in column panels too):
+                 loop order (row block, panel, row tile, k, rows, cols)
   matmul         C[b, i, j] = sum_k A[b, i, k] B[b, k, j]  (unfused graphs: scores, P V, ...)
 Inside a task: a tile_rows x tile_cols accumulator in registers (rows unrolled, columns
 vectorised), k innermost-but-two. Elementwise epilogues that follow (bias, scale, mask) are
@@ -51,9 +52,13 @@ class MatmulRule:
         blk = sch.get_sblock(stage.blocks[0])
         loops = sch.get_loops(blk)
         if stage.pattern == "packed_matmul":
-            i, j, k = loops
-            io, ii = sch.split(i, [None, cfg.tile_rows])
-            jo, ji = sch.split(j, [None, cfg.tile_cols])
+            if len(loops) == 4:   # panel-major C[p, m, j]: tiles are one panel wide
+                jo, i, ji, k = loops
+                io, ii = sch.split(i, [None, cfg.tile_rows])
+            else:
+                i, j, k = loops
+                io, ii = sch.split(i, [None, cfg.tile_rows])
+                jo, ji = sch.split(j, [None, cfg.tile_cols])
             if cfg.row_block > 1:
                 # (row block, panel, row tile): a panel is reused by the block's row tiles,
                 # the block's rows of A stay in L2 across panels
