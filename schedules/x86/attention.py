@@ -224,8 +224,8 @@ def build_attention(w, cfg, lanes, registers=32):
             qt = task % NQT
             g = h // GROUP
             q0 = qt * MQ
-            for i in range(MQ):
-                for c in range(d):
+            for c in range(d):
+                for i in T.vectorized(MQ):
                     q_t[c, i] = qkv[(Q_BASE + h * DP + c) // PW, b * S + T.min(q0 + i, S - 1),
                                     (Q_BASE + h * DP + c) % PW] * c_log2e
             for i in T.vectorized(MQ):
