@@ -56,7 +56,8 @@ def _tensor_view(a: np.ndarray, shape):
     """A TVM tensor sharing a's memory (DLPack), or None when a is not C-contiguous, aligned
     and writable float data that DLPack can export."""
     import tvm_ffi
-    if not (a.flags.c_contiguous and a.flags.writeable and a.ctypes.data % ALIGNMENT == 0):
+    if not (a.flags.c_contiguous and a.flags.writeable
+            and a.__array_interface__["data"][0] % ALIGNMENT == 0):
         return None
     try:
         return tvm_ffi.from_dlpack(a.reshape(shape))
@@ -87,7 +88,7 @@ class Module:
                        if target.arch == host_arch() else [])
         self.tuning_records = list(tuning_records or [])
         self.library_path = library_path
-        self._resident_buffers = self._resident_for = self._out_raw = None
+        self._resident_buffers = self._resident_for = self._out_slot = None
         self._in_buffer = program.role("input")[0]
         self._out_buffer = program.role("output")[0]
         self.texts = dict(texts or {})
@@ -122,7 +123,8 @@ class Module:
     def _args(self, x, weights, out=None):
         """The kernels' arguments by buffer name. The input is passed without a copy when x
         is C-contiguous float32 on a 64-byte boundary (what the kernels assume), else copied
-        into a buffer of the module; `out` (from _output_array) receives the output."""
+        into a buffer of the module; `out` (a TVM tensor, from _output_slot) receives the
+        output."""
         if not self._calls:
             raise ArtifactError(f"this module is {self.target.arch} code ({self.target.name}); "
                                 f"it cannot run on this {host_arch()} machine")
@@ -143,7 +145,7 @@ class Module:
         else:
             buffers[self._in_buffer.name] = view
         if out is not None:
-            buffers[self._out_buffer.name] = _tensor_view(out, out.shape)
+            buffers[self._out_buffer.name] = out
         return buffers
 
     def _check_x(self, x):
@@ -170,29 +172,28 @@ class Module:
             self._resident_for = self._bound
         return self._resident_buffers
 
-    def _output_array(self) -> np.ndarray:
-        """A 64-byte aligned array for the kernels to write the output into: the previous
-        call's, when the caller has dropped every reference to it, else a new one (fresh
-        memory costs page faults on every call)."""
+    def _output_slot(self):
+        """(array, TVM view of it) for the kernels to write the output into, 64-byte aligned:
+        the previous call's when the caller has dropped every array sharing its memory, else
+        a new one (fresh memory on every call costs page faults)."""
         import sys
-        # references: the attribute and getrefcount's argument; every array of a caller's
-        # that shares the memory adds one
-        if self._out_raw is None or sys.getrefcount(self._out_raw) > 2:
+        # references to the memory's owner: our aligned view and getrefcount's argument;
+        # every array a caller still holds adds one
+        if self._out_slot is None or sys.getrefcount(self._out_slot[0].base) > 2:
+            import tvm_ffi
             b = self._out_buffer
-            self._out_raw = aligned_empty(b.shape, b.dtype).base
-        raw = self._out_raw
-        n = int(np.prod(self._out_buffer.shape))
-        start = (-raw.ctypes.data % ALIGNMENT) // raw.itemsize
-        return raw[start:start + n].reshape(self._out_buffer.shape)
+            view = aligned_empty(b.shape, b.dtype)
+            self._out_slot = (view, tvm_ffi.from_dlpack(view))
+        return self._out_slot
 
     def _run(self, buffers):
         for func, args in self._calls:
             func(*[buffers[a] for a in args])
 
     def __call__(self, x, weights=None) -> np.ndarray:
-        out = self._output_array()
-        self._run(self._args(x, weights, out))
-        out = out.reshape(self.batch, self.seq_len, -1)
+        view, tensor = self._output_slot()
+        self._run(self._args(x, weights, tensor))
+        out = view.reshape(self.batch, self.seq_len, -1)
         return out if out.shape == self.out_shape else np.ascontiguousarray(
             out[..., :self.out_shape[2]])
 
