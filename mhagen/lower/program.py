@@ -1,7 +1,7 @@
 """A lowered layer: buffers and the kernels that run in order over them (no TVM needed here).
 
 The unfused path is one kernel over every node; the fused path is several kernels (packed
-QKV GEMM, K/V layout, attention, output GEMM) that pass temporaries. The Module allocates
+QKV GEMM, attention, output GEMM) that pass temporaries. The Module allocates
 temporaries once, computes params (repacked weights, block masks) from the user's weights
 when they are bound, and calls the kernels in order.
 """
