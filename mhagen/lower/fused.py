@@ -50,7 +50,6 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     rows = batch * seq
     nr = 2 * target.lanes
     segments = qkv_node.attrs["segments"]
-    n_qkv = sum(s["width"] for s in segments)
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
     kv_pairs = list(dict.fromkeys(zip(a["k_offsets"], a["v_offsets"])))
