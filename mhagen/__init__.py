@@ -32,6 +32,6 @@ def load(path):
 
 
 __all__ = ["ArtifactError", "Graph", "GraphError", "InputError", "MhagenError", "TOLERANCES",
-           "TargetError", "aligned_empty", "build", "causal", "export_onnx", "import_onnx", "kv_idx", "load",
-           "max_error", "mha", "q_idx", "sliding_window", "tune", "verify",
+           "TargetError", "aligned_empty", "build", "causal", "export_onnx", "import_onnx",
+           "kv_idx", "load", "max_error", "mha", "q_idx", "sliding_window", "tune", "verify",
            "weights_from_torch"]

@@ -88,7 +88,8 @@ for d in m.decisions:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert any(line.startswith("qkv_projection tuned") for line in lines), out.stdout
-    assert any(line.startswith("attention tuned") and "'tile_cols': 16" in line for line in lines)
+    assert any(line.startswith("attention tuned") and "'tile_cols': 16" in line
+               for line in lines)
     assert any(line.startswith("output_projection default") for line in lines)
 
 

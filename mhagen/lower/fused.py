@@ -16,10 +16,10 @@ from mhagen.blockmask import block_table, table_dims
 from mhagen.lower.program import Buffer, Kernel, Program, Stage, round_up
 
 
-def pack_panels(w: np.ndarray, nr: int, cols: int = 0) -> np.ndarray:
-    """[K, N] -> [ceil(max(N, cols)/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
+def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
+    """[K, N] -> [ceil(N/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
     k, n = w.shape
-    padded = np.zeros((k, round_up(max(n, cols), nr)), np.float32)
+    padded = np.zeros((k, round_up(n, nr)), np.float32)
     padded[:, :n] = w
     return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
 
@@ -45,6 +45,7 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False):
 
 
 def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
+    from mhagen.schedules.x86.attention import padded_head_dim
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
@@ -67,9 +68,8 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     d_out_p = round_up(d_out, nr)
     hd = heads * d
 
-    # qkv columns: every head's d columns padded to dp (a multiple of 16), so the attention
-    # template's vectors over head_dim never straddle two panels
-    dp = round_up(d, 16)
+    # qkv columns: every head's d columns padded to dp, what the attention template reads
+    dp = padded_head_dim(d)
     n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,

@@ -89,12 +89,17 @@ class AttentionRule:
         return build_attention(w, cfg, target.lanes, target.vector_registers)
 
 
+def padded_head_dim(head_dim):
+    """Columns per head in qkv (the lowering pads them with zeros): a multiple of 16, so the
+    P V vectors over head_dim never straddle two GEMM column panels."""
+    return round_up(head_dim, 16)
+
+
 def layout(w, cfg):
-    """Sizes shared by the lowering (block table) and the template. Each head of qkv holds
-    head_dim_padded columns (the lowering pads them with zeros)."""
-    seq, d = w["seq"], w["head_dim"]
+    """Sizes shared by the lowering (block table) and the template."""
+    seq = w["seq"]
     return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
-            "head_dim_padded": round_up(d, 16)}
+            "head_dim_padded": padded_head_dim(w["head_dim"])}
 
 
 def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):

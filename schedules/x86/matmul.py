@@ -52,7 +52,7 @@ class MatmulRule:
         blk = sch.get_sblock(stage.blocks[0])
         loops = sch.get_loops(blk)
         if stage.pattern == "packed_matmul":
-            if len(loops) == 4:   # panel-major C[p, m, j]: tiles are one panel wide
+            if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
             else:
