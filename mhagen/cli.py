@@ -166,8 +166,8 @@ def _cmd_bench(args):
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
     if err is None:
-        raise _Fail(f"target {args.target} cannot run on this machine; bench needs a runnable "
-                    "target")
+        raise _Fail(f"target {args.target} cannot run on this machine ({module.cannot_run}); "
+                    "bench needs a runnable target")
     if err > tol:
         print(f"mhagen bench: error: result is off by {err:.2e} (> {tol:.1e}); not timing",
               file=sys.stderr)
@@ -201,7 +201,7 @@ def _cmd_build(args):
         print(f"wrote {out}/ (kernel.so, manifest.json, weights.bin, params.bin, {c_api}"
               "te/tir/source text)")
     if err is None:
-        print("not run: this machine cannot run the target's code")
+        print(f"not run: {module.cannot_run}")
         return 0
     seconds = module.latency(repeat=args.repeat)
     print(f"max error vs float64 reference: {err:.2e} (tolerance {tol:.1e}) "

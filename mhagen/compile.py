@@ -25,14 +25,14 @@ def compile_program(program, target, tuning=None):
     return executable, {"te": program.te_text, "tir": mod.script()}, decisions
 
 
-def resolve_tuning(tuning, target_name):
+def resolve_tuning(tuning, target):
     """"auto" (user database, then shipped records), None (defaults only), a database path,
     or a Tuning object."""
     from mhagen.tuning.records import Database, Tuning
     if isinstance(tuning, Tuning):
         return tuning
     if tuning == "auto":
-        return Tuning.default(target_name)
+        return Tuning.default(target)
     if tuning is None or tuning == "none":
         return Tuning.none()
     return Tuning([Database.load(tuning, missing_ok=False)])
@@ -55,7 +55,7 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
         raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")
     start = time.perf_counter()
-    tuning = resolve_tuning(tuning, t.name)
+    tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning)
     executable, texts, decisions = compile_program(program, t, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhagen.errors import ArtifactError, InputError
+from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.reference import check_input
 from mhagen.target import host_arch
 from mhagen.weights import check_weights
@@ -82,10 +82,16 @@ class Module:
         self.params = [b.name for b in program.role("param")]
         self._rt = runtime_module
         self._executable = executable
-        # Code for another architecture (a cross build) is saved, never called: looking its
-        # functions up would start LLVM's JIT, which refuses a foreign architecture.
+        # Code for another architecture (a cross build) or for CPU features this machine
+        # lacks (an AVX-512 build on an AVX2 host) is saved, never called: the first would
+        # start LLVM's JIT, which refuses a foreign architecture, the second dies of SIGILL.
+        self._cannot_run = None
+        try:
+            target.check_runs_here()
+        except TargetError as err:
+            self._cannot_run = str(err)
         self._calls = ([(runtime_module[k.name], k.args) for k in program.kernels]
-                       if target.arch == host_arch() else [])
+                       if self._cannot_run is None else [])
         self.tuning_records = list(tuning_records or [])
         self.library_path = library_path
         self._resident_buffers = self._resident_for = self._out_slot = None
@@ -100,6 +106,12 @@ class Module:
         self._bound = None
         if weights is not None:
             self.bind(weights)
+
+    @property
+    def cannot_run(self):
+        """None when this machine can call the module, else why not (another architecture,
+        or CPU features this machine lacks)."""
+        return self._cannot_run
 
     @property
     def in_shape(self):
@@ -125,9 +137,9 @@ class Module:
         is C-contiguous float32 on a 64-byte boundary (what the kernels assume), else copied
         into a buffer of the module; `out` (a TVM tensor, from _output_slot) receives the
         output."""
-        if not self._calls:
-            raise ArtifactError(f"this module is {self.target.arch} code ({self.target.name}); "
-                                f"it cannot run on this {host_arch()} machine")
+        if self._cannot_run is not None:
+            raise TargetError(f"cannot call this module: {self._cannot_run} (it can still be "
+                              "saved and run where it fits)")
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.shape != self.in_shape:
             x = self._check_x(x)
         if weights is not None:
@@ -256,8 +268,9 @@ class Module:
             "mhagen_version": mhagen.__version__, "tvm_version": tvm.__version__,
             "target": {"name": t.name, "tvm": t.tvm_target_dict(), "arch": t.arch,
                        "cores": t.cores, "vector_bits": t.vector_bits,
-                       "vector_registers": t.vector_registers,
-                       "features": list(t.required_features()), "all_features": list(t.features)},
+                       "vector_registers": t.vector_registers, "cpu_class": t.cpu_class,
+                       "cpu": t.cpu, "l1d_kib": t.l1d_kib, "l2_kib": t.l2_kib,
+                       "l3_kib": t.l3_kib, "features": list(t.required_features()), "all_features": list(t.features)},
             "graph": json.loads(self.graph.to_json()),
             "shapes": {"batch": self.batch, "seq_len": self.seq_len,
                        "input": list(self.in_shape), "output": list(self.out_shape),
@@ -367,13 +380,14 @@ def load(path) -> Module:
                             "rebuild it here with --target x86")
     from mhagen.artifact import check_content_hash
     check_content_hash(man, path)  # any other edit of manifest.json
-    from mhagen.target import vector_registers
+    from mhagen.target import DEFAULT_CACHES, vector_registers
     features = tuple(tinfo.get("all_features", []))
     target = Target(tinfo["name"], tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                 for k, v in tinfo["tvm"].items())),
                     tinfo["arch"], tinfo["cores"], tinfo["vector_bits"], features,
                     vector_registers=tinfo.get("vector_registers")
-                    or vector_registers(tinfo["arch"], features))
+                    or vector_registers(tinfo["arch"], features), cpu=tinfo.get("cpu", ""),
+                    **{k: int(tinfo.get(k, v)) for k, v in DEFAULT_CACHES.items()})
     weights = None
     if man.get("weights"):
         raw = (path / "weights.bin").read_bytes()

@@ -51,6 +51,13 @@ def fused_attention_rule(target):
     return next((r for r in rules if hasattr(r, "build")), None)
 
 
+def gemm_tile(target):
+    """(rows, columns) of the packed GEMMs' register tile on this target: the lowering pads
+    GEMM rows to whole tiles and lays weights out in panels of that many columns."""
+    from mhagen.schedules.x86.matmul import packed_tile
+    return packed_tile(target)
+
+
 def schedule_kernel(kernel, target, rules=None, record=None):
     """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
     is given and still fits the kernel, else the rules (TE stages) or the template."""

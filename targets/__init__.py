@@ -5,6 +5,8 @@ arch (the ISA the code runs on), cores ("host" = this machine's usable cores),
 vector_bits (null = derived from the CPU's features), vector_registers (null = derived: 32 on
 aarch64 and with AVX-512, else 16), cross_compiler (null = the host's cc; else the g++ that
 links kernel.so for another arch, e.g. aarch64-linux-gnu-g++). cores: "host" or a number.
+l1d_kib, l2_kib, l3_kib (optional): cache sizes for cache blocking; absent = this machine's
+(sysfs) when the preset is for this machine's arch, else 32 / 1024 / 0.
 """
 import json
 from importlib import resources

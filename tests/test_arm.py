@@ -146,7 +146,7 @@ def test_arm_presets_resolve_as_data(name, lanes, features):
 def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
     from mhagen.schedules import fused_attention_rule, rules_for
     from mhagen.schedules.x86 import RULES as X86
-    from mhagen.schedules.x86.attention import output_tile_cols
+    from mhagen.schedules.x86.attention import register_tiles
     from mhagen.schedules.x86.matmul import MatmulConfig
     neon, sve = resolve("arm-neon"), resolve("arm-sve")
     assert [type(r) for r in rules_for(neon)] == [type(r) for r in X86]
@@ -155,8 +155,9 @@ def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
     # register tiles sized from lanes and the 32 vector registers (4 kept for operands)
     assert matmul.default_config({"panel": 8}, neon) == MatmulConfig(8, 8)
     assert matmul.default_config({"panel": 16}, sve) == MatmulConfig(8, 16)
-    assert output_tile_cols(64, 8, neon.lanes, neon.vector_registers) == 8
-    assert output_tile_cols(64, 8, sve.lanes, sve.vector_registers) == 16
+    # (S^T keys x queries, P V queries x head columns) for head_dim 64 and the GEMM panel
+    assert register_tiles(neon, 64, 8) == (8, 8, 8, 8)
+    assert register_tiles(sve, 64, 16) == (8, 16, 8, 16)
 
 
 def test_building_without_the_cross_compiler_names_the_packages(tmp_path, monkeypatch):
@@ -184,7 +185,7 @@ def test_cli_build_without_the_cross_compiler_is_one_line(tmp_path, monkeypatch,
 def test_arm_module_cannot_be_called_here():
     layer = mhagen.mha(64, 4)
     module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
-    with pytest.raises(ArtifactError, match="aarch64 code"):
+    with pytest.raises(TargetError, match="cannot call this module: this is aarch64 code"):
         module(random_input(layer, 1, 8))
 
 

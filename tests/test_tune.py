@@ -30,7 +30,7 @@ def tuned(tmp_path_factory):
 def test_small_run_writes_sorted_readable_records(tuned):
     d, report = tuned
     data = json.loads((d / "x86.json").read_text())
-    assert data["schema"] == 1
+    assert data["schema"] == 2
     records = data["records"]
     assert sorted(r["key"]["kernel"] for r in records) == ["attention", "qkv_projection"]
     for r in records:
@@ -64,8 +64,8 @@ def _forced_records(tuned):
         if r["key"]["kernel"] == "qkv_projection":
             r.update(kind="trace", trace=_best_trace(d / "x86-work"))
         else:
-            r.update(kind="config", config={"q_tile": 32, "kv_block": 64, "tile_rows": 8,
-                                            "tile_cols": 16})
+            r.update(kind="config", config={"q_tile": 32, "kv_block": 64, "tile_rows": 4,
+                                            "tile_cols": 16, "out_rows": 4, "out_cols": 16})
         out.append(r)
     return out
 
@@ -125,7 +125,7 @@ def test_invalid_attention_config_falls_back(tuned, tmp_path):
 
 
 def test_corrupt_database_file_is_ignored_with_a_warning(tmp_path):
-    (tmp_path / "db.json").write_text('{"schema": 1, "records": [tru')
+    (tmp_path / "db.json").write_text('{"schema": 2, "records": [tru')
     with pytest.warns(TuningWarning, match="unreadable"):
         tuning = Tuning([Database.load(tmp_path / "db.json")])
     assert tuning.lookup({"kernel": "attention"}) is None

@@ -24,19 +24,27 @@ def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
 
 
-def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False):
+def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
-    stage. C is [rows, cols], or [cols / nr, rows, nr] (column panels) when panel_major."""
+    stage. The product runs over `rows` rows, a multiple of the register tile's height
+    (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
+    C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major."""
     k = te.reduce_axis((0, depth), name="k")
+    last = int(a.shape[0]) - 1
+
+    def a_row(m):
+        return m if last + 1 >= rows else te.min(m, last)
+    out_rows = out_rows or rows
     if panel_major:
-        shape = (cols // nr, rows, nr)
-        mm = te.compute(shape, lambda p, m, j: te.sum(a[m, k] * wp[p, k, j], axis=k),
+        mm = te.compute((cols // nr, rows, nr),
+                        lambda p, m, j: te.sum(a[a_row(m), k] * wp[p, k, j], axis=k),
                         name=name + "_matmul")
-        out = te.compute(shape, lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
+        out = te.compute((cols // nr, out_rows, nr),
+                         lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
     else:
-        mm = te.compute((rows, cols), lambda m, n: te.sum(a[m, k] * wp[n // nr, k, n % nr],
+        mm = te.compute((rows, cols), lambda m, n: te.sum(a[a_row(m), k] * wp[n // nr, k, n % nr],
                                                           axis=k), name=name + "_matmul")
-        out = te.compute((rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
+        out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,),
                     {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
                      "panel_major": panel_major}),
@@ -45,11 +53,15 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False):
 
 
 def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
+    from mhagen.schedules import gemm_tile
     from mhagen.schedules.x86.attention import padded_head_dim
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
-    nr = 2 * target.lanes
+    # GEMM rows padded to whole register tiles: a partial tile would put a guard on every
+    # multiply-add and keep the accumulators in memory (4x slower on AVX2 at 6-row tiles)
+    tile_rows, nr = gemm_tile(target)
+    rows_p = round_up(rows, tile_rows)
     segments = qkv_node.attrs["segments"]
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
@@ -69,11 +81,12 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     hd = heads * d
 
     # qkv columns: every head's d columns padded to dp, what the attention template reads
-    dp = padded_head_dim(d)
+    dp = padded_head_dim(d, target.lanes)
     n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
-            "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask")}
+            "head_dim_padded": dp, "rows": rows_p, "qkv_width": n_qkv_p, "panel": nr,
+            "scale": a["scale"], "mask": a.get("mask")}
     cfg = attention_config or attention_rule.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)
@@ -106,11 +119,12 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", make=make_wqkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
-        Buffer("qkv", (n_qkv_p // nr, rows, nr), "temp",
+        Buffer("qkv", (n_qkv_p // nr, rows_p, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to 16 columns"),
         Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
-        Buffer("att", (rows, hd), "temp", doc="attention output, heads side by side"),
+        Buffer("att", (rows_p, hd), "temp", doc="attention output, heads side by side "
+               "(rows past batch*seq: GEMM padding, never read into the output)"),
         Buffer("w_o", (d_out_p // nr, hd, nr), "param", make=make_wo),
         Buffer("b_o", (d_out_p,), "param", make=make_bo),
         Buffer("out", (rows, d_out_p), "output"),
@@ -123,7 +137,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     kernels, text = [], []
     # 1. packed QKV GEMM
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
-    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows, d_model, n_qkv_p, nr,
+    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows_p, d_model, n_qkv_p, nr,
                     panel_major=True)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"],
                           te.create_prim_func([x, wqkv, bqkv, qkv]), st))
@@ -141,7 +155,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
                 "blocks skipped")
     # 3. output projection
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
-    y, st = _gemm("out", out_node.name, att, wo, bo, rows, hd, d_out_p, nr)
+    y, st = _gemm("out", out_node.name, att, wo, bo, rows_p, hd, d_out_p, nr, out_rows=rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],
                           te.create_prim_func([att, wo, bo, y]), st))
     text.append(f"out[m, n] = sum_k att[m, k] * w_o[n // {nr}, k, n % {nr}] + b_o[n]")

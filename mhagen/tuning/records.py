@@ -1,12 +1,19 @@
 """Tuning records: decisions keyed by a readable workload, kept sorted in JSON (no TVM).
 
-A record says, for one kernel of one layer shape on one target preset, what to use instead
-of the template default: a MetaSchedule trace (TE kernels) or a template config (the
-attention template). Records carry the schema, TVM and mhagen versions, the kernel's
-structural hash (a record whose kernel changed is stale) and the measured latencies.
+A record says, for one kernel of one layer shape on one CPU class, what to use instead of the
+template default: a MetaSchedule trace (TE kernels) or a template config (the attention
+template). Records carry the schema, TVM and mhagen versions, the kernel's structural hash (a
+record whose kernel changed is stale), the measured latencies and the machine they were
+measured on (LLVM CPU name, CPU model, cache sizes).
+
+CPU classes: the best schedule depends on the vector width and the register count, so the
+class ("x86_64-v512-r32" for AVX-512, "x86_64-v256-r16" for AVX2) is part of the key and a
+record of another class is never applied. Within a class, records measured on several
+machines may exist for one workload: the one whose caches (L2, then L1d) are closest to the
+target's is used, and the build says which.
 
 Lookup order at build time: the user's database (mhagen tune writes it), then the records
-shipped in schedules/<target>/tuned.json, then the template default.
+shipped in schedules/<x86|arm>/records/<cpu class>.json, then the template default.
 """
 from __future__ import annotations
 
@@ -17,9 +24,11 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-SCHEMA = 1
-KEY_FIELDS = ("target", "vector_bits", "dtype", "batch", "seq", "d_model", "heads",
-              "kv_heads", "head_dim", "mask", "graph", "kernel")
+SCHEMA = 2
+KEY_FIELDS = ("cpu_class", "dtype", "batch", "seq", "d_model", "heads", "kv_heads",
+              "head_dim", "mask", "graph", "kernel")
+# where a record was measured (in its key, not part of its identity): picks the closest
+MACHINE_FIELDS = ("l2_kib", "l1d_kib")
 
 
 class TuningWarning(UserWarning):
@@ -27,10 +36,12 @@ class TuningWarning(UserWarning):
 
 
 def workload_key(graph, target, batch, seq, kernel) -> dict:
-    """The readable key of one kernel: layer shape fields, target preset, kernel name."""
+    """The readable key of one kernel: layer shape fields, CPU class, kernel name, and the
+    target's cache sizes (to choose among records of several machines)."""
     o = graph.options
     canonical = json.dumps([n.to_json() for n in graph.nodes], sort_keys=True)
-    return {"target": target.name, "vector_bits": target.vector_bits, "dtype": graph.dtype,
+    return {"cpu_class": target.cpu_class, "l2_kib": target.l2_kib,
+            "l1d_kib": target.l1d_kib, "dtype": graph.dtype,
             "batch": batch, "seq": seq, "d_model": graph.inputs[0].attrs["shape"][2],
             "heads": o.get("num_heads"), "kv_heads": o.get("kv_heads"),
             "head_dim": o.get("head_dim"),
@@ -40,6 +51,32 @@ def workload_key(graph, target, batch, seq, kernel) -> dict:
 
 def _key_str(key: dict) -> str:
     return json.dumps([key.get(f) for f in KEY_FIELDS])
+
+
+def _slot(key: dict) -> str:
+    """Where a record is stored: its identity and the machine it was measured on."""
+    return json.dumps([key.get(f) for f in KEY_FIELDS + MACHINE_FIELDS])
+
+
+def _cache_distance(a: dict, b: dict) -> float:
+    """How far apart two machines' caches are (log2 ratios; L2 counts most)."""
+    import math
+    d = 0.0
+    for weight, f in ((2.0, "l2_kib"), (1.0, "l1d_kib")):
+        x, y = a.get(f), b.get(f)
+        if x and y:
+            d += weight * abs(math.log2(x / y))
+        elif x or y:
+            d += weight * 4
+    return d
+
+
+def describe_record(record: dict) -> str:
+    """One line: which record a build used (class, where it was measured)."""
+    k, m = record.get("key", {}), record.get("measured_on") or {}
+    where = ", ".join(str(v) for v in (m.get("cpu"), m.get("model")) if v) or "unknown CPU"
+    return (f"{k.get('kernel')}: {record.get('kind')} record for {k.get('cpu_class')}, "
+            f"measured on {where} (L2 {k.get('l2_kib')} KiB)")
 
 
 def user_database_path(target_name: str) -> Path:
@@ -54,7 +91,7 @@ class Database:
 
     def __init__(self, path=None, records=None):
         self.path = Path(path) if path else None
-        self.records = {_key_str(r["key"]): r for r in (records or [])}
+        self.records = {_slot(r["key"]): r for r in (records or [])}
 
     @staticmethod
     def load(path, missing_ok=True) -> "Database":
@@ -75,10 +112,15 @@ class Database:
         return Database(path, records)
 
     def lookup(self, key: dict):
-        return self.records.get(_key_str(key))
+        """The record for this workload and CPU class measured on the machine with the
+        closest caches, or None."""
+        want = _key_str(key)
+        same = [r for r in self.records.values() if _key_str(r["key"]) == want]
+        return min(same, key=lambda r: (_cache_distance(r["key"], key), _slot(r["key"])),
+                   default=None)
 
     def put(self, record: dict) -> None:
-        self.records[_key_str(record["key"])] = record
+        self.records[_slot(record["key"])] = record
 
     def save(self, path=None) -> Path:
         path = Path(path or self.path)
@@ -96,15 +138,25 @@ def _valid(r) -> bool:
             and r.get("kind") in ("trace", "config", "default"))
 
 
-def shipped_database(target_name: str) -> Database:
-    """The records shipped with mhagen for a target preset (schedules/<arch>/tuned.json)."""
+SHIPPED_DIRS = {"x86_64": "x86", "aarch64": "arm"}
+
+
+def shipped_records_path(cpu_class: str) -> Path | None:
+    """schedules/<x86|arm>/records/<cpu class>.json: the records mhagen ships for a class."""
+    folder = SHIPPED_DIRS.get(cpu_class.split("-")[0])
+    if folder is None:
+        return None
     try:
-        path = resources.files("mhagen.schedules") / "x86" / "tuned.json"
+        path = resources.files("mhagen.schedules") / folder / "records" / f"{cpu_class}.json"
     except (ModuleNotFoundError, FileNotFoundError):  # pragma: no cover
-        return Database()
-    if target_name.startswith("x86") and path.is_file():
-        return Database.load(Path(str(path)))
-    return Database()
+        return None
+    return Path(str(path))
+
+
+def shipped_database(cpu_class: str) -> Database:
+    """The records shipped with mhagen for one CPU class (empty when none are)."""
+    path = shipped_records_path(cpu_class)
+    return Database.load(path) if path is not None and path.is_file() else Database()
 
 
 class Tuning:
@@ -114,9 +166,9 @@ class Tuning:
         self.databases = [d for d in databases if d is not None]
 
     @staticmethod
-    def default(target_name: str) -> "Tuning":
-        return Tuning([Database.load(user_database_path(target_name)),
-                       shipped_database(target_name)])
+    def default(target) -> "Tuning":
+        return Tuning([Database.load(user_database_path(target.name)),
+                       shipped_database(target.cpu_class)])
 
     @staticmethod
     def none() -> "Tuning":

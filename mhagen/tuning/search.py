@@ -6,11 +6,14 @@ Per kernel of the lowered program:
     generic post-order-apply space for the rest of the trials. Each kernel has a MetaSchedule
     JSON database under the work dir, so an interrupted run (Ctrl-C, time budget) keeps every
     measurement and a re-run resumes.
-  - the attention template: its few knobs (query tile, key block) are measured one by one
-    through the same MetaSchedule builder/runner (its block table is passed as real data).
-The default schedule and the best tuned one are then measured side by side; the record keeps
-the tuned schedule only if it is faster (kind "trace"/"config"), else records "default".
-Measurements run locally or on a remote device through TVM's RPC tracker.
+  - the attention template: its few knobs (query tile, key block) are measured side by side
+    (each with its real block table).
+The default schedule and the best tuned one are then measured side by side with the same
+steady-state timing the benchmark uses (interleaved rounds, medians); the record keeps the
+tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
+"default". Records are keyed by CPU class and say which machine measured them.
+Measurements run locally or on a remote device through TVM's RPC tracker (MetaSchedule's
+runner there).
 """
 from __future__ import annotations
 
@@ -60,9 +63,14 @@ class TuneReport:
 # A tuned schedule replaces the default only when at least 3% faster (timing noise here is
 # a few percent; a tie keeps the hand-written default).
 KEEP_MARGIN = 0.97
-# The matmul template's tuning knob: register tile rows (columns follow the weight panels).
-TEMPLATE_ROWS = (4, 6, 8, 10, 12)
-TEMPLATE_TRIALS = len(TEMPLATE_ROWS)
+
+
+def template_rows(target) -> tuple:
+    """The matmul template's tuning knob: register tile rows (columns follow the weight
+    panels), from 2 up to what the vector registers hold (AVX-512: 2..8, AVX2: 2..6)."""
+    from mhagen.schedules import gemm_tile
+    top = gemm_tile(target)[0]
+    return tuple(sorted({max(1, top // 4), max(1, top // 2), max(1, top - 2), top}))
 
 
 class _Stop(Exception):
@@ -160,9 +168,21 @@ def _runner(rpc, ms):
                                                    tracker_key=key, session_timeout_sec=120))
 
 
+def _measured_on(t, rpc) -> dict:
+    """Where a record's latencies were measured: this machine, or the RPC device."""
+    from mhagen.target import host_cpu_model
+    if rpc is not None:
+        return {"cpu": t.cpu, "model": f"RPC device {rpc[2]!r}", "target": t.name}
+    return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name}
+
+
 def _measure(funcs, target, runner, fixed=None, repeat=5):
-    """Median seconds of each PrimFunc via MetaSchedule's builder and runner (local or RPC).
+    """Median seconds of each PrimFunc. Here: the steady-state timing the benchmark uses
+    (compiled in this process, interleaved rounds of back-to-back calls, median); on a
+    remote device: MetaSchedule's builder and RPC runner.
     fixed: {argument index: numpy array} for arguments that must hold real data."""
+    if runner is None:
+        return _measure_steady(funcs, target, fixed)
     import numpy as np
     import tvm
     import tvm.s_tir.meta_schedule as ms
@@ -191,6 +211,51 @@ def _measure(funcs, target, runner, fixed=None, repeat=5):
         if res.error_msg is None:
             out[i] = float(np.median([float(s) for s in res.run_secs]))
     return out
+
+
+def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
+    """Median seconds per call of each PrimFunc, timed like benchmarks/bench_mha.py: warm
+    buffers, interleaved rounds (one per function in turn), each round back-to-back calls
+    for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
+    differ from what a user sees by 10-50% (see the README)."""
+    import numpy as np
+    import tvm
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
+    rng = np.random.default_rng(0)
+    calls = []
+    for f, fixed in zip(funcs, per_func):
+        fixed = {int(k): v for k, v in (fixed or {}).items()}
+        try:
+            ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
+        except Exception:  # noqa: BLE001 - a candidate that does not build is not timed
+            calls.append(None)
+            continue
+        args = []
+        for i, info in enumerate(ArgInfo.from_prim_func(f)):
+            shape, dtype = [int(s) for s in info.shape], str(info.dtype)
+            if i in fixed:
+                arr = np.ascontiguousarray(fixed[i])
+            elif "float" in dtype:
+                arr = rng.standard_normal(shape).astype(dtype)
+            else:
+                arr = np.zeros(shape, dtype)
+            args.append(tvm.runtime.tensor(arr, tvm.cpu()))
+        func = ex["main"]
+        func(*args)
+        calls.append((func, args))
+    samples = [[] for _ in funcs]
+    for _ in range(rounds):
+        for i, c in enumerate(calls):
+            if c is None:
+                continue
+            func, args = c
+            n, start = 0, time.perf_counter()
+            while n < 2 or (time.perf_counter() - start) * 1e3 < min_ms:
+                func(*args)
+                n += 1
+            samples[i].append((time.perf_counter() - start) / n)
+    return [float(np.median(s)) if s else None for s in samples]
 
 
 def _alloc_with(fixed, remote):
@@ -273,6 +338,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
                                          seed)
             report.results.append(res[0])
             res[1].update(versions())
+            res[1]["measured_on"] = _measured_on(t, rpc)
             db.put(res[1])
             db.save()
             bar.show(final=True)
@@ -311,9 +377,10 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
     rule = MatmulRule()
 
+    rows_space = list(template_rows(t))
+
     def template(sch):
-        rows = sch.sample_categorical(list(TEMPLATE_ROWS), [1 / len(TEMPLATE_ROWS)] * len(
-            TEMPLATE_ROWS))
+        rows = sch.sample_categorical(rows_space, [1 / len(rows_space)] * len(rows_space))
         cfg = rule.default_config(gemm.workload, t)
         rule.apply(sch, gemm, MatmulConfig(tile_rows=rows, tile_cols=cfg.tile_cols),
                    Plan(stages))
@@ -331,7 +398,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
     phases = []
     if done == 0:
-        phases.append((ms.space_generator.ScheduleFn(template), min(TEMPLATE_TRIALS, trials)))
+        phases.append((ms.space_generator.ScheduleFn(template), min(len(rows_space), trials)))
     phases.append(("post-order-apply", trials - done - sum(n for _, n in phases)))
     for space, budget in phases:
         if budget <= 0:
@@ -381,11 +448,17 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
         k = next(k for k in program.kernels if k.name == kernel.name)
         funcs.append(rule.build(k.workload, cfg, t))
         tables.append(program.buffers["blocks"].make(None))
-    times = []
-    for f, table in zip(funcs, tables):  # one at a time: each has its own block table
-        s = _measure([f], t.tvm, runner, fixed={kernel.args.index("blocks"): table})[0]
-        times.append(s)
-        bar.trial(s)
+    slot = kernel.args.index("blocks")
+    if runner is None:   # here: interleaved steady-state timing, each with its block table
+        times = _measure_steady(funcs, t.tvm, fixed=[{slot: table} for table in tables])
+        for s in times:
+            bar.trial(s)
+    else:
+        times = []
+        for f, table in zip(funcs, tables):  # one at a time: each has its own block table
+            s = _measure([f], t.tvm, runner, fixed={slot: table})[0]
+            times.append(s)
+            bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
     default_s, tuned_s = times[0], times[best]
     keep = (best != 0 and tuned_s is not None and default_s is not None

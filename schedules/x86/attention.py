@@ -9,15 +9,17 @@ table does not skip:
     S^T = K Q^T in register tiles of tile_rows keys x tile_cols queries; the tile's write-back
           applies the mask (partial blocks only) and folds in the running max m' = max(m, S^T);
     P^T = 2^(S^T - m'), l = l 2^(m - m') + sum_keys P^T (lane-wise over queries);
-    O = O 2^(m - m') + P V in register tiles of tile_rows queries x up to 32 head columns
+    O = O 2^(m - m') + P V in register tiles of out_rows queries x out_cols head columns
         (the rescale happens when the tile is loaded), V rows read straight from qkv.
+Both register tiles are sized from the target's vector registers (register_tiles): the
+accumulators, the vectors they multiply and one broadcast fit without spills.
 Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (kv_block +
 2 head_dim) floats; the [S, S] score matrix never exists. The block table (built at build
 time from the mask expression, like FlexAttention's BlockMask) marks each (query tile, key
 block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal masks skip about
 half the blocks.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -38,9 +40,43 @@ class AttentionConfig:
     kv_block: int
     """keys per block of the online softmax (a multiple of tile_rows)."""
     tile_rows: int
-    """keys per S^T register tile, queries per P V register tile (unrolled)."""
+    """keys per S^T register tile (unrolled)."""
     tile_cols: int
     """queries per S^T register tile (vectorised; a multiple of the lanes)."""
+    out_rows: int = 8
+    """queries per P V register tile (unrolled)."""
+    out_cols: int = 32
+    """head columns per P V register tile (vectorised; divides the padded head_dim)."""
+
+
+def _rows_for(vectors, registers):
+    """Unrolled rows of a register tile `vectors` vectors wide: the accumulators, the
+    `vectors` operand vectors and one broadcast fit in `registers` (at most 8 rows)."""
+    return max(1, min(8, (registers - vectors - 1) // vectors))
+
+
+def register_tiles(target, head_dim_padded, panel):
+    """(tile_rows, tile_cols, out_rows, out_cols) for this target's registers.
+    S^T: two vectors of queries, as many key rows as fit: AVX-512 (32 zmm) 8 x 32,
+    AVX2 (16 ymm) 6 x 16, NEON 8 x 8. P V: the width (of 32, 16, 8 head columns dividing the
+    padded head_dim and the panel) with the most accumulators: AVX-512 8 x 32, AVX2 6 x 16."""
+    lanes, regs = target.lanes, target.vector_registers
+    tile_cols = 2 * lanes
+    tile_rows = _rows_for(2, regs)
+    best = None
+    for width in (32, 16, 8):
+        if head_dim_padded % width or panel % width or width % lanes:
+            continue
+        rows = _rows_for(width // lanes, regs)
+        if best is None or rows * width > best[0] * best[1]:
+            best = (rows, width)
+    out_rows, out_cols = best or (_rows_for(1, regs), lanes)
+    return tile_rows, tile_cols, out_rows, out_cols
+
+
+def _lcm(a, b):
+    from math import gcd
+    return a * b // gcd(a, b)
 
 
 class AttentionRule:
@@ -50,75 +86,78 @@ class AttentionRule:
         return stage.pattern == "attention_template"
 
     def default_config(self, workload, target):
-        lanes = target.lanes
         seq = workload["seq"]
-        q_tile = 64 if seq >= 256 else round_up(min(seq, 32), lanes)
-        tile_cols = 2 * lanes if q_tile % (2 * lanes) == 0 else lanes
-        kv_block = 128 if seq >= 128 else round_up(seq, 8)
+        tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
+                                              workload["panel"])
+        unit = _lcm(tc, orows)            # q_tile: whole S^T and P V tiles
+        q_tile = max(unit, 64 // unit * unit) if seq >= 256 else round_up(min(seq, 32), unit)
+        # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
+        kv_goal = 128 if target.vector_registers >= 32 else 96
+        kv_block = round_up(kv_goal, tr) if seq >= 128 else round_up(seq, tr)
         if workload.get("mask") is not None and seq >= 256:
             # key blocks as wide as the query tiles: a causal diagonal block then wastes a
             # quarter of a 64 x 64 tile, not of 64 x 128 (2.4% less time at seq 2048)
-            kv_block = q_tile
-        return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=8,
-                               tile_cols=tile_cols)
+            kv_block = round_up(q_tile, tr)
+        return AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=tr, tile_cols=tc,
+                               out_rows=orows, out_cols=ocols)
 
     def make_config(self, values: dict, target) -> AttentionConfig:
         """A config from a tuning record, checked against the template's constraints."""
         cfg = AttentionConfig(**{k: int(values[k]) for k in
-                                 ("q_tile", "kv_block", "tile_rows", "tile_cols")})
+                                 ("q_tile", "kv_block", "tile_rows", "tile_cols", "out_rows",
+                                  "out_cols")})
         lanes = target.lanes
-        if (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols) < 1
-                or cfg.q_tile % cfg.tile_cols or cfg.q_tile % cfg.tile_rows
-                or cfg.kv_block % cfg.tile_rows or cfg.tile_cols % lanes):
+        if (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols, cfg.out_rows,
+                cfg.out_cols) < 1
+                or cfg.q_tile % cfg.tile_cols or cfg.q_tile % cfg.out_rows
+                or cfg.kv_block % cfg.tile_rows or cfg.tile_cols % lanes
+                or cfg.out_cols % lanes):
             raise ValueError(f"{cfg} breaks the template's tiling constraints")
         return cfg
 
     def candidates(self, workload, target) -> list:
-        """Configs worth measuring for a workload (the tuning space of this template)."""
-        seq, lanes = workload["seq"], target.lanes
+        """Configs worth measuring for a workload (the tuning space of this template): query
+        tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles."""
+        seq = workload["seq"]
+        default = self.default_config(workload, target)
+        unit = _lcm(default.tile_cols, default.out_rows)
         out = []
-        for q_tile in (32, 64, 128):
-            for kv_block in (64, 128, 256):
+        for q_goal in (32, 64, 128):
+            q_tile = max(unit, q_goal // unit * unit)
+            for kv_goal in (64, 128, 256):
+                kv_block = round_up(kv_goal, default.tile_rows)
                 if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
                     continue
-                out.append(AttentionConfig(q_tile, kv_block, 8, 2 * lanes))
-        default = self.default_config(workload, target)
+                c = replace(default, q_tile=q_tile, kv_block=kv_block)
+                if c not in out:
+                    out.append(c)
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes, target.vector_registers)
+        return build_attention(w, cfg, target.lanes)
 
 
-def padded_head_dim(head_dim):
-    """Columns per head in qkv (the lowering pads them with zeros): a multiple of 16, so the
-    P V vectors over head_dim never straddle two GEMM column panels."""
-    return round_up(head_dim, 16)
+def padded_head_dim(head_dim, lanes):
+    """Columns per head in qkv (the lowering pads them with zeros): a multiple of the vector
+    lanes, so P V vectors over head_dim are whole vectors (head_dim 40: 48 on AVX-512, 40 on
+    AVX2)."""
+    return round_up(head_dim, lanes)
 
 
 def layout(w, cfg):
     """Sizes shared by the lowering (block table) and the template."""
     seq = w["seq"]
     return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
-            "head_dim_padded": padded_head_dim(w["head_dim"])}
+            "head_dim_padded": w["head_dim_padded"]}
 
 
-def output_tile_cols(head_dim_padded, tile_rows, lanes, registers):
-    """Width (over head_dim) of the P V register tile: the widest of 32, 16, 8 that divides
-    the padded head_dim and whose tile_rows x width accumulators leave 4 vector registers
-    free. AVX-512 (16 lanes, 32 registers): 32; 256-bit SVE (8, 32): 16; NEON (4, 32): 8."""
-    for width in (32, 16, 8):
-        if head_dim_padded % width == 0 and tile_rows * width // lanes <= registers - 4:
-            return width
-    return 8
-
-
-def build_attention(w, cfg, lanes, registers=32):
+def build_attention(w, cfg, lanes):
     """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
     B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
     L = layout(w, cfg)
     NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
-    NV = output_tile_cols(DP, MR, lanes, registers)   # P V register tile width
+    OR, NV = cfg.out_rows, cfg.out_cols               # P V register tile
     LN = lanes
     GROUP = H // G
     PW, HD = w["panel"], H * d                        # qkv is [columns / PW, M, PW]
@@ -131,7 +170,7 @@ def build_attention(w, cfg, lanes, registers=32):
     neg_inf = f32(float("-inf"))
     zero = f32(0.0)
     mask = w.get("mask")
-    M = B * S
+    M = w.get("rows", B * S)   # qkv and out rows: batch*seq padded to whole GEMM tiles
 
     def visible(b, h, qi, kj):
         cond = kj < S
@@ -197,20 +236,20 @@ def build_attention(w, cfg, lanes, registers=32):
                 l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
                 m_buf[io * LN + ii] = m_new[io * LN + ii]
         # O = O alpha + P V
-        for io in range(MQ // MR):
+        for io in range(MQ // OR):
             for co in range(DP // NV):
-                for ii in T.unroll(MR):
+                for ii in T.unroll(OR):
                     for cc in T.vectorized(NV):
-                        acc_o[ii, cc] = o_buf[io * MR + ii, co * NV + cc] * alpha[io * MR + ii]
+                        acc_o[ii, cc] = o_buf[io * OR + ii, co * NV + cc] * alpha[io * OR + ii]
                 for j in range(KB):
-                    for ii in T.unroll(MR):
+                    for ii in T.unroll(OR):
                         for cc in T.vectorized(NV):
-                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * MR + ii] * qkv[
+                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * qkv[
                                 (V_BASE + g * DP + co * NV) // PW, key_row(b, k0 + j, masked),
                                 (V_BASE + g * DP + co * NV) % PW + cc]
-                for ii in T.unroll(MR):
+                for ii in T.unroll(OR):
                     for cc in T.vectorized(NV):
-                        o_buf[io * MR + ii, co * NV + cc] = acc_o[ii, cc]
+                        o_buf[io * OR + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.prim_func
     def attention(qkv: T.Buffer((NP, M, PW), "float32"),
@@ -226,7 +265,7 @@ def build_attention(w, cfg, lanes, registers=32):
             m_new = T.decl_buffer((MQ,), "float32")
             alpha = T.decl_buffer((MQ,), "float32")
             acc = T.alloc_buffer((MR, NR), "float32", scope="local", annotations=ON_STACK)
-            acc_o = T.alloc_buffer((MR, NV), "float32", scope="local", annotations=ON_STACK)
+            acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
             vec = T.alloc_buffer((2, LN), "float32", scope="local", annotations=ON_STACK)
             b = task // (H * NQT)
             h = task // NQT % H

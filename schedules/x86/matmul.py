@@ -25,6 +25,15 @@ class MatmulConfig:
     panel passes over it (1: no blocking)."""
 
 
+def packed_tile(target):
+    """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
+    vector registers hold after the 2 B vectors and the A broadcast (at most 8).
+    AVX-512 (32 regs, 16 lanes): 8 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8."""
+    cols = 2 * target.lanes
+    rows = max(1, min(8, (target.vector_registers - 3) // 2))
+    return rows, cols
+
+
 class MatmulRule:
     name = "matmul"
 
@@ -37,12 +46,15 @@ class MatmulRule:
         # 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
         lanes, budget = target.lanes, target.vector_registers - 4
         if "panel" in workload:
-            tile_cols = workload["panel"]
-            tile_rows = max(1, min(8, budget * lanes // tile_cols))
-            # 16 tiles of 8 rows: 128 x K floats of A (384 KiB at K=768) stay in L2.
+            tile_rows, tile_cols = packed_tile(target)
+            assert tile_cols == workload["panel"], (tile_cols, workload)
+            # a row block of A (row_block tiles x K floats) takes at most a third of the L2,
+            # at most 16 tiles (8 rows x 16 tiles x K=768: 384 KiB of a 1 MiB L2)
             tiles = -(-workload.get("rows", 0) // tile_rows)
+            fit = target.l2_kib * 1024 // 3 // (tile_rows * workload.get("depth", 1) * 4)
+            block = max(1, min(16, fit))
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols,
-                                row_block=16 if tiles > 16 else 1)
+                                row_block=block if tiles > block else 1)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
         tile_rows = max(1, min(8, budget * lanes // tile_cols, workload["rows"]))
@@ -77,21 +89,30 @@ class MatmulRule:
             sch.reorder(b, io, jo, k, ii, ji)
             outer = sch.fuse(b, io, jo)
         sch.parallel(outer)
-        acc = blk  # accumulates into a local tile; write_back copies the tile out
-        write_back = sch.cache_write(blk, 0, "local")
-        absorbed = []
-        while True:  # fold the elementwise consumers (bias, scale, mask) into the write-back
-            consumers = sch.get_consumers(write_back)
-            if len(consumers) != 1:
-                break
+        # The accumulator tile lives in registers ("local"); the elementwise consumers (bias,
+        # scale, mask) fold into one write-back placed under the task, so they cost no extra
+        # pass over memory. The write-back is computed at the tile, not inlined into a copy of
+        # it: when the product runs over padded rows, TVM then guards the rows past the
+        # output's end (an inlined copy would store them out of bounds).
+        absorbed, first = [], None
+        consumers = sch.get_consumers(blk)
+        while len(consumers) == 1:
             nxt = plan.by_block.get(sch.get(consumers[0]).name_hint)
             if nxt is None or nxt.pattern != "epilogue":
                 break
-            sch.reverse_compute_inline(consumers[0])
+            if first is None:
+                first = consumers[0]
+            else:
+                sch.reverse_compute_inline(consumers[0])
             absorbed.append(nxt.name)
-        sch.reverse_compute_at(write_back, outer)
+            consumers = sch.get_consumers(first)
+        if first is None:
+            first = sch.cache_write(blk, 0, "local")
+        else:
+            sch.set_scope(blk, 0, "local")
+        sch.reverse_compute_at(first, outer)
         sch.unroll(ii)
         sch.vectorize(ji)
-        sch.decompose_reduction(acc, k)
-        sch.vectorize(sch.get_loops(write_back)[-1])
+        sch.decompose_reduction(blk, k)
+        sch.vectorize(sch.get_loops(first)[-1])
         return absorbed
