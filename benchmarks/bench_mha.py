@@ -4,7 +4,9 @@
 Every implementation computes the whole layer in float32 (QKV projections + attention +
 output projection) with the same weights, converted from mhagen's per-head layout:
 
-  mhagen          mhagen.build(layer, "x86", ...) (TVM), built once per shape and mask
+  mhagen          mhagen.build(layer, TARGET, ...) (TVM), built once per shape and mask;
+                  --target picks the preset (default x86: this CPU; x86-avx2 measures the
+                  AVX2 code on any host: peers' BLAS are then held to AVX2 as well)
   numpy           one packed QKV matmul, batched attention (max-subtracted softmax), W_O matmul
   torch_mha       torch.nn.MultiheadAttention (batch_first, need_weights=False, inference_mode)
   torch_sdpa      Linear(QKV) -> F.scaled_dot_product_attention -> Linear
@@ -47,7 +49,7 @@ LONG_SMALL_SEQ = 1024
 MASKS = (False, True)
 IMPLS = ("mhagen", "numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention")
 DESCRIPTIONS = {
-    "mhagen": "mhagen.build(layer, 'x86') (TVM)",
+    "mhagen": "mhagen.build(layer, target) (TVM)",
     "numpy": "numpy float32: packed QKV matmul, batched attention, W_O matmul",
     "torch_mha": "torch.nn.MultiheadAttention (batch_first, need_weights=False)",
     "torch_sdpa": "torch Linear -> F.scaled_dot_product_attention -> Linear",
@@ -58,6 +60,10 @@ REQUIRES = {"mhagen": (), "numpy": (), "torch_mha": ("torch",), "torch_sdpa": ("
             "ort_mha": ("onnx", "onnxruntime"), "ort_attention": ("onnx", "onnxruntime")}
 SGEMM = (2048, 1024, 3072)   # [M, K] @ [K, N]
 DISTURBED = 0.25             # cores busy in other processes while timing: numbers disturbed
+TARGET = "x86"               # the preset mhagen builds for (--target)
+# what holds the peers' BLAS (and so the sgemm peak) to AVX2 when measuring the AVX2 class on
+# a host with AVX-512: MKL (torch) and OpenBLAS (numpy) read these at start-up
+AVX2_ENV = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
 
 
 def mask_name(causal: bool) -> str:
@@ -132,7 +138,7 @@ class Mhagen:
     per_thread = False
 
     def __init__(self, layer, w, batch, seq, causal, threads=None, kernel=None):
-        self.kernel = kernel or mhagen.build(layer, "x86", batch=batch, seq_len=seq, weights=w)
+        self.kernel = kernel or mhagen.build(layer, TARGET, batch=batch, seq_len=seq, weights=w)
 
     def __call__(self, x):
         return self.kernel(x)
@@ -462,7 +468,7 @@ def long_child(spec):
     w = layer.init_weights(0)
     x = make_input(b, s, d_model)
     t0 = time.perf_counter()
-    kernel = mhagen.build(layer, "x86", batch=b, seq_len=s, weights=w)
+    kernel = mhagen.build(layer, spec.get("target", TARGET), batch=b, seq_len=s, weights=w)
     build_s = time.perf_counter() - t0
     set_threads(max(threads))
     meter = PeakMeter()
@@ -499,7 +505,7 @@ def long_child(spec):
     # check 2: the same layer and weights built at a smaller seq, vs layer.reference (full)
     small = min(LONG_SMALL_SEQ, s)
     xs = make_input(b, small, d_model, seed=1)
-    ks = mhagen.build(layer, "x86", batch=b, seq_len=small, weights=w)
+    ks = mhagen.build(layer, spec.get("target", TARGET), batch=b, seq_len=small, weights=w)
     ref = layer.reference(xs, w)
     got = ks(xs)
     err, tol = tolerances.max_error(got, ref), tolerances.tolerance(ref)
@@ -771,7 +777,7 @@ def run_case(shape, causal, args, status, rows, memory_specs):
             if name in args.impls and not status[name] and name not in errors \
                     and name not in failed:
                 memory_specs.append({"impl": name, "shape": list(shape), "causal": causal,
-                                     "threads": mt})
+                                     "threads": mt, "target": TARGET})
 
 
 def measure_memory(memory_specs, rows):
@@ -865,6 +871,13 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
                  f"python {meta['python']} · numpy {meta['numpy']} ({meta['numpy_blas']}) · "
                  f"torch {meta.get('torch', '-')} · onnxruntime {meta.get('onnxruntime', '-')}")
     lines.append("")
+    if "target" in meta:
+        t, h = meta["target"], meta["host"]
+        lines.append(f"mhagen target **{t['preset']}** (class {t['cpu_class']}, LLVM cpu "
+                     f"{t['llvm_cpu']}) on a host whose LLVM cpu is **{h['llvm_cpu']}** (class "
+                     f"{h['cpu_class']}; L1d {h['l1d_kib']} KiB, L2 {h['l2_kib']} KiB, L3 "
+                     f"{h['l3_kib']} KiB; {' '.join(h['simd_features'])}).")
+        lines.append("")
     env = ", ".join(f"{k}={v}" for k, v in meta["env"].items() if v is not None) or "none set"
     lines.append(f"Thread-related environment: {env}.")
     lines.append("")
@@ -1020,7 +1033,15 @@ def machine_meta(args):
             "gap_ms": args.gap_ms, "wait_quiet_s": args.wait_quiet, "retries": args.retries,
             "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                                                    "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                                   "MKL_NUM_THREADS", "TVM_NUM_THREADS")}}
+                                                   "MKL_NUM_THREADS", "TVM_NUM_THREADS",
+                                                   "MKL_ENABLE_INSTRUCTIONS")}}
+    t, host = args.target_info, mhagen.target.resolve("x86")
+    meta["target"] = {"preset": t.name, "cpu_class": t.cpu_class, "llvm_cpu": t.cpu,
+                      "vector_bits": t.vector_bits, "vector_registers": t.vector_registers}
+    meta["host"] = {"llvm_cpu": host.cpu, "cpu_class": host.cpu_class,
+                    "l1d_kib": host.l1d_kib, "l2_kib": host.l2_kib, "l3_kib": host.l3_kib,
+                    "simd_features": [f for f in host.features
+                                      if f.startswith(("avx", "fma", "sse4"))]}
     try:
         with open("/proc/cpuinfo") as f:
             m = re.search(r"model name\s*:\s*(.*)", f.read())
@@ -1082,13 +1103,27 @@ def parse_args(argv=None):
     p.add_argument("--long", action="store_true",
                    help="also run the long case: mhagen only, 1x16384x1024x16, no mask "
                         "(latency and peak RSS in a child process)")
-    p.add_argument("--out-dir", default=str(HERE / "results"),
-                   help="where to write results.md, results.json, results.png")
+    p.add_argument("--target", default="x86",
+                   help="mhagen's target preset (default x86: this CPU; x86-avx2: the AVX2 "
+                        "class, on any host)")
+    p.add_argument("--out-dir",
+                   help="where to write results.md, results.json, results.png (default "
+                        "benchmarks/results/<cpu class>_on_<host cpu>/)")
     p.add_argument("--verbose", action="store_true", help="tracebacks of failing peers")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return args
+    try:
+        args.target_info = mhagen.target.resolve(args.target)
+    except mhagen.TargetError as err:
+        p.error(str(err))
+    if not args.target_info.runs_here():
+        p.error(f"--target {args.target}: {args.target_info.missing_features() or 'another arch'}"
+                " missing on this machine; the benchmark runs the code here")
+    if args.out_dir is None:
+        host = mhagen.target.resolve("x86").cpu
+        args.out_dir = str(HERE / "results" / f"{args.target_info.cpu_class}_on_{host}")
     if args.shapes is None:
         args.shapes = DEFAULT_SHAPES[:1] if args.quick else list(DEFAULT_SHAPES)
     elif [s.lower() for s in args.shapes] == ["none"]:
@@ -1118,12 +1153,28 @@ def parse_args(argv=None):
     return args
 
 
+def narrower_than_host(target) -> bool:
+    """True when the target's vectors are narrower than this CPU's (AVX2 code on an AVX-512
+    host): the peers' BLAS should then be held to the same class."""
+    return target.vector_bits < mhagen.target.resolve("x86").vector_bits
+
+
 def main(argv=None):
+    global TARGET
     args = parse_args(argv)
     if args.child:
+        TARGET = json.loads(args.child).get("target", TARGET)
         res = memory_child(json.loads(args.child))
         print("CHILD-RESULT " + json.dumps(res), flush=True)
         return 0
+    TARGET = args.target
+    if narrower_than_host(args.target_info) and any(
+            os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        # re-run with the peers' BLAS held to AVX2 (read at library load, so before imports)
+        print(f"--target {args.target} on a wider host: re-running with "
+              + " ".join(f"{k}={v}" for k, v in AVX2_ENV.items()), flush=True)
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  dict(os.environ, **AVX2_ENV))
     status = peer_status(IMPLS)
     for name in IMPLS:
         if status[name]:
@@ -1159,7 +1210,7 @@ def main(argv=None):
     if args.long:
         print(f"\n== long case {shape_name(LONG_SHAPE)} (mhagen only, child process)",
               flush=True)
-        long_result = run_child({"mode": "long", "shape": list(LONG_SHAPE),
+        long_result = run_child({"mode": "long", "shape": list(LONG_SHAPE), "target": TARGET,
                                  "threads": args.threads, "calls": 2 if args.quick else 3},
                                 timeout=3600)
 

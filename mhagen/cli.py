@@ -191,9 +191,12 @@ def _cmd_bench(args):
 def _cmd_build(args):
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
+    from mhagen.tuning.records import describe_record
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
           f"  input {module.in_shape} in {module.compile_seconds:.1f} s\n"
           f"  schedules: {_schedule_summary(module)}")
+    for record in module.tuning_records:
+        print(f"  record {describe_record(record)}")
     if args.out:
         out = module.save(args.out)
         c_api = "mha.h + libmha.so (C API), lib/ (TVM runtime), " if (out / "mha.h").exists() \

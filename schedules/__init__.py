@@ -52,10 +52,17 @@ def fused_attention_rule(target):
 
 
 def gemm_tile(target):
-    """(rows, columns) of the packed GEMMs' register tile on this target: the lowering pads
-    GEMM rows to whole tiles and lays weights out in panels of that many columns."""
+    """(rows, columns) of the packed GEMMs' register tile on this target: the lowering lays
+    weights out in panels of that many columns."""
     from mhagen.schedules.x86.matmul import packed_tile
     return packed_tile(target)
+
+
+def gemm_rows(target, rows, depth):
+    """The rows a packed GEMM of `rows` x depth runs over on this target: padded to whole
+    register tiles and row blocks (the lowering sizes its temporaries with it)."""
+    from mhagen.schedules.x86.matmul import packed_blocking
+    return packed_blocking(target, rows, depth)[2]
 
 
 def schedule_kernel(kernel, target, rules=None, record=None):

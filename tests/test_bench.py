@@ -139,3 +139,22 @@ def test_quick_run_end_to_end(tmp_path):
     assert all(r.get("median_ms", 0) > 0 for r in mh)
     assert {r["mask"] for r in mh} == {"none", "causal"}
     assert data["sgemm_peak"]["1"]["gflops"] > 0
+
+
+def test_quick_run_of_the_avx2_class(tmp_path):
+    """--target x86-avx2 measures the AVX2 code on any host, peers' BLAS held to AVX2 where
+    the host is wider; the CPU class and the host's CPU are in the results."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--no-memory", "--target", "x86-avx2",
+         "--shapes", "1x64x128x4", "--impls", "mhagen", "numpy", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["target"]["cpu_class"] == "x86_64-v256-r16"
+    assert data["meta"]["host"]["llvm_cpu"]
+    mh = [r for r in data["rows"] if r["impl"] == "mhagen"]
+    assert mh and all(r["checked"] for r in mh)
+    md = (tmp_path / "results.md").read_text()
+    assert "mhagen target **x86-avx2** (class x86_64-v256-r16" in md
+    if "avx512f" in data["meta"]["host"]["simd_features"]:
+        assert data["meta"]["env"]["OPENBLAS_CORETYPE"] == "Haswell"

@@ -171,15 +171,23 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
                 p.wait(timeout=30)
 
 
-def test_default_layer_uses_the_shipped_records(tmp_path, monkeypatch):
+@pytest.mark.parametrize("preset", ["x86", "x86-avx2"])
+def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, monkeypatch):
+    """Records ship for both x86 classes; a build uses those of its own class only."""
     from mhagen.target import resolve
+    from mhagen.tuning.records import shipped_records_path
     monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path))  # no user records
+    t = resolve(preset)
+    path = shipped_records_path(t.cpu_class)
+    assert path.is_file(), f"no shipped records for {t.cpu_class}"
+    shipped = Database.load(path)
+    assert all(r["key"]["cpu_class"] == t.cpu_class for r in shipped.records.values())
+    assert all(r["measured_on"]["cpu"] for r in shipped.records.values())
+    tuned = {r["key"]["kernel"] for r in shipped.records.values() if r["kind"] != "default"}
+    assert tuned, f"the shipped {t.cpu_class} records tune something"
     layer = mhagen.mha(512, 8)
-    m = mhagen.build(layer, batch=1, seq_len=128, weights=layer.init_weights(0))
+    m = mhagen.build(layer, preset, batch=1, seq_len=128, weights=layer.init_weights(0))
     sources = {d["kernel"]: d["source"] for d in m.decisions}
-    shipped = Database.load(Path(mhagen.__file__).parent.parent / "schedules/x86/tuned.json")
-    tuned = {r["key"]["kernel"] for r in shipped.records.values()
-             if r["kind"] != "default" and r["key"]["vector_bits"] == resolve("x86").vector_bits}
-    assert tuned, "the shipped records tune something on this machine's vector width"
     assert {k for k, s in sources.items() if s == "tuned"} == tuned
     assert m.tuning_records and all(r["kind"] != "default" for r in m.tuning_records)
+    assert all(r["key"]["cpu_class"] == t.cpu_class for r in m.tuning_records)

@@ -53,15 +53,14 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
 
 
 def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
-    from mhagen.schedules import gemm_tile
+    from mhagen.schedules import gemm_rows, gemm_tile
     from mhagen.schedules.x86.attention import padded_head_dim
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
-    # GEMM rows padded to whole register tiles: a partial tile would put a guard on every
-    # multiply-add and keep the accumulators in memory (4x slower on AVX2 at 6-row tiles)
-    tile_rows, nr = gemm_tile(target)
-    rows_p = round_up(rows, tile_rows)
+    # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
+    # guard on every multiply-add and keep the accumulators in memory (AVX2: 1.4-4x slower)
+    _, nr = gemm_tile(target)
     segments = qkv_node.attrs["segments"]
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
@@ -79,13 +78,14 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     d_out = out_node.attrs["out_features"]
     d_out_p = round_up(d_out, nr)
     hd = heads * d
+    rows_qkv, rows_att = gemm_rows(target, rows, d_model), gemm_rows(target, rows, hd)
 
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = padded_head_dim(d, target.lanes)
     n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
-            "head_dim_padded": dp, "rows": rows_p, "qkv_width": n_qkv_p, "panel": nr,
+            "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att, "qkv_width": n_qkv_p, "panel": nr,
             "scale": a["scale"], "mask": a.get("mask")}
     cfg = attention_config or attention_rule.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
@@ -119,11 +119,11 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", make=make_wqkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
-        Buffer("qkv", (n_qkv_p // nr, rows_p, nr), "temp",
+        Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to 16 columns"),
         Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
-        Buffer("att", (rows_p, hd), "temp", doc="attention output, heads side by side "
+        Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)"),
         Buffer("w_o", (d_out_p // nr, hd, nr), "param", make=make_wo),
         Buffer("b_o", (d_out_p,), "param", make=make_bo),
@@ -137,7 +137,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     kernels, text = [], []
     # 1. packed QKV GEMM
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
-    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows_p, d_model, n_qkv_p, nr,
+    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"],
                           te.create_prim_func([x, wqkv, bqkv, qkv]), st))
@@ -155,7 +155,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
                 "blocks skipped")
     # 3. output projection
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
-    y, st = _gemm("out", out_node.name, att, wo, bo, rows_p, hd, d_out_p, nr, out_rows=rows)
+    y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],
                           te.create_prim_func([att, wo, bo, y]), st))
     text.append(f"out[m, n] = sum_k att[m, k] * w_o[n // {nr}, k, n % {nr}] + b_o[n]")

@@ -1,0 +1,169 @@
+"""x86 on every CPU class: both presets built and checked wherever the host runs them, the
+register tiles derived from the target, no spills in the generated code, tuning records kept
+per CPU class, and no SIGILL for code that needs features this host lacks."""
+import re
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.errors import TargetError
+from mhagen.schedules import gemm_tile
+from mhagen.schedules.x86.attention import register_tiles
+from mhagen.target import host_features, resolve
+from mhagen.tolerances import assert_close
+from mhagen.tuning.records import Database, Tuning
+
+PRESETS = ("x86-avx2", "x86-avx512")
+CLASSES = {"x86-avx2": "x86_64-v256-r16", "x86-avx512": "x86_64-v512-r32"}
+
+
+def _input(b, s, d, seed=0):
+    return np.random.default_rng(seed).standard_normal((b, s, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("layer_args, batch, seq", [
+    (dict(d_model=320, num_heads=8, head_dim=40), 2, 97),                     # awkward shape
+    (dict(d_model=256, num_heads=8, kv_heads=2, causal=True), 1, 130),       # grouped, causal
+])
+def test_both_presets_match_the_reference_or_refuse_clearly(preset, layer_args, batch, seq):
+    layer = mhagen.mha(**layer_args)
+    w = layer.init_weights(1)
+    m = mhagen.build(layer, preset, batch=batch, seq_len=seq, weights=w, tuning=None)
+    assert m.target.cpu_class == CLASSES[preset]
+    x = _input(batch, seq, layer_args["d_model"])
+    if m.target.runs_here():
+        assert_close(m(x), layer.reference(x, w))
+    else:   # e.g. the AVX-512 preset on an AVX2 host: a clear error, never SIGILL
+        assert m.cannot_run and "avx512f" in m.cannot_run
+        with pytest.raises(TargetError, match="needs CPU features .*avx512f"):
+            m(x)
+
+
+def test_register_tiles_fit_each_class():
+    avx2, avx512 = resolve("x86-avx2"), resolve("x86-avx512")
+    assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)
+    # GEMM: 2 vectors wide, rows = what the registers hold after 2 B vectors + 1 broadcast
+    assert gemm_tile(avx2) == (6, 16) and gemm_tile(avx512) == (8, 32)
+    # attention (S^T keys x queries, P V queries x head columns), head_dim 64
+    assert register_tiles(avx2, 64, 16) == (6, 16, 6, 16)
+    assert register_tiles(avx512, 64, 32) == (8, 32, 8, 32)
+    for t in (avx2, avx512):
+        tr, tc, orows, ocols = register_tiles(t, 64, 2 * t.lanes)
+        for rows, cols in ((tr, tc), (orows, ocols)):
+            vectors = cols // t.lanes
+            assert rows * vectors + vectors + 1 <= t.vector_registers
+
+
+def test_gemm_rows_are_padded_to_whole_register_tiles():
+    layer = mhagen.mha(64, 4)
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=97, tuning=None)
+    qkv = m.program.buffers["qkv"]
+    assert qkv.shape[1] == 102            # 97 rows -> 17 tiles of 6
+    assert m.program.buffers["out"].shape[0] == 97   # the output keeps batch*seq rows
+    if m.target.runs_here():
+        w = layer.init_weights(0)
+        x = _input(1, 97, 64)
+        assert_close(m(x, weights=w), layer.reference(x, w))
+
+
+# LLVM's assembly printer marks every register spill and reload with a comment
+# ("# 32-byte Spill", "# 64-byte Reload"); vector spills are 16/32/64-byte ones.
+VECTOR_SPILL = re.compile(r"#\s*(16|32|64)-byte (Spill|Reload)")
+
+
+def _asm_of(layer, preset, seq, tuning=None):
+    return mhagen.build(layer, preset, batch=1, seq_len=seq, tuning=tuning).inspect("source")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_vector_register_spills(preset):
+    for layer, seq in ((mhagen.mha(512, 8), 128),
+                       (mhagen.mha(256, 4, kv_heads=2, causal=True), 97)):
+        asm = _asm_of(layer, preset, seq)
+        assert "vfmadd" in asm
+        spills = VECTOR_SPILL.findall(asm)
+        assert not spills, f"{preset}: {len(spills)} vector spills/reloads in the kernels"
+
+
+def test_the_spill_check_sees_spills():
+    """The check above can fail: a 8 x 16 S^T tile (16 accumulators) on 16 ymm registers
+    spills, as the AVX-512-sized template did on AVX2."""
+    from mhagen.schedules.x86.attention import AttentionConfig
+
+    class Forced:
+        def lookup(self, key):
+            if key["kernel"] != "attention":
+                return None
+            return {"kind": "config", "config": AttentionConfig(64, 128, 8, 16, 8, 16).__dict__}
+    asm = _asm_of(mhagen.mha(512, 8), "x86-avx2", 128, tuning=Tuning([Forced()]))
+    assert VECTOR_SPILL.findall(asm)
+
+
+def test_avx512_code_on_an_avx2_host_raises_instead_of_sigill(monkeypatch, tmp_path):
+    avx2_host = tuple(f for f in host_features() if not f.startswith("avx512"))
+    monkeypatch.setattr("mhagen.target.host_features", lambda: avx2_host)
+    layer = mhagen.mha(64, 4)
+    m = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=layer.init_weights(0))
+    assert not m.target.runs_here()
+    assert m.target.missing_features()[0].startswith("avx512")
+    with pytest.raises(TargetError, match=r"needs CPU features avx512.*x86-avx2"):
+        m(_input(1, 16, 64))
+    with pytest.raises(TargetError, match="avx512"):
+        m.latency()
+    m.save(tmp_path / "m")          # cross-class artifacts are still written ...
+    with pytest.raises(mhagen.ArtifactError, match="needs CPU features .*avx512"):
+        mhagen.load(tmp_path / "m")  # ... and refused where they cannot run
+    ok = mhagen.build(layer, "x86-avx2", batch=1, seq_len=16, weights=layer.init_weights(0))
+    assert ok.cannot_run is None
+
+
+def _record(kernel, cpu_class, l2, q_tile):
+    key = {"cpu_class": cpu_class, "l2_kib": l2, "l1d_kib": 32, "dtype": "float32",
+           "batch": 1, "seq": 64, "d_model": 64, "heads": 4, "kv_heads": 4, "head_dim": 16,
+           "mask": "none", "graph": "g", "kernel": kernel}
+    return {"key": key, "kind": "config", "config": {"q_tile": q_tile}}
+
+
+def test_records_are_per_class_and_the_closest_caches_win():
+    db = Database(records=[_record("attention", "x86_64-v256-r16", 512, 16),
+                           _record("attention", "x86_64-v256-r16", 2048, 32),
+                           _record("attention", "x86_64-v512-r32", 1024, 64)])
+    want = dict(_record("attention", "x86_64-v256-r16", 1536, 0)["key"])
+    assert db.lookup(want)["config"]["q_tile"] == 32          # L2 2 MiB is closer to 1.5
+    want["l2_kib"] = 640
+    assert db.lookup(want)["config"]["q_tile"] == 16
+    want["cpu_class"] = "x86_64-v128-r16"                      # no record of that class
+    assert db.lookup(want) is None
+
+
+def test_a_record_of_another_class_is_never_applied(tmp_path):
+    layer = mhagen.mha(64, 4)
+    avx512_key = mhagen.build(layer, "x86-avx512", batch=1, seq_len=64,
+                              tuning=None).program.key("attention")
+    rec = {"key": avx512_key, "kind": "config",
+           "config": {"q_tile": 32, "kv_block": 64, "tile_rows": 4, "tile_cols": 32,
+                      "out_rows": 4, "out_cols": 16}}
+    Database(tmp_path / "db.json", [rec]).save()
+    on_avx2 = mhagen.build(layer, "x86-avx2", batch=1, seq_len=64, tuning=tmp_path / "db.json")
+    assert {d["kernel"]: d["source"] for d in on_avx2.decisions}["attention"] == "default"
+    on_avx512 = mhagen.build(layer, "x86-avx512", batch=1, seq_len=64,
+                             tuning=tmp_path / "db.json")
+    assert {d["kernel"]: d["source"] for d in on_avx512.decisions}["attention"] == "tuned"
+    assert on_avx512.tuning_records[0]["key"]["cpu_class"] == "x86_64-v512-r32"
+
+
+def test_the_c_api_checks_the_class_features_at_create():
+    """mha_create refuses a CPU without the artifact's features (MHA_ERR_TARGET) rather than
+    running into SIGILL; the generated check names the class's features."""
+    from mhagen.artifact.capi import _cpu_check
+    layer = mhagen.mha(64, 4)
+    for preset, needed, absent in (("x86-avx512", "avx512f", None),
+                                   ("x86-avx2", "avx2", "avx512f")):
+        m = mhagen.build(layer, preset, batch=1, seq_len=8, tuning=None)
+        check = _cpu_check(m._manifest())
+        assert f'__builtin_cpu_supports("{needed}")' in check
+        assert "fma" in m.target.required_features()
+        if absent:
+            assert absent not in check
