@@ -129,3 +129,16 @@ def test_textbook_script():
     assert printed_error(r.stdout) < 1e-4
     assert float(re.search(r"latency:\s+([0-9.]+) ms", r.stdout).group(1)) > 0
     assert float(re.search(r"throughput:\s+([0-9.]+) GFLOP/s", r.stdout).group(1)) > 0
+
+
+# -- cpu_classes ---------------------------------------------------------------------------
+def test_cpu_classes_example_checks_every_class_or_says_why_not():
+    proc = run_script("cpu_classes")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for preset, cls in (("x86-avx2", "x86_64-v256-r16"), ("x86-avx512", "x86_64-v512-r32")):
+        block = out.split(f"{preset}: class ")[1].split("\nx86")[0]
+        assert block.startswith(cls)
+        assert re.search(r"max error [0-9.e+-]+ \(tolerance [0-9.e+-]+\) ok", block) or \
+            "not run here: cannot call this module: this code" in block, block
+    assert "tile_rows': 6, 'tile_cols': 16" in out.split("x86-avx2: class ")[1]
