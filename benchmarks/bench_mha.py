@@ -1035,7 +1035,7 @@ def machine_meta(args):
                                                    "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                                    "MKL_NUM_THREADS", "TVM_NUM_THREADS",
                                                    "MKL_ENABLE_INSTRUCTIONS")}}
-    t, host = args.target_info, mhagen.target.resolve("x86")
+    t, host = args.target_info, args.host_info
     meta["target"] = {"preset": t.name, "cpu_class": t.cpu_class, "llvm_cpu": t.cpu,
                       "vector_bits": t.vector_bits, "vector_registers": t.vector_registers}
     meta["host"] = {"llvm_cpu": host.cpu, "cpu_class": host.cpu_class,
@@ -1121,9 +1121,10 @@ def parse_args(argv=None):
     if not args.target_info.runs_here():
         p.error(f"--target {args.target}: {args.target_info.missing_features() or 'another arch'}"
                 " missing on this machine; the benchmark runs the code here")
+    args.host_info = mhagen.target.resolve("x86")
     if args.out_dir is None:
-        host = mhagen.target.resolve("x86").cpu
-        args.out_dir = str(HERE / "results" / f"{args.target_info.cpu_class}_on_{host}")
+        args.out_dir = str(HERE / "results" / f"{args.target_info.cpu_class}_on_"
+                           f"{args.host_info.cpu}")
     if args.shapes is None:
         args.shapes = DEFAULT_SHAPES[:1] if args.quick else list(DEFAULT_SHAPES)
     elif [s.lower() for s in args.shapes] == ["none"]:
@@ -1153,10 +1154,10 @@ def parse_args(argv=None):
     return args
 
 
-def narrower_than_host(target) -> bool:
+def narrower_than_host(target, host) -> bool:
     """True when the target's vectors are narrower than this CPU's (AVX2 code on an AVX-512
     host): the peers' BLAS should then be held to the same class."""
-    return target.vector_bits < mhagen.target.resolve("x86").vector_bits
+    return target.vector_bits < host.vector_bits
 
 
 def main(argv=None):
@@ -1168,7 +1169,7 @@ def main(argv=None):
         print("CHILD-RESULT " + json.dumps(res), flush=True)
         return 0
     TARGET = args.target
-    if narrower_than_host(args.target_info) and any(
+    if narrower_than_host(args.target_info, args.host_info) and any(
             os.environ.get(k) != v for k, v in AVX2_ENV.items()):
         # re-run with the peers' BLAS held to AVX2 (read at library load, so before imports)
         print(f"--target {args.target} on a wider host: re-running with "

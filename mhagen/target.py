@@ -4,6 +4,7 @@ Rules read attributes (vector_bits, cores, features), never target names.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -137,7 +138,9 @@ def host_cpu_model() -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
 def host_features() -> tuple:
+    """This CPU's features as LLVM names them (asked once per process)."""
     from mhagen.runtime import prepare_tvm_threads
     prepare_tvm_threads()
     import tvm

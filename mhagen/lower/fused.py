@@ -42,8 +42,9 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         out = te.compute((cols // nr, out_rows, nr),
                          lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
     else:
-        mm = te.compute((rows, cols), lambda m, n: te.sum(a[a_row(m), k] * wp[n // nr, k, n % nr],
-                                                          axis=k), name=name + "_matmul")
+        mm = te.compute((rows, cols),
+                        lambda m, n: te.sum(a[a_row(m), k] * wp[n // nr, k, n % nr], axis=k),
+                        name=name + "_matmul")
         out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,),
                     {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
@@ -85,8 +86,8 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
-            "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att, "qkv_width": n_qkv_p, "panel": nr,
-            "scale": a["scale"], "mask": a.get("mask")}
+            "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
+            "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask")}
     cfg = attention_config or attention_rule.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)
@@ -120,7 +121,7 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
-               doc="Q, K, V of every head in column panels, each head padded to 16 columns"),
+               doc="Q, K, V of every head in column panels, each head padded to the lanes"),
         Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "

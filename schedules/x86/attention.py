@@ -20,6 +20,7 @@ block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal mask
 half the blocks.
 """
 from dataclasses import dataclass, replace
+from math import lcm
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -27,6 +28,7 @@ from tvm.script import tirx as T
 from mhagen.lower.program import round_up
 from mhagen.lower.te import mask_to_tir
 from mhagen.schedules.x86.fast_math import exp2, f32
+from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
@@ -49,34 +51,22 @@ class AttentionConfig:
     """head columns per P V register tile (vectorised; divides the padded head_dim)."""
 
 
-def _rows_for(vectors, registers):
-    """Unrolled rows of a register tile `vectors` vectors wide: the accumulators, the
-    `vectors` operand vectors and one broadcast fit in `registers` (at most 8 rows)."""
-    return max(1, min(8, (registers - vectors - 1) // vectors))
-
-
 def register_tiles(target, head_dim_padded, panel):
     """(tile_rows, tile_cols, out_rows, out_cols) for this target's registers.
     S^T: two vectors of queries, as many key rows as fit: AVX-512 (32 zmm) 8 x 32,
     AVX2 (16 ymm) 6 x 16, NEON 8 x 8. P V: the width (of 32, 16, 8 head columns dividing the
     padded head_dim and the panel) with the most accumulators: AVX-512 8 x 32, AVX2 6 x 16."""
     lanes, regs = target.lanes, target.vector_registers
-    tile_cols = 2 * lanes
-    tile_rows = _rows_for(2, regs)
+    tile_rows, tile_cols = packed_tile(target)       # the GEMM's tile: 2 vectors wide
     best = None
     for width in (32, 16, 8):
         if head_dim_padded % width or panel % width or width % lanes:
             continue
-        rows = _rows_for(width // lanes, regs)
+        rows = rows_that_fit(width // lanes, regs)
         if best is None or rows * width > best[0] * best[1]:
             best = (rows, width)
-    out_rows, out_cols = best or (_rows_for(1, regs), lanes)
+    out_rows, out_cols = best or (rows_that_fit(1, regs), lanes)
     return tile_rows, tile_cols, out_rows, out_cols
-
-
-def _lcm(a, b):
-    from math import gcd
-    return a * b // gcd(a, b)
 
 
 def _balanced(total, goal, unit):
@@ -100,7 +90,7 @@ class AttentionRule:
         seq = workload["seq"]
         tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
                                               workload["panel"])
-        unit = _lcm(tc, orows)            # q_tile: whole S^T and P V tiles
+        unit = lcm(tc, orows)            # q_tile: whole S^T and P V tiles
         q_tile = _balanced(seq, 64 if seq >= 256 else 32, unit)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
         kv_goal = 128 if target.vector_registers >= 32 else 96
@@ -131,7 +121,7 @@ class AttentionRule:
         tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles."""
         seq = workload["seq"]
         default = self.default_config(workload, target)
-        unit = _lcm(default.tile_cols, default.out_rows)
+        unit = lcm(default.tile_cols, default.out_rows)
         out = []
         for q_goal in (32, 64, 128):
             q_tile = max(unit, q_goal // unit * unit)

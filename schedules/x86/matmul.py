@@ -25,13 +25,17 @@ class MatmulConfig:
     panel passes over it (1: no blocking)."""
 
 
+def rows_that_fit(vectors, registers):
+    """Unrolled rows of a register tile `vectors` vectors wide: the accumulators, the
+    `vectors` operand vectors and one broadcast fit in `registers` (at most 8 rows)."""
+    return max(1, min(8, (registers - vectors - 1) // vectors))
+
+
 def packed_tile(target):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast (at most 8).
     AVX-512 (32 regs, 16 lanes): 8 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8."""
-    cols = 2 * target.lanes
-    rows = max(1, min(8, (target.vector_registers - 3) // 2))
-    return rows, cols
+    return rows_that_fit(2, target.vector_registers), 2 * target.lanes
 
 
 def packed_blocking(target, rows, depth):
