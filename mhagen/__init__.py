@@ -10,7 +10,7 @@ from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.weights import weights_from_torch
 
-__version__ = "0.1.0"
+from mhagen.version import __version__
 
 
 def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
@@ -26,8 +26,9 @@ def tune(layer, target="x86", **options):
 
 
 def load(path):
-    """Load a module saved with Module.save(path)."""
-    from mhagen.module import load as _load
+    """Load a module saved with Module.save(path): needs the TVM runtime only, not the
+    compiler (see mhagen/artifact/load.py)."""
+    from mhagen.artifact.load import load as _load
     return _load(path)
 
 

@@ -216,11 +216,11 @@ def _cmd_build(args):
 
 def _cmd_inspect(args):
     import mhagen
-    from mhagen.module import INSPECT_KINDS
+    from mhagen.inspection import INSPECT_KINDS
     if args.what not in INSPECT_KINDS:
         raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
     if args.module is not None and args.what == "manifest":
-        from mhagen.artifact import describe
+        from mhagen.artifact.describe import describe
         print(describe(args.module))
         return 0
     if args.module is not None:

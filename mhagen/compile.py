@@ -41,7 +41,7 @@ def resolve_tuning(tuning, target):
 def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None,
           fuse: bool = True, tuning="auto"):
     from mhagen.lower import lower
-    from mhagen.module import Module
+    from mhagen.module import BuildInfo, Module
     from mhagen.target import resolve
 
     if not isinstance(layer, Graph):
@@ -60,7 +60,6 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
     executable, texts, decisions = compile_program(program, t, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
-    return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights,
-                  texts=texts, decisions=decisions, executable=executable,
-                  compile_seconds=time.perf_counter() - start, fuse=fuse,
-                  tuning_records=used)
+    info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,
+                     compile_seconds=time.perf_counter() - start, executable=executable)
+    return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info)

@@ -1,31 +1,78 @@
-"""Runtime settings, read or changed in this one module (threads).
+"""The TVM runtime without the compiler: threads, kernel libraries, tensors.
+
+Only tvm-ffi and TVM's runtime library (libtvm_runtime.so, loaded with ctypes) are used here,
+never `import tvm`: a saved artifact loads and runs without TVM's compiler stack, as the C API
+does. The runtime library is found in the installed `tvm` package (found, not imported) or at
+$MHAGEN_TVM_RUNTIME.
 
 TVM sizes its thread pool once, from TVM_NUM_THREADS, else from half the logical CPUs
 (it assumes hyper-threading: on a 2-core machine that is 1 thread). mhagen sets
 TVM_NUM_THREADS to the usable cores before TVM starts, unless the user set it.
 """
+from __future__ import annotations
+
+import ctypes
+import functools
 import os
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+from mhagen.checks import positive_int
+from mhagen.errors import ArtifactError
+from mhagen.host import host_cores
+
+DEVICES = {"cpu": 1}   # DLPack device types of the devices mhagen's modules run on
 
 
 def prepare_tvm_threads() -> None:
     """Call before TVM's thread pool starts (mhagen does, on its first use of TVM)."""
     if "TVM_NUM_THREADS" not in os.environ:
-        from mhagen.target import host_cores
         os.environ["TVM_NUM_THREADS"] = str(host_cores())
+
+
+def runtime_library() -> Path:
+    """The path of libtvm_runtime.so: $MHAGEN_TVM_RUNTIME, else the one the apache-tvm
+    distribution installed (found from its metadata: the tvm package is not imported)."""
+    if os.environ.get("MHAGEN_TVM_RUNTIME"):
+        return Path(os.environ["MHAGEN_TVM_RUNTIME"])
+    try:
+        path = Path(distribution("apache-tvm").locate_file("tvm/lib/libtvm_runtime.so"))
+    except PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ArtifactError("TVM's runtime library is not installed: pip install apache-tvm, "
+                            "or set MHAGEN_TVM_RUNTIME to a libtvm_runtime.so")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def ffi():
+    """tvm_ffi, with TVM's runtime library loaded (its functions registered)."""
+    prepare_tvm_threads()
+    import tvm_ffi
+    lib = runtime_library()
+    try:
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as err:
+        raise ArtifactError(f"cannot load TVM's runtime {lib}: {err}") from None
+    return tvm_ffi
+
+
+def load_library(path):
+    """A compiled kernel library (kernel.so) as a tvm-ffi Module."""
+    return ffi().load_module(str(path))
+
+
+def tensor(array):
+    """A TVM tensor sharing a numpy array's memory (DLPack; no copy)."""
+    return ffi().from_dlpack(array)
 
 
 def set_num_threads(n: int) -> None:
     """Use n worker threads (1 <= n <= TVM_NUM_THREADS) for the following calls."""
-    prepare_tvm_threads()
-    import tvm  # noqa: F401  (registers the runtime functions)
-    import tvm_ffi
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"threads must be a positive int, got {n!r}")
-    tvm_ffi.get_global_func("runtime.config_threadpool")(0, n)
+    positive_int("threads", n, ValueError)
+    ffi().get_global_func("runtime.config_threadpool")(0, n)
 
 
 def num_threads() -> int:
-    prepare_tvm_threads()
-    import tvm  # noqa: F401
-    import tvm_ffi
-    return int(tvm_ffi.get_global_func("runtime.NumThreads")())
+    return int(ffi().get_global_func("runtime.NumThreads")())

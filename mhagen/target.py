@@ -5,11 +5,13 @@ Rules read attributes (vector_bits, cores, features), never target names.
 from __future__ import annotations
 
 import functools
-import os
-import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
+from mhagen import host
 from mhagen.errors import TargetError
+from mhagen.host import DEFAULT_CACHES, host_arch, host_caches, host_cores, host_cpu_model  # noqa: F401
+
+FAMILIES = {"x86_64": "cpu-x86", "aarch64": "cpu-arm"}   # when a preset names no family
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Target:
     l2_kib: int = 1024
     l3_kib: int = 0
     cpu: str = ""                # LLVM's CPU name (the `mcpu` the code is compiled for)
+    family: str = ""             # the backend ("cpu-x86", "cpu-arm"): mhagen/backends.py
+    device: str = "cpu"          # where the kernels run and their buffers live
 
     @property
     def lanes(self) -> int:
@@ -48,94 +52,61 @@ class Target:
         return f"{self.arch}-v{self.vector_bits}-r{self.vector_registers}"
 
     def runs_here(self) -> bool:
-        return self.arch == host_arch() and not self.missing_features()
+        return self.cannot_run() is None
 
     def missing_features(self) -> list:
         """CPU features this code needs that this machine lacks (empty: it runs here)."""
-        if self.arch != host_arch():
-            return []
-        return sorted(set(self.required_features()) - set(host_features()))
+        return host.missing_features(self.arch, self.required_features())
+
+    def cannot_run(self) -> str | None:
+        """None when this machine can run this target's code, else why not."""
+        why = host.cannot_run_reason(self.arch, self.required_features(),
+                                     f"this code ({self.name}, {self.cpu_class})")
+        if why and self.arch == host_arch():
+            why += ": build for target 'x86' (this CPU) or 'x86-avx2' instead"
+        return why
 
     def check_runs_here(self) -> None:
         """Raise TargetError, naming what is missing, when this code cannot run here (an
         instruction this CPU lacks would kill the process with SIGILL)."""
-        if self.arch != host_arch():
-            raise TargetError(f"this is {self.arch} code ({self.name}); it cannot run on this "
-                              f"{host_arch()} machine")
-        missing = self.missing_features()
-        if missing:
-            raise TargetError(f"this code ({self.name}, {self.cpu_class}) needs CPU features "
-                              f"{', '.join(missing)} that this machine lacks: build for "
-                              f"target 'x86' (this CPU) or 'x86-avx2' instead")
+        why = self.cannot_run()
+        if why:
+            raise TargetError(why)
 
     def required_features(self) -> tuple:
-        return tuple(f for f in self.features if f in _RUNTIME_FEATURES)
+        return tuple(f for f in self.features if f in host.RUNTIME_FEATURES)
+
+    @property
+    def backend_family(self) -> str:
+        return self.family or FAMILIES.get(self.arch, self.arch)
+
+    def to_dict(self) -> dict:
+        """JSON-able fields (the manifest's "target"); from_dict is the inverse."""
+        d = asdict(self)
+        d["tvm"] = self.tvm_target_dict()
+        del d["tvm_dict"]
+        d.update(features=list(self.required_features()), all_features=list(self.features),
+                 cpu_class=self.cpu_class, family=self.backend_family)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Target":
+        """The Target a manifest's "target" describes (older manifests: defaults filled in)."""
+        known = {f.name for f in fields(cls)} - {"tvm_dict", "features"}
+        features = tuple(d.get("all_features") or d.get("features") or ())
+        kw = {k: v for k, v in d.items() if k in known and v is not None}
+        kw.setdefault("vector_registers", vector_registers(d["arch"], features))
+        for k, v in DEFAULT_CACHES.items():
+            kw[k] = int(kw.get(k, v))
+        tvm_dict = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                for k, v in d["tvm"].items()))
+        return cls(tvm_dict=tvm_dict, features=features, **kw)
 
     def describe(self) -> str:
         d = self.tvm_target_dict()
         return (f"{self.name}: {d.get('mtriple')} cpu={d.get('mcpu')} vector={self.vector_bits} "
                 f"bits, {self.vector_registers} vector registers, L1d {self.l1d_kib} KiB, "
                 f"L2 {self.l2_kib} KiB, cores={self.cores}")
-
-
-_RUNTIME_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "neon", "sve")
-
-
-def host_arch() -> str:
-    m = platform.machine().lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
-
-
-def host_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-def host_caches() -> dict:
-    """This machine's caches in KiB as {"l1d_kib", "l2_kib", "l3_kib"} (Linux sysfs, cpu0;
-    empty where sysfs does not say)."""
-    out = {}
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = sorted(os.listdir(root))
-    except OSError:
-        return out
-    for e in entries:
-        try:
-            with open(f"{root}/{e}/level") as f:
-                level = int(f.read())
-            with open(f"{root}/{e}/type") as f:
-                kind = f.read().strip()
-            with open(f"{root}/{e}/size") as f:
-                size = f.read().strip().upper()
-        except (OSError, ValueError):
-            continue
-        if kind == "Instruction" or not size:
-            continue
-        kib = int(size[:-1]) * (1024 if size.endswith("M") else 1) if size[-1] in "KM" \
-            else int(size) // 1024
-        out[{1: "l1d_kib", 2: "l2_kib", 3: "l3_kib"}.get(level, "other")] = kib
-    out.pop("other", None)
-    return out
-
-
-# Caches assumed when a preset names none and the host's cannot be read (or the code is for
-# another machine): a typical AVX2 / AVX-512 / Neoverse core.
-DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
-
-
-def host_cpu_model() -> str:
-    """The CPU's model name as the OS reports it (lscpu's "Model name"), or ""."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model name")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,4 +173,6 @@ def resolve(target) -> Target:
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in tvm_dict.items()))
     return Target(preset["name"], frozen,
                   preset["arch"], cores, int(bits), features, preset.get("cross_compiler"),
-                  int(registers), cpu=str(tvm_dict.get("mcpu", "")), **caches)
+                  int(registers), cpu=str(tvm_dict.get("mcpu", "")),
+                  family=preset.get("family") or FAMILIES.get(preset["arch"], ""),
+                  device=preset.get("device", "cpu"), **caches)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import mhagen
-from mhagen.artifact import content_hash, describe
+from mhagen.artifact.describe import describe
+from mhagen.artifact.manifest import content_hash
 from mhagen.tolerances import assert_close, max_error
 from tests.conftest import random_input
 

@@ -10,7 +10,9 @@ import mhagen
 from mhagen.errors import TargetError
 from mhagen.schedules import gemm_tile
 from mhagen.schedules.x86.attention import register_tiles
-from mhagen.target import host_features, resolve
+from mhagen.artifact.manifest import module_manifest
+from mhagen.host import runtime_features
+from mhagen.target import resolve
 from mhagen.tolerances import assert_close
 from mhagen.tuning.records import Database, Tuning
 
@@ -127,8 +129,8 @@ def test_the_spill_check_sees_spills():
 
 
 def test_avx512_code_on_an_avx2_host_raises_instead_of_sigill(monkeypatch, tmp_path):
-    avx2_host = tuple(f for f in host_features() if not f.startswith("avx512"))
-    monkeypatch.setattr("mhagen.target.host_features", lambda: avx2_host)
+    avx2_host = tuple(f for f in runtime_features() if not f.startswith("avx512"))
+    monkeypatch.setattr("mhagen.host.runtime_features", lambda: avx2_host)
     layer = mhagen.mha(64, 4)
     m = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=layer.init_weights(0))
     assert not m.target.runs_here()
@@ -187,7 +189,7 @@ def test_the_c_api_checks_the_class_features_at_create():
     for preset, needed, absent in (("x86-avx512", "avx512f", None),
                                    ("x86-avx2", "avx2", "avx512f")):
         m = mhagen.build(layer, preset, batch=1, seq_len=8, tuning=None)
-        check = _cpu_check(m._manifest())
+        check = _cpu_check(module_manifest(m))
         assert f'__builtin_cpu_supports("{needed}")' in check
         assert "fma" in m.target.required_features()
         if absent:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mhagen.artifact.cxx_runtime import BODY, INCLUDES
 from mhagen.errors import ArtifactError
-from mhagen.module import sha256_file as _sha256
+from mhagen.artifact.files import sha256_file as _sha256
 
 HEADER = "mha.h"
 SOURCE = "mha_api.cc"

@@ -1,7 +1,7 @@
 """Lowering: a verified graph -> passes -> a Program of kernels (TE PrimFuncs or templates)."""
 from __future__ import annotations
 
-from mhagen.lower.program import Buffer, Kernel, Program, Stage
+from mhagen.program import Buffer, Kernel, Program, Stage
 from mhagen.passes import run_passes
 
 

@@ -5,23 +5,15 @@
   attention       qkv, block table -> att [M, H*d]  (template, flash-style; reads Q, K, V
                   where the GEMM wrote them)
   output_proj     att @ W_O (packed) + b_o -> y [M, DO]                           (TE, GEMM)
-with M = batch * seq. Weights are repacked once, when they are bound (Buffer.make).
+with M = batch * seq. Weights are repacked once, when they are bound, by the
+params' recipes (mhagen.params).
 """
 from __future__ import annotations
 
-import numpy as np
 from tvm import te
 
 from mhagen.blockmask import block_table, table_dims
-from mhagen.lower.program import Buffer, Kernel, Program, Stage, round_up
-
-
-def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
-    """[K, N] -> [ceil(N/nr), K, nr] zero-padded: each GEMM column panel contiguous."""
-    k, n = w.shape
-    padded = np.zeros((k, round_up(n, nr)), np.float32)
-    padded[:, :n] = w
-    return np.ascontiguousarray(padded.reshape(k, -1, nr).transpose(1, 0, 2))
+from mhagen.program import Buffer, Kernel, Program, Stage, round_up
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None):
@@ -92,42 +84,34 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)
 
-    def make_wqkv(w):
-        cols = np.zeros((d_model, n_qkv_p), np.float32)
-        for i, s in enumerate(segments):
-            cols[:, i * dp:i * dp + d] = w[s["weight"]][s["head"]]
-        return pack_panels(cols, nr)
-
-    def make_bqkv(w):
-        b = np.zeros(n_qkv_p, np.float32)
-        for i, s in enumerate(segments):
-            if s.get("bias"):
-                b[i * dp:i * dp + d] = w[s["bias"]][s["head"]]
-        return b
-
-    def make_wo(w):
-        return pack_panels(np.asarray(w[out_node.attrs["weight"]], np.float32), nr)
-
-    def make_bo(w):
-        b = np.zeros(d_out_p, np.float32)
-        if out_node.attrs.get("bias"):
-            b[:d_out] = w[out_node.attrs["bias"]]
-        return b
+    # param recipes (mhagen.params): every head's d columns at i * dp
+    w_qkv = {"kind": "panels", "depth": d_model, "width": n_qkv_p, "panel": nr,
+             "columns": [{"weight": s["weight"], "head": s["head"], "at": i * dp}
+                         for i, s in enumerate(segments)]}
+    b_qkv = {"kind": "vector", "length": n_qkv_p,
+             "pieces": [{"weight": s["bias"], "head": s["head"], "at": i * dp}
+                        for i, s in enumerate(segments) if s.get("bias")]}
+    w_o = {"kind": "panels", "depth": hd, "width": d_out_p, "panel": nr,
+           "columns": [{"weight": out_node.attrs["weight"], "at": 0}]}
+    bias_o = out_node.attrs.get("bias")
+    b_o = {"kind": "vector", "length": d_out_p,
+           "pieces": [{"weight": bias_o, "at": 0}] if bias_o else []}
 
     table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=cfg.kv_block)
     buffers = [
         Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]"),
-        Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", make=make_wqkv,
+        Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
-        Buffer("b_qkv", (n_qkv_p,), "param", make=make_bqkv),
+        Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to the lanes"),
-        Buffer("blocks", table.shape, "param", dtype="int32", make=lambda w: table,
+        Buffer("blocks", table.shape, "param", dtype="int32", pack={"kind": "constant"},
+               value=table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)"),
-        Buffer("w_o", (d_out_p // nr, hd, nr), "param", make=make_wo),
-        Buffer("b_o", (d_out_p,), "param", make=make_bo),
+        Buffer("w_o", (d_out_p // nr, hd, nr), "param", pack=w_o),
+        Buffer("b_o", (d_out_p,), "param", pack=b_o),
         Buffer("out", (rows, d_out_p), "output"),
     ]
     buf = {b.name: b for b in buffers}

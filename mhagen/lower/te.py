@@ -13,7 +13,7 @@ import tvm
 from tvm import te
 
 from mhagen.ir import expr as ex
-from mhagen.lower.program import Buffer, Kernel, Program, Stage
+from mhagen.program import Buffer, Kernel, Program, Stage
 
 
 _TIR_OPS = {
@@ -50,7 +50,8 @@ def lower_unfused(graph, batch: int, seq_len: int) -> Program:
     args = inputs + [weights[s.name] for s in specs] + [out]
     func = te.create_prim_func(args)
     buffers = [Buffer(n.name, _shape(ctx, n), "input") for n in graph.inputs]
-    buffers += [Buffer(s.name, tuple(s.shape), "param", make=lambda w, k=s.name: w[k])
+    buffers += [Buffer(s.name, tuple(s.shape), "param",
+                       pack={"kind": "weight", "weight": s.name})
                 for s in specs]
     buffers.append(Buffer("out", tuple(int(v) for v in out.shape), "output"))
     kernel = Kernel("main", [b.name for b in buffers], func, ctx.stages)

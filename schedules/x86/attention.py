@@ -25,12 +25,12 @@ from math import lcm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from mhagen.lower.program import round_up
+from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import mask_to_tir
-from mhagen.schedules.x86.fast_math import exp2, f32
+from mhagen.program import round_up
+from mhagen.schedules.x86.fast_math import LOG2E, exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
-SKIP, PARTIAL, FULL = 0, 1, 2
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
 ON_STACK = {"disable_lower_builtin": True}
 
@@ -167,7 +167,7 @@ def build_attention(w, cfg, lanes):
     # a P V vector (NV columns of one V head) must lie inside one panel
     assert PW % NV == 0 and V_BASE % NV == 0 and DP % NV == 0, (PW, NV, V_BASE, DP)
     TB, TH = w["table_batch"], w["table_heads"]
-    c_log2e = f32(w["scale"] * 1.4426950408889634)
+    c_log2e = f32(w["scale"] * LOG2E)
     neg_inf = f32(float("-inf"))
     zero = f32(0.0)
     mask = w.get("mask")

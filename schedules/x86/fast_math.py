@@ -1,7 +1,7 @@
 """Vectorisable float32 math as TIR expressions (LLVM would call scalar expf otherwise)."""
 from tvm import tirx
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125          # ln 2 split so n * _LN2_HI is exact (Cody-Waite)
 _LN2_LO = 1.428606765330187e-06
 _EXP_TAYLOR = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)
@@ -17,7 +17,7 @@ def exp(x):
     x = n ln2 + r with n = round(x / ln2), |r| <= ln2 / 2; e^r by a degree-7 polynomial;
     2^n built in the exponent bits.
     """
-    n = tirx.round(x * f32(_LOG2E))
+    n = tirx.round(x * f32(LOG2E))
     r = x - n * f32(_LN2_HI) - n * f32(_LN2_LO)
     p = f32(_EXP_TAYLOR[0])
     for c in _EXP_TAYLOR[1:]:

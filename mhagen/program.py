@@ -1,4 +1,5 @@
-"""A lowered layer: buffers and the kernels that run in order over them (no TVM needed here).
+"""A lowered layer: buffers and the kernels that run in order over them (no TVM needed here:
+mhagen.load rebuilds it from the manifest).
 
 The unfused path is one kernel over every node; the fused path is several kernels (packed
 QKV GEMM, attention, output GEMM) that pass temporaries. The Module allocates
@@ -9,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
+
+from mhagen.params import pack_param
 
 
 def round_up(a: int, b: int) -> int:
@@ -22,8 +27,22 @@ class Buffer:
     shape: tuple
     role: str                    # "input", "param", "temp" or "output"
     dtype: str = "float32"
-    make: Callable | None = None  # params: weights dict -> numpy array of `shape`
+    pack: dict | None = None     # params: how to make it from the weights (mhagen.params)
+    value: np.ndarray | None = None  # params of kind "constant": the array
     doc: str = ""
+
+    def make(self, weights) -> np.ndarray:
+        """This param for `weights` (a constant's value when it does not depend on them)."""
+        if self.pack["kind"] == "constant":
+            return self.value
+        return pack_param(self.pack, weights)
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+             "role": self.role}
+        if self.pack is not None:
+            d["pack"] = self.pack
+        return d
 
 
 @dataclass
@@ -60,8 +79,17 @@ class Program:
         return [b for b in self.buffers.values() if b.role == role]
 
     def describe(self) -> dict:
-        """JSON-able summary (for the manifest and the C API): buffers and the call sequence."""
-        return {"buffers": [{"name": b.name, "shape": list(b.shape), "dtype": b.dtype,
-                             "role": b.role} for b in self.buffers.values()],
+        """JSON-able summary (the manifest's "program", what the C API and mhagen.load read):
+        buffers with their param recipes, the kernels in call order with their arguments."""
+        return {"buffers": [b.describe() for b in self.buffers.values()],
                 "kernels": [{"name": k.name, "args": list(k.args)} for k in self.kernels],
                 "fusion": self.fusion}
+
+    @classmethod
+    def from_description(cls, d: dict) -> "Program":
+        """The Program describe() wrote (kernels without code: they live in kernel.so)."""
+        buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), b["role"], b["dtype"],
+                                     pack=b.get("pack"))
+                   for b in d["buffers"]}
+        kernels = [Kernel(k["name"], list(k["args"])) for k in d["kernels"]]
+        return cls(buffers, kernels, fusion=d.get("fusion", ""))

@@ -1,0 +1,76 @@
+"""A saved module's manifest as readable text (`mhagen inspect DIR`)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mhagen.artifact.capi import _layer_summary as layer_summary
+
+from mhagen.errors import ArtifactError
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def describe(manifest_or_dir) -> str:
+    """A saved module's manifest as readable text (for `mhagen inspect DIR`): versions, layer,
+    target, shapes, kernels and buffers, weights and params, files, the C API."""
+    where = None
+    if isinstance(manifest_or_dir, (str, Path)):
+        where = Path(manifest_or_dir)
+        mpath = where / "manifest.json" if where.is_dir() else where
+        try:
+            man = json.loads(mpath.read_text())
+        except (OSError, ValueError) as err:
+            raise ArtifactError(f"cannot read {mpath}: {err}") from None
+    else:
+        man = manifest_or_dir
+    t, sh = man.get("target", {}), man.get("shapes", {})
+    lines = [f"{man.get('format')} version {man.get('version')}  (mhagen "
+             f"{man.get('mhagen_version')}, TVM {man.get('tvm_version')})",
+             f"content hash  {man.get('content_hash', '(none)')}",
+             f"layer         {layer_summary(man)}",
+             f"target        {t.get('name')}: {t.get('arch')}, cpu {t.get('tvm', {}).get('mcpu')},"
+             f" {t.get('vector_bits')}-bit vectors, {t.get('cores')} cores; needs "
+             f"{' '.join(t.get('features') or []) or 'nothing'}",
+             f"input  x      {sh.get('input')} {sh.get('dtype')}",
+             f"output y      {sh.get('output')} {sh.get('dtype')}"]
+    prog = man.get("program") or {}
+    if prog:
+        lines.append(f"program       {prog.get('fusion', '')}")
+        for k in prog.get("kernels", []):
+            lines.append(f"  kernel  {k['name']}({', '.join(k['args'])})")
+        for b in prog.get("buffers", []):
+            lines.append(f"  {b['role']:<7} {b['name']:<10} {str(b['shape']):<22} {b['dtype']}")
+    for key, fname in (("weights", "weights.bin"), ("params", "params.bin")):
+        table = man.get(key)
+        if table:
+            lines.append(f"{key:<13} {fname}, {len(table)} tensors, "
+                         f"{_fmt_bytes(sum(e['nbytes'] for e in table))}")
+            for e in table:
+                lines.append(f"  {e['name']:<10} {str(e['shape']):<22} {e['dtype']:<8} "
+                             f"@{e['offset']:<9} sha256 {e['sha256'][:16]}")
+        else:
+            lines.append(f"{key:<13} none")
+    rec = man.get("tuning")
+    lines.append(f"tuning        {len(rec)} records" if rec
+                 else "tuning        none (rule defaults)")
+    for name, digest in (man.get("files") or {}).items():
+        size = ""
+        if where is not None and (where / name).is_file():
+            size = _fmt_bytes((where / name).stat().st_size)
+        lines.append(f"  file    {name:<12} {size:>10}  sha256 {digest[:16]}")
+    c = man.get("c_api") or {}
+    if c.get("skipped"):
+        lines.append(f"C API         none: {c['skipped']}")
+    elif c:
+        lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ "
+                     f"{', '.join(c.get('runtime_libs', []))}), by {c.get('compiler')}")
+        lines.append("  build   cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR")
+    return "\n".join(lines)
+
+
+__all__ = ["describe"]

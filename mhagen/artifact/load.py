@@ -1,0 +1,75 @@
+"""Load a saved module: the manifest, kernel.so and params.bin only (no lowering, no TE/TIR, no
+schedule templates, no `import tvm`: mhagen/runtime.py loads kernel.so with TVM's runtime)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mhagen import runtime
+from mhagen.artifact.files import read_tensors, sha256_file
+from mhagen.artifact.manifest import read_manifest
+from mhagen.errors import ArtifactError
+from mhagen.inspection import TEXT_FILES
+from mhagen.ir.graph import Graph
+from mhagen.module import BuildInfo, Module, aligned_copy
+from mhagen.program import Program
+from mhagen.target import Target
+
+
+def _check_files(path: Path, files: dict) -> None:
+    for name, digest in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ArtifactError(f"{path}: {name} is missing; copy the whole directory")
+        if sha256_file(f) != digest:
+            raise ArtifactError(f"{path}: {name} is corrupted (checksum mismatch); rebuild or "
+                                "copy it again")
+    if "kernel.so" not in files:
+        raise ArtifactError(f"{path}: the manifest lists no kernel.so; rebuild the module")
+
+
+def _check_program(program: Program, params: dict, path) -> None:
+    """The kernels' params as the program describes them, the output as the C API expects."""
+    for b in program.role("param"):
+        p = params.get(b.name)
+        if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
+            raise ArtifactError(f"{path}: params.bin does not hold {b.name!r} as the program "
+                                f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
+    if len(program.role("input")) != 1 or len(program.role("output")) != 1:
+        raise ArtifactError(f"{path}: the program needs one input and one output buffer")
+
+
+def load(path) -> Module:
+    """Load a directory written by Module.save(); checks format, target and checksums."""
+    path = Path(path)
+    man = read_manifest(path)
+    _check_files(path, man["files"])
+    try:
+        target = Target.from_dict(man["target"])
+        graph = Graph.from_json(man["graph"])
+        program = Program.from_description(man["program"])
+        shapes = man["shapes"]
+        batch, seq_len = shapes["batch"], shapes["seq_len"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
+                            "module") from None
+    why = target.cannot_run()
+    if why:
+        raise ArtifactError(f"{path}: {why}; rebuild it for this machine (e.g. --target x86)")
+    weights = params = None
+    if man.get("params"):
+        weights = read_tensors(path / "weights.bin", man.get("weights") or [])
+        params = read_tensors(path / "params.bin", man["params"])
+        _check_program(program, params, path)
+    texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
+             if (path / f"{w}.txt").is_file()}
+    constants = {b.name: params[b.name] for b in program.role("param")
+                 if params and (b.pack or {}).get("kind") == "constant"}
+    info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=texts,
+                     decisions=man.get("schedule") or [], tuning_records=man.get("tuning") or [],
+                     library_path=str(path / "kernel.so"), constants=constants)
+    module = Module(graph, target, batch, seq_len, program,
+                    runtime.load_library(path / "kernel.so"), info=info)
+    if weights is not None:
+        module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
+                                     for b in program.role("param")})
+    return module

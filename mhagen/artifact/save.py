@@ -1,0 +1,82 @@
+"""Save a module as an artifact directory (see mhagen/artifact/__init__.py for the files)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+from mhagen.artifact import capi
+from mhagen.artifact.files import sha256_file, write_tensors
+from mhagen.artifact.manifest import content_hash, module_manifest
+from mhagen.cross import export_options
+from mhagen.errors import ArtifactError
+from mhagen.host import host_arch
+from mhagen.inspection import TEXT_FILES, source_text
+
+HASHED_FILES = ("kernel.so", "weights.bin", "params.bin") + tuple(f"{w}.txt" for w in TEXT_FILES)
+
+
+def save_module(module, path) -> Path:
+    """Write `module` to directory `path` (created): kernel.so, weights and params, texts,
+    manifest.json, and the C API when a compiler is at hand. Returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_library(module, path)
+    module.info.texts["source"] = source_text(module)
+    for what in TEXT_FILES:
+        (path / f"{what}.txt").write_text(module.info.texts.get(what, ""))
+    table = params = None
+    if module.weights is not None:
+        table = write_tensors(path / "weights.bin",
+                              {n: module.weights[n] for n in sorted(module.weights)})
+        params = write_tensors(path / "params.bin", module.bound_params)
+    else:
+        for name in ("weights.bin", "params.bin"):
+            if (path / name).exists():
+                os.remove(path / name)
+    files = {n: sha256_file(path / n) for n in HASHED_FILES if (path / n).exists()}
+    manifest = finish(path, module_manifest(module, table, files, params))
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return path
+
+
+def _write_library(module, path: Path) -> None:
+    info = module.info
+    if info.executable is not None:
+        info.executable.export_library(str(path / "kernel.so"), **export_options(module.target))
+    elif info.library_path is not None:  # a loaded module: its library, copied as is
+        if Path(info.library_path).resolve() != (path / "kernel.so").resolve():
+            shutil.copyfile(info.library_path, path / "kernel.so")
+    else:
+        raise ArtifactError("this module has no library to save")
+
+
+def finish(path, manifest: dict, *, toolchain=None) -> dict:
+    """Complete a manifest that Module.save is about to write to `path`: add tuning (if
+    absent) and content_hash, then generate and compile the C API (mha.h, libmha.so,
+    lib/) -- or record in manifest["c_api"]["skipped"] why not (no C++ compiler, no weights,
+    code for another architecture without a cross toolchain). Returns the manifest."""
+    manifest.setdefault("tuning", [])     # the tuning records used
+    manifest.pop("c_api", None)
+    manifest["content_hash"] = content_hash(manifest)
+    reason = None
+    if not manifest.get("params"):
+        reason = "no weights bound (bind weights, then save: the C API runs params.bin)"
+    elif toolchain is None:
+        arch = manifest["target"]["arch"]
+        # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross)
+        toolchain = capi.Toolchain.cross(arch) if arch != host_arch() else capi.Toolchain.host()
+        if isinstance(toolchain, str):
+            reason = toolchain
+    if reason is None:
+        try:
+            manifest["c_api"] = capi.write_c_api(path, manifest, toolchain)
+        except ArtifactError as err:
+            reason = str(err)
+            warnings.warn(f"mhagen: no C API in {path}: {err}", stacklevel=3)
+    if reason is not None:
+        capi.remove_c_api(path)
+        manifest["c_api"] = {"skipped": reason}
+    return manifest

@@ -1,0 +1,103 @@
+"""Facts about this machine (leaf module: the standard library only, no TVM): architecture,
+usable cores, caches, CPU model, and the CPU features that decide whether compiled code runs
+here (read from /proc/cpuinfo, as the C API reads them from the CPU)."""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+# Caches assumed when a preset names none and the host's cannot be read (or the code is for
+# another machine): a typical AVX2 / AVX-512 / Neoverse core.
+DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
+
+# The features compiled code may need, by the name LLVM gives them, and the name the Linux
+# kernel lists in /proc/cpuinfo (x86 "flags", aarch64 "Features").
+RUNTIME_FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f",
+                    "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
+                    "neon": "asimd", "sve": "sve"}
+
+
+def host_arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _read_cache(entry: str):
+    """(level, KiB) of one sysfs cache entry, or None (instruction cache, unreadable)."""
+    try:
+        with open(f"{entry}/level") as f:
+            level = int(f.read())
+        with open(f"{entry}/type") as f:
+            kind = f.read().strip()
+        with open(f"{entry}/size") as f:
+            size = f.read().strip().upper()
+    except (OSError, ValueError):
+        return None
+    if kind == "Instruction" or not size:
+        return None
+    if size[-1] in "KM":
+        return level, int(size[:-1]) * (1024 if size.endswith("M") else 1)
+    return level, int(size) // 1024
+
+
+def host_caches() -> dict:
+    """This machine's caches in KiB as {"l1d_kib", "l2_kib", "l3_kib"} (Linux sysfs, cpu0;
+    empty where sysfs does not say)."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return {}
+    names = {1: "l1d_kib", 2: "l2_kib", 3: "l3_kib"}
+    found = (_read_cache(f"{root}/{e}") for e in entries)
+    return {names[level]: kib for level, kib in filter(None, found) if level in names}
+
+
+def _cpuinfo_field(*keys: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def host_cpu_model() -> str:
+    """The CPU's model name as the OS reports it (lscpu's "Model name"), or ""."""
+    return _cpuinfo_field("model name", "Model name")
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_features() -> tuple:
+    """The RUNTIME_FEATURES this CPU has, by their LLVM names."""
+    listed = set(_cpuinfo_field("flags", "Features").split())
+    return tuple(sorted(f for f, name in RUNTIME_FEATURES.items() if name in listed))
+
+
+def missing_features(arch: str, required) -> list:
+    """Which of `required` (LLVM names) code for `arch` needs that this machine lacks; code of
+    another architecture lacks nothing here (it cannot run at all: see can_run)."""
+    if arch != host_arch():
+        return []
+    return sorted(set(f for f in required if f in RUNTIME_FEATURES) - set(runtime_features()))
+
+
+def cannot_run_reason(arch: str, required, what: str) -> str | None:
+    """None when code for `arch` needing `required` runs here, else why not."""
+    if arch != host_arch():
+        return f"{what} is {arch} code; this machine is {host_arch()}"
+    missing = missing_features(arch, required)
+    if missing:
+        return (f"{what} needs CPU features {', '.join(missing)} that this machine lacks "
+                "(an instruction it lacks would kill the process with SIGILL)")
+    return None
