@@ -1,16 +1,22 @@
 """mhagen: a compiler for multi-head attention layers (graph DSL -> TVM TE -> compiled code).
 
-Importing mhagen does not import TVM; build/load do, on first use.
+Importing mhagen does not import TVM: build and tune do (the compiler), on first use; load
+and calling a module use TVM's runtime library only (mhagen/runtime.py).
 """
+from mhagen.runtime import prepare_tvm_threads
+
+prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS before it starts
+
+# isort: split
+from mhagen.artifact.load import load as _load
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import Graph, causal, kv_idx, q_idx, sliding_window, verify
 from mhagen.module import aligned_empty
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
-from mhagen.weights import weights_from_torch
-
 from mhagen.version import __version__
+from mhagen.weights import weights_from_torch
 
 
 def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
@@ -28,11 +34,10 @@ def tune(layer, target="x86", **options):
 def load(path):
     """Load a module saved with Module.save(path): needs the TVM runtime only, not the
     compiler (see mhagen/artifact/load.py)."""
-    from mhagen.artifact.load import load as _load
     return _load(path)
 
 
-__all__ = ["ArtifactError", "Graph", "GraphError", "InputError", "MhagenError", "TOLERANCES",
-           "TargetError", "aligned_empty", "build", "causal", "export_onnx", "import_onnx",
+__all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "MhagenError",
+           "TOLERANCES", "TargetError", "aligned_empty", "build", "causal", "export_onnx", "import_onnx",
            "kv_idx", "load", "max_error", "mha", "q_idx", "sliding_window", "tune", "verify",
            "weights_from_torch"]

@@ -8,7 +8,14 @@ import argparse
 import sys
 from pathlib import Path
 
+import mhagen
+from mhagen.artifact.describe import describe
 from mhagen.errors import MhagenError
+from mhagen.inspection import INSPECT_KINDS
+from mhagen.onnx.cli import add_parsers
+from mhagen.runtime import num_threads, set_num_threads
+from mhagen.tolerances import tolerance
+from mhagen.tuning.records import describe_record
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +48,6 @@ def _shape_options(p):
 
 
 def _layer(args):
-    import mhagen
     if args.graph:
         try:
             return mhagen.Graph.from_json(args.graph.read_text())
@@ -97,7 +103,6 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
     t.add_argument("--seed", type=int, default=0)
 
-    from mhagen.onnx.cli import add_parsers
     for name, handler in add_parsers(sub, _layer_options).items():
         sub.choices[name].set_defaults(handler=handler)
     return p
@@ -114,7 +119,6 @@ def _shape_arg(text):
 
 
 def _cmd_tune(args):
-    import mhagen
     layer = _layer(args)
     shapes = [_shape_arg(s) for s in args.shapes]
     if args.trials < 1:
@@ -149,8 +153,6 @@ def _build_checked(args, layer):
     """Build `layer` from CLI args with random weights; (module, max error, tolerance)."""
     import numpy as np
 
-    import mhagen
-    from mhagen.tolerances import tolerance
     weights = layer.init_weights(args.seed)
     module = mhagen.build(layer, args.target, batch=args.batch, seq_len=args.seq_len,
                           weights=weights, fuse=not args.no_fuse)
@@ -162,7 +164,6 @@ def _build_checked(args, layer):
 
 
 def _cmd_bench(args):
-    from mhagen.runtime import num_threads, set_num_threads
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
     if err is None:
@@ -191,7 +192,6 @@ def _cmd_bench(args):
 def _cmd_build(args):
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
-    from mhagen.tuning.records import describe_record
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
           f"  input {module.in_shape} in {module.compile_seconds:.1f} s\n"
           f"  schedules: {_schedule_summary(module)}")
@@ -215,12 +215,9 @@ def _cmd_build(args):
 
 
 def _cmd_inspect(args):
-    import mhagen
-    from mhagen.inspection import INSPECT_KINDS
     if args.what not in INSPECT_KINDS:
         raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
     if args.module is not None and args.what == "manifest":
-        from mhagen.artifact.describe import describe
         print(describe(args.module))
         return 0
     if args.module is not None:

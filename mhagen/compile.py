@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import time
 
+import tvm
+
+from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
+from mhagen.lower import lower
+from mhagen.module import BuildInfo, Module
+from mhagen.schedules import schedule_kernel
+from mhagen.target import resolve
+from mhagen.tuning.records import Database, Tuning
 
 
 def compile_program(program, target, tuning=None):
     """Schedule every kernel (consulting `tuning` records) and compile them into one library;
     returns (executable, texts, decisions)."""
-    import tvm
-
-    from mhagen.schedules import schedule_kernel
     funcs, decisions = {}, []
     for kernel in program.kernels:
         record = tuning.lookup(program.key(kernel.name)) if tuning and program.key else None
@@ -28,7 +33,6 @@ def compile_program(program, target, tuning=None):
 def resolve_tuning(tuning, target):
     """"auto" (user database, then shipped records), None (defaults only), a database path,
     or a Tuning object."""
-    from mhagen.tuning.records import Database, Tuning
     if isinstance(tuning, Tuning):
         return tuning
     if tuning == "auto":
@@ -40,16 +44,11 @@ def resolve_tuning(tuning, target):
 
 def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None,
           fuse: bool = True, tuning="auto"):
-    from mhagen.lower import lower
-    from mhagen.module import BuildInfo, Module
-    from mhagen.target import resolve
-
     if not isinstance(layer, Graph):
         raise GraphError(f"build() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
                          f"{type(layer).__name__}")
-    for name, value in (("batch", batch), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GraphError(f"{name}={value!r} must be a positive integer")
+    positive_int("batch", batch)
+    positive_int("seq_len", seq_len)
     t = resolve(target)
     if len(layer.inputs) != 1:
         raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "

@@ -8,10 +8,12 @@ import functools
 from dataclasses import asdict, dataclass, fields
 
 from mhagen import host
+from mhagen.backends import FAMILY_OF_ARCH
 from mhagen.errors import TargetError
 from mhagen.host import DEFAULT_CACHES, host_arch, host_caches, host_cores, host_cpu_model  # noqa: F401
+from mhagen.runtime import prepare_tvm_threads
+from mhagen.targets import load_preset, preset_names
 
-FAMILIES = {"x86_64": "cpu-x86", "aarch64": "cpu-arm"}   # when a preset names no family
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class Target:
 
     @property
     def backend_family(self) -> str:
-        return self.family or FAMILIES.get(self.arch, self.arch)
+        return self.family or FAMILY_OF_ARCH.get(self.arch, self.arch)
 
     def to_dict(self) -> dict:
         """JSON-able fields (the manifest's "target"); from_dict is the inverse."""
@@ -112,7 +114,6 @@ class Target:
 @functools.lru_cache(maxsize=None)
 def host_features() -> tuple:
     """This CPU's features as LLVM names them (asked once per process)."""
-    from mhagen.runtime import prepare_tvm_threads
     prepare_tvm_threads()
     import tvm
     cpu = tvm.target.codegen.llvm_get_system_cpu()
@@ -138,8 +139,6 @@ def resolve(target) -> Target:
     """A preset name ("x86") or a Target -> a resolved Target for this build."""
     if isinstance(target, Target):
         return target
-    from mhagen.runtime import prepare_tvm_threads
-    from mhagen.targets import load_preset, preset_names
     prepare_tvm_threads()
     if not isinstance(target, str):
         raise TargetError(f"target must be a preset name, got {target!r}; presets: "
@@ -174,5 +173,5 @@ def resolve(target) -> Target:
     return Target(preset["name"], frozen,
                   preset["arch"], cores, int(bits), features, preset.get("cross_compiler"),
                   int(registers), cpu=str(tvm_dict.get("mcpu", "")),
-                  family=preset.get("family") or FAMILIES.get(preset["arch"], ""),
+                  family=preset.get("family") or FAMILY_OF_ARCH.get(preset["arch"], ""),
                   device=preset.get("device", "cpu"), **caches)

@@ -6,11 +6,15 @@ A rule is a small class in the style of TVM's dlight rules:
   apply(sch, stage, cfg, plan) -> names    schedules a TE stage; returns the stages it absorbed
   build(workload, cfg, target) -> func     (template rules) writes the kernel's TIR itself
 Rules for a target are an ordered list; the first that applies wins and a Fallback always
-applies. Rules read target attributes (lanes, cores), never target names.
+applies. Rules read target attributes (lanes, cores), never target names. Each folder
+(x86, arm) is one backend family: its __init__ defines BACKEND (see mhagen/backends.py).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from mhagen.backends import backend_for
+from mhagen.tuning.apply import apply_trace
 
 
 @dataclass
@@ -32,45 +36,12 @@ class Plan:
         self.done: set = set()
 
 
-def rules_for(target):
-    if target.arch == "x86_64":
-        from mhagen.schedules.x86 import RULES
-        return RULES
-    if target.arch == "aarch64":
-        from mhagen.schedules.arm import RULES
-        return RULES
-    raise NotImplementedError(f"no schedule rules for {target.arch} yet")
-
-
-def fused_attention_rule(target):
-    """The attention template rule of this target, or None (then the graph stays unfused)."""
-    try:
-        rules = rules_for(target)
-    except NotImplementedError:
-        return None
-    return next((r for r in rules if hasattr(r, "build")), None)
-
-
-def gemm_tile(target):
-    """(rows, columns) of the packed GEMMs' register tile on this target: the lowering lays
-    weights out in panels of that many columns."""
-    from mhagen.schedules.x86.matmul import packed_tile
-    return packed_tile(target)
-
-
-def gemm_rows(target, rows, depth):
-    """The rows a packed GEMM of `rows` x depth runs over on this target: padded to whole
-    register tiles and row blocks (the lowering sizes its temporaries with it)."""
-    from mhagen.schedules.x86.matmul import packed_blocking
-    return packed_blocking(target, rows, depth)[2]
-
-
 def schedule_kernel(kernel, target, rules=None, record=None):
     """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
     is given and still fits the kernel, else the rules (TE stages) or the template."""
     import tvm
     from tvm import s_tir
-    rules = rules or rules_for(target)
+    rules = rules or backend_for(target).rules
     if kernel.template:
         stage = kernel.stages[0]
         rule = next(r for r in rules if r.applies(stage, target))
@@ -80,7 +51,6 @@ def schedule_kernel(kernel, target, rules=None, record=None):
         return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg), source)]
     stale = False
     if record is not None and record.get("kind") == "trace":
-        from mhagen.tuning.apply import apply_trace
         sch = apply_trace(kernel, record)
         if sch is not None:
             return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",

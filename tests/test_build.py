@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import mhagen
+from mhagen.artifact.manifest import content_hash
 from mhagen.tolerances import assert_close
 from tests.conftest import random_input
 
@@ -144,8 +145,11 @@ def test_load_rejects_corrupt_files(small, tmp_path):
     (lambda m: m.pop("graph"), "lacks"),
 ], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph"])
 def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
+    """Manifests that are consistent (content hash recomputed) but describe what this mhagen
+    or this machine cannot run."""
     path, manifest = _saved(small, tmp_path)
     edit(manifest)
+    manifest["content_hash"] = content_hash(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(mhagen.ArtifactError, match=match):
         mhagen.load(path)

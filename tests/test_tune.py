@@ -178,7 +178,7 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
     from mhagen.tuning.records import shipped_records_path
     monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path))  # no user records
     t = resolve(preset)
-    path = shipped_records_path(t.cpu_class)
+    path = shipped_records_path(t)
     assert path.is_file(), f"no shipped records for {t.cpu_class}"
     shipped = Database.load(path)
     assert all(r["key"]["cpu_class"] == t.cpu_class for r in shipped.records.values())

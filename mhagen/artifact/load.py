@@ -8,6 +8,7 @@ from mhagen import runtime
 from mhagen.artifact.files import read_tensors, sha256_file
 from mhagen.artifact.manifest import read_manifest
 from mhagen.errors import ArtifactError
+from mhagen.host import RUNTIME_FEATURES
 from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
 from mhagen.module import BuildInfo, Module, aligned_copy
@@ -53,6 +54,10 @@ def load(path) -> Module:
         raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
                             "module") from None
     why = target.cannot_run()
+    unknown = sorted(set(man["target"].get("features") or []) - set(RUNTIME_FEATURES))
+    if why is None and unknown:
+        why = (f"it needs CPU features {', '.join(unknown)} that this machine lacks or mhagen "
+               "cannot check")
     if why:
         raise ArtifactError(f"{path}: {why}; rebuild it for this machine (e.g. --target x86)")
     weights = params = None

@@ -21,9 +21,11 @@ HASHED_FILES = ("kernel.so", "weights.bin", "params.bin") + tuple(f"{w}.txt" for
 def save_module(module, path) -> Path:
     """Write `module` to directory `path` (created): kernel.so, weights and params, texts,
     manifest.json, and the C API when a compiler is at hand. Returns the path."""
+    # the cross compiler first: nothing is written when it is missing
+    options = export_options(module.target) if module.info.executable is not None else {}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _write_library(module, path)
+    _write_library(module, path, options)
     module.info.texts["source"] = source_text(module)
     for what in TEXT_FILES:
         (path / f"{what}.txt").write_text(module.info.texts.get(what, ""))
@@ -42,10 +44,10 @@ def save_module(module, path) -> Path:
     return path
 
 
-def _write_library(module, path: Path) -> None:
+def _write_library(module, path: Path, options: dict) -> None:
     info = module.info
     if info.executable is not None:
-        info.executable.export_library(str(path / "kernel.so"), **export_options(module.target))
+        info.executable.export_library(str(path / "kernel.so"), **options)
     elif info.library_path is not None:  # a loaded module: its library, copied as is
         if Path(info.library_path).resolve() != (path / "kernel.so").resolve():
             shutil.copyfile(info.library_path, path / "kernel.so")

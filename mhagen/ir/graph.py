@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
-from mhagen.ir.kinds import KINDS
+from mhagen.ir.kinds import KINDS, WeightSpec
+from mhagen.ir.verify import verify, weight_specs
+from mhagen.reference import run_reference
+from mhagen.weights import init_weights
 
 GRAPH_FORMAT = "mhagen.graph"
 GRAPH_VERSION = 1
@@ -40,16 +43,6 @@ class Node:
         except (KeyError, TypeError, ValueError) as err:
             raise GraphError(f"bad node in graph JSON {data!r}: {err}; each node needs "
                              "'name', 'kind', 'inputs' and 'attrs'") from None
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """A named weight tensor. Per-head weights are stacked: shape[0] is the head index."""
-    name: str
-    shape: tuple
-    role: str      # "weight" or "bias"
-    fan_in: int    # input width of the projection it belongs to (for initialisation)
-    fan_out: int
 
 
 class Graph:
@@ -146,21 +139,17 @@ class Graph:
 
     def shapes(self, **dims) -> dict:
         """Verify the graph; return node name -> shape (symbolic dims bound from `dims`)."""
-        from mhagen.ir.verify import verify
         return verify(self, **dims)
 
     def weight_specs(self) -> list[WeightSpec]:
-        from mhagen.ir.verify import weight_specs
         return weight_specs(self)
 
     def init_weights(self, seed: int = 0) -> dict:
         """Random float32 weights in the per-head layout (Xavier-uniform; biases +-0.1)."""
-        from mhagen.weights import init_weights
         return init_weights(self, seed)
 
     def reference(self, x, weights) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64."""
-        from mhagen.reference import run_reference
         return run_reference(self, x, weights)
 
     # -- serialisation -------------------------------------------------------------------

@@ -9,6 +9,16 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class WeightSpec:
+    """A named weight tensor. Per-head weights are stacked: shape[0] is the head index."""
+    name: str
+    shape: tuple
+    role: str      # "weight" or "bias"
+    fan_in: int    # input width of the projection it belongs to (for initialisation)
+    fan_out: int
+
+
+@dataclass(frozen=True)
 class KindSpec:
     """What a node kind takes: its number of inputs (None: one or more) and its attributes."""
     arity: int | None

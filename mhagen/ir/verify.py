@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
-from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES
+from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
 
 
 def _fmt(shape):
@@ -37,7 +37,6 @@ def weight_specs(graph) -> list:
 
 
 def _collect_weights(graph, shapes) -> list:
-    from mhagen.ir.graph import WeightSpec
     found = {}  # name -> dict(heads, d_in, d_out, per_head, role)
 
     def record(name, role, per_head, head, d_in, d_out, node):

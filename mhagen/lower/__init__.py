@@ -1,27 +1,34 @@
-"""Lowering: a verified graph -> passes -> a Program of kernels (TE PrimFuncs or templates)."""
+"""Lowering: a verified graph -> passes -> a Program of kernels (TE PrimFuncs or templates).
+
+Target-neutral: what depends on the target (the GEMM tile and row padding, the head padding,
+whether an attention template exists) comes from the target's backend (mhagen/backends.py).
+"""
 from __future__ import annotations
 
-from mhagen.program import Buffer, Kernel, Program, Stage
+import warnings
+
+from mhagen.backends import backend_for
+from mhagen.lower.fused import lower_fused
+from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
+from mhagen.program import Buffer, Kernel, Program, Stage
+from mhagen.tuning.records import TuningWarning, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel.
     `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config."""
-    from mhagen.lower.te import lower_unfused
-    from mhagen.schedules import fused_attention_rule
-    from mhagen.tuning.records import workload_key
     graph.shapes(**graph.dims(batch, seq_len))
     fusion = run_passes(graph, fuse=fuse)
-    rule = fused_attention_rule(target) if fusion.fused else None
+    backend = backend_for(target)
+    rule = backend.attention if fusion.fused else None
 
     def key(kernel_name):
         return workload_key(graph, target, batch, seq_len, kernel_name)
 
     if fusion.fused and rule is not None:
-        from mhagen.lower.fused import lower_fused
         config = _tuned_config(rule, tuning, key("attention"), target)
-        program = lower_fused(fusion.graph, batch, seq_len, target, rule, config)
+        program = lower_fused(fusion.graph, batch, seq_len, target, backend, config)
     else:
         program = lower_unfused(graph, batch, seq_len)
     program.key = key
@@ -32,9 +39,6 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
 
 def _tuned_config(rule, tuning, key, target):
     """The attention config a tuning record asks for, if valid; else None (the default)."""
-    import warnings
-
-    from mhagen.tuning.records import TuningWarning
     record = tuning.lookup(key) if tuning is not None else None
     if record is None or record.get("kind") != "config":
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tvm import te
 
 from mhagen.blockmask import block_table, table_dims
+from mhagen.ir.heads import kv_head_map
 from mhagen.program import Buffer, Kernel, Program, Stage, round_up
 
 
@@ -45,25 +46,23 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     return out, stages
 
 
-def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None) -> Program:
-    from mhagen.schedules import gemm_rows, gemm_tile
-    from mhagen.schedules.x86.attention import padded_head_dim
+def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Program:
+    """The three kernels, laid out as the target's backend asks (mhagen/backends.py)."""
     x_node, qkv_node, att_node, out_node = graph.nodes
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
     # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
     # guard on every multiply-add and keep the accumulators in memory (AVX2: 1.4-4x slower)
-    _, nr = gemm_tile(target)
+    _, nr = backend.gemm_tile(target)
     segments = qkv_node.attrs["segments"]
     a = att_node.attrs
     d, heads = a["head_dim"], len(a["q_offsets"])
     kv_pairs = list(dict.fromkeys(zip(a["k_offsets"], a["v_offsets"])))
     kv_heads = len(kv_pairs)
-    group = heads // kv_heads
     q_base = a["q_offsets"][0]
-    if (a["q_offsets"] != [q_base + h * d for h in range(heads)]
+    if (heads % kv_heads or a["q_offsets"] != [q_base + h * d for h in range(heads)]
             or [kv_pairs.index(p) for p in zip(a["k_offsets"], a["v_offsets"])]
-            != [h // group for h in range(heads)]
+            != kv_head_map(heads, kv_heads)
             or [p[0] for p in kv_pairs] != [kv_pairs[0][0] + g * d for g in range(kv_heads)]
             or [p[1] for p in kv_pairs] != [kv_pairs[0][1] + g * d for g in range(kv_heads)]):
         raise NotImplementedError("attention with irregular head offsets")
@@ -71,16 +70,17 @@ def lower_fused(graph, batch, seq, target, attention_rule, attention_config=None
     d_out = out_node.attrs["out_features"]
     d_out_p = round_up(d_out, nr)
     hd = heads * d
-    rows_qkv, rows_att = gemm_rows(target, rows, d_model), gemm_rows(target, rows, hd)
+    rows_qkv = backend.gemm_rows(target, rows, d_model)
+    rows_att = backend.gemm_rows(target, rows, hd)
 
     # qkv columns: every head's d columns padded to dp, what the attention template reads
-    dp = padded_head_dim(d, target.lanes)
+    dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask")}
-    cfg = attention_config or attention_rule.default_config(work, target)
+    cfg = attention_config or backend.attention.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)
 

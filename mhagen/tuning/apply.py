@@ -5,6 +5,7 @@ import json
 import warnings
 
 from mhagen.tuning.records import TuningWarning
+from mhagen.version import __version__
 
 
 def kernel_hash(prim_func) -> str:
@@ -15,9 +16,7 @@ def kernel_hash(prim_func) -> str:
 
 def versions() -> dict:
     import tvm
-
-    import mhagen
-    return {"tvm": tvm.__version__, "mhagen": mhagen.__version__}
+    return {"tvm": tvm.__version__, "mhagen": __version__}
 
 
 def apply_trace(kernel, record):

@@ -13,16 +13,20 @@ machines may exist for one workload: the one whose caches (L2, then L1d) are clo
 target's is used, and the build says which.
 
 Lookup order at build time: the user's database (mhagen tune writes it), then the records
-shipped in schedules/<x86|arm>/records/<cpu class>.json, then the template default.
+shipped in schedules/<family folder>/records/<cpu class>.json, then the template default.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import warnings
-from importlib import resources
 from pathlib import Path
+
+from mhagen.backends import family_of
+from mhagen.errors import TargetError
 
 SCHEMA = 2
 KEY_FIELDS = ("cpu_class", "dtype", "batch", "seq", "d_model", "heads", "kv_heads",
@@ -60,7 +64,6 @@ def _slot(key: dict) -> str:
 
 def _cache_distance(a: dict, b: dict) -> float:
     """How far apart two machines' caches are (log2 ratios; L2 counts most)."""
-    import math
     d = 0.0
     for weight, f in ((2.0, "l2_kib"), (1.0, "l1d_kib")):
         x, y = a.get(f), b.get(f)
@@ -138,24 +141,23 @@ def _valid(r) -> bool:
             and r.get("kind") in ("trace", "config", "default"))
 
 
-SHIPPED_DIRS = {"x86_64": "x86", "aarch64": "arm"}
-
-
-def shipped_records_path(cpu_class: str) -> Path | None:
-    """schedules/<x86|arm>/records/<cpu class>.json: the records mhagen ships for a class."""
-    folder = SHIPPED_DIRS.get(cpu_class.split("-")[0])
-    if folder is None:
-        return None
+def shipped_records_path(target) -> Path | None:
+    """schedules/<family folder>/records/<cpu class>.json: the records mhagen ships for the
+    target's CPU class (found, not imported: the schedules import TVM)."""
     try:
-        path = resources.files("mhagen.schedules") / folder / "records" / f"{cpu_class}.json"
-    except (ModuleNotFoundError, FileNotFoundError):  # pragma: no cover
+        folder = family_of(target).folder
+    except TargetError:
         return None
-    return Path(str(path))
+    spec = importlib.util.find_spec("mhagen.schedules")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    return root / folder / "records" / f"{target.cpu_class}.json"
 
 
-def shipped_database(cpu_class: str) -> Database:
-    """The records shipped with mhagen for one CPU class (empty when none are)."""
-    path = shipped_records_path(cpu_class)
+def shipped_database(target) -> Database:
+    """The records shipped with mhagen for the target's CPU class (empty when none are)."""
+    path = shipped_records_path(target)
     return Database.load(path) if path is not None and path.is_file() else Database()
 
 
@@ -168,7 +170,7 @@ class Tuning:
     @staticmethod
     def default(target) -> "Tuning":
         return Tuning([Database.load(user_database_path(target.name)),
-                       shipped_database(target.cpu_class)])
+                       shipped_database(target)])
 
     @staticmethod
     def none() -> "Tuning":

@@ -18,14 +18,29 @@ runner there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import io
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+import tvm
+
+from mhagen.backends import backend_for
+from mhagen.cross import ARCHES
+from mhagen.errors import MhagenError, TargetError
+from mhagen.host import host_arch, host_cpu_model
+from mhagen.lower import lower
+from mhagen.schedules import Plan, schedule_kernel
+from mhagen.target import resolve
+from mhagen.tuning.apply import kernel_hash, versions
 from mhagen.tuning.records import Database, Tuning, user_database_path
 
 
@@ -70,8 +85,7 @@ def template_rows(target) -> tuple:
     panels), from 2 up to what the vector registers hold (AVX-512: 2, 4, 6, 8; AVX2: 2, 3,
     4, 6). Never 1: a unit loop changes the trace's loop count, which MetaSchedule's
     mutators cannot replay."""
-    from mhagen.schedules import gemm_tile
-    top = max(2, gemm_tile(target)[0])
+    top = max(2, backend_for(target).gemm_tile(target)[0])
     return tuple(sorted({max(2, top // 4), max(2, top // 2), max(2, top - 2), top}))
 
 
@@ -82,7 +96,6 @@ class _Stop(Exception):
 def fast_build(mod, target, _params):
     """MetaSchedule's default build without importing tensor intrinsics (fp32 needs none):
     the default re-imports them in every builder worker (~16 s each batch)."""
-    import tvm
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm.tirx.build(mod, target=target)
@@ -90,7 +103,6 @@ def fast_build(mod, target, _params):
 
 def cross_export(mod, cxx):
     """Export a built candidate as a shared library linked here by `cxx` (a cross g++)."""
-    import tempfile
 
     from tvm.support import cc
     path = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so")
@@ -103,13 +115,9 @@ def _local_builder(target, **kwargs):
     that the runner's machine links with its own compiler; for code of another architecture
     (a board over RPC) link here with the cross compiler instead, as `mhagen build` does, so
     the board needs no compiler (the .tar stays when no cross compiler is installed)."""
-    import functools
-    import shutil
 
     import tvm.s_tir.meta_schedule as ms
 
-    from mhagen.cross import ARCHES
-    from mhagen.target import host_arch
     arch = str(target.attrs.get("mtriple", "")).split("-")[0]
     cxx = shutil.which(ARCHES[arch].cxx) if arch != host_arch() and arch in ARCHES else None
     if cxx:
@@ -172,7 +180,6 @@ def _runner(rpc, ms):
 
 def _measured_on(t, rpc) -> dict:
     """Where a record's latencies were measured: this machine, or the RPC device."""
-    from mhagen.target import host_cpu_model
     if rpc is not None:
         return {"cpu": t.cpu, "model": f"RPC device {rpc[2]!r}", "target": t.name}
     return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name}
@@ -185,8 +192,6 @@ def _measure(funcs, target, runner, fixed=None, repeat=5):
     fixed: {argument index: numpy array} for arguments that must hold real data."""
     if runner is None:
         return _measure_steady(funcs, target, fixed)
-    import numpy as np
-    import tvm
     import tvm.s_tir.meta_schedule as ms
 
     builder = _local_builder(target, max_workers=1)
@@ -220,8 +225,6 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     buffers, interleaved rounds (one per function in turn), each round back-to-back calls
     for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
     differ from what a user sees by 10-50% (see the README)."""
-    import numpy as np
-    import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
     rng = np.random.default_rng(0)
@@ -296,14 +299,9 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     """
     import tvm.s_tir.meta_schedule as ms
 
-    from mhagen.lower import lower
-    from mhagen.target import resolve
-    from mhagen.tuning.apply import versions
 
     t = resolve(target)
-    from mhagen.target import host_arch
     if rpc is None and t.arch != host_arch():
-        from mhagen.errors import TargetError
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
                           "measure it on the device through a TVM RPC tracker "
                           "(mhagen tune --rpc-tracker HOST:PORT --device-key KEY)")
@@ -326,7 +324,6 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     if kernels is not None:
         unknown = sorted(set(kernels) - known)
         if unknown:
-            from mhagen.errors import MhagenError
             raise MhagenError(f"no tunable kernel named {unknown}; this layer has "
                               f"{sorted(known)}")
     bar = _Progress(progress, len(plans), deadline)
@@ -359,15 +356,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
 
 
 def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed):
-    import tvm
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
 
-    from mhagen.schedules import schedule_kernel
-    from mhagen.tuning.apply import kernel_hash
 
-    from mhagen.schedules import Plan
-    from mhagen.schedules.x86.matmul import MatmulConfig, MatmulRule
 
     mod = tvm.IRModule({"main": kernel.prim_func})
     work = work_dir / f"{key['graph']}-{key['batch']}x{key['seq']}-{kernel.name}"
@@ -377,15 +369,14 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     bar.kernel(index, f"{kernel.name} {key['batch']}x{key['seq']}", trials, done)
     stages = kernel.stages
     gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
-    rule = MatmulRule()
+    rule = backend_for(t).gemm_rule
 
     rows_space = list(template_rows(t))
 
     def template(sch):
         rows = sch.sample_categorical(rows_space, [1 / len(rows_space)] * len(rows_space))
         cfg = rule.default_config(gemm.workload, t)
-        rule.apply(sch, gemm, MatmulConfig(tile_rows=rows, tile_cols=cfg.tile_cols),
-                   Plan(stages))
+        rule.apply(sch, gemm, dataclasses.replace(cfg, tile_rows=rows), Plan(stages))
         return sch
 
     class Progress(ms.measure_callback.PyMeasureCallback):
@@ -436,12 +427,9 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
 
 
 def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
-    from dataclasses import asdict
 
-    from mhagen.lower import lower
-    from mhagen.schedules import fused_attention_rule
 
-    rule = fused_attention_rule(t)
+    rule = backend_for(t).attention
     candidates = rule.candidates(kernel.workload, t)
     bar.kernel(index, f"{kernel.name} {shape[0]}x{shape[1]}", len(candidates))
     funcs, tables = [], []
@@ -476,7 +464,6 @@ class _Fixed:
     """A Tuning that answers one attention config (to lower a candidate)."""
 
     def __init__(self, cfg, key):
-        from dataclasses import asdict
         self.record = {"key": key, "kind": "config", "config": asdict(cfg)}
 
     def lookup(self, key):
@@ -485,7 +472,6 @@ class _Fixed:
 
 def plain_json(obj):
     """A trace's JSON (TVM containers, IntImm/FloatImm) as plain Python JSON values."""
-    import tvm
     if obj is None or isinstance(obj, (str, int, float)):
         return obj
     if isinstance(obj, tvm.tirx.IntImm):

@@ -1,7 +1,22 @@
-"""x86 schedule rules (AVX-512 / AVX2 through the target's vector width), first match wins."""
-from mhagen.schedules.x86.attention import AttentionRule
+"""x86 schedule rules (AVX-512 / AVX2 through the target's vector width), first match wins,
+and the cpu-x86 backend (mhagen/backends.py)."""
+from mhagen.backends import Backend
+from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
 from mhagen.schedules.x86.elementwise import ElementwiseRule, Fallback
-from mhagen.schedules.x86.matmul import MatmulRule
+from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
 from mhagen.schedules.x86.softmax import SoftmaxRule
 
 RULES = [AttentionRule(), MatmulRule(), SoftmaxRule(), ElementwiseRule(), Fallback()]
+
+
+def cpu_backend(family: str) -> Backend:
+    """A CPU backend over these rules: they read target attributes (lanes, registers,
+    caches, cores), never names, so x86 and aarch64 share them."""
+    return Backend(family=family, device="cpu", rules=RULES, attention=RULES[0],
+                   gemm_tile=packed_tile,
+                   gemm_rows=lambda target, rows, depth: packed_blocking(target, rows, depth)[2],
+                   head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
+                   gemm_rule=RULES[1])
+
+
+BACKEND = cpu_backend("cpu-x86")

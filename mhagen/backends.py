@@ -1,0 +1,64 @@
+"""The backend seam: everything a target family brings to the compiler, in one interface.
+
+Lowering, compiling, tuning and the runtime are target-neutral; they ask the target's backend
+(`backend_for(target)`) for the target-specific parts:
+
+  rules            schedule rules for TE stages, first match wins (dlight style)
+  attention        the fused attention template rule, or None (the graph then stays unfused)
+  gemm_tile        (rows, columns) of the packed GEMMs' register tile; weights are laid out
+                   in panels of `columns` columns
+  gemm_rows        the rows a packed GEMM of rows x depth runs over (padded to whole tiles
+                   and row blocks; the lowering sizes its temporaries with it)
+  head_dim_padded  the head width the attention template reads (each head padded)
+  gemm_rule        the GEMM rule whose register-tile rows the autotuner samples first
+  device           where kernels run and buffers live ("cpu"): the runtime and the C API
+
+A family is a folder of schedules/ (installed as mhagen.schedules.<folder>) whose __init__
+defines BACKEND. The table below is all that is known of a family without importing it
+(its records folder, its device), so `import mhagen` and loading an artifact stay light.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from mhagen.errors import TargetError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    folder: str        # schedules/<folder>: rules, templates, tuned records
+    device: str
+
+
+FAMILIES = {"cpu-x86": Family("cpu-x86", "x86", "cpu"),
+            "cpu-arm": Family("cpu-arm", "arm", "cpu")}
+FAMILY_OF_ARCH = {"x86_64": "cpu-x86", "aarch64": "cpu-arm"}   # presets that name none
+
+
+@dataclass(frozen=True)
+class Backend:
+    family: str
+    device: str
+    rules: list
+    attention: object | None
+    gemm_tile: Callable          # (target) -> (rows, columns)
+    gemm_rows: Callable          # (target, rows, depth) -> rows run over
+    head_dim_padded: Callable    # (head_dim, target) -> padded head width
+    gemm_rule: object
+
+
+def family_of(target) -> Family:
+    name = target.backend_family
+    if name not in FAMILIES:
+        raise TargetError(f"no backend for target family {name!r} ({target.name}); mhagen "
+                          f"has {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+def backend_for(target) -> Backend:
+    """The backend of a target's family (imports its schedules: TVM)."""
+    family = family_of(target)
+    return importlib.import_module(f"mhagen.schedules.{family.folder}").BACKEND
