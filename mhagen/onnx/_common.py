@@ -44,3 +44,18 @@ def ort_session(model, *, optimize: bool = False):
         data = path
     sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     return sess
+
+
+def node_attrs(node) -> dict:
+    """An ONNX node's attributes as {name: python value}."""
+    from onnx import helper
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def has_onnxruntime() -> bool:
+    """Whether onnxruntime can be imported (it is optional for importing)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
