@@ -13,14 +13,13 @@ import numpy as np
 from mhagen.dsl import add_heads
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
-from mhagen.ir.heads import kv_head_map
-from mhagen.onnx._common import OnnxError
+from mhagen.onnx._common import OnnxError, first_query_heads
 
 
 def layer_weights(rec, kv_heads, bias):
     """mhagen weights (float32, per head) from Recovered `rec`; K/V heads come from the
     first query head of each group."""
-    first = _first_query_heads(len(rec.q), kv_heads)
+    first = first_query_heads(len(rec.q), kv_heads)
     weights = {"w_q": np.stack([w for w, _ in rec.q]),
                "w_k": np.stack([rec.k[h][0] for h in first]),
                "w_v": np.stack([rec.v[h][0] for h in first]),
@@ -31,12 +30,6 @@ def layer_weights(rec, kv_heads, bias):
                        b_v=np.stack([rec.v[h][1] for h in first]),
                        b_o=rec.b_o)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
-
-
-def _first_query_heads(n_heads, kv_heads):
-    """For each K/V head, the first query head that reads it."""
-    head_map = kv_head_map(n_heads, kv_heads)
-    return [head_map.index(j) for j in range(kv_heads)]
 
 
 def layer_graph(name, d_model, d_out, specs, kv_heads, bias):

@@ -101,11 +101,12 @@ class ModelIndex:
                         todo.append(o)
         picked, todo = {}, [target]
         while todo:
-            n = self.producer.get(todo.pop())
+            t = todo.pop()
+            n = None if t in sources else self.producer.get(t)
             if n is None or id(n) in picked or not any(o in fwd for o in n.output):
                 continue
             picked[id(n)] = n
-            todo.extend(i for i in n.input if i and i not in sources)
+            todo.extend(i for i in n.input if i)
         return [n for n in self.nodes if id(n) in picked]
 
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from mhagen.ir import expr as ex
 from mhagen.ir.heads import kv_head_map
-from mhagen.onnx._common import OnnxError
+from mhagen.onnx._common import OnnxError, fewest_kv_heads
 
 NEG_LIMIT = -1e4          # additive mask values at or below this count as -inf
 
@@ -67,8 +67,8 @@ def split_heads(c, q, k, v, batch, qkv_bias=None):
         raise OnnxError(f"{c.label}: Q is {q.ndim}D; expected 3D or 4D")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise OnnxError(f"{c.label}: {q.shape[1]} query heads and {k.shape[1]} K/V heads")
-    g = q.shape[1] // k.shape[1]
-    return q, np.repeat(k, g, axis=1), np.repeat(v, g, axis=1), ()
+    head_map = kv_head_map(q.shape[1], k.shape[1])     # K/V per query head
+    return q, k[:, head_map], v[:, head_map], ()
 
 
 def _split3(a, heads):
@@ -261,15 +261,9 @@ def band(grid):
 
 
 def kv_heads_of(specs):
-    """The fewest K/V heads that explain the probe values: query heads of one group (in
-    mhagen's grouping rule) read identical K and V."""
+    """The fewest K/V heads that explain the probe values (query heads of one group read
+    identical K and V)."""
     k_all = np.concatenate([s.k for s in specs], axis=1)
     v_all = np.concatenate([s.v for s in specs], axis=1)
-    n = k_all.shape[1]
-    for kv in (k for k in range(1, n + 1) if n % k == 0):
-        head_map = kv_head_map(n, kv)
-        first = {j: head_map.index(j) for j in range(kv)}
-        if all(np.array_equal(k_all[:, h], k_all[:, first[j]]) and
-               np.array_equal(v_all[:, h], v_all[:, first[j]]) for h, j in enumerate(head_map)):
-            return kv
-    return n
+    return fewest_kv_heads(k_all.shape[1], lambda h, f: np.array_equal(
+        k_all[:, h], k_all[:, f]) and np.array_equal(v_all[:, h], v_all[:, f]))
