@@ -114,7 +114,7 @@ def _trace_input(m, x, a, vals, x_code):
     d = x_code.shape[-1]
     code = x_code if a == x else trace(m, m.nodes_between({x}, a), {x: x_code}, vals, a)
     if code.shape[-1] != d or not np.array_equal(code % d, np.broadcast_to(
-            np.arange(d), code.shape)):
+            np.arange(d), code.shape)) or np.any(code // d != code[..., :1] // d):
         raise NotReadable(f"the projection input {a!r} is not the layer input {x!r} with its "
                           "feature axis last")
     return code
