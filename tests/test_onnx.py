@@ -233,8 +233,9 @@ def test_roundtrip_import_and_build(form, name, tmp_path):
     assert graph == layer and found.source == ("Attention" if form == "fused" else
                                                  "MatMul-Softmax-MatMul")
     assert (found.input, found.output, found.layout) == ("x", "y", "BSD")
+    assert found.weight_source == "initializers"
     for k in w:
-        np.testing.assert_allclose(weights[k], w[k], atol=1e-6)
+        assert np.array_equal(weights[k], w[k]), k
     x = rand_x(32)
     kernel = mhagen.build(graph, "x86", batch=B, seq_len=S, weights=weights)
     assert_close(kernel(x), run_ort(path, x))
@@ -267,8 +268,8 @@ def test_import_finds_each_layer_of_a_larger_model(tmp_path):
         ("MatMul-Softmax-MatMul", "x", "y"), ("Attention", "y", "b/y")]
     for f, layer, w in zip(found, (a, b), (wa, wb)):
         assert f.graph.options == layer.options
-        for k in w:   # b's input is a's output, less spread than random x: a looser fit
-            np.testing.assert_allclose(f.weights[k], w[k], atol=2e-5)
+        for k in w:   # read from the initializers: exact
+            assert np.array_equal(f.weights[k], w[k]), k
     x = rand_x(32)
     assert_close(b.reference(a.reference(x, wa), wb), run_ort(model, x))
 
@@ -316,7 +317,7 @@ def test_import_torch_multihead_attention(batch_first, causal):
     assert found.graph == mhagen.mha(32, 4, causal=causal, name=model.graph.name)
     expected_w = mhagen.weights_from_torch(m)
     for k in expected_w:
-        np.testing.assert_allclose(found.weights[k], expected_w[k], atol=1e-6)
+        assert np.array_equal(found.weights[k], expected_w[k]), k
     y_ort = run_ort(model, xt.numpy())
     kernel = mhagen.build(found.graph, "x86", batch=B, seq_len=S, weights=found.weights)
     y = kernel(x)

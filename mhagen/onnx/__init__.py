@@ -5,9 +5,10 @@
     for graph, weights in mhagen.onnx.import_onnx("m.onnx"):              # find attention
         kernel = mhagen.build(graph, batch=1, seq_len=128, weights=weights)
 
-Needs the `onnx` package (a dependency of mhagen); importing finds weights by running the
-model in onnxruntime. Neither this package nor `import mhagen` imports TVM, and `onnx` is
-imported on first use.
+Needs the `onnx` package (a dependency of mhagen). Importing reads the projection weights
+exactly from the model's initializers (no onnxruntime needed); only layouts the reader cannot
+follow fall back to a least-squares fit on onnxruntime runs (``found.weight_source``).
+Neither this package nor `import mhagen` imports TVM, and `onnx` is imported on first use.
 """
 from mhagen.onnx._common import OnnxError
 from mhagen.onnx.export import export_onnx

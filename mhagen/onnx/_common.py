@@ -1,7 +1,9 @@
-"""Shared pieces of mhagen.onnx: the error type, lazy `onnx` import, model running."""
+"""Shared pieces of mhagen.onnx: the error type, lazy `onnx` import, onnxruntime sessions,
+node attributes, grouped K/V heads."""
 from __future__ import annotations
 
 from mhagen.errors import MhagenError
+from mhagen.ir.heads import kv_head_map
 
 
 class OnnxError(MhagenError, ValueError):
@@ -44,3 +46,35 @@ def ort_session(model, *, optimize: bool = False):
         data = path
     sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
     return sess
+
+
+def node_attrs(node) -> dict:
+    """An ONNX node's attributes as {name: python value}."""
+    from onnx import helper
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def has_onnxruntime() -> bool:
+    """Whether onnxruntime can be imported (it is optional for importing)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fewest_kv_heads(n_heads: int, same_kv) -> int:
+    """The fewest K/V heads (a divisor of n_heads) such that, under mhagen's grouping rule,
+    every query head h reads the same K/V as the first query head of its group:
+    ``same_kv(h, first)`` says whether heads h and first read the same K and V."""
+    for kv in (k for k in range(1, n_heads + 1) if n_heads % k == 0):
+        first = first_query_heads(n_heads, kv)
+        if all(same_kv(h, first[j]) for h, j in enumerate(kv_head_map(n_heads, kv))):
+            return kv
+    return n_heads
+
+
+def first_query_heads(n_heads: int, kv_heads: int) -> list:
+    """For each K/V head, the first query head that reads it."""
+    head_map = kv_head_map(n_heads, kv_heads)
+    return [head_map.index(j) for j in range(kv_heads)]

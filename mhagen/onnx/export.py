@@ -54,10 +54,11 @@ from pathlib import Path
 
 import numpy as np
 
+from mhagen.checks import positive_int
 from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
-from mhagen.onnx._common import OnnxError, need_onnx
+from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
 
 FORMS = ("decomposed", "fused")
 MASK_MODES = ("auto", "constant", "computed")
@@ -99,9 +100,8 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         raise OnnxError(f"form={form!r} is not an ONNX form; use one of {', '.join(FORMS)}")
     if masks not in MASK_MODES:
         raise OnnxError(f"masks={masks!r}: use one of {', '.join(MASK_MODES)}")
-    for name, value in (("batch", batch), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GraphError(f"{name}={value!r} must be a positive integer")
+    positive_int("batch", batch)
+    positive_int("seq_len", seq_len)
     layer.shapes()
     if len(layer.inputs) != 1:
         raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model]; "
@@ -468,9 +468,8 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     q_off, k_off, v_off = (att.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets"))
     n_heads = len(q_off)
     pairs = list(zip(k_off, v_off))
-    group = max(g for g in range(1, n_heads + 1) if n_heads % g == 0 and all(
-        pairs[h] == pairs[(h // g) * g] for h in range(n_heads)))
-    kv_heads = n_heads // group
+    kv_heads = fewest_kv_heads(n_heads, lambda h, first: pairs[h] == pairs[first])
+    kv_first = first_query_heads(n_heads, kv_heads)
     has_bias = any(s.get("bias") for s in segs.values())
 
     def packed(offsets, role):
@@ -484,8 +483,8 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
         return y
 
     q = packed(q_off, "q")
-    k = packed([k_off[j * group] for j in range(kv_heads)], "k")
-    v = packed([v_off[j * group] for j in range(kv_heads)], "v")
+    k = packed([k_off[h] for h in kv_first], "k")
+    v = packed([v_off[h] for h in kv_first], "v")
     inputs = [q, k, v]
     attrs = {"q_num_heads": n_heads, "kv_num_heads": kv_heads,
              "scale": float(att.attrs["scale"])}

@@ -1,0 +1,66 @@
+"""Import stage 4: the mhagen graph and weights of a matched, read layer.
+
+A layer whose heads share the standard scale and one mask becomes ``mhagen.mha(...)``
+(so it compares equal to the layer that was exported); any other becomes a builder graph
+with one scale and mask per head (options carry ``imported="onnx"``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mhagen.dsl import add_heads
+from mhagen.ir import expr as ex
+from mhagen.ir.graph import Graph
+from mhagen.onnx._common import OnnxError, first_query_heads
+
+
+def layer_weights(rec, kv_heads, bias):
+    """mhagen weights (float32, per head) from Recovered `rec`; K/V heads come from the
+    first query head of each group."""
+    first = first_query_heads(len(rec.q), kv_heads)
+    weights = {"w_q": np.stack([w for w, _ in rec.q]),
+               "w_k": np.stack([rec.k[h][0] for h in first]),
+               "w_v": np.stack([rec.v[h][0] for h in first]),
+               "w_o": rec.w_o}
+    if bias:
+        weights.update(b_q=np.stack([b for _, b in rec.q]),
+                       b_k=np.stack([rec.k[h][1] for h in first]),
+                       b_v=np.stack([rec.v[h][1] for h in first]),
+                       b_o=rec.b_o)
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+
+
+def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
+    """The mhagen graph of a layer made of cores with CoreSpecs `specs`."""
+    import mhagen
+    widths = {s.head_dim for s in specs}
+    if len(widths) != 1:
+        raise OnnxError(f"heads of different widths {sorted(widths)}; not supported")
+    d = widths.pop()
+    scales = [s.scale for s in specs for _ in range(s.n_heads)]
+    bands = [b for s in specs for b in s.bands]
+    if _is_standard(scales, bands, d) and d_out == d_model:
+        causal, mask = bands[0]
+        return mhagen.mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
+                          mask=mask, bias=bias, name=name)
+    g = Graph(name, options={"d_model": d_model, "num_heads": len(scales), "head_dim": d,
+                             "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})
+    x = g.input("x", d_model)
+    masks = [_mask_expr(causal, other) for causal, other in bands]
+    g.set_output(add_heads(g, x, scales, masks, kv_heads, d, d_out, bias))
+    g.shapes()
+    return g
+
+
+def _is_standard(scales, bands, d):
+    """Every head: scale 1/sqrt(d) and the same mask."""
+    std = 1.0 / math.sqrt(d)
+    return all(abs(s - std) <= 1e-5 * std for s in scales) and all(b == bands[0] for b in bands)
+
+
+def _mask_expr(causal, other):
+    if not causal:
+        return other
+    return ex.causal() if other is None else ex.causal() & other

@@ -1,0 +1,269 @@
+"""Import stage 2, reading a matched core from probe values: its heads (Q/K/V/O split per
+head), its scale and its masks (a band ``lo <= kv_idx - q_idx <= hi`` per head).
+
+Masks are read from the constant (input-independent) tensors that feed the scores --
+additive (0 / -inf, or values <= -1e4 taken as -inf) or boolean -- the same for every batch
+element.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhagen.ir import expr as ex
+from mhagen.ir.heads import kv_head_map
+from mhagen.onnx._common import OnnxError, fewest_kv_heads
+
+NEG_LIMIT = -1e4          # additive mask values at or below this count as -inf
+
+
+@dataclass
+class CoreSpec:
+    """What one core computes, per query head."""
+    n_heads: int
+    head_dim: int
+    scale: float                 # the layer's score scale (factors on Q and K divided out)
+    factors: dict                # role -> constant factor applied to Q/K after their bias
+    bands: list                  # per query head: (causal, other mask expression or None)
+    lead: tuple                  # leading dims of the scores ("lead" layout), else ()
+    k: np.ndarray                # [B, H, T, d] K per query head (probe values)
+    v: np.ndarray
+
+
+@dataclass
+class Recovered:
+    """A layer's weights in mhagen's per-head layout, and how they were found."""
+    q: list                      # per query head: (W [D, d], b [d])
+    k: list                      # per query head (grouped heads repeat their K/V head's)
+    v: list
+    w_o: np.ndarray              # [H * d, D_out]
+    b_o: np.ndarray              # [D_out]
+    source: str                  # "initializers" (read exactly) or "fit" (least squares)
+    detail: str = ""             # why the fit was needed
+    fit_rows: np.ndarray | None = None   # layer-input rows the fit saw
+
+
+# -- heads ---------------------------------------------------------------------------------
+def split_heads(c, q, k, v, batch, qkv_bias=None):
+    """Q [B,H,S,d], K and V [B,H,T,d] (K/V repeated per query head) from the core's inputs
+    in its own layout; and the leading dims of the scores (lead layout). Works on any
+    array type, so index arrays follow the same moves as values."""
+    if c.layout == "lead":
+        return _split_lead(c, q, k, v, batch)
+    if qkv_bias is not None:
+        nq, nk = q.shape[-1], k.shape[-1]
+        if k.ndim != 3 or qkv_bias.shape != (nq + nk + v.shape[-1],):
+            raise OnnxError(f"{c.label}: bias {qkv_bias.shape} does not match query/key/value")
+        q, k, v = q + qkv_bias[:nq], k + qkv_bias[nq:nq + nk], v + qkv_bias[nq + nk:]
+    if q.ndim == 3:
+        if not c.q_heads or not c.kv_heads:
+            raise OnnxError(f"{c.label}: 3D Q/K/V need q_num_heads and kv_num_heads")
+        if k.ndim != 3 or v.ndim != 3:
+            raise OnnxError(f"{c.label}: Q is 3D but K/V are {k.ndim}D; not supported")
+        q, k, v = _split3(q, c.q_heads), _split3(k, c.kv_heads), _split3(v, c.kv_heads)
+    elif q.ndim != 4:
+        raise OnnxError(f"{c.label}: Q is {q.ndim}D; expected 3D or 4D")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise OnnxError(f"{c.label}: {q.shape[1]} query heads and {k.shape[1]} K/V heads")
+    head_map = kv_head_map(q.shape[1], k.shape[1])     # K/V per query head
+    return q, k[:, head_map], v[:, head_map], ()
+
+
+def _split3(a, heads):
+    b, s, f = a.shape
+    return a.reshape(b, s, heads, f // heads).transpose(0, 2, 1, 3)
+
+
+def _split_lead(c, q, kt, v, batch):
+    k = np.swapaxes(kt, -1, -2)
+    lead = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    try:
+        q, k, v = (np.broadcast_to(a, lead + a.shape[-2:]) for a in (q, k, v))
+    except ValueError:
+        raise OnnxError(f"{c.label}: Q {q.shape}, K^T {kt.shape} and V {v.shape} do not "
+                        "broadcast to one another") from None
+    n = int(np.prod(lead))
+    if n % batch:
+        raise OnnxError(f"{c.label}: cannot tell heads from batch in {lead}")
+    return tuple(a.reshape(batch, n // batch, *a.shape[-2:]) for a in (q, k, v)) + (lead,)
+
+
+def split_output(c, o, batch):
+    """The core's output [B, H, S, dv] from its own layout."""
+    if c.layout == "lead":
+        n = int(np.prod(o.shape[:-2]))
+        if n % batch:
+            raise OnnxError(f"{c.label}: cannot tell heads from batch in {o.shape}")
+        return o.reshape(batch, n // batch, *o.shape[-2:])
+    return _split3(o, c.q_heads) if o.ndim == 3 else o
+
+
+def core_heads(c, vals, batch):
+    """split_heads and split_output of the core's probe values (float64)."""
+    q, k, v, o = (np.asarray(vals[t], np.float64) for t in (c.q, c.k, c.v, c.o))
+    bias = np.asarray(vals[c.qkv_bias], np.float64) if c.qkv_bias else None
+    q, k, v, lead = split_heads(c, q, k, v, batch, bias)
+    o = split_output(c, o, batch)
+    if lead and o.shape[:2] != q.shape[:2]:
+        raise OnnxError(f"{c.label}: Q, K^T and V broadcast to {lead}, but the output is "
+                        f"{vals[c.o].shape}")
+    return q, k, v, o, lead
+
+
+# -- scale ---------------------------------------------------------------------------------
+def core_scale(c, vals, head_dim):
+    """(the layer's scale, {role: constant factor on Q/K}) for core c."""
+    if c.layout == "lead":
+        scale = 1.0
+        for t, e in c.score_factors:
+            f = np.asarray(vals[t], np.float64)
+            if f.size != 1:
+                raise OnnxError(f"{c.label}: the scores are multiplied by {t!r} of shape "
+                                f"{f.shape}; only a scalar scale is supported")
+            scale *= float(f.reshape(())) ** e
+    else:
+        scale = float(c.scale) if c.scale else 1.0 / math.sqrt(head_dim)
+    factors = {}
+    for role in ("q", "k"):
+        f = 1.0
+        for t, e in c.paths[role].factors:
+            val = np.asarray(vals[t], np.float64)
+            if val.size == 1:
+                f *= float(val.reshape(())) ** e
+        factors[role] = f
+    return scale * factors["q"] * factors["k"], factors
+
+
+# -- the whole core ------------------------------------------------------------------------
+def read_core(c, vals, batch, notes):
+    """The CoreSpec of core c from one probe run's values."""
+    q, k, v, o, lead = core_heads(c, vals, batch)
+    n_heads, d = q.shape[1], q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise OnnxError(f"{c.label}: Q/K are {d} wide but V is {v.shape[-1]}; mhagen "
+                        "heads have one width")
+    if c.softmax_axis is not None and c.softmax_axis not in (-1, len(lead) + 1):
+        raise OnnxError(f"{c.label}: Softmax over axis {c.softmax_axis}, not the key "
+                        "axis; not supported")
+    scale, factors = core_scale(c, vals, d)
+    keep = keep_mask(c, vals, lead, (batch, n_heads, q.shape[2], k.shape[2]), notes)
+    if not np.all(keep == keep[:1]):
+        raise OnnxError(f"{c.label}: the mask differs between batch elements (a padding "
+                        "mask?); mhagen masks are functions of positions only")
+    if (~keep[0].any(axis=-1)).any():
+        notes.append("some queries see no key (fully masked rows); mhagen gives zeros there"
+                     + ("" if c.zero_rows or c.source == "Attention" else
+                        " (this ONNX model gives NaN)"))
+    return CoreSpec(n_heads, d, scale, factors, [_head_band(c, keep[0, h], h)
+                                                for h in range(n_heads)], lead, k, v)
+
+
+def _head_band(c, grid, h):
+    try:
+        return band(grid)
+    except ValueError:
+        raise OnnxError(f"{c.label}: the mask of head {h} is not a band (lo <= kv_idx - q_idx "
+                        f"<= hi) at seq length {grid.shape[0]}; mhagen cannot express it as a "
+                        "mask expression") from None
+
+
+# -- masks ---------------------------------------------------------------------------------
+def keep_mask(c, vals, lead, full, notes):
+    """[B, H, S, T] bool: which keys each query sees, from the core's constant masks."""
+    def spread(a, what):
+        a = np.asarray(a)
+        try:
+            if c.layout == "lead":
+                return np.broadcast_to(a, tuple(lead) + full[2:]).reshape(full)
+            return np.broadcast_to(a, full)
+        except ValueError:
+            raise OnnxError(f"{c.label}: {what} of shape {a.shape} does not broadcast to the "
+                            f"scores") from None
+
+    keep = np.ones(full, bool)
+    for tensor, sign in c.adds:
+        keep &= spread(_additive_keep(c, tensor, sign * np.asarray(vals[tensor], np.float64),
+                                      notes), f"mask {tensor!r}")
+    for cond, other, keep_when_true in c.wheres:
+        o = np.asarray(vals[other], np.float64)
+        if np.any(o > NEG_LIMIT):
+            raise OnnxError(f"{c.label}: Where replaces masked scores by {o.max():.4g}, not "
+                            "-inf; not supported")
+        cnd = np.asarray(vals[cond]).astype(bool)
+        keep &= spread(cnd if keep_when_true else ~cnd, f"condition {cond!r}")
+    for mask in c.bool_masks:
+        keep &= spread(_attn_mask_keep(c, mask, np.asarray(vals[mask])), f"attn_mask {mask!r}")
+    if c.causal:
+        keep &= np.tril(np.ones(full[2:], bool))
+    for cond, zeros, zero_when_true in c.zero_rows:
+        _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true)
+    return keep
+
+
+def _additive_keep(c, tensor, a, notes):
+    bad = np.isfinite(a) & (a != 0) & (a > NEG_LIMIT) | (a == np.inf)
+    if bad.any():
+        raise OnnxError(f"{c.label}: additive mask {tensor!r} has values other than 0 and "
+                        f"-inf (e.g. {a[bad].flat[0]:.4g}): attention biases such as ALiBi "
+                        "or relative positions are not supported")
+    if np.any(np.isfinite(a) & (a <= NEG_LIMIT)):
+        notes.append(f"additive mask {tensor!r}: finite values <= {NEG_LIMIT:g} taken as "
+                     "-inf (a fully masked row then averages in ONNX, is zero in mhagen)")
+    return ~(a <= NEG_LIMIT)
+
+
+def _attn_mask_keep(c, mask, a):
+    if a.dtype == bool:
+        return a
+    bad = np.isfinite(a) & (a != 0) & (a > NEG_LIMIT)
+    if bad.any():
+        raise OnnxError(f"{c.label}: float attn_mask {mask!r} has values other than 0 "
+                        f"and -inf (e.g. {a[bad].flat[0]:.4g}); not supported")
+    return ~(a <= NEG_LIMIT)
+
+
+def _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true):
+    if np.any(np.asarray(vals[zeros]) != 0):
+        raise OnnxError(f"{c.label}: a Where after the Softmax replaces probabilities by "
+                        "non-zero values; not supported")
+    cnd = np.asarray(vals[cond]).astype(bool)
+    z = spread(cnd if zero_when_true else ~cnd, f"condition {cond!r}")
+    dead = ~keep.any(axis=-1, keepdims=True)
+    if np.any(z & ~dead):
+        raise OnnxError(f"{c.label}: a Where after the Softmax zeroes probabilities of rows "
+                        "that are not fully masked; not supported")
+
+
+def band(grid):
+    """The mask expression of a [S, T] grid that is a band lo <= kv_idx - q_idx <= hi;
+    (causal part, other part) or raises ValueError."""
+    s, t = grid.shape
+    diff = np.arange(t)[None, :] - np.arange(s)[:, None]
+    if grid.all():
+        return False, None
+    if not grid.any():
+        return False, ex.kv_idx < 0
+    lo, hi = int(diff[grid].min()), int(diff[grid].max())
+    if not np.array_equal(grid, (diff >= lo) & (diff <= hi)):
+        raise ValueError("not a band")
+    causal = hi == 0
+    parts = []
+    if hi < t - 1 and not causal:
+        parts.append(ex.kv_idx - ex.q_idx <= hi)
+    if lo > -(s - 1):
+        parts.append(ex.q_idx - ex.kv_idx < 1 - lo)
+    other = None
+    for p in parts:
+        other = p if other is None else other & p
+    return causal, other
+
+
+def kv_heads_of(specs):
+    """The fewest K/V heads that explain the probe values (query heads of one group read
+    identical K and V)."""
+    k_all = np.concatenate([s.k for s in specs], axis=1)
+    v_all = np.concatenate([s.v for s in specs], axis=1)
+    return fewest_kv_heads(k_all.shape[1], lambda h, f: np.array_equal(
+        k_all[:, h], k_all[:, f]) and np.array_equal(v_all[:, h], v_all[:, f]))

@@ -1,0 +1,178 @@
+"""ONNX import, weight recovery: weights in initializers are read exactly (bitwise) and need
+no onnxruntime; the least-squares fit is only the fallback, says so, refuses rank-deficient
+probes and checks itself on inputs it did not fit on.
+"""
+import io
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.onnx import OnnxError, export_onnx, import_onnx
+from mhagen.tolerances import assert_close
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto as TP  # noqa: E402
+from onnx import helper as oh  # noqa: E402
+from onnx import numpy_helper as nh  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+B, S = 2, 7
+
+
+def rand_x(d_model, batch=B, seq=S, seed=1):
+    return np.random.default_rng(seed).standard_normal((batch, seq, d_model)).astype(np.float32)
+
+
+def run_reference_evaluator(model, feeds):
+    return ReferenceEvaluator(model).run(None, feeds)[0]
+
+
+@pytest.fixture
+def no_onnxruntime(monkeypatch):
+    """`import onnxruntime` raises ImportError for the test's duration."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+
+
+def assert_same_weights(found, w):
+    assert set(found.weights) == set(w)
+    for k in w:
+        assert found.weights[k].dtype == np.float32
+        assert np.array_equal(found.weights[k], w[k]), k
+
+
+@pytest.mark.parametrize("layer", [
+    mhagen.mha(32, 4), mhagen.mha(32, 4, kv_heads=2, causal=True),
+    mhagen.mha(32, 4, bias=False, mask=mhagen.sliding_window(3)),
+    mhagen.mha(32, 4, head_dim=12, kv_heads=1)],
+    ids=["plain", "gqa-causal", "no-bias-window", "mqa-head_dim12"])
+@pytest.mark.parametrize("form", ["decomposed", "fused"])
+def test_mhagen_exports_import_exactly_without_onnxruntime(form, layer, tmp_path,
+                                                           no_onnxruntime):
+    w = layer.init_weights(0)
+    path = export_onnx(layer, tmp_path / "m.onnx", w, form=form, dynamic_batch=True,
+                       dynamic_seq=True)
+    (found,) = import_onnx(path, seq_len=9)
+    assert found.weight_source == "initializers"
+    assert "read exactly from the initializers" in str(found)
+    assert_same_weights(found, w)
+    assert all(found.graph.options[k] == layer.options[k]   # the window reads as causal &
+               for k in ("num_heads", "head_dim", "kv_heads", "bias"))  # a band: same mask
+    x = rand_x(32, 3, 11)
+    assert_close(found.graph.reference(x, found.weights), layer.reference(x, w))
+    with pytest.raises(ImportError):
+        import onnxruntime  # noqa: F401
+
+
+def torch_mha_model(batch_first, causal):
+    """(torch module, ONNX model of it as torch.onnx.export writes nn.MultiheadAttention)."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(32, 4, batch_first=batch_first).eval()
+    with torch.no_grad():     # torch initialises biases to zero; make them count
+        m.in_proj_bias.uniform_(-0.5, 0.5)
+        m.out_proj.bias.uniform_(-0.5, 0.5)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            n = x.shape[1] if batch_first else x.shape[0]
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(n) if causal else None
+            return self.m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
+
+    x = torch.zeros((B, S, 32) if batch_first else (S, B, 32))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Wrapped(), (x,), buf, dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["y"])
+    return m, onnx.load_from_string(buf.getvalue())
+
+
+@pytest.mark.parametrize("batch_first, causal", [(True, False), (False, True)],
+                         ids=["batch_first", "seq_first-causal"])
+def test_torch_multihead_attention_imports_exactly_without_onnxruntime(
+        batch_first, causal, monkeypatch):
+    module, model = torch_mha_model(batch_first, causal)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    (found,) = import_onnx(model)
+    assert found.weight_source == "initializers" and found.layout == (
+        "BSD" if batch_first else "SBD")
+    assert_same_weights(found, mhagen.weights_from_torch(module))
+    x = rand_x(32)
+    y = run_reference_evaluator(model, {"x": x if batch_first else x.transpose(1, 0, 2)})
+    assert_close(found.graph.reference(x, found.weights),
+                 y if batch_first else y.transpose(1, 0, 2))
+
+
+# -- the fallback --------------------------------------------------------------------------
+def column_scaled_model(d=8, seq=4, ids=False):
+    """One head by hand whose Q is scaled column by column after its projection (a layout
+    the initializer reader does not follow); x, or token ids -> Gather(embedding) -> x."""
+    rng = np.random.default_rng(0)
+    w = {r: rng.standard_normal((d, d)).astype(np.float32) for r in "qkvo"}
+    cols = np.linspace(0.5, 2.0, d).astype(np.float32)
+    inits = [nh.from_array(a, f"W{r}") for r, a in w.items()]
+    inits += [nh.from_array(cols, "cols"), nh.from_array(np.float32(d ** -0.5), "scale")]
+    nodes = [oh.make_node("MatMul", ["x", f"W{r}"], [r], name=f"proj_{r}") for r in "qkv"]
+    nodes += [oh.make_node("Mul", ["q", "cols"], ["qc"], name="scale_columns"),
+              oh.make_node("Transpose", ["k"], ["kT"], perm=[0, 2, 1]),
+              oh.make_node("MatMul", ["qc", "kT"], ["s"], name="scores"),
+              oh.make_node("Mul", ["s", "scale"], ["s1"]),
+              oh.make_node("Softmax", ["s1"], ["p"], axis=-1),
+              oh.make_node("MatMul", ["p", "v"], ["o"]),
+              oh.make_node("MatMul", ["o", "Wo"], ["y"], name="out")]
+    inputs = [oh.make_tensor_value_info("x", TP.FLOAT, [1, seq, d])]
+    if ids:
+        inits.append(nh.from_array(rng.standard_normal((50, d)).astype(np.float32), "emb"))
+        nodes.insert(0, oh.make_node("Gather", ["emb", "ids"], ["x"], name="embed"))
+        inputs = [oh.make_tensor_value_info("ids", TP.INT64, [1, seq])]
+    g = oh.make_graph(nodes, "scaled", inputs, [oh.make_tensor_value_info("y", TP.FLOAT, None)],
+                      inits)
+    return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)]), w, cols
+
+
+def test_unreadable_layout_falls_back_to_the_fit_and_says_why():
+    pytest.importorskip("onnxruntime")
+    model, w, cols = column_scaled_model()
+    (found,) = import_onnx(model)
+    assert found.weight_source == "fit"
+    assert "fitted by least squares" in str(found) and "'scale_columns'" in str(found)
+    np.testing.assert_allclose(found.weights["w_q"][0], w["q"] * cols, atol=1e-5)
+    np.testing.assert_allclose(found.weights["w_o"], w["o"], atol=1e-5)
+    x = rand_x(8, 1, 4)
+    assert_close(found.graph.reference(x, found.weights),
+                 run_reference_evaluator(model, {"x": x}))
+
+
+def test_fit_refuses_rank_deficient_probes_and_checks_on_unseen_inputs():
+    pytest.importorskip("onnxruntime")
+    model, w, cols = column_scaled_model(ids=True)
+    one = {"ids": np.array([[1, 2, 3, 4]], np.int64)}
+    with pytest.raises(OnnxError, match="span 4 of the 8 directions.*more varied sample_inputs"):
+        import_onnx(model, sample_inputs=one)
+    rng = np.random.default_rng(5)
+    samples = [{"ids": rng.choice(50, size=(1, 4), replace=False)} for _ in range(12)]
+    (found,) = import_onnx(model, sample_inputs=samples)
+    assert found.weight_source == "fit"
+    np.testing.assert_allclose(found.weights["w_q"][0], w["q"] * cols, atol=1e-4)
+    repeated = samples[:11] + [samples[0]]     # the held-out sample was fitted on
+    with pytest.raises(OnnxError, match="self-check input repeats inputs the fit saw"):
+        import_onnx(model, sample_inputs=repeated)
+
+
+def test_token_id_model_with_readable_weights_needs_one_sample(no_onnxruntime):
+    model, w, _ = column_scaled_model(ids=True)
+    for n in model.graph.node:          # drop the column scaling: Q is readable again
+        if n.name == "scores":
+            n.input[0] = "q"
+    (found,) = import_onnx(model, sample_inputs={"ids": np.array([[1, 2, 3, 4]], np.int64)})
+    assert found.weight_source == "initializers" and found.input == "x"
+    for r in "qkv":
+        assert np.array_equal(found.weights[f"w_{r}"][0], w[r])
+    assert np.array_equal(found.weights["w_o"], w["o"])
