@@ -3,18 +3,15 @@ from __future__ import annotations
 
 import math
 
+from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
+from mhagen.ir.heads import kv_head_map
 
 
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise GraphError(f"{name}={value!r} must be a positive integer")
 
 
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
@@ -42,8 +39,8 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d], b_o [D].
     Input x: [batch, seq, D]; output [batch, seq, D].
     """
-    _positive_int("d_model", d_model)
-    _positive_int("num_heads", num_heads)
+    positive_int("d_model", d_model)
+    positive_int("num_heads", num_heads)
     if head_dim is None:
         if d_model % num_heads:
             ok = [h for h in _divisors(d_model) if h <= 4 * num_heads]
@@ -53,9 +50,9 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                 f"d_model={d_model} is not divisible by num_heads={num_heads}; use d_model in "
                 f"{near}, num_heads in {ok[-6:]}, or pass head_dim= explicitly")
         head_dim = d_model // num_heads
-    _positive_int("head_dim", head_dim)
+    positive_int("head_dim", head_dim)
     kv_heads = num_heads if kv_heads is None else kv_heads
-    _positive_int("kv_heads", kv_heads)
+    positive_int("kv_heads", kv_heads)
     if num_heads % kv_heads:
         raise GraphError(f"kv_heads={kv_heads} does not divide num_heads={num_heads}; choose "
                          f"kv_heads in {_divisors(num_heads)}")
@@ -86,7 +83,7 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
     K/V head h // (heads // kv_heads); masks[h] may be None. Heads are concatenated and
     projected to d_out. Node and weight names are those of mha().
     """
-    group = len(scales) // kv_heads
+    kv_of = kv_head_map(len(scales), kv_heads)
 
     def proj(w, i):
         return g.head_projection(x, f"w_{w}", i, head_dim, bias=f"b_{w}" if bias else None,
@@ -96,11 +93,11 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
     values = [proj("v", i) for i in range(kv_heads)]
     outs = []
     for h, (scale, mask) in enumerate(zip(scales, masks)):
-        s = g.scores(proj("q", h), keys[h // group], name=f"s{h}")
+        s = g.scores(proj("q", h), keys[kv_of[h]], name=f"s{h}")
         s = g.scale(s, scale, name=f"scaled{h}")
         if mask is not None:
             s = g.mask(s, mask, head=h, name=f"masked{h}")
-        outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[h // group],
+        outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[kv_of[h]],
                                    name=f"o{h}"))
     c = g.concat_heads(outs, name="concat")
     return g.output_projection(c, "w_o", d_out, bias="b_o" if bias else None, name="y")

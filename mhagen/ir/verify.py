@@ -5,6 +5,7 @@ Shapes are lists of dims; a dim is an int or a symbolic name ("batch", "seq") th
 """
 from __future__ import annotations
 
+from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
@@ -124,8 +125,7 @@ def verify(graph, **dims) -> dict:
             raise GraphError(f"unknown dimension(s) {sorted(unknown)}; the graph's symbolic dims "
                              f"are {sorted({d for s in shapes.values() for d in s if isinstance(d, str)})}")
         for name, value in dims.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise GraphError(f"dimension {name}={value!r} must be a positive integer")
+            positive_int(f"dimension {name}", value)
         shapes = {k: [dims.get(d, d) if isinstance(d, str) else d for d in s]
                   for k, s in shapes.items()}
     return shapes

@@ -1,6 +1,6 @@
 """Import stage 4: the mhagen graph and weights of a matched, read layer.
 
-A layer whose heads share the standard scale and one mask becomes ``mhagen.mha(...)``
+A layer whose heads share the standard scale and one mask becomes ``mha(...)``
 (so it compares equal to the layer that was exported); any other becomes a builder graph
 with one scale and mask per head (options carry ``imported="onnx"``).
 """
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from mhagen.dsl import add_heads
+from mhagen.dsl import add_heads, mha
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, first_query_heads
@@ -34,7 +34,6 @@ def layer_weights(rec, kv_heads, bias):
 
 def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
     """The mhagen graph of a layer made of cores with CoreSpecs `specs`."""
-    import mhagen
     widths = {s.head_dim for s in specs}
     if len(widths) != 1:
         raise OnnxError(f"heads of different widths {sorted(widths)}; not supported")
@@ -43,7 +42,7 @@ def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
     bands = [b for s in specs for b in s.bands]
     if _is_standard(scales, bands, d) and d_out == d_model:
         causal, mask = bands[0]
-        return mhagen.mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
+        return mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
                           mask=mask, bias=bias, name=name)
     g = Graph(name, options={"d_model": d_model, "num_heads": len(scales), "head_dim": d,
                              "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from mhagen.dsl import mha
 from mhagen.errors import InputError
-from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET
+from mhagen.ir.graph import Graph
+from mhagen.onnx._common import ort_session
+from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
+from mhagen.onnx.importer import import_onnx
+from mhagen.tolerances import max_error, tolerance
 
 
 def add_parsers(subparsers, layer_options) -> dict:
@@ -59,19 +66,17 @@ def add_parsers(subparsers, layer_options) -> dict:
 
 
 def _layer(args):
-    import mhagen
     if args.graph:
         try:
             text = args.graph.read_text()
         except OSError as err:
             raise InputError(f"cannot read {args.graph}: {err.strerror}") from None
-        return mhagen.Graph.from_json(text)
-    return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
+        return Graph.from_json(text)
+    return mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
                       causal=args.causal, bias=not args.no_bias)
 
 
 def _load_weights(path):
-    import numpy as np
     try:
         with np.load(path) as data:
             return {k: data[k] for k in data.files}
@@ -81,10 +86,7 @@ def _load_weights(path):
 
 
 def _cmd_export(args) -> int:
-    import numpy as np
 
-    import mhagen
-    from mhagen.onnx.export import export_onnx
     layer = _layer(args)
     if args.weights:
         weights, origin = _load_weights(args.weights), f"from {args.weights}"
@@ -106,13 +108,11 @@ def _cmd_export(args) -> int:
           f"{layer.inputs[0].attrs['shape'][2]}] -> y")
     if not args.check:
         return 0
-    from mhagen.onnx._common import ort_session
-    from mhagen.tolerances import tolerance
     x = np.random.default_rng(args.seed).standard_normal(
         (args.batch, args.seq_len, layer.inputs[0].attrs["shape"][2])).astype(np.float32)
     y = ort_session(onnx.load(str(path)), optimize=True).run(None, {"x": x})[0]
     expected = layer.reference(x, weights)
-    err, tol = mhagen.max_error(y, expected), tolerance(expected)
+    err, tol = max_error(y, expected), tolerance(expected)
     ok = bool(np.all(np.isfinite(y))) and err <= tol
     print(f"onnxruntime vs float64 reference: max error {err:.2e} (tolerance {tol:.1e}) "
           f"{'ok' if ok else 'FAILED'}")
@@ -120,9 +120,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_import(args) -> int:
-    import numpy as np
 
-    from mhagen.onnx.importer import import_onnx
     found = import_onnx(args.model, seq_len=args.seq_len, batch=args.batch)
     print(f"{args.model}: {len(found)} attention layer{'s' if len(found) != 1 else ''}")
     for k, item in enumerate(found):

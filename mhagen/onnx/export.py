@@ -54,11 +54,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mhagen.version import __version__ as mhagen_version
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
+from mhagen.passes.fuse_attention import fuse_attention
+from mhagen.reference import mask_grid
+from mhagen.weights import check_weights
 
 FORMS = ("decomposed", "fused")
 MASK_MODES = ("auto", "constant", "computed")
@@ -109,7 +113,6 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     if weights is None:
         raise InputError("export_onnx() needs weights: pass weights=layer.init_weights(seed) "
                          "(random) or trained weights, e.g. mhagen.weights_from_torch(module)")
-    from mhagen.weights import check_weights
     w = check_weights(layer, weights, dtype=np.float32)
     opset = MIN_OPSET[form] if opset is None else opset
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET[form]:
@@ -237,9 +240,8 @@ class _Builder:
         graph = h.make_graph(self.nodes, self.layer.name, [x_info], [y_info], self.inits,
                              doc_string=f"mhagen layer {self.layer!r}, {form} form")
         opsets = [h.make_opsetid("", self.opset)]
-        from mhagen import __version__
         model = h.make_model(graph, opset_imports=opsets, producer_name="mhagen",
-                             producer_version=__version__,
+                             producer_version=mhagen_version,
                              ir_version=h.find_min_ir_version_for(opsets))
         h.set_model_props(model, {"mhagen.form": form, "mhagen.graph": self.layer.to_json()})
         return model
@@ -258,7 +260,6 @@ class _Builder:
 
     def mask_grid(self, expr, heads):
         """numpy bool grid: [S, S], or [B?, H?, S, S] for heads=list (fused form)."""
-        from mhagen.reference import mask_grid
         uses = ex.variables(expr)
         nb = self.batch if "batch" in uses else 1
         hs = heads if isinstance(heads, list) else [heads]
@@ -446,7 +447,6 @@ def fused_view(layer: Graph) -> Graph:
         raise OnnxError(f"graph {layer.name!r} has fused nodes but not in the shape input -> "
                         "qkv_projection -> attention -> output_projection; export it with "
                         "form='decomposed' (--form decomposed)")
-    from mhagen.passes.fuse_attention import fuse_attention
     result = fuse_attention(layer)
     if not result.fused:
         raise OnnxError(f"graph {layer.name!r} cannot use the fused ONNX form (the Attention "
