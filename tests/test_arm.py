@@ -144,14 +144,16 @@ def test_arm_presets_resolve_as_data(name, lanes, features):
 
 
 def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
-    from mhagen.schedules import fused_attention_rule, rules_for
+    from mhagen.backends import backend_for
     from mhagen.schedules.x86 import RULES as X86
     from mhagen.schedules.x86.attention import register_tiles
     from mhagen.schedules.x86.matmul import MatmulConfig
     neon, sve = resolve("arm-neon"), resolve("arm-sve")
-    assert [type(r) for r in rules_for(neon)] == [type(r) for r in X86]
-    assert fused_attention_rule(neon) is not None
-    matmul = next(r for r in rules_for(neon) if r.name == "matmul")
+    backend = backend_for(neon)
+    assert backend.family == "cpu-arm" and backend.device == "cpu"
+    assert [type(r) for r in backend.rules] == [type(r) for r in X86]
+    assert backend.attention is not None
+    matmul = next(r for r in backend.rules if r.name == "matmul")
     # register tiles sized from lanes and the 32 vector registers (4 kept for operands)
     assert matmul.default_config({"panel": 8}, neon) == MatmulConfig(8, 8)
     assert matmul.default_config({"panel": 16}, sve) == MatmulConfig(8, 16)

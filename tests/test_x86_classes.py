@@ -8,7 +8,7 @@ import pytest
 
 import mhagen
 from mhagen.errors import TargetError
-from mhagen.schedules import gemm_tile
+from mhagen.backends import backend_for
 from mhagen.schedules.x86.attention import register_tiles
 from mhagen.artifact.manifest import module_manifest
 from mhagen.host import runtime_features
@@ -47,7 +47,8 @@ def test_register_tiles_fit_each_class():
     avx2, avx512 = resolve("x86-avx2"), resolve("x86-avx512")
     assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)
     # GEMM: 2 vectors wide, rows = what the registers hold after 2 B vectors + 1 broadcast
-    assert gemm_tile(avx2) == (6, 16) and gemm_tile(avx512) == (8, 32)
+    tile = backend_for(avx2).gemm_tile
+    assert tile(avx2) == (6, 16) and tile(avx512) == (8, 32)
     # attention (S^T keys x queries, P V queries x head columns), head_dim 64
     assert register_tiles(avx2, 64, 16) == (6, 16, 6, 16)
     assert register_tiles(avx512, 64, 32) == (8, 32, 8, 32)
