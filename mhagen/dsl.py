@@ -16,13 +16,13 @@ def _divisors(n):
 
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
-        bias: bool = True, name: str = "mha") -> Graph:
+        score_mod=None, bias: bool = True, name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
     query head h reads K/V head h // (num_heads // kv_heads). Per head:
-    softmax(mask(Q K^T / sqrt(head_dim))) V; the heads are concatenated and projected by
-    W_O ([num_heads * head_dim, d_model]).
+    softmax(mask(score_mod(Q K^T / sqrt(head_dim)))) V; the heads are concatenated and
+    projected by W_O ([num_heads * head_dim, d_model]).
 
     Args:
         d_model: model width D of the input and the output.
@@ -33,6 +33,9 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         causal: query i sees keys 0..i.
         mask: any boolean mask expression of (batch, head, q_idx, kv_idx), e.g.
             `mhagen.sliding_window(128)`; combined with `causal` by & when both are given.
+        score_mod: a score modifier (a numeric expression of score, batch, head, q_idx,
+            kv_idx; e.g. `mhagen.alibi(num_heads)`, `mhagen.softcap(30.0)`) or a list of
+            them, applied in order to the scaled score before the mask.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
@@ -59,6 +62,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if mask is not None and not (isinstance(mask, ex.Expr) and mask.is_bool):
         raise GraphError("mask= takes a boolean mask expression, e.g. mhagen.sliding_window(64) "
                          "or (mhagen.kv_idx <= mhagen.q_idx)")
+    if isinstance(score_mod, (list, tuple)):
+        score_mod = ex.combine(*score_mod) if score_mod else None
+    if score_mod is not None and not ex.is_score_mod(score_mod):
+        raise GraphError("score_mod= takes a numeric expression of mhagen.score (e.g. "
+                         "mhagen.softcap(30.0), mhagen.alibi(num_heads)) or a list of them")
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
@@ -67,20 +75,24 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                "kv_heads": kv_heads, "causal": bool(causal), "bias": bool(bias)}
     if mask is not None:
         options["mask"] = repr(mask)
+    if score_mod is not None:
+        options["score_mod"] = repr(score_mod)
     g = Graph(name, options=options)
     x = g.input("x", d_model)
     g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
-                           [full_mask] * num_heads, kv_heads, head_dim, d_model, bias))
+                           [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
+                           score_mod=score_mod))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
-              bias: bool) -> str:
+              bias: bool, score_mod=None) -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
-    K/V head h // (heads // kv_heads); masks[h] may be None. Heads are concatenated and
+    K/V head h // (heads // kv_heads); masks[h] may be None; score_mod (optional) modifies
+    every head's scaled scores before the mask. Heads are concatenated and
     projected to d_out. Node and weight names are those of mha().
     """
     kv_of = kv_head_map(len(scales), kv_heads)
@@ -95,6 +107,8 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
     for h, (scale, mask) in enumerate(zip(scales, masks)):
         s = g.scores(proj("q", h), keys[kv_of[h]], name=f"s{h}")
         s = g.scale(s, scale, name=f"scaled{h}")
+        if score_mod is not None:
+            s = g.score_mod(s, score_mod, head=h, name=f"modified{h}")
         if mask is not None:
             s = g.mask(s, mask, head=h, name=f"masked{h}")
         outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[kv_of[h]],

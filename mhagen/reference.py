@@ -13,9 +13,12 @@ from mhagen.weights import check_weights
 
 NUMPY_OPS = {
     "const": lambda v: v,
-    "+": np.add, "-": np.subtract, "*": np.multiply,
+    "+": np.add, "-": np.subtract, "*": np.multiply, "/": np.true_divide,
     "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
     "==": np.equal, "!=": np.not_equal, "&": np.logical_and, "|": np.logical_or,
+    "tanh": np.tanh, "exp": np.exp, "where": np.where, "minimum": np.minimum,
+    "maximum": np.maximum,
+    "table": lambda values, i: np.asarray(values)[np.clip(i, 0, len(values) - 1)],
 }
 
 
@@ -27,6 +30,15 @@ def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int) -> 
     env = {"batch": b, "head": head, "q_idx": q, "kv_idx": k, "q_len": q_len, "kv_len": kv_len}
     grid = ex.evaluate(mask, env, NUMPY_OPS)
     return np.broadcast_to(grid, (batch, q_len, kv_len)).astype(bool)
+
+
+def apply_score_mod(mod: ex.Expr, s: np.ndarray, head: int) -> np.ndarray:
+    """A score modifier applied to scaled scores s [batch, q_len, kv_len] of one head."""
+    bsz, q_len, kv_len = s.shape
+    env = {"batch": np.arange(bsz)[:, None, None], "head": head,
+           "q_idx": np.arange(q_len)[None, :, None], "kv_idx": np.arange(kv_len)[None, None, :],
+           "q_len": q_len, "kv_len": kv_len, "score": s}
+    return np.broadcast_to(ex.evaluate(mod, env, NUMPY_OPS), s.shape).astype(s.dtype)
 
 
 def softmax_rows(s: np.ndarray) -> np.ndarray:
@@ -98,6 +110,8 @@ def _attention(n, a, w, x):
     for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
                                          n.attrs["v_offsets"])):
         s = qkv[..., qo:qo + d] @ np.swapaxes(qkv[..., ko:ko + d], -1, -2) * n.attrs["scale"]
+        if n.attrs.get("score_mod") is not None:
+            s = apply_score_mod(n.attrs["score_mod"], s, h)
         if n.attrs.get("mask") is not None:
             s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, seq), s, -np.inf)
         outs.append(softmax_rows(s) @ qkv[..., vo:vo + d])
@@ -111,6 +125,7 @@ _EVAL = {
     "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
     "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
     "mask": _mask,
+    "score_mod": lambda n, a, w, x: apply_score_mod(n.attrs["expr"], a[0], n.attrs["head"]),
     "softmax": lambda n, a, w, x: softmax_rows(a[0]),
     "weighted_sum": lambda n, a, w, x: a[0] @ a[1],
     "concat_heads": lambda n, a, w, x: np.concatenate(a, axis=-1),

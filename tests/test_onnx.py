@@ -27,6 +27,7 @@ ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed: "
 from onnx import TensorProto as TP  # noqa: E402
 from onnx import helper as oh  # noqa: E402
 from onnx import numpy_helper as nh  # noqa: E402
+from test_onnx_import import torch_mha_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S = 2, 7
@@ -286,31 +287,9 @@ def test_import_refuses_batch_dependent_mask(tmp_path):
 @pytest.mark.parametrize("batch_first, causal", [(True, False), (False, True)],
                          ids=["batch_first", "seq_first-causal"])
 def test_import_torch_multihead_attention(batch_first, causal):
-    torch = pytest.importorskip("torch", reason="torch is a test dependency")
-    torch.manual_seed(0)
-    m = torch.nn.MultiheadAttention(32, 4, batch_first=batch_first).eval()
-    with torch.no_grad():     # torch initialises biases to zero; make them count
-        m.in_proj_bias.uniform_(-0.5, 0.5)
-        m.out_proj.bias.uniform_(-0.5, 0.5)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            n = x.shape[1] if batch_first else x.shape[0]
-            mask = torch.nn.Transformer.generate_square_subsequent_mask(n) if causal else None
-            return self.m(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
-
+    m, model = torch_mha_model(batch_first, causal)
     x = rand_x(32)
-    xt = torch.from_numpy(x if batch_first else x.transpose(1, 0, 2).copy())
-    buf = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(Wrapped(), (xt,), buf, dynamo=False, opset_version=17,
-                          input_names=["x"], output_names=["y"])
-    model = onnx.load_from_string(buf.getvalue())
+    xt = x if batch_first else x.transpose(1, 0, 2).copy()
     assert {"Softmax", "MatMul"} <= {n.op_type for n in model.graph.node}
     (found,) = import_onnx(model)
     assert found.layout == ("BSD" if batch_first else "SBD")
@@ -318,7 +297,7 @@ def test_import_torch_multihead_attention(batch_first, causal):
     expected_w = mhagen.weights_from_torch(m)
     for k in expected_w:
         assert np.array_equal(found.weights[k], expected_w[k]), k
-    y_ort = run_ort(model, xt.numpy())
+    y_ort = run_ort(model, xt)
     kernel = mhagen.build(found.graph, "x86", batch=B, seq_len=S, weights=found.weights)
     y = kernel(x)
     assert_close(y, y_ort if batch_first else y_ort.transpose(1, 0, 2))

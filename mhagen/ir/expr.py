@@ -1,9 +1,17 @@
-"""Mask expressions: small functions of (batch, head, q_idx, kv_idx), in the style of
-PyTorch FlexAttention's mask_mod, kept as data so that every backend can evaluate them.
+"""Mask and score expressions: small functions of (batch, head, q_idx, kv_idx) and, for
+score modifiers, of the score itself, in the style of PyTorch FlexAttention's mask_mod and
+score_mod, kept as data so that every backend can evaluate them.
 
-    >>> from mhagen.ir.expr import q_idx, kv_idx
+    >>> from mhagen.ir.expr import q_idx, kv_idx, score, tanh
     >>> causal = kv_idx <= q_idx
     >>> window = causal & (q_idx - kv_idx < 4)
+    >>> capped = 30.0 * tanh(score / 30.0)               # a score modifier (softcap)
+
+Masks are boolean expressions of integers (no score, no floats): the reference evaluates
+them on index grids, the kernels per score and at build time per block (block tables).
+Score modifiers are numeric expressions of `score` (the scaled score) and the indices, with
+float constants, `/`, `tanh`, `exp`, `where`, `minimum`, `maximum` and `table(values, index)`
+(a constant per-head or per-position table, e.g. ALiBi slopes).
 
 An expression is evaluated by `evaluate(expr, env, ops)`: the numpy reference passes numpy
 index grids and numpy ops, the TE lowering passes TVM loop variables and TIR ops. Masks are
@@ -16,13 +24,14 @@ from __future__ import annotations
 
 import numbers
 
-VARIABLES = ("batch", "head", "q_idx", "kv_idx", "q_len", "kv_len")
-BINARY_OPS = ("+", "-", "*", "<", "<=", ">", ">=", "==", "!=", "&", "|")
+VARIABLES = ("batch", "head", "q_idx", "kv_idx", "q_len", "kv_len", "score")
+BINARY_OPS = ("+", "-", "*", "/", "<", "<=", ">", ">=", "==", "!=", "&", "|")
 BOOLEAN_OPS = ("<", "<=", ">", ">=", "==", "!=", "&", "|")
+FUNCTIONS = {"tanh": 1, "exp": 1, "where": 3, "minimum": 2, "maximum": 2}   # name -> arity
 
 
 class Expr:
-    """Base class of mask expressions; build them from the variables below and operators."""
+    """Base class of expressions; build them from the variables below and operators."""
 
     __slots__ = ()
     is_bool = False
@@ -37,6 +46,9 @@ class Expr:
     def __rsub__(self, o): return self._bin("-", o, swap=True)
     def __mul__(self, o): return self._bin("*", o)
     def __rmul__(self, o): return self._bin("*", o, swap=True)
+    def __truediv__(self, o): return self._bin("/", o)
+    def __rtruediv__(self, o): return self._bin("/", o, swap=True)
+    def __neg__(self): return Const(0) - self
     def __lt__(self, o): return self._bin("<", o)
     def __le__(self, o): return self._bin("<=", o)
     def __gt__(self, o): return self._bin(">", o)
@@ -79,9 +91,9 @@ class Const(Expr):
     __slots__ = ("value",)
 
     def __init__(self, value):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"mask constants must be integers, got {value!r}")
-        self.value = int(value)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"expression constants must be numbers, got {value!r}")
+        self.value = int(value) if isinstance(value, numbers.Integral) else float(value)
 
     def to_json(self):
         return {"const": self.value}
@@ -111,6 +123,45 @@ class BinOp(Expr):
         return f"({self.lhs!r} {self.op} {self.rhs!r})"
 
 
+class Call(Expr):
+    """A function of expressions: tanh, exp, where(cond, a, b), minimum, maximum."""
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: str, *args):
+        if FUNCTIONS.get(fn) != len(args):
+            raise ValueError(f"unknown function {fn}/{len(args)}; expression functions: "
+                             f"{', '.join(f'{k}/{v}' for k, v in FUNCTIONS.items())}")
+        self.fn, self.args = fn, tuple(as_expr(a) for a in args)
+        if fn == "where" and not self.args[0].is_bool:
+            raise TypeError(f"where() takes a boolean condition first, got {self.args[0]!r}")
+
+    def to_json(self):
+        return {"call": self.fn, "args": [a.to_json() for a in self.args]}
+
+    def __repr__(self):
+        return f"{self.fn}({', '.join(map(repr, self.args))})"
+
+
+class Table(Expr):
+    """values[index]: a constant table (per head, per distance bucket) indexed by an integer
+    expression; an index outside the table is clamped to its ends."""
+    __slots__ = ("values", "index")
+
+    def __init__(self, values, index):
+        self.values = tuple(float(v) for v in values)
+        if not self.values:
+            raise ValueError("a table needs at least one value")
+        self.index = as_expr(index)
+        if not is_integer(self.index):
+            raise TypeError(f"a table index must be an integer expression, got {self.index!r}")
+
+    def to_json(self):
+        return {"table": list(self.values), "index": self.index.to_json()}
+
+    def __repr__(self):
+        return f"table[{len(self.values)}][{self.index!r}]"
+
+
 def as_expr(value) -> Expr:
     return value if isinstance(value, Expr) else Const(value)
 
@@ -124,7 +175,11 @@ def from_json(data) -> Expr:
         return Const(data["const"])
     if "op" in data and isinstance(data.get("args"), list) and len(data["args"]) == 2:
         return BinOp(data["op"], from_json(data["args"][0]), from_json(data["args"][1]))
-    raise ValueError(f"bad mask expression {data!r}: expected var, const or op with two args")
+    if "call" in data and isinstance(data.get("args"), list):
+        return Call(data["call"], *(from_json(a) for a in data["args"]))
+    if "table" in data and isinstance(data["table"], list):
+        return Table(data["table"], from_json(data.get("index")))
+    raise ValueError(f"bad expression {data!r}: expected var, const, op, call or table")
 
 
 def evaluate(expr: Expr, env: dict, ops: dict):
@@ -133,15 +188,53 @@ def evaluate(expr: Expr, env: dict, ops: dict):
         return env[expr.name]
     if isinstance(expr, Const):
         return ops["const"](expr.value)
+    if isinstance(expr, Call):
+        return ops[expr.fn](*(evaluate(a, env, ops) for a in expr.args))
+    if isinstance(expr, Table):
+        return ops["table"](expr.values, evaluate(expr.index, env, ops))
     return ops[expr.op](evaluate(expr.lhs, env, ops), evaluate(expr.rhs, env, ops))
+
+
+def children(expr: Expr) -> tuple:
+    if isinstance(expr, BinOp):
+        return (expr.lhs, expr.rhs)
+    if isinstance(expr, Call):
+        return expr.args
+    if isinstance(expr, Table):
+        return (expr.index,)
+    return ()
 
 
 def variables(expr: Expr) -> set:
     if isinstance(expr, Var):
         return {expr.name}
+    return set().union(*(variables(c) for c in children(expr)))
+
+
+def is_integer(expr: Expr) -> bool:
+    """True when expr computes on integers only (no score, float, division, function or
+    table): what a mask may be made of."""
+    if isinstance(expr, Var):
+        return expr.name != "score"
     if isinstance(expr, Const):
-        return set()
-    return variables(expr.lhs) | variables(expr.rhs)
+        return isinstance(expr.value, int)
+    if isinstance(expr, BinOp):
+        return expr.op != "/" and is_integer(expr.lhs) and is_integer(expr.rhs)
+    return False
+
+
+def substitute(expr: Expr, name: str, value: Expr) -> Expr:
+    """expr with variable `name` replaced by `value` (composes score modifiers)."""
+    if isinstance(expr, Var):
+        return value if expr.name == name else expr
+    if isinstance(expr, BinOp):
+        return BinOp(expr.op, substitute(expr.lhs, name, value),
+                     substitute(expr.rhs, name, value))
+    if isinstance(expr, Call):
+        return Call(expr.fn, *(substitute(a, name, value) for a in expr.args))
+    if isinstance(expr, Table):
+        return Table(expr.values, substitute(expr.index, name, value))
+    return expr
 
 
 batch = Var("batch")
@@ -150,6 +243,31 @@ q_idx = Var("q_idx")
 kv_idx = Var("kv_idx")
 q_len = Var("q_len")
 kv_len = Var("kv_len")
+score = Var("score")
+
+
+def tanh(x) -> Expr:
+    return Call("tanh", x)
+
+
+def exp(x) -> Expr:
+    return Call("exp", x)
+
+
+def where(cond, a, b) -> Expr:
+    return Call("where", cond, a, b)
+
+
+def minimum(a, b) -> Expr:
+    return Call("minimum", a, b)
+
+
+def maximum(a, b) -> Expr:
+    return Call("maximum", a, b)
+
+
+def table(values, index) -> Expr:
+    return Table(values, index)
 
 
 def causal() -> Expr:
@@ -162,3 +280,44 @@ def sliding_window(window: int) -> Expr:
     if int(window) < 1:
         raise ValueError(f"sliding window must be >= 1, got {window}")
     return causal() & (q_idx - kv_idx < int(window))
+
+
+# -- score modifiers -------------------------------------------------------------------------
+def is_score_mod(expr) -> bool:
+    """A valid score modifier: a numeric (not boolean) expression."""
+    return isinstance(expr, Expr) and not expr.is_bool
+
+
+def combine(*mods) -> Expr:
+    """Apply score modifiers in order: combine(alibi(8), softcap(30)) caps the ALiBi score."""
+    out = score
+    for m in mods:
+        if not is_score_mod(m):
+            raise TypeError(f"a score modifier is a numeric expression of score, got {m!r}")
+        out = substitute(m, "score", out)
+    return out
+
+
+def alibi_slopes(num_heads: int) -> list:
+    """ALiBi's head slopes (Press et al. 2022): 2^(-8(h+1)/H) for H a power of two; otherwise
+    the slopes of the nearest smaller power of two n, then every other slope of 2n (the
+    paper's appendix and its reference code)."""
+    def powers(n):
+        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    n = 1 << (int(num_heads).bit_length() - 1)
+    if n == num_heads:
+        return powers(n)
+    return powers(n) + powers(2 * n)[0::2][:num_heads - n]
+
+
+def alibi(num_heads: int) -> Expr:
+    """score + slope_h * (kv_idx - q_idx): ALiBi's linear distance bias per head."""
+    return score + table(alibi_slopes(num_heads), head) * (kv_idx - q_idx)
+
+
+def softcap(cap: float) -> Expr:
+    """cap * tanh(score / cap) (Gemma 2): scores bounded to (-cap, cap)."""
+    if not cap > 0:
+        raise ValueError(f"softcap needs a positive cap, got {cap!r}")
+    cap = float(cap)
+    return cap * tanh(score / cap)

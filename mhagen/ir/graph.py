@@ -103,6 +103,10 @@ class Graph:
     def mask(self, s, mask: ex.Expr, head: int, name=None) -> str:
         return self.add("mask", (s,), name, mask=mask, head=head)
 
+    def score_mod(self, s, expr: ex.Expr, head: int, name=None) -> str:
+        """Modify scaled scores per element (see mhagen.ir.expr: alibi, softcap, ...)."""
+        return self.add("score_mod", (s,), name, expr=expr, head=head)
+
     def softmax(self, s, name=None) -> str:
         return self.add("softmax", (s,), name)
 

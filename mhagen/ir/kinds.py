@@ -37,6 +37,10 @@ KINDS = {
     "mask": KindSpec(
         1, ("mask", "head"), (),
         "[B,S,T] where mask(batch, head, q_idx, kv_idx) else -inf (mask is a boolean expression)"),
+    "score_mod": KindSpec(
+        1, ("expr", "head"), (),
+        "[B,S,T] -> expr(score, batch, head, q_idx, kv_idx) per score (a numeric expression: "
+        "ALiBi, softcap, ...), applied to the scaled scores before the mask"),
     "softmax": KindSpec(1, (), (), "softmax over the last axis; a fully masked row gives zeros"),
     "weighted_sum": KindSpec(2, (), (), "p [B,S,T], v [B,T,d] -> p @ v [B,S,d]"),
     "concat_heads": KindSpec(None, (), (), "[B,S,d_0], [B,S,d_1], ... -> [B,S,sum d_i]"),
@@ -48,8 +52,9 @@ KINDS = {
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
         "{weight, head, bias, width} in column order"),
     "attention": KindSpec(
-        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask",),
-        "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(Q_h K_h^T * scale)) V_h with "
+        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod"),
+        "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(score_mod(Q_h K_h^T * scale))) "
+        "V_h with "
         "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side"),
 }
 

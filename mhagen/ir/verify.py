@@ -160,21 +160,21 @@ def _infer(n, ins, graph):
             raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
                              "and head width; project Q and K to the same head_dim")
         return [q[0], q[1], kk[1]]
-    if k in ("scale", "mask", "softmax"):
+    if k in ("scale", "mask", "score_mod", "softmax"):
         (s,) = ins
         if len(s) != 3:
             raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
-        if k == "mask" and (not isinstance(n.attrs["head"], int) or isinstance(n.attrs["head"], bool)
-                            or n.attrs["head"] < 0):
-            raise GraphError(f"mask {n.name!r}: head must be an int >= 0, got {n.attrs['head']!r}")
+        if k in ("mask", "score_mod") and (not isinstance(n.attrs["head"], int)
+                                           or isinstance(n.attrs["head"], bool)
+                                           or n.attrs["head"] < 0):
+            raise GraphError(f"{k} {n.name!r}: head must be an int >= 0, got {n.attrs['head']!r}")
+        if k == "score_mod":
+            _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
         if k == "scale" and (isinstance(n.attrs["factor"], bool)
                              or not isinstance(n.attrs["factor"], (int, float))):
             raise GraphError(f"scale {n.name!r}: factor must be a number")
         if k == "mask":
-            m = n.attrs["mask"]
-            if not isinstance(m, ex.Expr) or not m.is_bool:
-                raise GraphError(f"mask {n.name!r}: mask must be a boolean mask expression "
-                                 "such as kv_idx <= q_idx (see mhagen.ir.expr)")
+            _check_mask(n.attrs["mask"], f"mask {n.name!r}")
         return list(s)
     if k == "weighted_sum":
         p, v = ins
@@ -207,11 +207,25 @@ def _infer(n, ins, graph):
         if any(o < 0 or o + d > qkv[-1] for lst in offs for o in lst):
             raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "
                              f"width {qkv[-1]}")
-        m = n.attrs.get("mask")
-        if m is not None and not (isinstance(m, ex.Expr) and m.is_bool):
-            raise GraphError(f"attention {n.name!r}: mask must be a boolean mask expression")
+        if n.attrs.get("mask") is not None:
+            _check_mask(n.attrs["mask"], f"attention {n.name!r}")
+        if n.attrs.get("score_mod") is not None:
+            _check_score_mod(n.attrs["score_mod"], f"attention {n.name!r}")
         return qkv[:-1] + [d * len(offs[0])]
     raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
+
+
+def _check_mask(m, where):
+    if not isinstance(m, ex.Expr) or not m.is_bool or not ex.is_integer(m):
+        raise GraphError(f"{where}: mask must be a boolean expression of integers such as "
+                         f"kv_idx <= q_idx (no score, floats or functions), got {m!r}; "
+                         "use score_mod= to change scores")
+
+
+def _check_score_mod(m, where):
+    if not ex.is_score_mod(m):
+        raise GraphError(f"{where}: a score modifier is a numeric expression of score, batch, "
+                         f"head, q_idx, kv_idx (e.g. mhagen.softcap(30.0)), got {m!r}")
 
 
 def _projection_width(n, graph, d_in):

@@ -79,7 +79,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
-            "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask")}
+            "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
+            "score_mod": a.get("score_mod")}
     cfg = attention_config or backend.attention.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)

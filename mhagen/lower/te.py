@@ -16,13 +16,45 @@ from mhagen.ir import expr as ex
 from mhagen.program import Buffer, Kernel, Program, Stage
 
 
+def _dtype(x) -> str:
+    return str(x.ty)   # this TVM's PrimExprs name their dtype `ty`
+
+
+def _f32(x):
+    return x if _dtype(x) == "float32" else x.astype("float32")
+
+
+def _numeric(op):
+    """A binary TIR op on int32 or float32 values; mixed operands compute in float32."""
+    def apply(a, b):
+        if _dtype(a) != _dtype(b):
+            a, b = _f32(a), _f32(b)
+        return op(a, b)
+    return apply
+
+
+def _table(values, index):
+    """values[clamp(index)] as a chain of selects (tables are small: one value per head or
+    distance bucket); LLVM hoists it out of loops where the index is loop-invariant."""
+    out = tvm.tirx.const(values[-1], "float32")
+    for i in range(len(values) - 2, -1, -1):
+        out = tvm.tirx.Select(index <= i, tvm.tirx.const(values[i], "float32"), out)
+    return out
+
+
 _TIR_OPS = {
-    "const": lambda v: tvm.tirx.const(v, "int32"),
-    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-    "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
-    "==": lambda a, b: a == b, "!=": lambda a, b: a != b,
+    "const": lambda v: tvm.tirx.const(v, "int32" if isinstance(v, int) else "float32"),
+    "+": _numeric(lambda a, b: a + b), "-": _numeric(lambda a, b: a - b),
+    "*": _numeric(lambda a, b: a * b), "/": lambda a, b: _f32(a) / _f32(b),
+    "<": _numeric(lambda a, b: a < b), "<=": _numeric(lambda a, b: a <= b),
+    ">": _numeric(lambda a, b: a > b), ">=": _numeric(lambda a, b: a >= b),
+    "==": _numeric(lambda a, b: a == b), "!=": _numeric(lambda a, b: a != b),
     "&": tvm.tirx.all, "|": tvm.tirx.any,
+    "tanh": lambda a: tvm.tirx.tanh(_f32(a)), "exp": lambda a: tvm.tirx.exp(_f32(a)),
+    "where": lambda c, a, b: tvm.tirx.Select(c, _f32(a), _f32(b)),
+    "minimum": lambda a, b: tvm.tirx.min(_f32(a), _f32(b)),
+    "maximum": lambda a, b: tvm.tirx.max(_f32(a), _f32(b)),
+    "table": _table,
 }
 
 
@@ -34,6 +66,16 @@ def mask_to_tir(mask, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
     env = {"batch": value(batch), "head": value(head), "q_idx": value(q_idx),
            "kv_idx": value(kv_idx), "q_len": value(q_len), "kv_len": value(kv_len)}
     return ex.evaluate(mask, env, _TIR_OPS)
+
+
+def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
+    """A score modifier as a float32 TIR expression of a score and loop variables."""
+    def value(v):
+        return tvm.tirx.const(v, "int32") if isinstance(v, int) else v
+    env = {"batch": value(batch), "head": value(head), "q_idx": value(q_idx),
+           "kv_idx": value(kv_idx), "q_len": value(q_len), "kv_len": value(kv_len),
+           "score": score}
+    return _f32(ex.evaluate(mod, env, _TIR_OPS))
 
 
 def lower_unfused(graph, batch: int, seq_len: int) -> Program:
@@ -157,6 +199,18 @@ def _lower_mask(ctx, n):
     return _epilogue(ctx, n, n.name, f, shape)
 
 
+def _lower_score_mod(ctx, n):
+    s = ctx.vals[n.inputs[0]]
+    shape = _shape(ctx, n)
+
+    def f(bb, i, j):
+        return score_to_tir(n.attrs["expr"], s[bb, i, j].asobject(), bb, n.attrs["head"], i, j,
+                            shape[1], shape[2])
+
+    ctx.note(f"{n.name} = {n.attrs['expr']!r} of {n.inputs[0]} (head {n.attrs['head']})")
+    return _epilogue(ctx, n, n.name, f, shape)
+
+
 def _lower_softmax(ctx, n):
     """Row softmax with the max subtracted; a fully masked row (max = -inf) gives zeros."""
     s = ctx.vals[n.inputs[0]]
@@ -216,6 +270,7 @@ _LOWER = {
     "scores": _lower_scores,
     "scale": _lower_scale,
     "mask": _lower_mask,
+    "score_mod": _lower_score_mod,
     "softmax": _lower_softmax,
     "weighted_sum": _lower_weighted_sum,
     "concat_heads": _lower_concat,

@@ -267,32 +267,63 @@ class _Builder:
         grid = np.stack([mask_grid(expr, nb, h, self.seq, self.seq) for h in hs], axis=1)
         return grid   # [B?, H?, S, S]
 
+    def index_var(self, name, head, rank):
+        """An int64 tensor of an index variable, broadcastable to [.., S, S] of rank dims."""
+        s = self.dim(1)
+        if name in ("q_len", "kv_len"):
+            return s
+        if name == "kv_idx":
+            return self.cached("kv_idx", lambda: self.op(
+                "Range", [self.const(0, np.int64), s, self.const(1, np.int64)], "kv_idx"))
+        if name == "q_idx":
+            return self.cached("q_idx", lambda: self.op(
+                "Unsqueeze", [self.index_var("kv_idx", head, rank), self.i64(1)], "q_idx"))
+        if name == "batch":
+            return self.cached(("batch_idx", rank), lambda: self.op(
+                "Reshape", [self.op("Range", [self.const(0, np.int64), self.dim(0),
+                                              self.const(1, np.int64)], "batch_range"),
+                            self.i64(-1, *[1] * (rank - 1))], "batch_idx"))
+        if name == "head":
+            if head is not None:
+                return self.const(head, np.int64)
+            n_heads = self._n_heads
+            return self.cached("head_idx", lambda: self.const(
+                np.arange(n_heads, dtype=np.int64).reshape(n_heads, 1, 1), np.int64))
+        raise OnnxError(f"expression variable {name!r} cannot be exported")
+
+    def score_mod(self, expr, score, head, base):
+        """The float tensor of a score modifier applied to `score` ([B, S, S], one head)."""
+        onnx_types = {"float": self.onnx.TensorProto.FLOAT, "int": self.onnx.TensorProto.INT64}
+
+        def as_kind(t, kind, want):
+            return t if kind == want else self.op("Cast", [t], f"{base}_cast", to=onnx_types[want])
+
+        def emit(e):   # -> (tensor, "bool" | "int" | "float")
+            if isinstance(e, ex.Var):
+                return (score, "float") if e.name == "score" else \
+                    (self.index_var(e.name, head, 3), "int")
+            if isinstance(e, ex.Const):
+                is_int = isinstance(e.value, int)
+                return self.const(e.value, np.int64 if is_int else np.float32), \
+                    ("int" if is_int else "float")
+            if isinstance(e, ex.Table):
+                idx, _ = emit(e.index)
+                idx = self.op("Clip", [idx, self.const(0, np.int64),
+                                       self.const(len(e.values) - 1, np.int64)], f"{base}_index")
+                table = self.const(np.asarray(e.values, np.float32), np.float32)
+                return self.op("Gather", [table, idx], f"{base}_table", axis=0), "float"
+            args = [emit(a) for a in ex.children(e)]
+            return _emit_score_op(self, e, args, as_kind, base)
+        t, kind = emit(expr)
+        return as_kind(t, kind, "float")
+
     def mask_computed(self, expr, head, rank):
         """Bool tensor of `expr` computed from Range ops; shape broadcastable to rank dims,
         expanded to at least [.., S, S]. head: an int, or None for all heads (fused)."""
         s = self.dim(1)
 
         def var(name):
-            if name in ("q_len", "kv_len"):
-                return s
-            if name == "kv_idx":
-                return self.cached("kv_idx", lambda: self.op(
-                    "Range", [self.const(0, np.int64), s, self.const(1, np.int64)], "kv_idx"))
-            if name == "q_idx":
-                return self.cached("q_idx", lambda: self.op(
-                    "Unsqueeze", [var("kv_idx"), self.i64(1)], "q_idx"))
-            if name == "batch":
-                return self.cached(("batch_idx", rank), lambda: self.op(
-                    "Reshape", [self.op("Range", [self.const(0, np.int64), self.dim(0),
-                                                  self.const(1, np.int64)], "batch_range"),
-                                self.i64(-1, *[1] * (rank - 1))], "batch_idx"))
-            if name == "head":
-                if head is not None:
-                    return self.const(head, np.int64)
-                n_heads = self._n_heads
-                return self.cached("head_idx", lambda: self.const(
-                    np.arange(n_heads, dtype=np.int64).reshape(n_heads, 1, 1), np.int64))
-            raise OnnxError(f"mask variable {name!r} cannot be exported")
+            return self.index_var(name, head, rank)
 
         def emit(e):   # -> (tensor name, is_bool)
             if isinstance(e, ex.Var):
@@ -325,6 +356,32 @@ class _Builder:
         return self.cached(key, make)
 
 
+_SCORE_FUNCS = {"tanh": "Tanh", "exp": "Exp", "minimum": "Min", "maximum": "Max"}
+
+
+def _emit_score_op(b, e, args, as_kind, base):
+    """One operator of a score modifier; numbers mix as float, comparisons give bools."""
+    if isinstance(e, ex.Call) and e.fn == "where":
+        (c, ck), (x, xk), (y, yk) = args
+        return b.op("Where", [c, as_kind(x, xk, "float"), as_kind(y, yk, "float")],
+                    f"{base}_where"), "float"
+    if isinstance(e, ex.Call):
+        return b.op(_SCORE_FUNCS[e.fn], [as_kind(t, k, "float") for t, k in args],
+                    f"{base}_{e.fn}"), "float"
+    (x, xk), (y, yk) = args
+    if e.op in ("&", "|"):
+        return b.op("And" if e.op == "&" else "Or", [x, y], f"{base}_logic"), "bool"
+    kind = "int" if (xk, yk) == ("int", "int") and e.op != "/" else "float"
+    x, y = as_kind(x, xk, kind), as_kind(y, yk, kind)
+    if e.op == "/":
+        return b.op("Div", [x, y], f"{base}_div"), "float"
+    if e.op in _ARITH:
+        return b.op(_ARITH[e.op], [x, y], f"{base}_{_ARITH[e.op].lower()}"), kind
+    if e.op == "!=":
+        return b.op("Not", [b.op("Equal", [x, y], f"{base}_eq")], f"{base}_ne"), "bool"
+    return b.op(_CMP[e.op], [x, y], f"{base}_{_CMP[e.op].lower()}"), "bool"
+
+
 # -- decomposed form ----------------------------------------------------------------------
 def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
     vals, keep = {}, {}   # node -> tensor; node -> (keep mask tensor, its constant grid or None)
@@ -352,6 +409,10 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
             vals[n.name] = b.op("MatMul", [a[0], kt], n.name)
         elif k == "scale":
             vals[n.name] = b.op("Mul", [a[0], b.const(n.attrs["factor"], np.float32)], n.name)
+            if n.inputs[0] in keep:
+                keep[n.name] = keep[n.inputs[0]]
+        elif k == "score_mod":
+            vals[n.name] = b.score_mod(n.attrs["expr"], a[0], n.attrs["head"], n.name)
             if n.inputs[0] in keep:
                 keep[n.name] = keep[n.inputs[0]]
         elif k == "mask":
@@ -425,6 +486,8 @@ def _decomposed_attention(b, n, qkv):
         s = b.op("MatMul", [q, b.op("Transpose", [k], f"{n.name}_kT{h}", perm=[0, 2, 1])],
                  f"{n.name}_s{h}")
         s = b.op("Mul", [s, b.const(n.attrs["scale"], np.float32)], f"{n.name}_scaled{h}")
+        if n.attrs.get("score_mod") is not None:
+            s = b.score_mod(n.attrs["score_mod"], s, h, f"{n.name}_modified{h}")
         dead = None
         if mask is not None:
             keep, grid = _keep_mask(b, mask, h)
@@ -459,6 +522,9 @@ def fused_view(layer: Graph) -> Graph:
 def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     f = fused_view(layer)
     qkv, att, out = f.nodes[1], f.nodes[2], f.nodes[3]
+    if att.attrs.get("score_mod") is not None:
+        raise OnnxError(f"graph {layer.name!r} has a score modifier, which the Attention "
+                        "operator cannot carry; export it with form='decomposed'")
     d = att.attrs["head_dim"]
     segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
     widths = {int(s["width"]) for s in segs.values()}

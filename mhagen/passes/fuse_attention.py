@@ -1,9 +1,10 @@
 """Fuse a multi-head attention graph into qkv_projection -> attention -> output_projection.
 
 Recognised: output_projection(concat_heads(o_0..o_H-1)) where each o_h is
-weighted_sum(softmax([mask]([scale](scores(q_h, k_h)))), v_h), every q/k/v is a
-head_projection of one input, all heads share head_dim, scale and mask expression, and no
-other node reads the intermediates. The fused graph computes the same function:
+weighted_sum(softmax([mask]([score_mod]([scale](scores(q_h, k_h))))), v_h), every q/k/v is
+a head_projection of one input, all heads share head_dim, scale, score modifier and mask
+expression (they may differ through `head` in them: ALiBi slopes), and no other node reads
+the intermediates. The fused graph computes the same function:
   - one packed GEMM for every head's Q, K and V (K/V heads shared by query heads once),
   - one attention node that never builds [B, heads, S, S] (see the attention templates),
   - the concat is free: attention writes each head at its concat offset, where W_O reads it.
@@ -57,7 +58,7 @@ def _fuse(g: Graph) -> Graph:
         return node
 
     heads, matched = [], {out.name, concat.name}
-    scales, masks = set(), set()
+    scales, masks, mods = set(), set(), set()
     for h, o_name in enumerate(concat.inputs):
         o = single_use(o_name, "weighted_sum")
         p = single_use(o.inputs[0], "softmax")
@@ -71,20 +72,32 @@ def _fuse(g: Graph) -> Graph:
             mask = cur.attrs["mask"]
             matched.add(cur.name)
             cur = nodes[cur.inputs[0]]
+        mod = None
+        if cur.kind == "score_mod":
+            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
+            _need(cur.attrs["head"] == h, f"score_mod {cur.name!r} is for head "
+                                          f"{cur.attrs['head']} but feeds head {h}")
+            mod = cur.attrs["expr"]
+            matched.add(cur.name)
+            cur = nodes[cur.inputs[0]]
         scale = 1.0
         if cur.kind == "scale":
             _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
             scale = cur.attrs["factor"]
             matched.add(cur.name)
             cur = nodes[cur.inputs[0]]
-        _need(cur.kind == "scores", f"head {h}: expected scores -> [scale] -> [mask] -> softmax")
+        _need(cur.kind == "scores",
+              f"head {h}: expected scores -> [scale] -> [score_mod] -> [mask] -> softmax")
         _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
         matched.add(cur.name)
         scales.add(float(scale))
         masks.add(None if mask is None else repr(mask))
-        heads.append((cur.inputs[0], cur.inputs[1], o.inputs[1], mask))
+        mods.add(None if mod is None else repr(mod))
+        heads.append((cur.inputs[0], cur.inputs[1], o.inputs[1], mask, mod))
     _need(len(scales) == 1, "heads use different scales")
     _need(len(masks) == 1, "heads use different masks")
+    _need(len(mods) == 1, "heads use different score modifiers (write one expression that "
+                          "reads `head`, e.g. a table of per-head values)")
 
     projections = [nodes[name] for hd in heads for name in hd[:3]]
     _need(all(p.kind == "head_projection" for p in projections),
@@ -119,6 +132,8 @@ def _fuse(g: Graph) -> Graph:
              "v_offsets": [offset[hd[2]] for hd in heads], "scale": scales.pop()}
     if heads[0][3] is not None:
         attrs["mask"] = heads[0][3]
+    if heads[0][4] is not None:
+        attrs["score_mod"] = heads[0][4]
     att = f.add("attention", (qkv,), "attention", **attrs)
     f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
     f.shapes()

@@ -26,9 +26,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
-from mhagen.lower.te import mask_to_tir
+from mhagen.lower.te import mask_to_tir, score_to_tir
 from mhagen.program import round_up
-from mhagen.schedules.x86.fast_math import LOG2E, exp2, f32
+from mhagen.schedules.x86.fast_math import LN2, LOG2E, exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
@@ -171,6 +171,7 @@ def build_attention(w, cfg, lanes):
     neg_inf = f32(float("-inf"))
     zero = f32(0.0)
     mask = w.get("mask")
+    score_mod = w.get("score_mod")
     M = w.get("rows", B * S)          # qkv rows and att rows: batch*seq padded to whole
     MA = w.get("att_rows", M)         # GEMM tiles (rows past batch*seq are never read)
 
@@ -179,6 +180,13 @@ def build_attention(w, cfg, lanes):
         if mask is not None:
             cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
         return cond
+
+    def modified(x, b, h, qi, kj):
+        # scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
+        # scaled score x * ln 2 and its result returns to log2 units
+        if score_mod is None:
+            return x
+        return score_to_tir(score_mod, x * f32(LN2), b, h, qi, kj, S, S) * f32(LOG2E)
 
     def key_row(b, t, masked):
         # full blocks hold keys < S only; partial ones may run past S (clamped, then masked)
@@ -213,9 +221,11 @@ def build_attention(w, cfg, lanes):
                         if masked:
                             s_buf[jo * MR + jj, io * NR + ii] = T.Select(
                                 visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj),
-                                acc[jj, ii], neg_inf)
+                                modified(acc[jj, ii], b, h, q0 + io * NR + ii,
+                                         k0 + jo * MR + jj), neg_inf)
                         else:
-                            s_buf[jo * MR + jj, io * NR + ii] = acc[jj, ii]
+                            s_buf[jo * MR + jj, io * NR + ii] = modified(
+                                acc[jj, ii], b, h, q0 + io * NR + ii, k0 + jo * MR + jj)
                         m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
                                                     s_buf[jo * MR + jj, io * NR + ii])
         # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.

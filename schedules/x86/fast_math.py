@@ -2,6 +2,7 @@
 from tvm import tirx
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 _LN2_HI = 0.693145751953125          # ln 2 split so n * _LN2_HI is exact (Cody-Waite)
 _LN2_LO = 1.428606765330187e-06
 _EXP_TAYLOR = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)

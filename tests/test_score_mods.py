@@ -1,0 +1,169 @@
+"""Score modifiers (FlexAttention's score_mod): ALiBi, softcap, any numeric expression of the
+scaled score and the indices; reference semantics, the fused template's hook, the unfused
+path, fusion rules, ONNX export."""
+import math
+
+import numpy as np
+import pytest
+from conftest import random_input
+
+import mhagen
+from mhagen.errors import GraphError
+from mhagen.ir import expr as ex
+from mhagen.passes import run_passes
+from mhagen.reference import softmax_rows
+from mhagen.target import resolve
+from mhagen.tolerances import assert_close
+
+
+def paper_slopes(n):
+    """ALiBi's get_slopes from the paper's reference code (Press et al., 2022)."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + paper_slopes(2 * closest)[0::2][:n - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 4, 6, 8, 12, 16])
+def test_alibi_slopes_are_the_papers(heads):
+    np.testing.assert_allclose(ex.alibi_slopes(heads), paper_slopes(heads), rtol=1e-12)
+    if heads & (heads - 1) == 0:
+        assert ex.alibi_slopes(heads) == [2 ** (-8 * (h + 1) / heads) for h in range(heads)]
+
+
+def by_hand(layer_w, x, heads, kv_heads, modify, causal):
+    """The layer written out in numpy (float64), independent of mhagen's reference."""
+    w = {k: v.astype(np.float64) for k, v in layer_w.items()}
+    x = x.astype(np.float64)
+    d, group, seq = w["w_q"].shape[2], heads // kv_heads, x.shape[1]
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    outs = []
+    for h in range(heads):
+        q = x @ w["w_q"][h] + w["b_q"][h]
+        k = x @ w["w_k"][h // group] + w["b_k"][h // group]
+        v = x @ w["w_v"][h // group] + w["b_v"][h // group]
+        s = modify(q @ np.swapaxes(k, 1, 2) / math.sqrt(d), h, i, j)
+        if causal:
+            s = np.where(j <= i, s, -np.inf)
+        outs.append(softmax_rows(s) @ v)
+    return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]
+
+
+MODS = {
+    "alibi": (lambda H: mhagen.alibi(H),
+              lambda H: lambda s, h, i, j: s + ex.alibi_slopes(H)[h] * (j - i)),
+    "softcap": (lambda H: mhagen.softcap(2.0),
+                lambda H: lambda s, h, i, j: 2.0 * np.tanh(s / 2.0)),
+    "alibi-then-softcap": (lambda H: [mhagen.alibi(H), mhagen.softcap(2.0)],
+                           lambda H: lambda s, h, i, j: 2.0 * np.tanh(
+                               (s + ex.alibi_slopes(H)[h] * (j - i)) / 2.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_reference_semantics(name):
+    make, numpy_mod = MODS[name]
+    layer = mhagen.mha(48, 6, kv_heads=3, causal=True, score_mod=make(6))
+    w, x = layer.init_weights(1), random_input(layer, 2, 13)
+    np.testing.assert_allclose(layer.reference(x, w), by_hand(w, x, 6, 3, numpy_mod(6), True),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_modifiers_combine_in_order():
+    capped_first = mhagen.combine(mhagen.softcap(2.0), mhagen.alibi(4))
+    alibi_first = mhagen.combine(mhagen.alibi(4), mhagen.softcap(2.0))
+    assert capped_first != alibi_first
+    assert repr(alibi_first).startswith("(2.0 * tanh(((score + ")
+
+
+@pytest.mark.parametrize("target", ["x86", "x86-avx2"])
+@pytest.mark.parametrize("name,causal", [("alibi", True), ("softcap", False),
+                                         ("alibi-then-softcap", True)])
+def test_fused_kernels_match_the_reference(target, name, causal):
+    """Awkward shapes: seq 97 (193 causal: long enough for whole key blocks to be hidden),
+    head_dim 40, grouped K/V; causal keeps skipping blocks."""
+    t = resolve(target)
+    if not t.runs_here():
+        pytest.skip(f"{target} code cannot run on this CPU: {t.cannot_run()} "
+                    "(tests/test_x86_classes.py checks the error)")
+    make, _ = MODS[name]
+    layer = mhagen.mha(320, 8, head_dim=40, kv_heads=2, causal=causal, score_mod=make(8))
+    seq = 193 if causal else 97
+    w, x = layer.init_weights(2), random_input(layer, 2, seq)
+    m = mhagen.build(layer, target, batch=2, seq_len=seq, weights=w)
+    assert m.program.fusion.startswith("fused")
+    assert_close(m(x), layer.reference(x, w))
+    if causal:
+        table = m.bound_params["blocks"]
+        assert (table == 0).any(), "causal blocks above the diagonal are still skipped"
+
+
+def test_unfused_path_matches_the_reference():
+    layer = mhagen.mha(64, 4, causal=True, score_mod=[mhagen.alibi(4), mhagen.softcap(3.0)])
+    w, x = layer.init_weights(0), random_input(layer, 1, 17)
+    m = mhagen.build(layer, "x86-avx2" if not resolve("x86").runs_here() else "x86",
+                     batch=1, seq_len=17, weights=w, fuse=False)
+    assert m.program.fusion.startswith("not fused")
+    assert_close(m(x), layer.reference(x, w))
+
+
+def test_heads_with_different_modifiers_do_not_fuse_and_say_why():
+    g = mhagen.Graph("mixed")
+    x = g.input("x", 32)
+    outs = []
+    for h, cap in enumerate((2.0, 3.0)):
+        q = g.head_projection(x, "w_q", h, 16)
+        k = g.head_projection(x, "w_k", h, 16)
+        v = g.head_projection(x, "w_v", h, 16)
+        s = g.score_mod(g.scale(g.scores(q, k), 0.25), mhagen.softcap(cap), head=h)
+        outs.append(g.weighted_sum(g.softmax(s), v))
+    g.set_output(g.output_projection(g.concat_heads(outs), "w_o", 32))
+    result = run_passes(g, fuse=True)
+    assert not result.fused and "different score modifiers" in result.reason
+    # one expression reading `head` (a table) fuses
+    per_head = ex.table([2.0, 3.0], ex.head) * ex.tanh(ex.score / ex.table([2.0, 3.0], ex.head))
+    layer = mhagen.mha(32, 2, bias=False, score_mod=per_head)
+    assert run_passes(layer, fuse=True).fused
+    w, xs = g.init_weights(0), random_input(layer, 1, 9)
+    assert_close(layer.reference(xs, w), g.reference(xs, w))
+
+
+def test_bad_expressions_are_refused_clearly():
+    with pytest.raises(GraphError, match="score_mod= takes a numeric expression"):
+        mhagen.mha(32, 2, score_mod=mhagen.kv_idx <= mhagen.q_idx)
+    g = mhagen.Graph("score_in_mask")
+    x = g.input("x", 16)
+    q, k, v = (g.head_projection(x, f"w_{r}", 0, 16) for r in "qkv")
+    with pytest.raises(GraphError, match="mask must be a boolean expression of integers"):
+        s = g.mask(g.scores(q, k), ex.score > 0.0, head=0)
+        g.set_output(g.output_projection(g.concat_heads([g.weighted_sum(g.softmax(s), v)]),
+                                         "w_o", 16))
+        g.shapes()
+    with pytest.raises(TypeError, match="table index must be an integer"):
+        ex.table([1.0, 2.0], ex.score)
+    with pytest.raises(ValueError, match="positive cap"):
+        mhagen.softcap(0)
+
+
+def test_graph_json_round_trip_keeps_the_modifier():
+    layer = mhagen.mha(32, 4, score_mod=[mhagen.alibi(4), mhagen.softcap(5.0)])
+    again = mhagen.Graph.from_json(layer.to_json())
+    assert again == layer
+
+
+@pytest.mark.parametrize("masks", ["constant", "computed"])
+def test_onnx_export_decomposes_modifiers(tmp_path, masks):
+    ort = pytest.importorskip("onnxruntime")
+    mod = ex.where(ex.kv_idx > ex.q_idx - 3, ex.score, ex.score * 0.5) - ex.exp(-ex.score / 4.0)
+    layer = mhagen.mha(48, 6, kv_heads=2, causal=True, score_mod=[mhagen.alibi(6), mod])
+    w, x = layer.init_weights(0), random_input(layer, 2, 11)
+    for graph in (layer, run_passes(layer, fuse=True).graph):
+        path = mhagen.export_onnx(graph, tmp_path / "m.onnx", weights=w, seq_len=11, batch=2,
+                                  masks=masks)
+        y = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+        assert_close(y, layer.reference(x, w))
+    with pytest.raises(mhagen.onnx.OnnxError, match="score modifier.*form='decomposed'"):
+        mhagen.export_onnx(layer, tmp_path / "f.onnx", weights=w, seq_len=11, form="fused")
