@@ -198,10 +198,9 @@ def test_aligned_input_is_read_in_place_and_outputs_never_alias(small):
     # every result the caller holds is its own memory ...
     assert not np.shares_memory(y1, y2) and not np.shares_memory(y2, y3)
     np.testing.assert_array_equal(y1, y2)
-    # ... and a dropped result's memory is reused, with the right answer
+    # ... and memory is reused only when the caller says so (out=), with the right answer
     addr = y3.ctypes.data
-    del y3
-    y4 = module(-xa)
-    assert y4.ctypes.data == addr
+    y4 = module(-xa, out=y3)
+    assert y4 is y3 and y4.ctypes.data == addr
     assert_close(y4, layer.reference(-x, w))
     np.testing.assert_array_equal(y1, module(x))

@@ -464,13 +464,14 @@ def test_mask_and_or_on_non_boolean_raises(combine):
 
 
 @pytest.mark.parametrize("make, exc, fragment", [
-    (lambda: mhagen.q_idx < 1.5, TypeError, "mask constants must be integers"),
-    (lambda: mhagen.q_idx + True, TypeError, "mask constants must be integers"),
+    (lambda: mhagen.mha(32, 2, mask=mhagen.q_idx < 1.5), GraphError,
+     "mask must be a boolean expression of integers"),
+    (lambda: mhagen.q_idx + True, TypeError, "expression constants must be numbers"),
     (lambda: ex.Var("i"), ValueError, "use one of batch, head, q_idx, kv_idx"),
     (lambda: ex.BinOp("//", mhagen.q_idx, mhagen.kv_idx), ValueError, "unknown operator '//'"),
     (lambda: mhagen.sliding_window(0), ValueError, "sliding window must be >= 1"),
     (lambda: ex.from_json({"op": "<", "args": [{"var": "q_idx"}]}), ValueError,
-     "expected var, const or op with two args"),
+     "expected var, const, op, call or table"),
     (lambda: ex.from_json(3), ValueError, "expected an object"),
 ], ids=["float-const", "bool-const", "unknown-var", "unknown-op", "window-zero",
         "json-one-arg", "json-not-object"])
@@ -482,5 +483,5 @@ def test_mask_expression_errors(make, exc, fragment):
 
 def test_mask_node_with_non_boolean_mask_rejected():
     g = _graph(lambda g: g.mask("s", mhagen.q_idx + 1, head=0, name="m"))
-    with pytest.raises(GraphError, match="'m': mask must be a boolean mask expression"):
+    with pytest.raises(GraphError, match="'m': mask must be a boolean expression of integers"):
         mhagen.verify(g)

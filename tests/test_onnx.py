@@ -6,10 +6,8 @@ errors; the CLI sub-commands; the example.
 NOTE: onnxruntime and torch are test dependencies (pyproject [test] extra, installed by CI).
 The importorskips only let a bare checkout without them run the rest of the suite.
 """
-import io
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
