@@ -11,7 +11,6 @@ target's name.
                              versions installed here) and keep libtvm_ffi.so, libtvm_runtime.so
                              and the tvm-ffi headers in the cache
   runtime(arch)              those files from the cache, or a string saying how to get them
-  toolchain(arch)            the Toolchain that builds an artifact's C API (libmha.so) for arch
   compile_app(...)           cross-compile a C program against an artifact (the one-line build
                              of examples/c_app/README.md with the cross cc)
   run(argv, ...)             run a program of that arch under qemu-user
@@ -19,6 +18,8 @@ target's name.
 The cache is $MHAGEN_CACHE/<arch>/tvm-<tvm>-ffi-<tvm-ffi>/ (default $XDG_CACHE_HOME/mhagen or
 ~/.cache/mhagen): include/, lib/libtvm_ffi.so, lib/libtvm_runtime.so, wheels.json.
 `python -m mhagen.cross fetch aarch64` fills it (about 100 MB of download, 6 MB kept).
+mhagen.artifact.toolchain.Toolchain.cross(arch) builds an artifact's C API with the cross
+compiler and these files.
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
+from mhagen.artifact.tvm_runtime import INCLUDE_DIR, PROBE_HEADER, RUNTIME_FILES, RUNTIME_LIBS
 from mhagen.errors import TargetError
+from mhagen.target import host_arch
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,6 @@ ARCHES = {
                     emulator_packages=("qemu-user",),
                     wheel_platform="manylinux_2_28_aarch64"),
 }
-RUNTIME_LIBS = ("libtvm_ffi.so", "libtvm_runtime.so")
 
 
 def arch_info(arch: str) -> Arch:
@@ -77,7 +80,6 @@ def install_hint(arch: str, emulator: bool = False) -> str:
 
 
 def _is_cross(target) -> bool:
-    from mhagen.target import host_arch
     return target.arch != host_arch()
 
 
@@ -109,7 +111,6 @@ def cache_root() -> Path:
 
 
 def _versions() -> tuple:
-    from importlib.metadata import version
     return version("apache-tvm"), version("apache-tvm-ffi")
 
 
@@ -123,7 +124,7 @@ def runtime(arch: str):
     string saying how to fetch them."""
     d = runtime_dir(arch)
     libs = tuple(d / "lib" / n for n in RUNTIME_LIBS)
-    header = d / "include" / "tvm" / "ffi" / "extra" / "module.h"
+    header = d / "include" / PROBE_HEADER
     if all(p.is_file() for p in (header, *libs)):
         return d / "include", libs
     return (f"no {arch} TVM runtime in {d} (fetch it once: python -m mhagen.cross fetch "
@@ -167,17 +168,18 @@ def fetch_runtime(arch: str, *, quiet: bool = True):
 
 
 def _extract(wheel: Path, staging: Path) -> list:
-    """Copy tvm_ffi/lib/libtvm_ffi.so, tvm/lib/libtvm_runtime.so and tvm_ffi/include/ out of
-    a wheel into staging/lib and staging/include; returns what was taken."""
+    """Copy TVM's runtime libraries and the tvm-ffi headers (tvm_runtime.RUNTIME_FILES,
+    INCLUDE_DIR) out of a wheel into staging/lib and staging/include; returns what was taken."""
     taken = set()
+    libs = {rel: name for name, rel in RUNTIME_FILES.items()}
+    include = INCLUDE_DIR + "/"
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
             name = info.filename
-            if name in ("tvm_ffi/lib/libtvm_ffi.so", "tvm/lib/libtvm_runtime.so"):
-                out, what = staging / "lib" / Path(name).name, name
-            elif name.startswith("tvm_ffi/include/") and not info.is_dir():
-                out, what = staging / "include" / name[len("tvm_ffi/include/"):], \
-                    "tvm_ffi/include/"
+            if name in libs:
+                out, what = staging / "lib" / libs[name], name
+            elif name.startswith(include) and not info.is_dir():
+                out, what = staging / "include" / name[len(include):], include
             else:
                 continue
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -185,20 +187,6 @@ def _extract(wheel: Path, staging: Path) -> list:
                 shutil.copyfileobj(src, dst)
             taken.add(what)
     return sorted(taken)
-
-
-def toolchain(arch: str, cxx: str | None = None):
-    """The Toolchain that compiles an `arch` artifact's C API, or a string saying why not."""
-    from mhagen.artifact.capi import Toolchain
-    a = arch_info(arch)
-    cxx = cxx or a.cxx
-    if shutil.which(cxx) is None:
-        return f"{arch} C API needs the cross compiler {cxx}; {install_hint(arch)}"
-    found = runtime(arch)
-    if isinstance(found, str):
-        return found
-    include, libs = found
-    return Toolchain(cxx, include, libs)
 
 
 # -- building and running programs -----------------------------------------------------------

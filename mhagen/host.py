@@ -95,7 +95,7 @@ def missing_features(arch: str, required) -> list:
 def cannot_run_reason(arch: str, required, what: str) -> str | None:
     """None when code for `arch` needing `required` runs here, else why not."""
     if arch != host_arch():
-        return f"{what} is {arch} code; this machine is {host_arch()}"
+        return f"{what} is {arch} code; this machine is {host_arch()}: run it on a {arch} machine"
     missing = missing_features(arch, required)
     if missing:
         return (f"{what} needs CPU features {', '.join(missing)} that this machine lacks "

@@ -187,7 +187,7 @@ def test_cli_build_without_the_cross_compiler_is_one_line(tmp_path, monkeypatch,
 def test_arm_module_cannot_be_called_here():
     layer = mhagen.mha(64, 4)
     module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
-    with pytest.raises(TargetError, match="cannot call this module: this is aarch64 code"):
+    with pytest.raises(TargetError, match="cannot call this module: .* is aarch64 code"):
         module(random_input(layer, 1, 8))
 
 

@@ -15,8 +15,7 @@ from mhagen.artifact.manifest import MODULE_VERSION, READABLE_VERSIONS, content_
 from mhagen.tolerances import assert_close
 
 DATA = Path(__file__).parent / "data"
-COMPILER = ("tvm", "mhagen.lower", "mhagen.schedules", "mhagen.passes", "mhagen.tuning",
-            "mhagen.compile")
+COMPILER = ("tvm", "mhagen.lower", "mhagen.schedules", "mhagen.tuning", "mhagen.compile")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@
                   decisions, tuning (records used), content_hash, c_api
   kernel.so       the kernels (TVM library); weights.bin (user layout); params.bin (kernel-ready)
   mha.h           the generated C header (shapes, status codes, the API, documented)
-  libmha.so       the C API (rpath $ORIGIN/lib); mha_api.cc, its generated source
+  libmha.so       the C API (rpath $ORIGIN/lib), built from mha_runtime.h/.cc (the runtime,
+                  package data) and mha_config.h (this artifact's constants, generated)
   lib/            libtvm_ffi.so and libtvm_runtime.so (about 6 MB), what libmha.so links
   te.txt, tir.txt, source.txt   inspection texts
 

@@ -1,34 +1,42 @@
-"""Generate and compile the plain C API of one saved module: DIR/mha.h, DIR/mha_api.cc,
-DIR/libmha.so (+ TVM's runtime libraries in DIR/lib).
+"""Generate and compile the plain C API of one saved module: DIR/mha.h, DIR/libmha.so (+ TVM's
+runtime libraries in DIR/lib).
 
-The generated source bakes in everything the C side needs from the manifest (format version,
-content hash, shape, the buffer and kernel tables, param offsets, file sizes and sha256, the
-CPU features the kernels need), so the C library needs no JSON parser. The generator is
-target-neutral: the compiler and the TVM runtime to link against are parameters (a cross
-build passes e.g. cxx="aarch64-linux-gnu-g++" and that architecture's runtime libraries).
+The C API's code is C++17 source in this package, mhagen/artifact/runtime/ (mha_runtime.h,
+mha_runtime.cc), copied unchanged into the artifact. What is specific to one artifact is data,
+generated here from the manifest into two headers:
+  mha.h         the public header: shape macros, the status codes (from STATUS below), the API
+  mha_config.h  the tables mha_runtime.cc reads: format version, content hash, shape, the
+                buffer and kernel tables, param offsets, the files to check (size, sha256),
+                the CPU features the kernels need, the device
+so the C library needs no JSON parser. The generator is target-neutral: the compiler and the
+TVM runtime to link against come in a Toolchain (a cross build passes e.g.
+cxx="aarch64-linux-gnu-g++" and that architecture's runtime libraries).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 import shlex
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
-from mhagen.artifact.cxx_runtime import BODY, INCLUDES
+from mhagen.artifact.files import sha256_file
+from mhagen.artifact.toolchain import Toolchain
+from mhagen.artifact.tvm_runtime import RUNTIME_LIBS, find_tvm_runtime
 from mhagen.errors import ArtifactError
-from mhagen.artifact.files import sha256_file as _sha256
 
 HEADER = "mha.h"
-SOURCE = "mha_api.cc"
+CONFIG = "mha_config.h"
+RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
+RUNTIME_SOURCES = ("mha_runtime.h", "mha_runtime.cc")   # copied from RUNTIME_DIR
+SOURCE = "mha_runtime.cc"                                # the one translation unit
 LIBRARY = "libmha.so"
 LIB_DIR = "lib"
-RUNTIME_LIBS = ("libtvm_ffi.so", "libtvm_runtime.so")
-GENERATED = (HEADER, SOURCE, LIBRARY)
+# Everything write_c_api writes but lib/ (and mha_api.cc, the generated source of mhagen
+# before the runtime became source files: removed when such a directory is saved again).
+GENERATED = (HEADER, CONFIG, *RUNTIME_SOURCES, LIBRARY, "mha_api.cc")
 
-# Status codes: (name, value, meaning) -- the one table the header's enum is written from.
+# Status codes: (name, value, meaning) -- the one table mha.h's enum and mha_config.h's
+# MHA_STATUS_LIST (mha_status_name) are written from; mha_runtime.cc uses the names only.
 STATUS = (
     ("MHA_OK", 0, "success"),
     ("MHA_ERR_NULL_ARGUMENT", 1, "a NULL artifact_dir, handle, x or y"),
@@ -45,68 +53,34 @@ STATUS = (
     ("MHA_ERR_RUNTIME", 9, "TVM failed to load kernel.so or a kernel failed"),
 )
 
+# The files mha_create checks: (name, how). "sha256": size, then the sha256 of its bytes read
+# in chunks (kernel.so: TVM loads it; params.bin: the kernels' parameters, copied into their
+# buffers while hashed). "size": only that it exists with the manifest's size -- libmha.so never
+# reads weights.bin (the user-layout weights; the kernels run params.bin), so its bytes are
+# left to mhagen.load, and the size check only catches an incomplete copy of the directory.
+CHECKED_FILES = (("kernel.so", "sha256"), ("params.bin", "sha256"), ("weights.bin", "size"))
+
 # CPU features gcc/clang's __builtin_cpu_supports() knows (x86); others are not checked at run
 # time (the manifest still lists them).
 _X86_BUILTIN_FEATURES = frozenset(
     "cmov mmx popcnt sse sse2 sse3 ssse3 sse4.1 sse4.2 avx avx2 sse4a fma4 xop fma bmi bmi2 aes "
     "pclmul avx512f avx512vl avx512bw avx512dq avx512cd avx512vbmi avx512ifma avx512vpopcntdq "
     "avx512vbmi2 gfni vpclmulqdq avx512vnni avx512bitalg".split())
+# aarch64: the glibc <sys/auxv.h> AT_HWCAP bit of each feature the kernels may need. SVE code
+# compiled for fixed-length vectors also needs the SVE vector length (kSveVectorBits).
+_AARCH64_HWCAPS = {"neon": "HWCAP_ASIMD", "sve": "HWCAP_SVE"}
+
+# The manifest's target device -> the DLPack device type mha_runtime.cc allocates on. Only the
+# CPU is implemented (mha_runtime.cc's device section); CUDA will add "cuda": "kDLCUDA".
+_DEVICES = {"cpu": "kDLCPU"}
 
 _DLPACK = {"float32": ("kDLFloat", 32), "int32": ("kDLInt", 32)}
+_ROLES = {"input": "kInput", "param": "kParam", "temp": "kTemp", "output": "kOutput"}
+_MAX_DIMS = 8     # mha_runtime.h kMaxDims
 
-
-@dataclass(frozen=True)
-class Toolchain:
-    """What compiles and links libmha.so: a C++17 compiler, the tvm-ffi headers and TVM's
-    runtime libraries for the artifact's architecture."""
-    cxx: str
-    include_dir: Path
-    runtime_libs: tuple          # paths of libtvm_ffi.so, libtvm_runtime.so
-
-    @staticmethod
-    def host(cxx: str | None = None) -> "Toolchain | str":
-        """This machine's toolchain, or a string saying why there is none."""
-        cxx = cxx or os.environ.get("CXX") or "g++"
-        if _which(shlex.split(cxx)[0]) is None:
-            return f"no C++ compiler ({cxx!r} not found; set CXX)"
-        found = find_tvm_runtime()
-        if isinstance(found, str):
-            return found
-        include, libs = found
-        return Toolchain(cxx, include, libs)
-
-
-    @staticmethod
-    def cross(arch: str, cxx: str | None = None) -> "Toolchain | str":
-        """The cross toolchain for `arch` (e.g. aarch64-linux-gnu-g++ and the aarch64 TVM
-        runtime from mhagen's cache, see mhagen.cross), or a string saying why there is none."""
-        from mhagen.cross import toolchain
-        from mhagen.errors import TargetError
-        try:
-            return toolchain(arch, cxx)
-        except TargetError as err:
-            return str(err)
-
-
-def _which(program):
-    return shutil.which(program)
-
-
-def find_tvm_runtime():
-    """(include_dir, (libtvm_ffi.so, libtvm_runtime.so)) of the installed wheels, without
-    importing TVM; or a string saying what is missing."""
-    paths = {}
-    for pkg in ("tvm_ffi", "tvm"):
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            return f"the {pkg} package is not installed"
-        paths[pkg] = Path(list(spec.submodule_search_locations)[0])
-    include = paths["tvm_ffi"] / "include"
-    libs = (paths["tvm_ffi"] / "lib" / "libtvm_ffi.so", paths["tvm"] / "lib" / "libtvm_runtime.so")
-    for p in (include / "tvm" / "ffi" / "extra" / "module.h", *libs):
-        if not p.exists():
-            return f"TVM runtime file {p} is missing"
-    return include, libs
+__all__ = ["CONFIG", "HEADER", "LIBRARY", "RUNTIME_LIBS", "STATUS", "Toolchain",
+           "compile_command", "find_tvm_runtime", "generate_config", "generate_header",
+           "remove_c_api", "write_c_api"]
 
 
 def _c_string(s: str) -> str:
@@ -179,12 +153,15 @@ def generate_header(manifest) -> str:
  *   int rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y); // MHA_OK (0) or an mha_status
  *   mha_destroy(h);
  * Build:  cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; libmha.so finds TVM's
- *         runtime libraries in DIR/lib through its own rpath $ORIGIN/lib)
+ *         runtime libraries in DIR/lib through its own rpath $ORIGIN/lib). libmha.so itself is
+ *         mha_runtime.cc compiled with this header and mha_config.h (manifest.json
+ *         c_api.build_command).
  *
  * mha_create checks the directory before it loads anything: manifest.json's format version
- * and content hash against the ones baked into this library, the CPU's features, and the size
- * and sha256 of kernel.so, params.bin and weights.bin. It never crashes on a missing,
- * truncated or corrupted file: it returns NULL with a status and a message.
+ * and content hash against the ones baked into this library, the CPU's features, the size and
+ * sha256 of kernel.so and params.bin, and the size of weights.bin (which it never reads). It
+ * never crashes on a missing, truncated or corrupted file: it returns NULL with a status and a
+ * message.
  *
  * Alignment: x and y may have any alignment; buffers that are not 64-byte aligned are copied
  * through aligned scratch buffers (pass 64-byte aligned ones, e.g. from aligned_alloc(64, n),
@@ -255,80 +232,65 @@ MHA_API const char *mha_status_name(int status);
 """
 
 
-# aarch64: Linux's HWCAP bits (asm/hwcap.h) of the features the kernels may need; SVE code
-# compiled for fixed-length vectors also needs the SVE vector length (prctl PR_SVE_GET_VL).
-_AARCH64_HWCAPS = {"neon": 1 << 1, "sve": 1 << 22}
 
 
-def _aarch64_checks(t, feats) -> list:
-    lines = ["#if defined(__aarch64__) && defined(__linux__)",
-             "  unsigned long hwcap = getauxval(AT_HWCAP);"]
-    for f in feats:
-        lines.append(f'  if (!(hwcap & {_AARCH64_HWCAPS[f]}UL)) missing += " {f}";')
-    if "sve" in feats and t.get("vector_bits"):
-        vl = int(t["vector_bits"]) // 8
-        lines += ["  if (hwcap & (1UL << 22)) {",
-                  "    int vl = prctl(51 /* PR_SVE_GET_VL */, 0, 0, 0, 0);",
-                  f"    if (vl >= 0 && (vl & 0xffff) < {vl})",
-                  f'      missing += " sve with {vl * 8}-bit vectors (this CPU\'s are " + '
-                  'std::to_string((vl & 0xffff) * 8) + "-bit)";',
-                  "  }"]
-    lines.append("#endif")
-    return lines
+def _cpu_features(manifest):
+    """(x86 features, aarch64 (feature, HWCAP macro) pairs, SVE vector bits or 0, features not
+    checkable) of the features the kernels need: what mha_create checks."""
+    t = manifest["target"]
+    feats = sorted(t.get("features") or [])
+    x86 = [f for f in feats if f in _X86_BUILTIN_FEATURES] if t["arch"] == "x86_64" else []
+    arm = ([(f, _AARCH64_HWCAPS[f]) for f in feats if f in _AARCH64_HWCAPS]
+           if t["arch"] == "aarch64" else [])
+    sve_bits = int(t.get("vector_bits") or 0) if any(f == "sve" for f, _ in arm) else 0
+    checked = set(x86) | {f for f, _ in arm}
+    return x86, arm, sve_bits, [f for f in feats if f not in checked]
+
+
+def _macro_list(name, args, entries) -> str:
+    """#define NAME(X) X(a) X(b) ..., one entry a line."""
+    lines = [f"#define {name}({args})"] + [f"  {e}" for e in entries]
+    return " \\\n".join(lines) + "\n"
 
 
 def _cpu_check(manifest) -> str:
-    t = manifest["target"]
-    feats = sorted(t.get("features") or [])
-    if t["arch"] == "x86_64":
-        checked = [f for f in feats if f in _X86_BUILTIN_FEATURES]
-    elif t["arch"] == "aarch64":
-        checked = [f for f in feats if f in _AARCH64_HWCAPS]
-    else:
-        checked = []
-    unchecked = [f for f in feats if f not in checked]
-    lines = ["// The CPU features the kernels need (checked at mha_create)."]
-    if unchecked:
-        lines.append(f"// Not checkable here: {' '.join(unchecked)}.")
-    if checked and t["arch"] == "aarch64":
-        lines += ["#if defined(__aarch64__) && defined(__linux__)", "#include <sys/auxv.h>",
-                  "#include <sys/prctl.h>", "#endif"]
-    lines.append("std::string missing_cpu_features() {")
-    lines.append("  std::string missing;")
-    if checked and t["arch"] == "aarch64":
-        lines += _aarch64_checks(t, checked)
-    elif checked:
-        lines.append("#if defined(__x86_64__) && defined(__GNUC__)")
-        lines.append("  __builtin_cpu_init();")
-        for f in checked:
-            lines.append(f'  if (!__builtin_cpu_supports("{f}")) missing += " {f}";')
-        lines.append("#endif")
-    lines.append("  return missing;")
-    lines.append("}")
-    return "\n".join(lines)
+    """mha_config.h's lists of the CPU features mha_create checks (x86: each checked with
+    __builtin_cpu_supports; aarch64: AT_HWCAP bits and the SVE vector length)."""
+    x86, arm, sve_bits, unchecked = _cpu_features(manifest)
+    out = "// The CPU features the kernels need (checked at mha_create)"
+    out += f"; not checkable here: {' '.join(unchecked)}.\n" if unchecked else ".\n"
+    out += _macro_list("MHA_X86_FEATURES", "X", [f"X({_c_string(f)})" for f in x86])
+    out += _macro_list("MHA_AARCH64_HWCAPS", "X",
+                       [f"X({_c_string(f)}, {macro})" for f, macro in arm])
+    return out + f"#define MHA_SVE_VECTOR_BITS {sve_bits}\n"
 
 
-def generate_source(manifest, files: dict) -> str:
-    """The C++ source of libmha.so. `files`: name -> (size, sha256) of the files mha_create
-    verifies (kernel.so, params.bin, weights.bin)."""
+def _file_table(directory: Path, manifest) -> list:
+    """(name, size, sha256 or None) of the files mha_create checks (CHECKED_FILES)."""
+    table = []
+    for name, how in CHECKED_FILES:
+        if name not in manifest.get("files", {}):
+            if name == "weights.bin":
+                continue
+            raise ArtifactError(f"the C API needs {name}, which the manifest does not list")
+        digest = manifest["files"][name] if how == "sha256" else None
+        table.append((name, (directory / name).stat().st_size, digest))
+    return table
+
+
+def generate_config(manifest, files: list) -> str:
+    """mha_config.h: the tables of one artifact that mha_runtime.cc reads (data only).
+    `files`: (name, size, sha256 or None) of the files mha_create checks, params.bin among
+    them."""
     lay = _layout(manifest)
     prog = manifest["program"]
+    device = manifest["target"].get("device", "cpu")
+    if device not in _DEVICES:
+        raise ArtifactError(f"the C API runs kernels on {', '.join(_DEVICES)} only; this "
+                            f"artifact's target device is {device!r}")
     params = {p["name"]: p for p in manifest.get("params") or []}
-    out = [f"// {SOURCE} -- generated by mhagen {manifest.get('mhagen_version')} for "
-           f"{_layer_summary(manifest)}",
-           f"// on {manifest['target']['name']}; do not edit (mhagen regenerates it on save).",
-           f'#include "{HEADER}"', INCLUDES]
-    out.append(f"constexpr long kFormatVersion = {int(manifest['version'])};")
-    out.append(f"constexpr const char *kFormat = {_c_string(manifest['format'])};")
-    out.append(f"constexpr const char *kContentHash = {_c_string(manifest['content_hash'])};")
-    for name, value in (("kBatch", lay["batch"]), ("kSeqLen", lay["seq"]),
-                        ("kDModel", lay["d_in"]), ("kOutDModel", lay["d_out"]),
-                        ("kRows", lay["rows"]), ("kOutCols", lay["out_cols"]),
-                        ("kInputIndex", lay["input"]), ("kOutputIndex", lay["output"])):
-        out.append(f"constexpr int64_t {name} = {value};")
-    out.append(f"constexpr int kNumBuffers = {len(prog['buffers'])};")
-    out.append("const BufferSpec kBuffers[kNumBuffers] = {")
-    roles = {"input": "kInput", "param": "kParam", "temp": "kTemp", "output": "kOutput"}
+    sizes = {name: size for name, size, _ in files}
+    buffers = []
     for b in prog["buffers"]:
         code, bits = _DLPACK[b["dtype"]]
         nbytes = bits // 8
@@ -341,61 +303,100 @@ def generate_source(manifest, files: dict) -> str:
                 raise ArtifactError(f"param {b['name']!r} is missing from params.bin or has "
                                     "another size; save the module with weights bound")
             offset = p["offset"]
-        if len(b["shape"]) > 8:
-            raise ArtifactError(f"buffer {b['name']} has more than 8 dimensions")
+            if offset < 0 or offset + nbytes > sizes["params.bin"]:
+                raise ArtifactError(f"param {b['name']!r} lies outside params.bin; rebuild "
+                                    "the module")
+        if len(b["shape"]) > _MAX_DIMS:
+            raise ArtifactError(f"buffer {b['name']} has more than {_MAX_DIMS} dimensions")
         shape = ", ".join(str(int(v)) for v in b["shape"])
-        out.append(f"    {{{_c_string(b['name'])}, {roles[b['role']]}, {code}, {bits}, "
-                   f"{len(b['shape'])}, {{{shape}}}, {nbytes}, {offset}}},")
-    out.append("};")
+        buffers.append(f"    {{{_c_string(b['name'])}, {_ROLES[b['role']]}, {code}, {bits}, "
+                       f"{len(b['shape'])}, {{{shape}}}, {nbytes}, {offset}}},")
+    kernels, args = [], []
     for k, kern in enumerate(prog["kernels"]):
-        args = ", ".join(str(lay["index"][a]) for a in kern["args"])
-        out.append(f"const int kArgs{k}[] = {{{args}}};")
-    out.append(f"constexpr int kNumKernels = {len(prog['kernels'])};")
-    out.append("const KernelSpec kKernels[kNumKernels] = {")
-    for k, kern in enumerate(prog["kernels"]):
-        out.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
-    out.append("};")
-    out.append(f"constexpr int kNumFiles = {len(files)};")
-    out.append("const FileSpec kFiles[kNumFiles] = {")
-    for name, (size, digest) in files.items():
-        out.append(f"    {{{_c_string(name)}, {size}, {_c_string(digest)}}},")
-    out.append("};")
-    names = list(files)
-    out.append(f"constexpr int kParamsFile = {names.index('params.bin')};")
-    out.append(_cpu_check(manifest))
-    out.append(BODY)
+        args.append(f"constexpr int kArgs{k}[] = "
+                    f"{{{', '.join(str(lay['index'][a]) for a in kern['args'])}}};")
+        kernels.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
+    file_rows = [f"    {{{_c_string(name)}, {size}, "
+                 f"{_c_string(digest) if digest else 'nullptr'}}},"
+                 for name, size, digest in files]
+    names = [name for name, _, _ in files]
+    t = manifest["target"]
+    out = [f"// {CONFIG} -- the tables of one artifact for {SOURCE} (generated by mhagen "
+           f"{manifest.get('mhagen_version')} from manifest.json; data only, do not edit).",
+           f"// Layer: {_layer_summary(manifest)}; target {t['name']} ({t['arch']}, device "
+           f"{device}).",
+           "#ifndef MHA_CONFIG_H_", "#define MHA_CONFIG_H_", "",
+           "#include <dlpack/dlpack.h>", "", "#include <cstdint>", "",
+           '#include "mha.h"', '#include "mha_runtime.h"', "",
+           "// mha.h's status codes (mhagen.artifact.capi.STATUS), for mha_status_name.",
+           _macro_list("MHA_STATUS_LIST", "X", [f"X({name})" for name, _, _ in STATUS]),
+           _cpu_check(manifest),
+           "namespace mha {", "namespace config {", "",
+           f"constexpr long kFormatVersion = {int(manifest['version'])};",
+           f"constexpr const char *kFormat = {_c_string(manifest['format'])};",
+           f"constexpr const char *kContentHash = {_c_string(manifest['content_hash'])};"]
+    for name, value in (("kBatch", lay["batch"]), ("kSeqLen", lay["seq"]),
+                        ("kDModel", lay["d_in"]), ("kOutDModel", lay["d_out"]),
+                        ("kRows", lay["rows"]), ("kOutCols", lay["out_cols"])):
+        out.append(f"constexpr int64_t {name} = {value};")
+    out += [f"constexpr int kInputIndex = {lay['input']};",
+            f"constexpr int kOutputIndex = {lay['output']};",
+            f"constexpr DLDeviceType kDeviceType = {_DEVICES[device]};",
+            "constexpr int kSveVectorBits = MHA_SVE_VECTOR_BITS;", "",
+            f"constexpr int kNumBuffers = {len(buffers)};",
+            "constexpr BufferSpec kBuffers[kNumBuffers] = {", *buffers, "};", "", *args,
+            f"constexpr int kNumKernels = {len(kernels)};",
+            "constexpr KernelSpec kKernels[kNumKernels] = {", *kernels, "};", "",
+            "// The files mha_create checks: size, and sha256 unless nullptr (never read).",
+            f"constexpr int kNumFiles = {len(file_rows)};",
+            "constexpr FileSpec kFiles[kNumFiles] = {", *file_rows, "};",
+            f"constexpr int kParamsFile = {names.index('params.bin')};", "",
+            "}  // namespace config", "}  // namespace mha", "", "#endif  // MHA_CONFIG_H_", ""]
     return "\n".join(out)
 
 
-def compile_command(toolchain: Toolchain, directory: Path) -> list:
-    """The compiler command that builds DIR/libmha.so from DIR/mha_api.cc (run in DIR)."""
+def compile_command(toolchain: Toolchain, directory: Path | None = None) -> list:
+    """The compiler command that builds libmha.so from mha_runtime.cc, mha.h and mha_config.h
+    (run in the artifact directory)."""
     return [*shlex.split(toolchain.cxx), "-std=c++17", "-O2", "-fPIC", "-shared",
             "-fvisibility=hidden", "-I.", f"-I{toolchain.include_dir}",
             SOURCE, "-o", LIBRARY, f"-L{LIB_DIR}", "-Wl,--no-as-needed", "-ltvm_ffi",
             "-ltvm_runtime", "-Wl,-rpath,$ORIGIN/" + LIB_DIR, "-Wl,-soname," + LIBRARY]
 
 
-def write_c_api(directory, manifest, toolchain: Toolchain, *, copy_runtime: bool = True) -> dict:
-    """Write mha.h and mha_api.cc into `directory`, copy TVM's runtime libraries into
-    directory/lib and compile libmha.so. The manifest must carry its content_hash and file
-    table. Returns the manifest's "c_api" section; raises ArtifactError if the compiler fails."""
+def write_sources(directory, manifest) -> list:
+    """Write the C API's sources into `directory`: mha.h, mha_config.h (generated) and the
+    runtime (copied); returns their names. Raises ArtifactError if the C API cannot run this
+    artifact."""
     directory = Path(directory)
     if not manifest.get("params"):
         raise ArtifactError("the C API needs the kernels' parameters: bind weights before saving")
-    files = {}
-    for name in ("kernel.so", "params.bin", "weights.bin"):
-        if name in manifest.get("files", {}):
-            files[name] = ((directory / name).stat().st_size, manifest["files"][name])
+    config = generate_config(manifest, _file_table(directory, manifest))
     (directory / HEADER).write_text(generate_header(manifest))
-    (directory / SOURCE).write_text(generate_source(manifest, files))
+    (directory / CONFIG).write_text(config)
+    for name in RUNTIME_SOURCES:
+        shutil.copyfile(RUNTIME_DIR / name, directory / name)
+    return [HEADER, CONFIG, *RUNTIME_SOURCES]
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    if not (dst.exists() and dst.stat().st_size == src.stat().st_size
+            and sha256_file(dst) == sha256_file(src)):
+        shutil.copy(src, dst)
+
+
+def write_c_api(directory, manifest, toolchain: Toolchain, *, copy_runtime: bool = True) -> dict:
+    """Write mha.h, mha_config.h and the runtime sources into `directory`, copy TVM's runtime
+    libraries into directory/lib and compile libmha.so. The manifest must carry its
+    content_hash and file table. Returns the manifest's "c_api" section; raises ArtifactError
+    if the C API cannot run this artifact or the compiler fails."""
+    directory = Path(directory)
+    sources = write_sources(directory, manifest)
     libdir = directory / LIB_DIR
     libdir.mkdir(exist_ok=True)
     if copy_runtime:
         for src in toolchain.runtime_libs:
-            dst = libdir / Path(src).name
-            if not (dst.exists() and dst.stat().st_size == Path(src).stat().st_size
-                    and _sha256(dst) == _sha256(src)):
-                shutil.copy(src, dst)
+            _copy_if_changed(Path(src), libdir / Path(src).name)
     cmd = compile_command(toolchain, directory)
     try:
         r = subprocess.run(cmd, cwd=directory, capture_output=True, text=True, timeout=300)
@@ -405,17 +406,19 @@ def write_c_api(directory, manifest, toolchain: Toolchain, *, copy_runtime: bool
         raise ArtifactError(f"compiling the C API ({' '.join(cmd)}) failed:\n{r.stderr[-4000:]}")
     version = subprocess.run([*shlex.split(toolchain.cxx), "--version"], capture_output=True,
                              text=True).stdout.splitlines()
-    names = [HEADER, SOURCE, LIBRARY] + [f"{LIB_DIR}/{n}" for n in RUNTIME_LIBS
-                                         if (libdir / n).exists()]
-    return {"header": HEADER, "library": LIBRARY, "source": SOURCE,
+    names = [*sources, LIBRARY] + [f"{LIB_DIR}/{n}" for n in RUNTIME_LIBS
+                                   if (libdir / n).exists()]
+    return {"header": HEADER, "library": LIBRARY, "source": SOURCE, "config": CONFIG,
             "runtime_libs": [f"{LIB_DIR}/{n}" for n in RUNTIME_LIBS],
             "compiler": version[0] if version else toolchain.cxx,
             "build_command": " ".join(shlex.quote(c) for c in cmd),
-            "checks": sorted(files), "files": {n: _sha256(directory / n) for n in names}}
+            "checks": {name: how for name, how in CHECKED_FILES
+                       if name in manifest.get("files", {})},
+            "files": {n: sha256_file(directory / n) for n in names}}
 
 
 def remove_c_api(directory) -> None:
-    """Remove generated C API files left by an earlier save (the runtime in lib/ stays)."""
+    """Remove the C API files left by an earlier save (the runtime in lib/ stays)."""
     for name in GENERATED:
         p = Path(directory) / name
         if p.exists():

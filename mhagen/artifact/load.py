@@ -59,7 +59,7 @@ def load(path) -> Module:
         why = (f"it needs CPU features {', '.join(unknown)} that this machine lacks or mhagen "
                "cannot check")
     if why:
-        raise ArtifactError(f"{path}: {why}; rebuild it for this machine (e.g. --target x86)")
+        raise ArtifactError(f"{path}: {why}")
     weights = params = None
     if man.get("params"):
         weights = read_tensors(path / "weights.bin", man.get("weights") or [])

@@ -1,0 +1,583 @@
+// mha_runtime.cc -- the C API (mha.h) of a compiled mhagen artifact: mha_create checks and
+// loads the artifact directory, mha_run calls its kernels.
+//
+// mhagen ships this file unchanged; it reads the artifact only through the tables of the
+// generated mha_config.h (see mha_runtime.h) and the status codes of the generated mha.h, both
+// written from manifest.json and mhagen.artifact.capi.STATUS. Nothing here depends on the
+// target architecture: a cross compiler builds it unchanged. Build (in the artifact directory;
+// manifest.json c_api.build_command has the exact line):
+//   c++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -I. -I<tvm-ffi include>
+//       mha_runtime.cc -o libmha.so -Llib -ltvm_ffi -ltvm_runtime -Wl,-rpath,'$ORIGIN/lib'
+#include "mha.h"
+#include "mha_config.h"
+#include "mha_runtime.h"
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/extra/module.h>
+#include <tvm/ffi/function.h>
+
+#include <sched.h>
+#include <sys/stat.h>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#endif
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace mha {
+namespace {
+
+using namespace config;
+
+// ---- errors: one status and message per thread ---------------------------------------------
+thread_local int g_code = MHA_OK;
+thread_local std::string g_message;
+
+int fail(int code, const std::string &message) {
+  g_code = code;
+  g_message = message;
+  return code;
+}
+
+void clear_error() {
+  g_code = MHA_OK;
+  g_message.clear();
+}
+
+// ---- the device the kernels' buffers live on ------------------------------------------------
+// The one place that knows where buffers live. mha_config.h's kDeviceType comes from the
+// manifest's target device; this runtime implements the CPU (buffers from posix_memalign,
+// copies with memcpy, the caller's arrays used in place when aligned). Another device (CUDA)
+// adds its allocator, copies and DLDevice here.
+static_assert(kDeviceType == kDLCPU, "mha_runtime.cc implements the CPU device only");
+
+constexpr size_t kAlign = 64;       // the kernels use aligned vector loads
+
+DLDevice device() { return DLDevice{kDeviceType, 0}; }
+
+// `bytes` of zeroed device memory, kAlign-aligned; nullptr when out of memory.
+void *device_alloc(size_t bytes) {
+  const size_t padded = bytes ? (bytes + kAlign - 1) / kAlign * kAlign : kAlign;
+  void *p = nullptr;
+  if (posix_memalign(&p, kAlign, padded) != 0) return nullptr;
+  std::memset(p, 0, padded);
+  return p;
+}
+
+void device_free(void *p) { std::free(p); }
+
+void copy_to_device(void *dst, const void *src, size_t n) { std::memcpy(dst, src, n); }
+
+void copy_to_host(void *dst, const void *src, size_t n) { std::memcpy(dst, src, n); }
+
+// Whether the kernels may use a caller's array in place instead of a staging copy.
+bool usable_in_place(const void *p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 0; }
+
+// ---- SHA-256 (FIPS 180-4) -------------------------------------------------------------------
+class Sha256 {
+ public:
+  Sha256() {
+    static const uint32_t init[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    std::memcpy(h_, init, sizeof h_);
+  }
+  void update(const uint8_t *data, size_t n) {
+    length_ += n;
+    if (fill_) {
+      size_t take = n < 64 - fill_ ? n : 64 - fill_;
+      std::memcpy(block_ + fill_, data, take);
+      fill_ += take, data += take, n -= take;
+      if (fill_ == 64) compress(block_), fill_ = 0;
+    }
+    for (; n >= 64; data += 64, n -= 64) compress(data);
+    if (n) std::memcpy(block_, data, n);
+    fill_ += n;
+  }
+  std::string hex() {
+    uint64_t bits = length_ * 8;
+    uint8_t pad[72] = {0x80};
+    size_t padlen = (fill_ < 56 ? 56 : 120) - fill_;
+    for (size_t i = 0; i < 8; ++i) pad[padlen + i] = uint8_t(bits >> (56 - 8 * i));
+    update(pad, padlen + 8);
+    static const char digits[] = "0123456789abcdef";
+    std::string out(64, '0');
+    for (size_t i = 0; i < 32; ++i) {
+      uint8_t b = uint8_t(h_[i / 4] >> (24 - 8 * (i % 4)));
+      out[2 * i] = digits[b >> 4];
+      out[2 * i + 1] = digits[b & 15];
+    }
+    return out;
+  }
+
+ private:
+  static uint32_t rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+  void compress(const uint8_t *p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+        0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+        0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+        0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+        0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+        0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+        0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+        0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+        0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2};
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = uint32_t(p[4 * i]) << 24 | uint32_t(p[4 * i + 1]) << 16 |
+             uint32_t(p[4 * i + 2]) << 8 | uint32_t(p[4 * i + 3]);
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h_[0], b = h_[1], c = h_[2], d = h_[3], e = h_[4], f = h_[5], g = h_[6],
+             h = h_[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = h + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] +
+                    w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      h = g, g = f, f = e, e = d + t1, d = c, c = b, b = a, a = t1 + t2;
+    }
+    h_[0] += a, h_[1] += b, h_[2] += c, h_[3] += d, h_[4] += e, h_[5] += f, h_[6] += g,
+        h_[7] += h;
+  }
+  uint32_t h_[8];
+  uint8_t block_[64];
+  size_t fill_ = 0;
+  uint64_t length_ = 0;
+};
+
+// ---- files ----------------------------------------------------------------------------------
+// Checks that `path` is a regular file of `expected` bytes (any size if expected < 0; then
+// returns it in *size).
+int check_size(const std::string &path, int64_t expected, int64_t *size = nullptr) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0)
+    return fail(MHA_ERR_NOT_FOUND, "mha_create: " + path + " is missing (" +
+                                       std::strerror(errno) +
+                                       "); copy the whole artifact directory");
+  if (!S_ISREG(st.st_mode))
+    return fail(MHA_ERR_NOT_FOUND, "mha_create: " + path + " is not a regular file");
+  const int64_t got = int64_t(st.st_size);
+  if (expected >= 0 && got != expected)
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + path + " has " + std::to_string(got) +
+                                     " bytes, expected " + std::to_string(expected) + " (" +
+                                     (got < expected ? "truncated" : "replaced or corrupted") +
+                                     "); rebuild the artifact or copy it again");
+  if (size) *size = got;
+  return MHA_OK;
+}
+
+// Reads the file of `spec` in 1 MiB chunks, hashing them and handing each to
+// sink(offset, bytes, n); fails unless it has spec.size bytes and spec.sha256.
+template <class Sink>
+int verify_file(const std::string &path, const FileSpec &spec, Sink &&sink) {
+  if (check_size(path, spec.size) != MHA_OK) return g_code;
+  std::FILE *f = std::fopen(path.c_str(), "rb");
+  if (!f)
+    return fail(MHA_ERR_NOT_FOUND,
+                "mha_create: cannot open " + path + " (" + std::strerror(errno) + ")");
+  std::vector<uint8_t> chunk(size_t(1) << 20);
+  Sha256 sha;
+  int64_t offset = 0;
+  for (size_t n; (n = std::fread(chunk.data(), 1, chunk.size(), f)) > 0; offset += int64_t(n)) {
+    sha.update(chunk.data(), n);
+    sink(offset, chunk.data(), n);
+  }
+  const bool read_error = std::ferror(f) != 0;
+  std::fclose(f);
+  if (read_error || offset != spec.size)
+    return fail(MHA_ERR_CORRUPT, "mha_create: could not read all of " + path);
+  if (sha.hex() != spec.sha256)
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + path + " is corrupted (sha256 mismatch); "
+                                 "rebuild the artifact or copy it again");
+  return MHA_OK;
+}
+
+// The whole of a small file (manifest.json, at most 64 MiB).
+int read_small_file(const std::string &path, std::string *out) {
+  int64_t size = 0;
+  if (check_size(path, -1, &size) != MHA_OK) return g_code;
+  if (size > (int64_t(64) << 20))
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + path + " is implausibly large");
+  std::FILE *f = std::fopen(path.c_str(), "rb");
+  if (!f)
+    return fail(MHA_ERR_NOT_FOUND,
+                "mha_create: cannot open " + path + " (" + std::strerror(errno) + ")");
+  out->resize(size_t(size));
+  const size_t got = size ? std::fread(&(*out)[0], 1, size_t(size), f) : 0;
+  std::fclose(f);
+  if (got != size_t(size))
+    return fail(MHA_ERR_CORRUPT, "mha_create: could not read all of " + path);
+  return MHA_OK;
+}
+
+// ---- manifest.json: find a top-level key's value without a JSON parser ----------------------
+bool is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
+
+size_t top_level_value(const std::string &s, const char *key) {
+  const size_t n = s.size(), keylen = std::strlen(key);
+  int depth = 0;
+  for (size_t i = 0; i < n;) {
+    char c = s[i];
+    if (c == '"') {
+      size_t start = ++i;
+      while (i < n && s[i] != '"') i += (s[i] == '\\') ? 2u : 1u;
+      if (i >= n) return std::string::npos;
+      size_t end = i++;
+      if (depth == 1) {
+        size_t j = i;
+        while (j < n && is_space(s[j])) ++j;
+        if (j < n && s[j] == ':' && end - start == keylen &&
+            s.compare(start, keylen, key) == 0) {
+          for (++j; j < n && is_space(s[j]);) ++j;
+          return j;
+        }
+      }
+      continue;
+    }
+    if (c == '{' || c == '[') ++depth;
+    if (c == '}' || c == ']') --depth;
+    ++i;
+  }
+  return std::string::npos;
+}
+
+bool top_level_string(const std::string &s, const char *key, std::string *out) {
+  size_t p = top_level_value(s, key);
+  if (p == std::string::npos || s[p] != '"') return false;
+  size_t q = s.find('"', p + 1);
+  if (q == std::string::npos) return false;
+  *out = s.substr(p + 1, q - p - 1);
+  return true;
+}
+
+bool top_level_int(const std::string &s, const char *key, long *out) {
+  size_t p = top_level_value(s, key);
+  if (p == std::string::npos) return false;
+  const char *begin = s.c_str() + p;
+  char *end = nullptr;
+  errno = 0;
+  long v = std::strtol(begin, &end, 10);
+  if (end == begin || errno) return false;
+  *out = v;
+  return true;
+}
+
+// ---- the CPU features the kernels need (mha_config.h's lists) -------------------------------
+#if defined(__aarch64__) && defined(__linux__)
+#ifdef PR_SVE_GET_VL
+constexpr int kPrSveGetVl = PR_SVE_GET_VL;
+#else
+constexpr int kPrSveGetVl = 51;    // linux/prctl.h
+#endif
+#endif
+
+// " avx2 fma" for the features this CPU lacks; "" when it has them all.
+std::string missing_cpu_features() {
+  std::string missing;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+#define MHA_CHECK_X86(name) \
+  if (!__builtin_cpu_supports(name)) missing += " " name;
+  MHA_X86_FEATURES(MHA_CHECK_X86)
+#undef MHA_CHECK_X86
+#elif defined(__aarch64__) && defined(__linux__)
+  [[maybe_unused]] const unsigned long hwcap = getauxval(AT_HWCAP);
+#define MHA_CHECK_HWCAP(name, bit) \
+  if (!(hwcap & (bit))) missing += " " name;
+  MHA_AARCH64_HWCAPS(MHA_CHECK_HWCAP)
+#undef MHA_CHECK_HWCAP
+  if (kSveVectorBits > 0 && (hwcap & HWCAP_SVE)) {
+    const int vl = prctl(kPrSveGetVl, 0, 0, 0, 0);
+    if (vl >= 0 && (vl & 0xffff) * 8 < kSveVectorBits)
+      missing += " sve with " + std::to_string(kSveVectorBits) + "-bit vectors (this CPU's are " +
+                 std::to_string((vl & 0xffff) * 8) + "-bit)";
+  }
+#endif
+  return missing;
+}
+
+// ---- threads: size TVM's pool to the usable CPUs unless TVM_NUM_THREADS is set --------------
+void prepare_threads() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+#ifdef __linux__
+    if (std::getenv("TVM_NUM_THREADS") == nullptr) {
+      cpu_set_t set;
+      if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
+        setenv("TVM_NUM_THREADS", std::to_string(CPU_COUNT(&set)).c_str(), 0);
+    }
+#endif
+  });
+}
+
+}  // namespace
+}  // namespace mha
+
+// ---- the handle ------------------------------------------------------------------------------
+struct mha_handle {
+  std::mutex mutex;                 // one run at a time: temps and staging buffers are shared
+  tvm::ffi::Optional<tvm::ffi::Module> module;
+  std::vector<tvm::ffi::Function> kernels;
+  std::vector<std::vector<tvm::ffi::AnyView>> args;   // views of `tensors`
+  std::vector<DLTensor> tensors;    // one per buffer; never resized after mha_create
+  std::vector<void *> data;         // device memory; input/output: staging copies
+  ~mha_handle() {
+    args.clear();
+    kernels.clear();
+    module = tvm::ffi::Optional<tvm::ffi::Module>();
+    for (void *p : data) mha::device_free(p);
+  }
+};
+
+namespace mha {
+namespace {
+
+// Checks the manifest of `dir` against the tables baked in here.
+int check_manifest(const std::string &dir) {
+  std::string manifest, format, hash;
+  const std::string mpath = dir + "/manifest.json";
+  if (read_small_file(mpath, &manifest) != MHA_OK) return g_code;
+  long version = 0;
+  if (!top_level_string(manifest, "format", &format) || format != kFormat)
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + mpath + " is not an mhagen module manifest "
+                                 "(corrupted?); rebuild the artifact");
+  if (!top_level_int(manifest, "version", &version))
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + mpath + " has no format version (corrupted?)");
+  if (version != kFormatVersion)
+    return fail(MHA_ERR_VERSION,
+                "mha_create: " + dir + " has artifact format version " + std::to_string(version) +
+                    (version > kFormatVersion ? ", newer than" : ", older than") + " version " +
+                    std::to_string(kFormatVersion) + " that this libmha.so reads: " +
+                    (version > kFormatVersion
+                         ? "link your program against the mha.h and libmha.so in that directory"
+                         : "rebuild the artifact with the current mhagen"));
+  if (!top_level_string(manifest, "content_hash", &hash))
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + mpath + " has no content_hash (corrupted?)");
+  if (hash != kContentHash)
+    return fail(MHA_ERR_MISMATCH, "mha_create: " + dir + " holds artifact " + hash.substr(0, 16) +
+                                      ", but this libmha.so was generated for artifact " +
+                                      std::string(kContentHash).substr(0, 16) +
+                                      ": use the mha.h and libmha.so of that directory");
+  return MHA_OK;
+}
+
+// Allocates the buffers and describes them as DLTensors.
+int allocate(mha_handle *h) {
+  h->tensors.resize(size_t(kNumBuffers));
+  h->data.assign(size_t(kNumBuffers), nullptr);
+  for (int i = 0; i < kNumBuffers; ++i) {
+    const BufferSpec &b = kBuffers[i];
+    h->data[size_t(i)] = device_alloc(size_t(b.nbytes));
+    if (h->data[size_t(i)] == nullptr)
+      return fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory (" + std::to_string(b.nbytes) +
+                                         " bytes for buffer " + b.name + ")");
+    DLTensor &t = h->tensors[size_t(i)];
+    t.data = h->data[size_t(i)];
+    t.device = device();
+    t.ndim = b.ndim;
+    t.dtype = DLDataType{b.code, b.bits, 1};
+    t.shape = const_cast<int64_t *>(b.shape);
+    t.strides = nullptr;
+    t.byte_offset = 0;
+  }
+  return MHA_OK;
+}
+
+// Checks kernel.so and params.bin (size and sha256; weights.bin: size only, libmha.so never
+// reads it) and copies the parameters into their buffers while hashing params.bin.
+int verify_files(const std::string &dir, mha_handle *h) {
+  for (int i = 0; i < kNumFiles; ++i)   // sizes first: a truncated copy fails before any read
+    if (check_size(dir + "/" + kFiles[i].name, kFiles[i].size) != MHA_OK) return g_code;
+  auto ignore = [](int64_t, const uint8_t *, size_t) {};
+  auto load_params = [h](int64_t at, const uint8_t *bytes, size_t n) {
+    const int64_t end = at + int64_t(n);
+    for (int i = 0; i < kNumBuffers; ++i) {
+      const BufferSpec &b = kBuffers[i];
+      const int64_t lo = b.offset > at ? b.offset : at;
+      const int64_t hi = b.offset + b.nbytes < end ? b.offset + b.nbytes : end;
+      if (b.role == kParam && lo < hi)
+        copy_to_device(static_cast<uint8_t *>(h->data[size_t(i)]) + (lo - b.offset),
+                       bytes + (lo - at), size_t(hi - lo));
+    }
+  };
+  for (int i = 0; i < kNumFiles; ++i) {
+    if (kFiles[i].sha256 == nullptr) continue;
+    const std::string path = dir + "/" + kFiles[i].name;
+    const int rc = i == kParamsFile ? verify_file(path, kFiles[i], load_params)
+                                    : verify_file(path, kFiles[i], ignore);
+    if (rc != MHA_OK) return rc;
+  }
+  return MHA_OK;
+}
+
+// Loads kernel.so and binds each kernel's arguments.
+int load_kernels(const std::string &dir, mha_handle *h) {
+  const std::string kpath = dir + "/kernel.so";
+  try {
+    h->module = tvm::ffi::Module::LoadFromFile(kpath);
+    for (int k = 0; k < kNumKernels; ++k) {
+      auto f = h->module.value()->GetFunction(kKernels[k].name);
+      if (!f.has_value())
+        return fail(MHA_ERR_CORRUPT, "mha_create: " + kpath + " has no kernel '" +
+                                         kKernels[k].name + "'; rebuild the artifact");
+      h->kernels.push_back(*f);
+      std::vector<tvm::ffi::AnyView> args;
+      for (int a = 0; a < kKernels[k].nargs; ++a)
+        args.push_back(tvm::ffi::AnyView(&h->tensors[size_t(kKernels[k].args[a])]));
+      h->args.push_back(std::move(args));
+    }
+  } catch (const std::exception &e) {
+    return fail(MHA_ERR_RUNTIME, "mha_create: TVM could not load " + kpath + ": " + e.what());
+  }
+  return MHA_OK;
+}
+
+mha_handle *create(const char *dir_c) {
+  clear_error();
+  if (dir_c == nullptr) {
+    fail(MHA_ERR_NULL_ARGUMENT, "mha_create: artifact_dir is NULL");
+    return nullptr;
+  }
+  const std::string dir(dir_c);
+  struct stat st;
+  if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fail(MHA_ERR_NOT_FOUND, "mha_create: no artifact directory at '" + dir +
+                                "' (write one with `mhagen build ... --out DIR`)");
+    return nullptr;
+  }
+  if (check_manifest(dir) != MHA_OK) return nullptr;
+  const std::string missing = missing_cpu_features();
+  if (!missing.empty()) {
+    fail(MHA_ERR_TARGET, "mha_create: this CPU lacks" + missing + " that the kernels in " +
+                             dir + " need; rebuild the artifact for this machine "
+                             "(mhagen build --target x86 on x86, arm-neon on aarch64)");
+    return nullptr;
+  }
+  std::unique_ptr<mha_handle> h(new (std::nothrow) mha_handle());
+  if (!h) {
+    fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory");
+    return nullptr;
+  }
+  if (allocate(h.get()) != MHA_OK || verify_files(dir, h.get()) != MHA_OK) return nullptr;
+  prepare_threads();
+  if (load_kernels(dir, h.get()) != MHA_OK) return nullptr;
+  return h.release();
+}
+
+int run(mha_handle *h, const float *x, int batch, int seq_len, float *y) {
+  clear_error();
+  if (h == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT,
+                "mha_run: handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, "mha_run: x is NULL");
+  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, "mha_run: y is NULL");
+  if (batch != kBatch || seq_len != kSeqLen)
+    return fail(MHA_ERR_SHAPE,
+                "mha_run: got batch=" + std::to_string(batch) + ", seq_len=" +
+                    std::to_string(seq_len) + ", but this artifact is compiled for batch=" +
+                    std::to_string(kBatch) + ", seq_len=" + std::to_string(kSeqLen) +
+                    " only (x is float32 [" + std::to_string(kBatch) + ", " +
+                    std::to_string(kSeqLen) + ", " + std::to_string(kDModel) +
+                    "]); build another artifact: mhagen build --batch " +
+                    std::to_string(batch) + " --seq-len " + std::to_string(seq_len) + " ...");
+  std::lock_guard<std::mutex> lock(h->mutex);
+  void *in_scratch = h->data[size_t(kInputIndex)];
+  void *out_scratch = h->data[size_t(kOutputIndex)];
+  DLTensor &in = h->tensors[size_t(kInputIndex)];
+  DLTensor &out = h->tensors[size_t(kOutputIndex)];
+  if (usable_in_place(x)) {
+    in.data = const_cast<float *>(x);   // the kernels only read their input
+  } else {
+    copy_to_device(in_scratch, x, size_t(kBuffers[kInputIndex].nbytes));
+  }
+  const bool direct = kOutCols == kOutDModel && usable_in_place(y);
+  if (direct) out.data = y;
+  int rc = MHA_OK;
+  try {
+    for (size_t k = 0; k < h->kernels.size(); ++k) {
+      tvm::ffi::Any result;
+      h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
+    }
+  } catch (const std::exception &e) {
+    rc = fail(MHA_ERR_RUNTIME, std::string("mha_run: a kernel failed: ") + e.what());
+  }
+  in.data = in_scratch;
+  out.data = out_scratch;
+  if (rc == MHA_OK && !direct) {
+    const float *src = static_cast<const float *>(out_scratch);
+    for (int64_t r = 0; r < kRows; ++r)
+      copy_to_host(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(float));
+  }
+  return rc;
+}
+
+}  // namespace
+}  // namespace mha
+
+extern "C" {
+
+MHA_API mha_handle *mha_create(const char *artifact_dir) {
+  try {
+    return mha::create(artifact_dir);
+  } catch (const std::bad_alloc &) {
+    mha::fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory");
+  } catch (const std::exception &e) {
+    mha::fail(MHA_ERR_RUNTIME, std::string("mha_create: ") + e.what());
+  } catch (...) {
+    mha::fail(MHA_ERR_RUNTIME, "mha_create: unknown error");
+  }
+  return nullptr;
+}
+
+MHA_API int mha_run(mha_handle *handle, const float *x, int batch, int seq_len, float *y) {
+  try {
+    return mha::run(handle, x, batch, seq_len, y);
+  } catch (const std::bad_alloc &) {
+    return mha::fail(MHA_ERR_NO_MEMORY, "mha_run: out of memory");
+  } catch (const std::exception &e) {
+    return mha::fail(MHA_ERR_RUNTIME, std::string("mha_run: ") + e.what());
+  } catch (...) {
+    return mha::fail(MHA_ERR_RUNTIME, "mha_run: unknown error");
+  }
+}
+
+MHA_API void mha_destroy(mha_handle *handle) {
+  try {
+    delete handle;
+  } catch (...) {
+  }
+}
+
+MHA_API const char *mha_last_error(void) { return mha::g_message.c_str(); }
+
+MHA_API int mha_last_error_code(void) { return mha::g_code; }
+
+MHA_API const char *mha_status_name(int status) {
+  switch (status) {
+#define MHA_STATUS_CASE(name) \
+  case name:                  \
+    return #name;
+    MHA_STATUS_LIST(MHA_STATUS_CASE)
+#undef MHA_STATUS_CASE
+    default:
+      return "MHA_ERR_UNKNOWN";
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,58 @@
+// mha_runtime.h -- the types of the tables that describe one compiled mhagen artifact.
+//
+// mhagen ships this file and mha_runtime.cc unchanged in every artifact directory; the only
+// artifact-specific C++ is the generated mha_config.h (data only, written by
+// mhagen/artifact/capi.py from manifest.json), which defines in namespace mha::config:
+//
+//   kFormatVersion, kFormat, kContentHash     what mha_create expects in manifest.json
+//   kBatch, kSeqLen, kDModel, kOutDModel      the one shape the kernels run
+//   kRows, kOutCols                           output buffer: kRows rows of kOutCols floats
+//   kInputIndex, kOutputIndex                 the input and output in kBuffers
+//   kNumBuffers, kBuffers[]                   every kernel argument (BufferSpec)
+//   kNumKernels, kKernels[]                   the kernels of kernel.so, called in order
+//   kNumFiles, kFiles[], kParamsFile          the files mha_create checks (FileSpec)
+//   kDeviceType                               where the buffers live (DLPack device type)
+//   kSveVectorBits                            aarch64: SVE vector length the kernels need, or 0
+// and the lists (X-macros: each expands X once per entry)
+//   MHA_STATUS_LIST(X)        X(name) per status code of mha.h, in order
+//   MHA_X86_FEATURES(X)       X("avx2") per x86 feature __builtin_cpu_supports checks
+//   MHA_AARCH64_HWCAPS(X)     X("neon", bit) per aarch64 feature and its AT_HWCAP bit
+#ifndef MHA_RUNTIME_H_
+#define MHA_RUNTIME_H_
+
+#include <dlpack/dlpack.h>
+
+#include <cstdint>
+
+namespace mha {
+
+enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3 };
+
+constexpr int kMaxDims = 8;
+
+struct BufferSpec {
+  const char *name;
+  int role;                 // Role
+  uint8_t code;             // DLDataTypeCode
+  uint8_t bits;
+  int ndim;
+  int64_t shape[kMaxDims];
+  int64_t nbytes;
+  int64_t offset;           // params: byte offset in params.bin; else -1
+};
+
+struct KernelSpec {
+  const char *name;         // the function's name in kernel.so
+  int nargs;
+  const int *args;          // indices into kBuffers
+};
+
+struct FileSpec {
+  const char *name;         // relative to the artifact directory
+  int64_t size;             // bytes
+  const char *sha256;       // hex; nullptr: the size is checked, the bytes are never read
+};
+
+}  // namespace mha
+
+#endif  // MHA_RUNTIME_H_
