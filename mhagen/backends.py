@@ -11,7 +11,12 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
                    and row blocks; the lowering sizes its temporaries with it)
   head_dim_padded  the head width the attention template reads (each head padded)
   gemm_rule        the GEMM rule whose register-tile rows the autotuner samples first
-  device           where kernels run and buffers live ("cpu"): the runtime and the C API
+  device           where kernels run and buffers live ("cpu", "cuda"): the runtime and the C API
+  verify           (optional) (kernel, scheduled PrimFunc, target) -> None; raises ScheduleError
+                   when the schedule cannot run there (CUDA: a block left outside GPU threads
+                   would compile to host code, or to nothing, without any error from TVM)
+  device_compile   (optional) (executable, target) -> DeviceCode: the device code compiled at
+                   build time (CUDA: nvcc's fatbin, its PTX and ptxas' resource report)
 
 A family is a folder of schedules/ (installed as mhagen.schedules.<folder>) whose __init__
 defines BACKEND. The table below is all that is known of a family without importing it
@@ -34,7 +39,8 @@ class Family:
 
 
 FAMILIES = {"cpu-x86": Family("cpu-x86", "x86", "cpu"),
-            "cpu-arm": Family("cpu-arm", "arm", "cpu")}
+            "cpu-arm": Family("cpu-arm", "arm", "cpu"),
+            "cuda": Family("cuda", "cuda", "cuda")}
 FAMILY_OF_ARCH = {"x86_64": "cpu-x86", "aarch64": "cpu-arm"}   # presets that name none
 
 
@@ -48,6 +54,8 @@ class Backend:
     gemm_rows: Callable          # (target, rows, depth) -> rows run over
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object
+    verify: Callable | None = None
+    device_compile: Callable | None = None
 
 
 def family_of(target) -> Family:

@@ -6,6 +6,7 @@ import time
 
 import tvm
 
+from mhagen.backends import backend_for
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
@@ -18,7 +19,9 @@ from mhagen.tuning.records import Database, Tuning
 
 def compile_program(program, target, tuning=None):
     """Schedule every kernel (consulting `tuning` records) and compile them into one library;
-    returns (executable, texts, decisions)."""
+    returns (executable, texts, decisions, device code). A backend with device code (CUDA)
+    compiles it here too (its DeviceCode; texts["source"]: CUDA source, PTX, ptxas report);
+    else the device code is None."""
     funcs, decisions = {}, []
     for kernel in program.kernels:
         record = tuning.lookup(program.key(kernel.name)) if tuning and program.key else None
@@ -27,7 +30,13 @@ def compile_program(program, target, tuning=None):
         decisions += [d.__dict__ for d in dec]
     mod = tvm.IRModule(funcs)
     executable = tvm.compile(mod, target=target.tvm)
-    return executable, {"te": program.te_text, "tir": mod.script()}, decisions
+    texts = {"te": program.te_text, "tir": mod.script()}
+    device_compile = backend_for(target).device_compile
+    device = None
+    if device_compile is not None:
+        device = device_compile(executable, target)
+        texts["source"] = "\n".join([device.source, device.ptx, device.ptxas_report])
+    return executable, texts, decisions, device
 
 
 def resolve_tuning(tuning, target):
@@ -56,9 +65,10 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
     start = time.perf_counter()
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning)
-    executable, texts, decisions = compile_program(program, t, tuning)
+    executable, texts, decisions, device = compile_program(program, t, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,
-                     compile_seconds=time.perf_counter() - start, executable=executable)
+                     compile_seconds=time.perf_counter() - start, executable=executable,
+                     device_code=device)
     return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info)

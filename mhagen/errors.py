@@ -17,5 +17,10 @@ class TargetError(MhagenError, ValueError):
     """An unknown target preset, or a target this machine cannot build for or run."""
 
 
+class ScheduleError(MhagenError, RuntimeError):
+    """A scheduled kernel cannot run on its target (e.g. GPU code left outside GPU threads), or
+    its device code does not compile within the target's limits."""
+
+
 class ArtifactError(MhagenError, ValueError):
     """A saved module is missing files, corrupted, or from an incompatible version."""

@@ -44,6 +44,8 @@ class BuildInfo:
     tuning_records: list = field(default_factory=list)
     compile_seconds: float | None = None
     executable: object = None    # tvm Executable of a fresh build (export_library saves it)
+    device_code: object = None   # GPU builds: the device code compiled at build time
+                                 # (schedules/cuda/nvcc.py DeviceCode: fatbin, PTX, ptxas report)
     library_path: str | None = None  # kernel.so of a loaded module
     constants: dict = field(default_factory=dict)  # constant params of a loaded module
 

@@ -4,6 +4,7 @@ Rules read attributes (vector_bits, cores, features), never target names.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import asdict, dataclass, fields
 
@@ -50,7 +51,10 @@ class Target:
     def cpu_class(self) -> str:
         """What changes the best schedule, as a name: ISA family, vector width, vector
         registers ("x86_64-v512-r32": AVX-512; "x86_64-v256-r16": AVX2). Tuning records are
-        kept per class; cache sizes pick the closest record within a class."""
+        kept per class; cache sizes pick the closest record within a class. A GPU's class is
+        its architecture ("cuda-sm_90")."""
+        if self.device != "cpu":
+            return f"{self.arch}-{self.tvm_target_dict().get('arch', '')}"
         return f"{self.arch}-v{self.vector_bits}-r{self.vector_registers}"
 
     def runs_here(self) -> bool:
@@ -62,6 +66,13 @@ class Target:
 
     def cannot_run(self) -> str | None:
         """None when this machine can run this target's code, else why not."""
+        if self.device == "cuda":
+            what = f"this code ({self.name}, CUDA {self.tvm_target_dict().get('arch')})"
+            why = cuda_driver_problem()
+            if why:
+                return f"{what} needs an NVIDIA GPU: {why}"
+            return (f"{what} is compiled only: mhagen's runtime calls CPU kernels, calling "
+                    "CUDA kernels (device buffers, launches) is not implemented yet")
         why = host.cannot_run_reason(self.arch, self.required_features(),
                                      f"this code ({self.name}, {self.cpu_class})")
         if why and self.arch == host_arch():
@@ -106,9 +117,28 @@ class Target:
 
     def describe(self) -> str:
         d = self.tvm_target_dict()
+        if self.device != "cpu":
+            return (f"{self.name}: {d.get('kind')} {d.get('arch')}, {self.cores} SMs, "
+                    f"{d.get('max_shared_memory_per_block')} bytes of shared memory per block, "
+                    f"L2 {self.l2_kib} KiB")
         return (f"{self.name}: {d.get('mtriple')} cpu={d.get('mcpu')} vector={self.vector_bits} "
                 f"bits, {self.vector_registers} vector registers, L1d {self.l1d_kib} KiB, "
                 f"L2 {self.l2_kib} KiB, cores={self.cores}")
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_driver_problem() -> str | None:
+    """Why this machine cannot run CUDA code (no driver, no GPU); None when it has both."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "this machine has no CUDA driver (libcuda.so.1 not found)"
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return "the CUDA driver finds no usable GPU (cuInit or cuDeviceGetCount failed)"
+    if count.value == 0:
+        return "the CUDA driver finds no GPU"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,8 +178,10 @@ def resolve(target) -> Target:
     except KeyError:
         raise TargetError(f"unknown target {target!r}; choose one of: "
                           f"{', '.join(preset_names())}") from None
-    import tvm
     tvm_dict = dict(preset["tvm"])
+    if tvm_dict["kind"] != "llvm":
+        return _resolve_device(preset, tvm_dict)
+    import tvm
     if tvm_dict.get("mcpu") == "host":
         if preset["arch"] != host_arch():
             raise TargetError(f"target {target!r} means this machine's CPU, but this machine is "
@@ -175,3 +207,14 @@ def resolve(target) -> Target:
                   int(registers), cpu=str(tvm_dict.get("mcpu", "")),
                   family=preset.get("family") or FAMILY_OF_ARCH.get(preset["arch"], ""),
                   device=preset.get("device", "cpu"), **caches)
+
+
+def _resolve_device(preset, tvm_dict) -> Target:
+    """A GPU preset: all it says is data (no LLVM feature query, no host facts)."""
+    caches = dict(DEFAULT_CACHES)
+    caches.update({k: int(preset[k]) for k in DEFAULT_CACHES if preset.get(k)})
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in tvm_dict.items()))
+    return Target(preset["name"], frozen, preset["arch"], int(preset["cores"]),
+                  int(preset.get("vector_bits") or 32), (), None,
+                  int(preset.get("vector_registers") or 0), family=preset["family"],
+                  device=preset["device"], **caches)

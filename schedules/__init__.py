@@ -5,9 +5,14 @@ A rule is a small class in the style of TVM's dlight rules:
   default_config(workload, target) -> cfg  a frozen dataclass, one docstring'd field per knob
   apply(sch, stage, cfg, plan) -> names    schedules a TE stage; returns the stages it absorbed
   build(workload, cfg, target) -> func     (template rules) writes the kernel's TIR itself
+  schedule_whole(kernel, target) -> (func, decisions)
+                                           (kernel rules, e.g. TVM's dlight on GPUs) schedules
+                                           every stage of a TE kernel at once
 Rules for a target are an ordered list; the first that applies wins and a Fallback always
-applies. Rules read target attributes (lanes, cores), never target names. Each folder
-(x86, arm) is one backend family: its __init__ defines BACKEND (see mhagen/backends.py).
+applies (a kernel rule in the list takes every TE kernel). Rules read target attributes
+(lanes, cores), never target names. Each folder (x86, arm, cuda) is one backend family: its
+__init__ defines BACKEND (see mhagen/backends.py), whose `verify` checks every scheduled
+kernel.
 """
 from __future__ import annotations
 
@@ -39,9 +44,16 @@ class Plan:
 def schedule_kernel(kernel, target, rules=None, record=None):
     """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
     is given and still fits the kernel, else the rules (TE stages) or the template."""
+    backend = backend_for(target)
+    func, decisions = _schedule(kernel, target, rules or backend.rules, record)
+    if backend.verify is not None:
+        backend.verify(kernel, func, target)
+    return func, decisions
+
+
+def _schedule(kernel, target, rules, record):
     import tvm
     from tvm import s_tir
-    rules = rules or backend_for(target).rules
     if kernel.template:
         stage = kernel.stages[0]
         rule = next(r for r in rules if r.applies(stage, target))
@@ -56,6 +68,9 @@ def schedule_kernel(kernel, target, rules=None, record=None):
             return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
                                               {"trials": record.get("trials")}, "tuned")]
         stale = True
+    whole = next((r for r in rules if hasattr(r, "schedule_whole")), None)
+    if whole is not None:
+        return whole.schedule_whole(kernel, target)
     sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
     plan = Plan(kernel.stages)
     decisions = []

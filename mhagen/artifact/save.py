@@ -21,6 +21,12 @@ HASHED_FILES = ("kernel.so", "weights.bin", "params.bin") + tuple(f"{w}.txt" for
 def save_module(module, path) -> Path:
     """Write `module` to directory `path` (created): kernel.so, weights and params, texts,
     manifest.json, and the C API when a compiler is at hand. Returns the path."""
+    if module.target.device != "cpu":
+        # TVM's export_library would store the CUDA source, not the fatbin compiled at build
+        # time, and mhagen.load and the C API run CPU kernels only
+        raise ArtifactError(f"saving {module.target.device} modules ({module.target.name}) is "
+                            "not implemented yet; module.info.device_code holds the compiled "
+                            "fatbin and PTX")
     # the cross compiler first: nothing is written when it is missing
     options = export_options(module.target) if module.info.executable is not None else {}
     path = Path(path)

@@ -1,0 +1,264 @@
+"""Fused attention template for CUDA GPUs (fp32, flash-style online softmax).
+
+One thread block per (batch, head, query tile of q_tile rows); threads = q_tile / 4 x 8: a
+thread owns 4 query rows and every 8th key (scores) or head column (output) of them. The
+block stages its Q tile in shared memory, scaled by scale * log2(e). Then, for each key block
+of kv_block keys that the block table does not skip:
+    K (transposed) and V tiles -> shared memory, read where the QKV GEMM wrote them;
+    S = Q K^T, 4 x kv_block/8 scores per thread in registers; partial blocks apply the mask
+      (-inf) as they store S to shared memory;
+    online softmax: the 8 threads of a row exchange their partial max through shared memory,
+      each computes m' = max(m, S), alpha = 2^(m - m') (0 while the row saw no key),
+      P = 2^(S - m') (to shared memory), then the partial sums: l = l alpha + sum P; the
+      running m and l stay in registers (no thread-divergent branch: TVM's sync planner
+      refuses barriers under conditions);
+    O = O alpha + P V, 4 x head_dim/8 accumulators per thread in registers.
+Finally out = O / l (a row that saw no key gives 0). Shared memory: Q, K^T, V, P tiles and
+the partial max and sum (rows padded by one float against bank conflicts); the config keeps
+it within the target's max_shared_memory_per_block. Same kernel signature and block table
+(0 skip / 1 partial / 2 full) as the CPU template, so the program is target-neutral.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from mhagen.blockmask import FULL, PARTIAL
+from mhagen.lower.te import mask_to_tir
+from mhagen.program import round_up
+
+LOG2E = 1.4426950408889634
+ROWS_PER_THREAD = 4   # query rows a thread owns
+COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
+FLOAT = 4
+
+
+@dataclass(frozen=True)
+class CudaAttentionConfig:
+    q_tile: int
+    """query rows per thread block (a multiple of 4; threads = q_tile / 4 x 8)."""
+    kv_block: int
+    """keys per shared-memory K/V tile (a multiple of 8)."""
+
+
+def threads(cfg) -> int:
+    return cfg.q_tile // ROWS_PER_THREAD * COL_THREADS
+
+
+def shared_bytes(cfg, head_dim_padded) -> int:
+    """Shared memory of one thread block: Q [q, dp+1], K^T [dp, kv+1], V [kv, dp],
+    P [q, kv+1], and each thread's partial row max and sum [q, 8+1]."""
+    mq, kb, dp = cfg.q_tile, cfg.kv_block, head_dim_padded
+    return FLOAT * (mq * (dp + 1) + dp * (kb + 1) + kb * dp + mq * (kb + 1)
+                    + 2 * mq * (COL_THREADS + 1))
+
+
+def padded_head_dim(head_dim) -> int:
+    """Columns per head in qkv: whole groups of COL_THREADS columns (the padding is zeros)."""
+    return round_up(head_dim, COL_THREADS)
+
+
+# (q_tile, kv_block), most work per block first
+TILES = ((64, 32), (64, 16), (32, 32), (32, 16), (16, 16), (16, 8), (8, 8))
+
+
+class CudaAttentionRule:
+    name = "attention"
+
+    def applies(self, stage, target):
+        return stage.pattern == "attention_template"
+
+    def _fits(self, cfg, workload, target) -> bool:
+        t = target.tvm_target_dict()
+        return (shared_bytes(cfg, workload["head_dim_padded"])
+                <= t["max_shared_memory_per_block"]
+                and threads(cfg) <= t["max_threads_per_block"])
+
+    def candidates(self, workload, target) -> list:
+        """Configs that fit the target's shared memory and threads, largest tiles first;
+        tiles much longer than the sequence are left out (unless nothing else fits)."""
+        fit = [CudaAttentionConfig(q, k) for q, k in TILES
+               if self._fits(CudaAttentionConfig(q, k), workload, target)]
+        short = [c for c in fit if c.q_tile <= round_up(workload["seq"], 16)]
+        return short or fit
+
+    def default_config(self, workload, target):
+        found = self.candidates(workload, target)
+        if not found:
+            raise ValueError(f"head_dim {workload['head_dim']}: no attention tile fits "
+                             f"{target.name}'s shared memory")
+        return found[0]
+
+    def make_config(self, values: dict, target) -> CudaAttentionConfig:
+        cfg = CudaAttentionConfig(int(values["q_tile"]), int(values["kv_block"]))
+        if (cfg.q_tile < ROWS_PER_THREAD or cfg.q_tile % ROWS_PER_THREAD
+                or cfg.kv_block < COL_THREADS or cfg.kv_block % COL_THREADS
+                or threads(cfg) > target.tvm_target_dict()["max_threads_per_block"]):
+            raise ValueError(f"{cfg} breaks the CUDA template's tiling constraints")
+        return cfg
+
+    def build(self, w, cfg, target):
+        return build_attention(w, cfg)
+
+
+def build_attention(w, cfg):
+    """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
+    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
+    DP = w["head_dim_padded"]
+    MQ, KB = cfg.q_tile, cfg.kv_block
+    RT, CT = ROWS_PER_THREAD, COL_THREADS
+    NT = threads(cfg)
+    SC, OC = KB // CT, DP // CT           # scores and output columns per thread row
+    assert MQ % RT == 0 and KB % CT == 0 and DP % CT == 0, (MQ, KB, DP)
+    NQT, NKB = -(-S // MQ), -(-S // KB)
+    GROUP = H // G
+    PW, HD = w["panel"], H * d            # qkv is [columns / PW, M, PW]
+    NP = w["qkv_width"] // PW
+    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]   # in columns
+    TB, TH = w["table_batch"], w["table_heads"]
+    M = w.get("rows", B * S)
+    MA = w.get("att_rows", M)
+    Q_LOADS, KV_LOADS = -(-MQ * DP // NT), -(-KB * DP // NT)
+    c_log2e = T.float32(w["scale"] * LOG2E)
+    neg_inf = T.float32(float("-inf"))
+    zero = T.float32(0.0)
+    mask = w.get("mask")
+
+    def visible(b, h, qi, kj):
+        cond = kj < S
+        if mask is not None:
+            cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
+        return cond
+
+    def key_row(b, t, masked):
+        # full blocks hold keys < S only; partial ones may run past S (clamped, then masked)
+        return b * S + (T.min(t, S - 1) if masked else t)
+
+    def tb(b):
+        return b if TB > 1 else 0
+
+    def th(h):
+        return h if TH > 1 else 0
+
+    @T.macro
+    def key_block(masked, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
+                  b, h, g, q0, k0, tid, row_group, lane_col):
+        for it in range(KV_LOADS):
+            if it * NT + tid < KB * DP:
+                k_s[(it * NT + tid) % DP, (it * NT + tid) // DP] = qkv[
+                    (K_BASE + g * DP + (it * NT + tid) % DP) // PW,
+                    key_row(b, k0 + (it * NT + tid) // DP, masked),
+                    (K_BASE + g * DP + (it * NT + tid) % DP) % PW]
+                v_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = qkv[
+                    (V_BASE + g * DP + (it * NT + tid) % DP) // PW,
+                    key_row(b, k0 + (it * NT + tid) // DP, masked),
+                    (V_BASE + g * DP + (it * NT + tid) % DP) % PW]
+        T.tvm_storage_sync("shared")
+        # S = Q K^T in log2 units (a partial block masks it); each thread's max per row
+        for i in T.unroll(RT):
+            for j in T.unroll(SC):
+                acc_s[i, j] = zero
+        for c in range(DP):
+            for i in T.unroll(RT):
+                for j in T.unroll(SC):
+                    acc_s[i, j] = acc_s[i, j] + q_s[row_group * RT + i, c] * k_s[c, lane_col + CT * j]
+        for i in T.unroll(RT):
+            red[0] = neg_inf
+            for j in T.unroll(SC):
+                if masked:
+                    acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i, k0 + lane_col + CT * j),
+                                           acc_s[i, j], neg_inf)
+                red[0] = T.max(red[0], acc_s[i, j])
+            max_s[row_group * RT + i, lane_col] = red[0]
+        T.tvm_storage_sync("shared")
+        # online softmax; every thread of a row computes the row's max and rescale alike.
+        # st[0]: running max, st[1]: sum, st[2]: rescale alpha, st[3]: the max subtracted
+        # (0 while the row saw no key)
+        for i in T.unroll(RT):
+            red[0] = st[0, i]
+            for t in T.unroll(CT):
+                red[0] = T.max(red[0], max_s[row_group * RT + i, t])
+            st[3, i] = T.Select(red[0] == neg_inf, zero, red[0])
+            st[2, i] = T.exp2(st[0, i] - st[3, i])
+            st[0, i] = red[0]
+            red[0] = zero
+            for j in T.unroll(SC):
+                if masked:
+                    acc_s[i, j] = T.Select(acc_s[i, j] == neg_inf, zero,
+                                           T.exp2(acc_s[i, j] - st[3, i]))
+                else:
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - st[3, i])
+                p_s[row_group * RT + i, lane_col + CT * j] = acc_s[i, j]
+                red[0] = red[0] + acc_s[i, j]
+            sum_s[row_group * RT + i, lane_col] = red[0]
+        T.tvm_storage_sync("shared")
+        # l = l alpha + sum P; O = O alpha + P V
+        for i in T.unroll(RT):
+            red[0] = zero
+            for t in T.unroll(CT):
+                red[0] = red[0] + sum_s[row_group * RT + i, t]
+            st[1, i] = st[1, i] * st[2, i] + red[0]
+            for j in T.unroll(OC):
+                acc_o[i, j] = acc_o[i, j] * st[2, i]
+        for k in range(KB):
+            for i in T.unroll(RT):
+                for j in T.unroll(OC):
+                    acc_o[i, j] = acc_o[i, j] + p_s[row_group * RT + i, k] * v_s[k, lane_col + CT * j]
+        # the next key block overwrites K, V, P and the row partials
+        T.tvm_storage_sync("shared")
+
+    @T.prim_func
+    def attention(qkv: T.Buffer((NP, M, PW), "float32"),
+                  blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                  out: T.Buffer((MA, HD), "float32")):
+        T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+        bx = T.launch_thread("blockIdx.x", B * H * NQT)
+        tid = T.launch_thread("threadIdx.x", NT)
+        q_s = T.decl_buffer((MQ, DP + 1), "float32", scope="shared")
+        k_s = T.decl_buffer((DP, KB + 1), "float32", scope="shared")
+        v_s = T.decl_buffer((KB, DP), "float32", scope="shared")
+        p_s = T.decl_buffer((MQ, KB + 1), "float32", scope="shared")
+        max_s = T.decl_buffer((MQ, CT + 1), "float32", scope="shared")
+        sum_s = T.decl_buffer((MQ, CT + 1), "float32", scope="shared")
+        acc_s = T.decl_buffer((RT, SC), "float32", scope="local")
+        acc_o = T.decl_buffer((RT, OC), "float32", scope="local")
+        st = T.decl_buffer((4, RT), "float32", scope="local")
+        red = T.decl_buffer((1,), "float32", scope="local")
+        # indices as expressions (T.meta_var): TVM's buffer flattening rejects let-bound
+        # scalars next to thread launches
+        b = T.meta_var(bx // (H * NQT))
+        h = T.meta_var(bx // NQT % H)
+        qt = T.meta_var(bx % NQT)
+        g = T.meta_var(bx // NQT % H // GROUP)
+        q0 = T.meta_var(bx % NQT * MQ)
+        row_group = T.meta_var(tid // CT)
+        lane_col = T.meta_var(tid % CT)
+        for it in range(Q_LOADS):
+            if it * NT + tid < MQ * DP:
+                q_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = qkv[
+                    (Q_BASE + h * DP + (it * NT + tid) % DP) // PW,
+                    b * S + T.min(q0 + (it * NT + tid) // DP, S - 1),
+                    (Q_BASE + h * DP + (it * NT + tid) % DP) % PW] * c_log2e
+        for i in T.unroll(RT):
+            st[0, i] = neg_inf
+            st[1, i] = zero
+            for j in T.unroll(OC):
+                acc_o[i, j] = zero
+        T.tvm_storage_sync("shared")
+        for kb in range(NKB):
+            if blocks[tb(b), th(h), qt, kb] == FULL:
+                key_block(False, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
+                          b, h, g, q0, kb * KB, tid, row_group, lane_col)
+            elif blocks[tb(b), th(h), qt, kb] == PARTIAL:
+                key_block(True, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
+                          b, h, g, q0, kb * KB, tid, row_group, lane_col)
+        for i in T.unroll(RT):
+            if q0 + row_group * RT + i < S:
+                red[0] = T.Select(st[1, i] > zero, T.float32(1) / st[1, i], zero)
+                for j in T.unroll(OC):
+                    if lane_col + CT * j < d:
+                        out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = acc_o[i, j] * red[0]
+
+    return attention

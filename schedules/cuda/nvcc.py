@@ -1,0 +1,119 @@
+"""Device code at build time: the CUDA source TVM generated -> nvcc -> PTX -> ptxas -> fatbin.
+
+TVM 0.27 keeps CUDA kernels as source in the module and compiles them when the module is
+loaded (NVRTC by default, and only where TVM's CUDA runtime is present: not on a machine
+without a GPU driver). mhagen compiles them here, at build time, for the preset's arch:
+  nvcc -ptx -arch=compute_XX   -> the PTX (one .entry per GPU kernel)
+  ptxas -v -arch=sm_XX         -> the cubin, and the resource report (registers, spills, smem)
+  fatbinary                    -> sm_XX code plus compute_XX PTX (newer GPUs JIT the PTX)
+and refuses a kernel that needs more shared memory than the target allows (ptxas itself refuses
+more static shared memory than 48 KiB). Spills are reported (resources), not refused.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhagen.errors import ScheduleError, TargetError
+
+TOOLS = ("nvcc", "ptxas", "fatbinary")
+NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
+
+
+@dataclass
+class KernelResources:
+    """What ptxas reports for one GPU kernel (.entry)."""
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@dataclass
+class DeviceCode:
+    """The device side of a CUDA build: what a GPU machine loads without compiling."""
+    arch: str                    # "sm_90"
+    source: str                  # the CUDA source TVM generated
+    fatbin: bytes
+    ptx: str
+    ptxas_report: str
+    resources: dict = field(default_factory=dict)   # entry name -> KernelResources
+
+    def entries(self) -> list:
+        return re.findall(r"^\.(?:visible )?\.entry (\w+)\(", self.ptx, re.M)
+
+
+def missing_tools() -> list:
+    return [t for t in TOOLS if shutil.which(t) is None]
+
+
+def _run(cmd, cwd, what):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ScheduleError(f"{what} failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
+    return proc.stdout + proc.stderr
+
+
+def parse_ptxas_report(report: str) -> dict:
+    """entry name -> KernelResources from `ptxas -v` output."""
+    out, name, frame = {}, None, (0, 0, 0)
+    for line in report.splitlines():
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            name = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill "
+                      r"loads", line)
+        if m:
+            frame = tuple(int(v) for v in m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name is not None:
+            smem = re.search(r"(\d+) bytes smem", line)
+            out[name] = KernelResources(int(m.group(1)), int(smem.group(1)) if smem else 0,
+                                        *frame)
+            name, frame = None, (0, 0, 0)
+    return out
+
+
+def compile_source(source: str, arch: str) -> DeviceCode:
+    """CUDA source -> DeviceCode for `arch` ("sm_80", "sm_90")."""
+    missing = missing_tools()
+    if missing:
+        raise TargetError(f"building CUDA kernels needs the CUDA toolkit's {', '.join(missing)} "
+                          "on the PATH")
+    sm = arch.removeprefix("sm_")
+    with tempfile.TemporaryDirectory(prefix="mhagen-cuda-") as tmp:
+        Path(tmp, "kernels.cu").write_text(source)
+        _run(["nvcc", "-ptx", f"-arch=compute_{sm}", *NVCC_FLAGS, "kernels.cu",
+              "-o", "kernels.ptx"], tmp, "nvcc")
+        report = _run(["ptxas", "-v", "-O3", f"-arch=sm_{sm}", "kernels.ptx",
+                       "-o", "kernels.cubin"], tmp, "ptxas")
+        _run(["fatbinary", "--create=kernels.fatbin", "-64",
+              f"--image3=kind=elf,sm={sm},file=kernels.cubin",
+              f"--image3=kind=ptx,sm={sm},file=kernels.ptx"], tmp, "fatbinary")
+        return DeviceCode(arch=arch, source=source, fatbin=Path(tmp, "kernels.fatbin").read_bytes(),
+                          ptx=Path(tmp, "kernels.ptx").read_text(), ptxas_report=report,
+                          resources=parse_ptxas_report(report))
+
+
+def compile_device(executable, target) -> DeviceCode:
+    """The device code of a CUDA build, compiled now; checked against the program's kernels
+    and the target's shared memory."""
+    cuda = [m for m in executable.mod.imports if m.kind == "cuda"]
+    if len(cuda) != 1:
+        raise ScheduleError(f"a CUDA build for {target.name} holds {len(cuda)} CUDA modules "
+                            "(expected one): no kernel was bound to GPU threads?")
+    tvm_dict = target.tvm_target_dict()
+    code = compile_source(cuda[0].inspect_source("cuda"), tvm_dict["arch"])
+    limit = tvm_dict.get("max_shared_memory_per_block")
+    for entry, r in code.resources.items():
+        if limit and r.shared_bytes > limit:
+            raise ScheduleError(f"GPU kernel {entry} uses {r.shared_bytes} bytes of shared "
+                                f"memory; {target.name} allows {limit} per block")
+    return code
