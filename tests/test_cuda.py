@@ -163,3 +163,16 @@ ptxas info    : Used 12 registers, used 0 barriers, 380 bytes cmem[0]
     assert (a.registers, a.shared_bytes, a.stack_bytes, a.spill_store_bytes,
             a.spill_load_bytes) == (96, 45056, 8, 4, 12)
     assert (k.registers, k.shared_bytes, k.spill_store_bytes) == (12, 0, 0)
+
+
+@needs_nvcc
+def test_score_modifiers_compile_into_the_attention_kernel():
+    layer = mhagen.mha(512, 8, kv_heads=2, causal=True,
+                       score_mod=[mhagen.alibi(8), mhagen.softcap(30.0)])
+    m = mhagen.build(layer, "cuda-sm90", batch=1, seq_len=128, tuning=None)
+    code = m.info.device_code
+    kernels = re.split(r'extern "C" __global__', code.source)
+    attention = [k for k in kernels if re.search(r"\battention_kernel\(", k) and "{" in k]
+    assert len(attention) == 1 and "tanh" in attention[0], "softcap's tanh is in the kernel"
+    for entry, r in code.resources.items():
+        assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)

@@ -16,6 +16,10 @@ from mhagen.ir import expr as ex
 from mhagen.program import Buffer, Kernel, Program, Stage
 
 
+LOG2E = 1.4426950408889634   # templates compute softmax in base 2: exp(x) = 2^(x log2 e)
+LN2 = 0.6931471805599453
+
+
 def _dtype(x) -> str:
     return str(x.ty)   # this TVM's PrimExprs name their dtype `ty`
 

@@ -26,10 +26,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
-from mhagen.lower.te import mask_to_tir
+from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 from mhagen.program import round_up
 
-LOG2E = 1.4426950408889634
 ROWS_PER_THREAD = 4   # query rows a thread owns
 COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
 FLOAT = 4
@@ -125,6 +124,14 @@ def build_attention(w, cfg):
     neg_inf = T.float32(float("-inf"))
     zero = T.float32(0.0)
     mask = w.get("mask")
+    score_mod = w.get("score_mod")
+    HAS_MOD = score_mod is not None
+
+    def modified(x, b, h, qi, kj):
+        # scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
+        # scaled score x * ln 2 and its result returns to log2 units
+        return score_to_tir(score_mod, x * T.float32(LN2), b, h, qi, kj, S, S) * \
+            T.float32(LOG2E)
 
     def visible(b, h, qi, kj):
         cond = kj < S
@@ -167,6 +174,9 @@ def build_attention(w, cfg):
         for i in T.unroll(RT):
             red[0] = neg_inf
             for j in T.unroll(SC):
+                if HAS_MOD:
+                    acc_s[i, j] = modified(acc_s[i, j], b, h, q0 + row_group * RT + i,
+                                           k0 + lane_col + CT * j)
                 if masked:
                     acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i, k0 + lane_col + CT * j),
                                            acc_s[i, j], neg_inf)

@@ -26,9 +26,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
-from mhagen.lower.te import mask_to_tir, score_to_tir
+from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 from mhagen.program import round_up
-from mhagen.schedules.x86.fast_math import LN2, LOG2E, exp2, f32
+from mhagen.schedules.x86.fast_math import exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation

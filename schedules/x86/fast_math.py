@@ -1,8 +1,10 @@
 """Vectorisable float32 math as TIR expressions (LLVM would call scalar expf otherwise)."""
+import math
+
 from tvm import tirx
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from mhagen.lower.te import LN2, LOG2E
+
 _LN2_HI = 0.693145751953125          # ln 2 split so n * _LN2_HI is exact (Cody-Waite)
 _LN2_LO = 1.428606765330187e-06
 _EXP_TAYLOR = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)
@@ -28,8 +30,7 @@ def exp(x):
     return tirx.Select(x < f32(-87.0), f32(0.0), p * two_n)
 
 
-_LN2 = 0.6931471805599453
-_EXP2_TAYLOR = tuple(_LN2 ** k / __import__("math").factorial(k) for k in range(6, -1, -1))
+_EXP2_TAYLOR = tuple(LN2 ** k / math.factorial(k) for k in range(6, -1, -1))
 
 
 def exp2(t):
