@@ -6,6 +6,7 @@ needs only tvm-ffi and TVM's runtime library (mhagen/runtime.py), never the comp
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,7 +57,8 @@ class Module:
     `module(x)` runs it on a float32 numpy array x and returns a new float32 array;
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
-    A Module owns its temporaries: calls from several threads at once must be serialised.
+    A Module owns its temporaries, so calls from several threads are serialised by a lock
+    (correct, one at a time); for parallel calls give each thread its own module.
     """
 
     def __init__(self, graph, target, batch, seq_len, program, library, *, weights=None,
@@ -75,6 +77,7 @@ class Module:
         self._input = program.role("input")[0]
         self._output = program.role("output")[0]
         self._calls = None
+        self._lock = threading.Lock()
         self._temps = None
         self._resident_for = self._resident_tensors = None
         self.weights = self._params = None
@@ -117,13 +120,15 @@ class Module:
         return out
 
     def __call__(self, x, weights=None, *, out=None) -> np.ndarray:
-        buffers = self._buffers(x, weights)
-        result, target = self._output_array(out)
-        buffers[self._output.name] = runtime.tensor(target)
-        self._run(buffers)
-        if target is not result:   # padded columns, or an out= the kernels cannot write into
-            result[...] = target.reshape(self.batch, self.seq_len, -1)[..., :self.out_shape[2]]
-        return result
+        with self._lock:
+            buffers = self._buffers(x, weights)
+            result, target = self._output_array(out)
+            buffers[self._output.name] = runtime.tensor(target)
+            self._run(buffers)
+            if target is not result:   # padded columns, or an out= the kernels cannot fill
+                result[...] = target.reshape(self.batch, self.seq_len, -1)[
+                    ..., :self.out_shape[2]]
+            return result
 
     def _output_array(self, out):
         """(the array returned, the aligned [rows, columns] array the kernels write)."""
@@ -206,6 +211,10 @@ class Module:
         least `number` calls and `min_repeat_ms` each."""
         if x is None:
             x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
+        with self._lock:
+            return self._latency(x, number, repeat, min_repeat_ms)
+
+    def _latency(self, x, number, repeat, min_repeat_ms):
         buffers = self._buffers(x, None)
         buffers[self._output.name] = runtime.tensor(self._temp(self._output))
         self._run(buffers)

@@ -26,6 +26,9 @@ def describe(manifest_or_dir) -> str:
             man = json.loads(mpath.read_text())
         except (OSError, ValueError) as err:
             raise ArtifactError(f"cannot read {mpath}: {err}") from None
+        if not isinstance(man, dict):
+            raise ArtifactError(f"{mpath} is not an mhagen manifest (a JSON object is expected, "
+                                f"found {type(man).__name__})")
     else:
         man = manifest_or_dir
     t, sh = man.get("target", {}), man.get("shapes", {})

@@ -118,7 +118,7 @@ def verify(graph, **dims) -> dict:
     out_shape = shapes[graph.output]
     if len(out_shape) != 3:
         raise GraphError(f"the graph output must be [batch, seq, features], got {_fmt(out_shape)}")
-    _collect_weights(graph, shapes)
+    specs = _collect_weights(graph, shapes)
     if dims:
         unknown = set(dims) - {d for s in shapes.values() for d in s if isinstance(d, str)}
         if unknown:
@@ -128,7 +128,31 @@ def verify(graph, **dims) -> dict:
             positive_int(f"dimension {name}", value)
         shapes = {k: [dims.get(d, d) if isinstance(d, str) else d for d in s]
                   for k, s in shapes.items()}
+    _check_sizes(specs, shapes)
     return shapes
+
+
+MAX_ELEMENTS = 2 ** 31 - 1   # the kernels index tensors with 32-bit integers
+
+
+def _elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d if isinstance(d, int) else 1
+    return n
+
+
+def _check_sizes(specs, shapes) -> None:
+    """Every tensor (weights, and activations once dims are bound) must be indexable with
+    32-bit integers."""
+    for spec in specs:
+        if _elements(spec.shape) > MAX_ELEMENTS:
+            raise GraphError(f"weight {spec.name} {list(spec.shape)} has more than 2^31 - 1 "
+                             "elements (32-bit indices); use a smaller d_model or head_dim")
+    for name, shape in shapes.items():
+        if _elements(shape) > MAX_ELEMENTS:
+            raise GraphError(f"node {name!r} {list(shape)} has more than 2^31 - 1 elements "
+                             "(32-bit indices); use a smaller batch or seq_len")
 
 
 def _infer(n, ins, graph):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 from mhagen.backends import backend_for
-from mhagen.lower.fused import lower_fused
+from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
 from mhagen.program import Buffer, Kernel, Program, Stage
@@ -26,14 +26,19 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     def key(kernel_name):
         return workload_key(graph, target, batch, seq_len, kernel_name)
 
+    reason = fusion.reason if rule is not None or not fusion.fused else \
+        "not fused: no attention template for this target"
+    program = None
     if fusion.fused and rule is not None:
         config = _tuned_config(rule, tuning, key("attention"), target)
-        program = lower_fused(fusion.graph, batch, seq_len, target, backend, config)
-    else:
+        try:
+            program = lower_fused(fusion.graph, batch, seq_len, target, backend, config)
+        except NotFusable as why:
+            reason = f"not fused: {why}"
+    if program is None:
         program = lower_unfused(graph, batch, seq_len)
     program.key = key
-    program.fusion = fusion.reason if rule is not None or not fusion.fused else \
-        "not fused: no attention template for this target"
+    program.fusion = reason
     return program
 
 

@@ -17,6 +17,10 @@ from mhagen.ir.heads import kv_head_map
 from mhagen.program import Buffer, Kernel, Program, Stage, round_up
 
 
+class NotFusable(Exception):
+    """The fused attention's layout cannot express this graph: lower it unfused."""
+
+
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
@@ -65,7 +69,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
             != kv_head_map(heads, kv_heads)
             or [p[0] for p in kv_pairs] != [kv_pairs[0][0] + g * d for g in range(kv_heads)]
             or [p[1] for p in kv_pairs] != [kv_pairs[0][1] + g * d for g in range(kv_heads)]):
-        raise NotImplementedError("attention with irregular head offsets")
+        raise NotFusable("query heads do not read K/V heads in the regular grouped order "
+                         "(head h reads K/V head h // (heads // kv_heads))")
     k_base, v_base = kv_pairs[0]
     d_out = out_node.attrs["out_features"]
     d_out_p = round_up(d_out, nr)
