@@ -93,3 +93,40 @@ def test_cli_out_that_cannot_be_written_is_one_line(capsys, tmp_path):
     rc, _, err = _cli(capsys, "build", "--d-model", "32", "--heads", "2", "--seq-len", "8",
                       "--target", "x86-avx2", "--out", str(blocker / "m"))
     assert rc == 2 and err.count("\n") == 1 and err.startswith("mhagen build: error:")
+
+
+def test_a_tuned_schedule_that_computes_something_else_is_not_kept():
+    """tune() keeps a faster schedule only when its output matches the default schedule's on
+    the same inputs (here: a candidate that drops the bias)."""
+    from tvm import te
+
+    from mhagen.target import resolve
+    from mhagen.tuning.search import _wrong_result
+    t = resolve("x86-avx2")
+    if not t.runs_here():
+        pytest.skip(f"x86-avx2 code cannot run here: {t.cannot_run()}")
+
+    def gemm(with_bias):
+        a, w, b = (te.placeholder(s, "float32", name=n)
+                   for s, n in (((16, 8), "a"), ((8, 4), "w"), ((4,), "b")))
+        k = te.reduce_axis((0, 8), name="k")
+        mm = te.compute((16, 4), lambda i, j: te.sum(a[i, k] * w[k, j], axis=k), name="mm")
+        out = te.compute((16, 4), lambda i, j: mm[i, j] + (b[j] if with_bias else 0.0),
+                         name="out")
+        return te.create_prim_func([a, w, b, out])
+    assert _wrong_result([gemm(True), gemm(True)], t) is None
+    assert "differs from the default schedule" in _wrong_result([gemm(True), gemm(False)], t)
+
+
+@pytest.mark.parametrize("content, warning", [
+    ({"schema": 2, "records": "x"}, "is a str, not a list"),
+    ({"schema": 2, "records": [{"key": {}, "kind": "trace"}, {"kind": "nonsense"}]},
+     "1 malformed record"),
+], ids=["records-not-a-list", "malformed-record"])
+def test_corrupt_tuning_records_warn_and_fall_back(tmp_path, content, warning):
+    from mhagen.tuning.records import Database, TuningWarning
+    path = tmp_path / "db.json"
+    path.write_text(json.dumps(content))
+    with pytest.warns(TuningWarning, match=warning):
+        db = Database.load(path)
+    assert all(isinstance(r, dict) for r in db.records.values())

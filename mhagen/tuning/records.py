@@ -107,7 +107,13 @@ class Database:
             data = json.loads(path.read_text())
             if data.get("schema") != SCHEMA:
                 raise ValueError(f"schema {data.get('schema')} (this mhagen reads {SCHEMA})")
+            if not isinstance(data["records"], list):
+                raise TypeError(f'"records" is a {type(data["records"]).__name__}, not a list')
             records = [r for r in data["records"] if _valid(r)]
+            dropped = len(data["records"]) - len(records)
+            if dropped:
+                warnings.warn(f"tuning database {path}: {dropped} malformed record(s) ignored "
+                              "(the defaults are used for them)", TuningWarning, stacklevel=2)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             warnings.warn(f"tuning database {path} is unreadable ({err}); ignoring it: delete "
                           "it or re-run mhagen tune", TuningWarning, stacklevel=2)

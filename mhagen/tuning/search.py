@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import tvm
+from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
 from mhagen.backends import backend_for
 from mhagen.cross import ARCHES
@@ -40,6 +41,7 @@ from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, schedule_kernel
 from mhagen.target import resolve
+from mhagen.tolerances import max_error, tolerance
 from mhagen.tuning.apply import kernel_hash, versions
 from mhagen.tuning.records import Database, Tuning, user_database_path
 
@@ -225,11 +227,29 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     buffers, interleaved rounds (one per function in turn), each round back-to-back calls
     for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
     differ from what a user sees by 10-50% (see the README)."""
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    calls = _prepared(funcs, target, fixed)
+    samples = [[] for _ in funcs]
+    for _ in range(rounds):
+        for i, c in enumerate(calls):
+            if c is None:
+                continue
+            func, args = c
+            n, start = 0, time.perf_counter()
+            while n < 2 or (time.perf_counter() - start) * 1e3 < min_ms:
+                func(*args)
+                n += 1
+            samples[i].append((time.perf_counter() - start) / n)
+    return [float(np.median(s)) if s else None for s in samples]
+
+
+def _prepared(funcs, target, fixed=None, seed=0):
+    """Each PrimFunc compiled here with its arguments (the same random floats for each, zeros,
+    or the `fixed` arrays: one dict for all, or a list of dicts), called once; None where it
+    does not build."""
     per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
-    rng = np.random.default_rng(0)
     calls = []
     for f, fixed in zip(funcs, per_func):
+        rng = np.random.default_rng(seed)    # every function gets the same inputs
         fixed = {int(k): v for k, v in (fixed or {}).items()}
         try:
             ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
@@ -249,18 +269,21 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
         func = ex["main"]
         func(*args)
         calls.append((func, args))
-    samples = [[] for _ in funcs]
-    for _ in range(rounds):
-        for i, c in enumerate(calls):
-            if c is None:
-                continue
-            func, args = c
-            n, start = 0, time.perf_counter()
-            while n < 2 or (time.perf_counter() - start) * 1e3 < min_ms:
-                func(*args)
-                n += 1
-            samples[i].append((time.perf_counter() - start) / n)
-    return [float(np.median(s)) if s else None for s in samples]
+    return calls
+
+
+def _wrong_result(funcs, t, fixed=None, rows=None) -> str | None:
+    """Why the last PrimFunc's output (its last argument; the first `rows` rows) differs
+    from the first's on the same random inputs, beyond the tolerance table; None when they
+    agree. Both run here (a kept schedule is checked before it is recorded)."""
+    calls = _prepared(funcs, t.tvm, fixed)
+    if any(c is None for c in calls):
+        return "it does not build here"
+    outs = [c[1][-1].numpy()[:rows] for c in calls]
+    err, tol = max_error(outs[-1], outs[0]), tolerance(outs[0])
+    if not np.all(np.isfinite(outs[-1])) or err > tol:
+        return f"its output differs from the default schedule's (max error {err:.2e} > {tol:.1e})"
+    return None
 
 
 def _alloc_with(fixed, remote):
@@ -417,11 +440,15 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     times = _measure(funcs, t.tvm, runner)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
     keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
+    wrong = _wrong_result(funcs, t) if keep and t.runs_here() else None
+    keep = keep and wrong is None
     record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
               "kernel_hash": kernel_hash(kernel.prim_func),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
     if keep:
         record["trace"] = trace_json
+    if wrong:
+        record["rejected"] = f"the fastest schedule was not kept: {wrong}"
     return (KernelResult((key["batch"], key["seq"]), kernel.name, "metaschedule", done,
                          _us(default_s), _us(tuned_s), "tuned" if keep else "default"), record)
 
@@ -453,9 +480,16 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
     default_s, tuned_s = times[0], times[best]
     keep = (best != 0 and tuned_s is not None and default_s is not None
             and tuned_s < KEEP_MARGIN * default_s)
+    wrong = None
+    if keep and t.runs_here():   # the same inputs, each with its own block table
+        wrong = _wrong_result([funcs[0], funcs[best]], t, [{slot: tables[0]},
+                              {slot: tables[best]}], rows=shape[0] * shape[1])
+        keep = wrong is None
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
+    if wrong:
+        record["rejected"] = f"the fastest config was not kept: {wrong}"
     return (KernelResult(shape, kernel.name, "config sweep", len(candidates), _us(default_s),
                          _us(tuned_s), "tuned" if keep else "default"), record)
 
