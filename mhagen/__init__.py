@@ -11,8 +11,8 @@ prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS be
 from mhagen.artifact.load import load as _load
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
-from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, score, sliding_window,
-                       softcap, table, tanh, verify, where)
+from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, rotary, score,
+                       sliding_window, softcap, table, tanh, verify, where)
 from mhagen.module import aligned_empty
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
@@ -41,5 +41,5 @@ def load(path):
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "build", "causal", "combine",
            "export_onnx", "head", "import_onnx", "kv_idx", "load", "max_error", "mha", "q_idx",
-           "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
+           "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
            "weights_from_torch", "where"]

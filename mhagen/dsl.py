@@ -6,6 +6,7 @@ import math
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
 
@@ -16,7 +17,7 @@ def _divisors(n):
 
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
-        score_mod=None, bias: bool = True, name: str = "mha") -> Graph:
+        score_mod=None, rotary=None, bias: bool = True, name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -36,6 +37,10 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         score_mod: a score modifier (a numeric expression of score, batch, head, q_idx,
             kv_idx; e.g. `mhagen.alibi(num_heads)`, `mhagen.softcap(30.0)`) or a list of
             them, applied in order to the scaled score before the mask.
+        rotary: rotary position embeddings on every Q and K head after its projection
+            (bias included), before the scores: `mhagen.rotary(base=10000.0,
+            rotary_dim=None)`, or True for those defaults (LLaMA's half-split layout; see
+            mhagen/ir/rope.py). Values are not rotated.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
@@ -67,6 +72,14 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if score_mod is not None and not ex.is_score_mod(score_mod):
         raise GraphError("score_mod= takes a numeric expression of mhagen.score (e.g. "
                          "mhagen.softcap(30.0), mhagen.alibi(num_heads)) or a list of them")
+    if rotary is True:
+        rotary = rope.Rotary()
+    if rotary is not None and rotary is not False and not isinstance(rotary, rope.Rotary):
+        raise GraphError("rotary= takes mhagen.rotary(base=..., rotary_dim=...) or True, "
+                         f"got {rotary!r}")
+    rotary = rotary or None
+    if rotary is not None:
+        rope.check_attrs(rotary.attrs(head_dim), head_dim, "mha(rotary=...)")
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
@@ -77,22 +90,26 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["mask"] = repr(mask)
     if score_mod is not None:
         options["score_mod"] = repr(score_mod)
+    if rotary is not None:
+        options["rotary"] = rotary.attrs(head_dim)
     g = Graph(name, options=options)
     x = g.input("x", d_model)
     g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
-                           score_mod=score_mod))
+                           score_mod=score_mod,
+                           rotary=None if rotary is None else rotary.attrs(head_dim)))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
-              bias: bool, score_mod=None) -> str:
+              bias: bool, score_mod=None, rotary: dict | None = None) -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
     K/V head h // (heads // kv_heads); masks[h] may be None; score_mod (optional) modifies
-    every head's scaled scores before the mask. Heads are concatenated and
+    every head's scaled scores before the mask; rotary ({base, rotary_dim}, optional) adds
+    a rotary node after every Q and K projection. Heads are concatenated and
     projected to d_out. Node and weight names are those of mha().
     """
     kv_of = kv_head_map(len(scales), kv_heads)
@@ -101,11 +118,14 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
         return g.head_projection(x, f"w_{w}", i, head_dim, bias=f"b_{w}" if bias else None,
                                  name=f"{w}{i}")
 
-    keys = [proj("k", i) for i in range(kv_heads)]
+    def rotated(name):
+        return name if rotary is None else g.rotary(name, name=f"r{name}", **rotary)
+
+    keys = [rotated(proj("k", i)) for i in range(kv_heads)]
     values = [proj("v", i) for i in range(kv_heads)]
     outs = []
     for h, (scale, mask) in enumerate(zip(scales, masks)):
-        s = g.scores(proj("q", h), keys[kv_of[h]], name=f"s{h}")
+        s = g.scores(rotated(proj("q", h)), keys[kv_of[h]], name=f"s{h}")
         s = g.scale(s, scale, name=f"scaled{h}")
         if score_mod is not None:
             s = g.score_mod(s, score_mod, head=h, name=f"modified{h}")

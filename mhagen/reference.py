@@ -1,6 +1,6 @@
 """The float64 numpy oracle: interprets any graph node by node (no fusion, no tricks).
 
-Every compiled path is compared against this. Semantics per node kind:
+Every compiled path is compared against this. Semantics per node kind (rotary: mhagen/ir/rope.py):
 softmax of a fully masked row (all -inf) is zeros, not NaN.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ import numpy as np
 
 from mhagen.errors import InputError
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.weights import check_weights
 
 NUMPY_OPS = {
@@ -109,7 +110,11 @@ def _attention(n, a, w, x):
     outs = []
     for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
                                          n.attrs["v_offsets"])):
-        s = qkv[..., qo:qo + d] @ np.swapaxes(qkv[..., ko:ko + d], -1, -2) * n.attrs["scale"]
+        q, k = qkv[..., qo:qo + d], qkv[..., ko:ko + d]
+        if n.attrs.get("rotary") is not None:
+            r = n.attrs["rotary"]
+            q, k = (rope.apply(t, r["rotary_dim"], r["base"]) for t in (q, k))
+        s = q @ np.swapaxes(k, -1, -2) * n.attrs["scale"]
         if n.attrs.get("score_mod") is not None:
             s = apply_score_mod(n.attrs["score_mod"], s, h)
         if n.attrs.get("mask") is not None:
@@ -122,6 +127,7 @@ _EVAL = {
     "input": lambda n, a, w, x: x,
     "head_projection": _projection,
     "output_projection": _projection,
+    "rotary": lambda n, a, w, x: rope.apply(a[0], n.attrs["rotary_dim"], n.attrs["base"]),
     "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
     "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
     "mask": _mask,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.kinds import KINDS, WeightSpec
-from mhagen.ir.verify import verify, weight_specs
+from mhagen.ir.verify import infer_shapes, verify, weight_specs
 from mhagen.reference import run_reference
 from mhagen.weights import init_weights
 
@@ -93,6 +93,17 @@ class Graph:
         """Head `head`'s projection: x @ weight[head] (+ bias[head]), out_features wide."""
         return self.add("head_projection", (x,), name, weight=weight, head=head,
                         out_features=out_features, **({"bias": bias} if bias else {}))
+
+    def rotary(self, x, base: float = 10000.0, rotary_dim: int | None = None,
+               name=None) -> str:
+        """RoPE on a Q or K head [B,S,d] (mhagen/ir/rope.py); rotary_dim None: all of d."""
+        if rotary_dim is None:
+            rotary_dim = self.shapes_partial(x)[-1]
+        return self.add("rotary", (x,), name, base=float(base), rotary_dim=rotary_dim)
+
+    def shapes_partial(self, name) -> list:
+        """The shape of node `name` from the nodes defined so far (no output needed)."""
+        return infer_shapes(self)[name]
 
     def scores(self, q, k, name=None) -> str:
         return self.add("scores", (q, k), name)

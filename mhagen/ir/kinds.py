@@ -32,6 +32,11 @@ KINDS = {
     "head_projection": KindSpec(
         1, ("weight", "head", "out_features"), ("bias",),
         "[B,S,D] @ weight[head] ([D,d]) (+ bias[head]) -> [B,S,d]: one head's Q, K or V"),
+    "rotary": KindSpec(
+        1, ("base", "rotary_dim"), (),
+        "[B,S,d] -> [B,S,d]: RoPE by position (token index along S), half-split pairs "
+        "(x[i], x[i + rotary_dim/2]), angle pos * base^(-2i/rotary_dim); dims past rotary_dim "
+        "unchanged (mhagen/ir/rope.py)"),
     "scores": KindSpec(2, (), (), "q [B,S,d], k [B,T,d] -> q @ k^T [B,S,T]"),
     "scale": KindSpec(1, ("factor",), (), "[B,S,T] * factor"),
     "mask": KindSpec(
@@ -52,10 +57,11 @@ KINDS = {
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
         "{weight, head, bias, width} in column order"),
     "attention": KindSpec(
-        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod"),
+        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary"),
         "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(score_mod(Q_h K_h^T * scale))) "
         "V_h with "
-        "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side"),
+        "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side; "
+        "rotary {base, rotary_dim}: RoPE on every Q_h and K_h first"),
 }
 
 FUSED_KINDS = ("qkv_projection", "attention")

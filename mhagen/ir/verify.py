@@ -8,6 +8,7 @@ from __future__ import annotations
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
 
 
@@ -94,22 +95,7 @@ def verify(graph, **dims) -> dict:
     if graph.dtype not in SUPPORTED_DTYPES:
         raise GraphError(f"dtype {graph.dtype!r} is not supported yet; use one of "
                          f"{list(SUPPORTED_DTYPES)}")
-    if not graph.nodes:
-        raise GraphError("the graph is empty; add an input and some nodes, or use mhagen.mha()")
-    shapes: dict = {}
-    for n in graph.nodes:
-        if n.kind not in KINDS:
-            raise GraphError(f"node {n.name!r} has unknown kind {n.kind!r}; use one of: "
-                             f"{', '.join(KINDS)}")
-        _check_attrs(n)
-        for i in n.inputs:
-            if i not in shapes:
-                later = any(m.name == i for m in graph.nodes)
-                hint = ("it is defined later: nodes may only read nodes defined before them"
-                        if later else "no node has that name: check the spelling")
-                raise GraphError(f"node {n.name!r} reads unknown node {i!r}; {hint}")
-        ins = [shapes[i] for i in n.inputs]
-        shapes[n.name] = _infer(n, ins, graph)
+    shapes = infer_shapes(graph)
     if graph.output is None:
         raise GraphError("the graph has no output; call graph.set_output(name)")
     if graph.output not in shapes:
@@ -155,6 +141,27 @@ def _check_sizes(specs, shapes) -> None:
                              "(32-bit indices); use a smaller batch or seq_len")
 
 
+def infer_shapes(graph) -> dict:
+    """{node name: shape} of the nodes defined so far, each checked (no output needed)."""
+    if not graph.nodes:
+        raise GraphError("the graph is empty; add an input and some nodes, or use mhagen.mha()")
+    shapes: dict = {}
+    for n in graph.nodes:
+        if n.kind not in KINDS:
+            raise GraphError(f"node {n.name!r} has unknown kind {n.kind!r}; use one of: "
+                             f"{', '.join(KINDS)}")
+        _check_attrs(n)
+        for i in n.inputs:
+            if i not in shapes:
+                later = any(m.name == i for m in graph.nodes)
+                hint = ("it is defined later: nodes may only read nodes defined before them"
+                        if later else "no node has that name: check the spelling")
+                raise GraphError(f"node {n.name!r} reads unknown node {i!r}; {hint}")
+        ins = [shapes[i] for i in n.inputs]
+        shapes[n.name] = _infer(n, ins, graph)
+    return shapes
+
+
 def _infer(n, ins, graph):
     k = n.kind
     if k == "input":
@@ -178,6 +185,12 @@ def _infer(n, ins, graph):
                 raise GraphError(f"node {n.name!r}: head must be an int >= 0, got {head!r}")
         d_out = _projection_width(n, graph, x[-1])
         return x[:-1] + [d_out]
+    if k == "rotary":
+        (x,) = ins
+        if len(x) != 3:
+            raise GraphError(f"rotary {n.name!r} takes one head [B, S, d], got {_fmt(x)}")
+        rope.check_attrs(dict(n.attrs), x[-1], f"rotary {n.name!r}")
+        return list(x)
     if k == "scores":
         q, kk = ins
         if q[0] != kk[0] or q[-1] != kk[-1]:
@@ -235,6 +248,8 @@ def _infer(n, ins, graph):
             _check_mask(n.attrs["mask"], f"attention {n.name!r}")
         if n.attrs.get("score_mod") is not None:
             _check_score_mod(n.attrs["score_mod"], f"attention {n.name!r}")
+        if n.attrs.get("rotary") is not None:
+            rope.check_attrs(n.attrs["rotary"], d, f"attention {n.name!r}")
         return qkv[:-1] + [d * len(offs[0])]
     raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
 

@@ -2,6 +2,8 @@
 
   qkv_projection  x [M, D] @ W_qkv (packed [N/NR, D, NR]) + b_qkv -> qkv [N/NR, M, NR]
                   (TE, GEMM; the output stays in column panels: a head's rows are contiguous)
+  rotary          (RoPE layers only) qkv's Q and K columns rotated in place by position, cos/sin
+                  from a constant table [2, seq, rotary_dim / 2]          (template, per backend)
   attention       qkv, block table -> att [M, H*d]  (template, flash-style; reads Q, K, V
                   where the GEMM wrote them)
   output_proj     att @ W_O (packed) + b_o -> y [M, DO]                           (TE, GEMM)
@@ -13,6 +15,7 @@ from __future__ import annotations
 from tvm import te
 
 from mhagen.blockmask import block_table, table_dims
+from mhagen.lower.te import rope_table
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import Buffer, Kernel, Program, Stage, round_up
 
@@ -85,7 +88,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
-            "score_mod": a.get("score_mod")}
+            "score_mod": a.get("score_mod"), "rotary": a.get("rotary")}
     cfg = attention_config or backend.attention.default_config(work, target)
     tb, th = table_dims(a.get("mask"), batch, heads)
     work.update(table_batch=tb, table_heads=th)
@@ -114,6 +117,12 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
         Buffer("blocks", table.shape, "param", dtype="int32", pack={"kind": "constant"},
                value=table,
                doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
+    ] + ([
+        Buffer("rope", (2, seq, a["rotary"]["rotary_dim"] // 2), "param",
+               pack={"kind": "constant"},
+               value=rope_table(seq, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
+               doc="RoPE cos [0] and sin [1] by position (float64 math, stored float32)"),
+    ] if a.get("rotary") else []) + [
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)"),
         Buffer("w_o", (d_out_p // nr, hd, nr), "param", pack=w_o),
@@ -134,7 +143,16 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                           te.create_prim_func([x, wqkv, bqkv, qkv]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
                 f"   # {len(segments)} head projections, one GEMM")
-    # 2. attention template
+    # 2. RoPE on qkv's Q and K columns, in place
+    if a.get("rotary"):
+        r = a["rotary"]
+        kernels.append(Kernel("rotary", ["qkv", "rope"],
+                              stages=[Stage("rotary", "rotary_template", att_node.name, (), work)],
+                              template="rotary", workload=work))
+        text.append(f"qkv[Q, K columns] = rope(qkv, base={r['base']:g}, "
+                    f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table [2, {seq}, "
+                    f"{r['rotary_dim'] // 2}]")
+    # 3. attention template
     kernels.append(Kernel("attention", ["qkv", "blocks", "att"],
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
@@ -144,7 +162,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                 f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                 f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                 "blocks skipped")
-    # 3. output projection
+    # 4. output projection
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],

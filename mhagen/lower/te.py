@@ -12,7 +12,10 @@ from __future__ import annotations
 import tvm
 from tvm import te
 
+import numpy as np
+
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.program import Buffer, Kernel, Program, Stage
 
 
@@ -93,12 +96,14 @@ def lower_unfused(graph, batch: int, seq_len: int) -> Program:
         ctx.vals[n.name] = _LOWER[n.kind](ctx, n)
     out = ctx.vals[graph.output]
     inputs = [ctx.vals[n.name] for n in graph.inputs]
-    args = inputs + [weights[s.name] for s in specs] + [out]
+    tables = list(ctx.tables.values())
+    args = inputs + [weights[s.name] for s in specs] + [t for t, _ in tables] + [out]
     func = te.create_prim_func(args)
     buffers = [Buffer(n.name, _shape(ctx, n), "input") for n in graph.inputs]
     buffers += [Buffer(s.name, tuple(s.shape), "param",
                        pack={"kind": "weight", "weight": s.name})
                 for s in specs]
+    buffers += [b for _, b in tables]
     buffers.append(Buffer("out", tuple(int(v) for v in out.shape), "output"))
     kernel = Kernel("main", [b.name for b in buffers], func, ctx.stages)
     return Program({b.name: b for b in buffers}, [kernel], "\n".join(ctx.text))
@@ -109,6 +114,18 @@ class _Ctx:
         self.graph, self.shapes, self.weights, self.dtype = graph, shapes, weights, dtype
         self.vals, self.stages, self.text = {}, [], []
         self.transposed = {}
+        self.tables = {}   # (seq, rotary_dim, base) -> (placeholder, constant param Buffer)
+
+    def rope_table(self, seq, rotary_dim, base):
+        """The [2, seq, rotary_dim / 2] cos/sin table (a constant param, float64 math)."""
+        key = (seq, rotary_dim, base)
+        if key not in self.tables:
+            name = f"rope{len(self.tables)}"
+            value = rope_table(seq, rotary_dim, base)
+            self.tables[key] = (te.placeholder(value.shape, "float32", name=name),
+                                Buffer(name, value.shape, "param", pack={"kind": "constant"},
+                                       value=value, doc="RoPE cos [0] and sin [1] by position"))
+        return self.tables[key][0]
 
     def stage(self, name, pattern, node, blocks, **workload):
         self.stages.append(Stage(name, pattern, node, tuple(blocks), workload))
@@ -166,6 +183,30 @@ def _lower_projection(ctx, n):
         def fb(bb, i, j): return c[bb, i, j] + b[j]
     ctx.note(f"{n.name}[b,i,j] = {mm_name}[b,i,j] + {bias}{f'[{head}]' if head is not None else ''}[j]")
     return _epilogue(ctx, n, n.name, fb, shape)
+
+
+def rope_table(seq, rotary_dim, base) -> np.ndarray:
+    """float32 [2, seq, rotary_dim / 2]: cos and sin of RoPE's angles (mhagen/ir/rope.py)."""
+    return np.ascontiguousarray(np.stack(rope.tables(seq, rotary_dim, base)), np.float32)
+
+
+def _lower_rotary(ctx, n):
+    x = ctx.vals[n.inputs[0]]
+    shape = _shape(ctx, n)
+    rd, half = n.attrs["rotary_dim"], n.attrs["rotary_dim"] // 2
+    cs = ctx.rope_table(shape[1], rd, n.attrs["base"])
+
+    def f(bb, t, j):
+        lo = x[bb, t, j] * cs[0, t, j] - x[bb, t, j + half] * cs[1, t, j]
+        hi = x[bb, t, j] * cs[0, t, j - half] + x[bb, t, j - half] * cs[1, t, j - half]
+        return tvm.tirx.Select(j < half, lo, tvm.tirx.Select(j < rd, hi, x[bb, t, j]))
+
+    ctx.note(f"{n.name} = rope({n.inputs[0]}, base={n.attrs['base']:g}, rotary_dim={rd})")
+    y = te.compute(shape, f, name=n.name)
+    # elementwise, not an epilogue: it reads a neighbour column, so it cannot fold into the
+    # projection's register-tile write-back
+    ctx.stage(n.name, "elementwise", n.name, [n.name])
+    return y
 
 
 def _lower_scores(ctx, n):
@@ -271,6 +312,7 @@ _LOWER = {
     "input": _lower_input,
     "head_projection": _lower_projection,
     "output_projection": _lower_projection,
+    "rotary": _lower_rotary,
     "scores": _lower_scores,
     "scale": _lower_scale,
     "mask": _lower_mask,

@@ -4,7 +4,10 @@
 node and every node becomes plain ONNX ops -- MatMul/Add per head projection (each head's
 weight and bias is its own initializer, ``w_q.3``, ``b_q.3``), MatMul + Transpose for the
 scores, Mul for the scale, Where for masks, Softmax, MatMul for the weighted sum, Concat,
-MatMul/Add for W_O. Any verified graph exports this way, builder-made graphs and graphs with
+MatMul/Add for W_O, and RoPE (``rotary`` nodes, the fused attention's ``rotary``) as
+Slice/Mul/Sub/Add/Concat with cos/sin tables [S, rotary_dim/2] -- constants when the sequence
+length is static, else computed in float64 from Range (then Cast to float32), as mhagen's
+tables are. Any verified graph exports this way, builder-made graphs and graphs with
 the fused kinds (``qkv_projection`` becomes one MatMul per segment + Concat, ``attention``
 becomes per-head Slice + the ops above).
 
@@ -12,7 +15,8 @@ becomes per-head Slice + the ops above).
 ``Attention`` operator (opset 23+: ``q_num_heads``, ``kv_num_heads``, ``scale``,
 ``is_causal``, ``attn_mask``), then W_O. Only for layers whose heads all have the same
 structure (what ``mhagen.passes.fuse_attention`` accepts); otherwise an ``OnnxError`` says why
-and suggests ``form="decomposed"``.
+and suggests ``form="decomposed"``. Layers with score modifiers or rotary embeddings are
+refused too (``Attention`` carries neither; opset 23's ``RotaryEmbedding`` is not used).
 
 Masks (any boolean mask expression of batch, head, q_idx, kv_idx):
   * ``masks="constant"``: materialised as a constant boolean initializer, [S, S] (with a
@@ -58,6 +62,7 @@ from mhagen.version import __version__ as mhagen_version
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
 from mhagen.passes.fuse_attention import fuse_attention
@@ -246,6 +251,45 @@ class _Builder:
         h.set_model_props(model, {"mhagen.form": form, "mhagen.graph": self.layer.to_json()})
         return model
 
+    # rotary embeddings -----------------------------------------------------------------
+    def rope_tables(self, rotary_dim, base):
+        """(cos, sin) float32 tensors [S, rotary_dim / 2] (see mhagen/ir/rope.py)."""
+        def make():
+            if isinstance(self.seq, int):
+                cos, sin = rope.tables(self.seq, rotary_dim, base)
+                return self.const(cos, np.float32), self.const(sin, np.float32)
+            # dynamic seq: angles in float64 like mhagen's tables, then float32
+            half = rotary_dim // 2
+            inv_freq = float(base) ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
+            pos = self.op("Range", [self.const(0.0, np.float64),
+                                    self.op("Cast", [self.dim(1)], "rope_seq",
+                                            to=self.onnx.TensorProto.DOUBLE),
+                                    self.const(1.0, np.float64)], "rope_pos")
+            angle = self.op("Mul", [self.op("Unsqueeze", [pos, self.i64(1)], "rope_pos_col"),
+                                    self.const(inv_freq, np.float64)], f"rope_angle{rotary_dim}")
+            f32 = self.onnx.TensorProto.FLOAT
+            return tuple(self.op("Cast", [self.op(op, [angle], f"rope_{op.lower()}{rotary_dim}_f64")],
+                                 f"rope_{op.lower()}{rotary_dim}", to=f32)
+                         for op in ("Cos", "Sin"))
+        return self.cached(("rope", rotary_dim, float(base)), make)
+
+    def rotary(self, x, head_dim, rotary_dim, base, name):
+        """RoPE on x [B, S, head_dim]: half-split pairs, dims past rotary_dim unchanged."""
+        half = rotary_dim // 2
+        cos, sin = self.rope_tables(rotary_dim, base)
+
+        def cols(lo, hi, tag):
+            return self.op("Slice", [x, self.i64(lo), self.i64(hi), self.i64(-1)],
+                           f"{name}_{tag}")
+        a, b = cols(0, half, "a"), cols(half, rotary_dim, "b")
+        parts = [self.op("Sub", [self.op("Mul", [a, cos], f"{name}_acos"),
+                                 self.op("Mul", [b, sin], f"{name}_bsin")], f"{name}_lo"),
+                 self.op("Add", [self.op("Mul", [b, cos], f"{name}_bcos"),
+                                 self.op("Mul", [a, sin], f"{name}_asin")], f"{name}_hi")]
+        if rotary_dim < head_dim:
+            parts.append(cols(rotary_dim, head_dim, "pass"))
+        return self.op("Concat", parts, name, axis=-1)
+
     # masks -----------------------------------------------------------------------------
     def mask_static(self, expr):
         """Whether the mask can be a constant: the dims it depends on are static."""
@@ -404,6 +448,10 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
             if n.attrs.get("bias"):
                 y = b.op("Add", [y, b.init(n.attrs["bias"], w[n.attrs["bias"]])], n.name)
             vals[n.name] = y
+        elif k == "rotary":
+            head_dim = layer.shapes()[n.name][-1]
+            vals[n.name] = b.rotary(a[0], head_dim, n.attrs["rotary_dim"], n.attrs["base"],
+                                    n.name)
         elif k == "scores":
             kt = b.op("Transpose", [a[1]], n.name + "_kT", perm=[0, 2, 1])
             vals[n.name] = b.op("MatMul", [a[0], kt], n.name)
@@ -483,6 +531,11 @@ def _decomposed_attention(b, n, qkv):
             return b.cached(("slice", qkv, off), lambda: b.op(
                 "Slice", [qkv, b.i64(off), b.i64(off + d), b.i64(-1)], f"{n.name}_{role}{h}"))
         q, k, v = cols(qo, "q"), cols(ko, "k"), cols(vo, "v")
+        r = n.attrs.get("rotary")
+        if r is not None:   # each K head once, however many query heads read it
+            q, k = (b.cached(("rotary", qkv, off), lambda t=t, off=off, role=role: b.rotary(
+                t, d, r["rotary_dim"], r["base"], f"{n.name}_r{role}{off}"))
+                for t, off, role in ((q, qo, "q"), (k, ko, "k")))
         s = b.op("MatMul", [q, b.op("Transpose", [k], f"{n.name}_kT{h}", perm=[0, 2, 1])],
                  f"{n.name}_s{h}")
         s = b.op("Mul", [s, b.const(n.attrs["scale"], np.float32)], f"{n.name}_scaled{h}")
@@ -525,6 +578,9 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     if att.attrs.get("score_mod") is not None:
         raise OnnxError(f"graph {layer.name!r} has a score modifier, which the Attention "
                         "operator cannot carry; export it with form='decomposed'")
+    if att.attrs.get("rotary") is not None:
+        raise OnnxError(f"graph {layer.name!r} has rotary position embeddings, which the "
+                        "Attention operator cannot carry; export it with form='decomposed'")
     d = att.attrs["head_dim"]
     segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
     widths = {int(s["width"]) for s in segs.values()}

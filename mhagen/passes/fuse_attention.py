@@ -2,9 +2,10 @@
 
 Recognised: output_projection(concat_heads(o_0..o_H-1)) where each o_h is
 weighted_sum(softmax([mask]([score_mod]([scale](scores(q_h, k_h))))), v_h), every q/k/v is
-a head_projection of one input, all heads share head_dim, scale, score modifier and mask
-expression (they may differ through `head` in them: ALiBi slopes), and no other node reads
-the intermediates. The fused graph computes the same function:
+a head_projection of one input (q and k optionally through a rotary node: then every Q and
+K head has one, with the same base and rotary_dim, recorded as the attention's `rotary`),
+all heads share head_dim, scale, score modifier and mask expression (they may differ through
+`head` in them: ALiBi slopes), and no other node reads the intermediates. The fused graph computes the same function:
   - one packed GEMM for every head's Q, K and V (K/V heads shared by query heads once),
   - one attention node that never builds [B, heads, S, S] (see the attention templates),
   - the concat is free: attention writes each head at its concat offset, where W_O reads it.
@@ -57,7 +58,17 @@ def _fuse(g: Graph) -> Graph:
         _need(uses[name] == 1, f"{name!r} has more than one reader")
         return node
 
-    heads, matched = [], {out.name, concat.name}
+    def unrotated(name, single):
+        """(the projection under an optional rotary node, the rotary's params or None)."""
+        node = nodes[name]
+        if node.kind != "rotary":
+            return name, None
+        # a K rotary feeds every query head of its group; a Q rotary feeds one head
+        _need(not single or uses[name] == 1, f"{name!r} has more than one reader")
+        matched.add(name)
+        return node.inputs[0], (float(node.attrs["base"]), int(node.attrs["rotary_dim"]))
+
+    heads, matched, rotations = [], {out.name, concat.name}, set()
     scales, masks, mods = set(), set(), set()
     for h, o_name in enumerate(concat.inputs):
         o = single_use(o_name, "weighted_sum")
@@ -93,11 +104,18 @@ def _fuse(g: Graph) -> Graph:
         scales.add(float(scale))
         masks.add(None if mask is None else repr(mask))
         mods.add(None if mod is None else repr(mod))
-        heads.append((cur.inputs[0], cur.inputs[1], o.inputs[1], mask, mod))
+        q, q_rot = unrotated(cur.inputs[0], single=True)
+        k, k_rot = unrotated(cur.inputs[1], single=False)
+        rotations.update({q_rot, k_rot})
+        heads.append((q, k, o.inputs[1], mask, mod))
     _need(len(scales) == 1, "heads use different scales")
     _need(len(masks) == 1, "heads use different masks")
     _need(len(mods) == 1, "heads use different score modifiers (write one expression that "
                           "reads `head`, e.g. a table of per-head values)")
+
+    _need(len(rotations) == 1, "rotary embeddings on only some Q/K heads, or with different "
+          "base/rotary_dim (the fused kernels rotate every Q and K head alike)")
+    rotation = rotations.pop()
 
     projections = [nodes[name] for hd in heads for name in hd[:3]]
     _need(all(p.kind == "head_projection" for p in projections),
@@ -134,6 +152,8 @@ def _fuse(g: Graph) -> Graph:
         attrs["mask"] = heads[0][3]
     if heads[0][4] is not None:
         attrs["score_mod"] = heads[0][4]
+    if rotation is not None:
+        attrs["rotary"] = {"base": rotation[0], "rotary_dim": rotation[1]}
     att = f.add("attention", (qkv,), "attention", **attrs)
     f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
     f.shapes()

@@ -340,7 +340,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     for batch, seq in shapes:
         program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
         for k in program.kernels:
-            if k.template or any(s.pattern in ("matmul", "packed_matmul") for s in k.stages):
+            if k.template == "attention" or any(s.pattern in ("matmul", "packed_matmul") for s in k.stages):
                 known.add(k.name)
                 if kernels is None or k.name in kernels:
                     plans.append(((batch, seq), program, k))

@@ -1,6 +1,7 @@
 """The cuda backend (mhagen/backends.py): NVIDIA GPUs, compile-only for now.
 
   attention  a CUDA flash-style template (schedules/cuda/attention.py)
+  rotary     RoPE in place on qkv's Q/K columns, one block per token (schedules/cuda/rotary.py)
   GEMMs      TVM's dlight GPU rules on the whole TE kernel (schedules/cuda/dlight_rule.py);
              weights in panels of 64 columns (each a 256-byte row per k: coalesced loads),
              the QKV output in the same panels (a 64-wide head's row is 256 contiguous bytes)
@@ -12,12 +13,13 @@ from mhagen.program import round_up
 from mhagen.schedules.cuda.attention import CudaAttentionRule, padded_head_dim
 from mhagen.schedules.cuda.dlight_rule import DlightKernelRule
 from mhagen.schedules.cuda.nvcc import compile_device
+from mhagen.schedules.cuda.rotary import CudaRotaryRule
 from mhagen.schedules.cuda.verify import check_bound
 
 PANEL = 64      # weight / qkv columns per panel
 ROW_TILE = 64   # GEMM rows are padded to whole row tiles (dlight's block tiles divide it)
 
-RULES = [CudaAttentionRule(), DlightKernelRule()]
+RULES = [CudaAttentionRule(), CudaRotaryRule(), DlightKernelRule()]
 
 BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=RULES[0],
                   gemm_tile=lambda target: (ROW_TILE, PANEL),

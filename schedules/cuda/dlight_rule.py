@@ -23,7 +23,7 @@ class DlightKernelRule:
                       dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()]
 
     def applies(self, stage, target):
-        return stage.pattern != "attention_template"
+        return not stage.pattern.endswith("_template")
 
     def default_config(self, workload, target):
         return None

@@ -4,9 +4,11 @@ from mhagen.backends import Backend
 from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
 from mhagen.schedules.x86.elementwise import ElementwiseRule, Fallback
 from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
+from mhagen.schedules.x86.rotary import RotaryRule
 from mhagen.schedules.x86.softmax import SoftmaxRule
 
-RULES = [AttentionRule(), MatmulRule(), SoftmaxRule(), ElementwiseRule(), Fallback()]
+RULES = [AttentionRule(), RotaryRule(), MatmulRule(), SoftmaxRule(), ElementwiseRule(),
+         Fallback()]
 
 
 def cpu_backend(family: str) -> Backend:

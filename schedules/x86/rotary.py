@@ -1,0 +1,80 @@
+"""RoPE in place on the fused path's qkv temporary (CPUs): one pass over the Q and K columns.
+
+The fused program runs this kernel between the packed QKV GEMM and the attention template
+(mhagen/lower/fused.py), so the attention kernels read rotated Q and K where they always do.
+One parallel task per row (token) of batch * seq; per Q or K head, the first rotary_dim
+columns are loaded in whole vectors (a head starts on a vector boundary and a vector never
+straddles a GEMM column panel), rotated with the position's cos/sin (a constant table
+[2, seq, rotary_dim / 2] built at build time in float64) and stored back. Cost: read and
+write rotary_dim columns of each of heads + kv_heads heads per row, about 2% of the QKV
+GEMM's memory traffic and nothing next to its flops; no extra temporary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.script import tirx as T
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    lanes: int
+    """columns per vector load/store (the target's float32 lanes)."""
+
+
+def rotary_layout(w):
+    """(first column, heads to rotate, padded head width, rotary_dim, half) of workload w.
+    Q heads then K heads sit side by side in qkv (the fusion pass orders them so)."""
+    H, G, DP = w["heads"], w["kv_heads"], w["head_dim_padded"]
+    assert w["k_base"] == w["q_base"] + H * DP, (w["q_base"], w["k_base"], H, DP)
+    rd = w["rotary"]["rotary_dim"]
+    return w["q_base"], H + G, DP, rd, rd // 2
+
+
+class RotaryRule:
+    name = "rotary"
+
+    def applies(self, stage, target):
+        return stage.pattern == "rotary_template"
+
+    def default_config(self, workload, target):
+        return RotaryConfig(lanes=target.lanes)
+
+    def build(self, w, cfg, target):
+        return build_rotary(w, cfg)
+
+
+def build_rotary(w, cfg):
+    B, S = w["batch"], w["seq"]
+    BASE, SLOTS, DP, RD, HALF = rotary_layout(w)
+    LN = cfg.lanes
+    PW = w["panel"]
+    NP, M = w["qkv_width"] // PW, w["rows"]
+    assert DP % LN == 0 and PW % LN == 0 and BASE % LN == 0, (DP, PW, BASE, LN)
+    NCH = -(-RD // LN)          # vectors covering the rotated columns
+    TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
+
+    @T.prim_func
+    def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+               rope: T.Buffer((2, S, HALF), "float32")):
+        T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+        for row in T.parallel(B * S):
+            x = T.decl_buffer((NCH * LN,), "float32")
+            y = T.decl_buffer((NCH * LN,), "float32")
+            for slot in range(SLOTS):
+                for ch in range(NCH):
+                    for ln in T.vectorized(LN):
+                        x[ch * LN + ln] = qkv[(BASE + slot * DP + ch * LN) // PW, row,
+                                              (BASE + slot * DP + ch * LN) % PW + ln]
+                for i in T.vectorized(HALF):
+                    y[i] = x[i] * rope[0, row % S, i] - x[i + HALF] * rope[1, row % S, i]
+                    y[i + HALF] = x[i + HALF] * rope[0, row % S, i] + x[i] * rope[1, row % S, i]
+                for i in T.vectorized(TAIL + 1):
+                    if i < TAIL:
+                        y[RD + i] = x[RD + i]
+                for ch in range(NCH):
+                    for ln in T.vectorized(LN):
+                        qkv[(BASE + slot * DP + ch * LN) // PW, row,
+                            (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
+
+    return rotary
