@@ -25,6 +25,9 @@ ARTIFACTS = {
     "default-512x8": (dict(d_model=512, num_heads=8), 1, 32, True),
     "padded-out-d40": (dict(d_model=40, num_heads=4), 2, 5, True),   # out [10, 64]: y = out[:, :40]
     "unfused-d40": (dict(d_model=40, num_heads=4), 2, 5, False),     # x, out [batch, seq, d]
+    # four kernels (the rotary pass between the QKV GEMM and attention), a score modifier
+    "rope-alibi-gqa": (dict(d_model=64, num_heads=4, kv_heads=2, causal=True, rotary=True,
+                            score_mod=mhagen.alibi(4)), 2, 17, True),
 }
 
 
