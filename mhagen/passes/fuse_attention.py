@@ -42,6 +42,27 @@ def fuse_attention(graph: Graph) -> FusionResult:
         return FusionResult(graph, False, f"not fused: {why}")
 
 
+# the optional nodes between scores and softmax, nearest the softmax first: kind -> attribute
+SCORE_CHAIN = (("mask", "mask"), ("score_mod", "expr"), ("scale", "factor"))
+
+
+def _score_chain(nodes, uses, cur, h, matched):
+    """((mask, score modifier, scale) of head h, the node under them), walking up from the
+    softmax's input through the optional mask, score_mod and scale nodes."""
+    found = {"mask": None, "score_mod": None, "scale": 1.0}
+    for kind, attr in SCORE_CHAIN:
+        if cur.kind != kind:
+            continue
+        _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
+        if "head" in cur.attrs:
+            _need(cur.attrs["head"] == h, f"{kind} {cur.name!r} is for head "
+                                          f"{cur.attrs['head']} but feeds head {h}")
+        found[kind] = cur.attrs[attr]
+        matched.add(cur.name)
+        cur = nodes[cur.inputs[0]]
+    return (found["mask"], found["score_mod"], found["scale"]), cur
+
+
 def _fuse(g: Graph) -> Graph:
     g.shapes()
     nodes = {n.name: n for n in g.nodes}
@@ -75,28 +96,7 @@ def _fuse(g: Graph) -> Graph:
         p = single_use(o.inputs[0], "softmax")
         cur = nodes[p.inputs[0]]
         matched |= {o.name, p.name}
-        mask = None
-        if cur.kind == "mask":
-            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
-            _need(cur.attrs["head"] == h, f"mask {cur.name!r} is for head {cur.attrs['head']} "
-                                          f"but feeds head {h} of the concat")
-            mask = cur.attrs["mask"]
-            matched.add(cur.name)
-            cur = nodes[cur.inputs[0]]
-        mod = None
-        if cur.kind == "score_mod":
-            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
-            _need(cur.attrs["head"] == h, f"score_mod {cur.name!r} is for head "
-                                          f"{cur.attrs['head']} but feeds head {h}")
-            mod = cur.attrs["expr"]
-            matched.add(cur.name)
-            cur = nodes[cur.inputs[0]]
-        scale = 1.0
-        if cur.kind == "scale":
-            _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
-            scale = cur.attrs["factor"]
-            matched.add(cur.name)
-            cur = nodes[cur.inputs[0]]
+        (mask, mod, scale), cur = _score_chain(nodes, uses, cur, h, matched)
         _need(cur.kind == "scores",
               f"head {h}: expected scores -> [scale] -> [score_mod] -> [mask] -> softmax")
         _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")

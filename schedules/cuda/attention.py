@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
-from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
+from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
+from mhagen.schedules.attention_common import ScoreRules
 
 ROWS_PER_THREAD = 4   # query rows a thread owns
 COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
@@ -123,31 +123,11 @@ def build_attention(w, cfg):
     c_log2e = T.float32(w["scale"] * LOG2E)
     neg_inf = T.float32(float("-inf"))
     zero = T.float32(0.0)
-    mask = w.get("mask")
-    score_mod = w.get("score_mod")
-    HAS_MOD = score_mod is not None
+    HAS_MOD = w.get("score_mod") is not None
 
-    def modified(x, b, h, qi, kj):
-        # scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
-        # scaled score x * ln 2 and its result returns to log2 units
-        return score_to_tir(score_mod, x * T.float32(LN2), b, h, qi, kj, S, S) * \
-            T.float32(LOG2E)
-
-    def visible(b, h, qi, kj):
-        cond = kj < S
-        if mask is not None:
-            cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
-        return cond
-
-    def key_row(b, t, masked):
-        # full blocks hold keys < S only; partial ones may run past S (clamped, then masked)
-        return b * S + (T.min(t, S - 1) if masked else t)
-
-    def tb(b):
-        return b if TB > 1 else 0
-
-    def th(h):
-        return h if TH > 1 else 0
+    rules = ScoreRules(w)
+    visible, modified, key_row = rules.visible, rules.modified, rules.key_row
+    tb, th = rules.tb, rules.th
 
     @T.macro
     def key_block(masked, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,

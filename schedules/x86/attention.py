@@ -22,12 +22,12 @@ half the blocks.
 from dataclasses import dataclass, replace
 from math import lcm
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
-from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
+from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
+from mhagen.schedules.attention_common import ScoreRules
 from mhagen.schedules.x86.fast_math import exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
@@ -170,33 +170,12 @@ def build_attention(w, cfg, lanes):
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf = f32(float("-inf"))
     zero = f32(0.0)
-    mask = w.get("mask")
-    score_mod = w.get("score_mod")
     M = w.get("rows", B * S)          # qkv rows and att rows: batch*seq padded to whole
     MA = w.get("att_rows", M)         # GEMM tiles (rows past batch*seq are never read)
 
-    def visible(b, h, qi, kj):
-        cond = kj < S
-        if mask is not None:
-            cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, S))
-        return cond
-
-    def modified(x, b, h, qi, kj):
-        # scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
-        # scaled score x * ln 2 and its result returns to log2 units
-        if score_mod is None:
-            return x
-        return score_to_tir(score_mod, x * f32(LN2), b, h, qi, kj, S, S) * f32(LOG2E)
-
-    def key_row(b, t, masked):
-        # full blocks hold keys < S only; partial ones may run past S (clamped, then masked)
-        return b * S + (T.min(t, S - 1) if masked else t)
-
-    def tb(b):
-        return b if TB > 1 else 0
-
-    def th(h):
-        return h if TH > 1 else 0
+    rules = ScoreRules(w)
+    visible, modified, key_row = rules.visible, rules.modified, rules.key_row
+    tb, th = rules.tb, rules.th
 
     @T.macro
     def key_block(masked, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o, vec,

@@ -1,0 +1,46 @@
+"""What every attention template (x86, CUDA) computes the same way, from the workload: which
+scores a mask keeps, the score modifier in the templates' log2 units, key rows, block-table
+indices. (mhagen/lower/fused.py describes the workload's fields.)"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
+
+
+class ScoreRules:
+    """Python helpers the TIR templates call while they are parsed."""
+
+    def __init__(self, w):
+        self.seq = w["seq"]
+        self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
+        self.table_batch, self.table_heads = w["table_batch"], w["table_heads"]
+
+    def visible(self, b, h, qi, kj):
+        """The key exists (kj < seq) and the mask keeps it."""
+        S = self.seq
+        cond = kj < S
+        if self.mask is not None:
+            cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, S))
+        return cond
+
+    def modified(self, x, b, h, qi, kj):
+        """Scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
+        scaled score x * ln 2 and its result returns to log2 units."""
+        if self.score_mod is None:
+            return x
+        S = self.seq
+        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S, S) * \
+            T.float32(LOG2E)
+
+    def key_row(self, b, t, masked):
+        """Full blocks hold keys < seq only; partial ones may run past it (clamped, masked)."""
+        S = self.seq
+        return b * S + (T.min(t, S - 1) if masked else t)
+
+    def tb(self, b):
+        return b if self.table_batch > 1 else 0
+
+    def th(self, h):
+        return h if self.table_heads > 1 else 0
