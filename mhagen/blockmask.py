@@ -12,6 +12,30 @@ from mhagen.ir import expr as ex
 from mhagen.reference import NUMPY_OPS
 
 SKIP, PARTIAL, FULL = 0, 1, 2
+KEY_PADDING = ex.kv_idx < ex.kv_len   # with key lengths given per call: skipped at run time
+
+
+def conjuncts(mask) -> list:
+    """The top-level `&` operands of a mask."""
+    if isinstance(mask, ex.BinOp) and mask.op == "&":
+        return conjuncts(mask.lhs) + conjuncts(mask.rhs)
+    return [mask]
+
+
+def split_lengths(mask):
+    """For a layer with per-call key lengths: (the mask without the parts that read kv_len,
+    whether it had the plain padding part kv_idx < kv_len (the kernels skip blocks past
+    the length at run time), whether other parts read kv_len (no block is FULL then))."""
+    if mask is None:
+        return None, False, False
+    parts = conjuncts(mask)
+    static = [p for p in parts if "kv_len" not in ex.variables(p)]
+    padding = any(p == KEY_PADDING for p in parts)
+    others = any("kv_len" in ex.variables(p) and p != KEY_PADDING for p in parts)
+    rest = None
+    for p in static:
+        rest = p if rest is None else rest & p
+    return rest, padding, others
 
 
 def table_dims(mask, batch, heads):
@@ -20,7 +44,15 @@ def table_dims(mask, batch, heads):
     return (batch if "batch" in used else 1), (heads if "head" in used else 1)
 
 
-def block_table(mask, batch, heads, seq, q_tile, kv_block) -> np.ndarray:
+def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False) -> np.ndarray:
+    """The table of a mask; with key lengths per call (lengths=True), of the parts that do not
+    read kv_len (the kernels apply the length at run time, see split_lengths)."""
+    if lengths:
+        static, _, others = split_lengths(mask)
+        table = block_table(static, batch, heads, seq, q_tile, kv_block)
+        if others:
+            table[table == FULL] = PARTIAL
+        return table
     tb, th = table_dims(mask, batch, heads)
     n_q, n_kv = -(-seq // q_tile), -(-seq // kv_block)
     table = np.empty((tb, th, n_q, n_kv), np.int32)

@@ -17,7 +17,8 @@ def _divisors(n):
 
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
-        score_mod=None, rotary=None, bias: bool = True, name: str = "mha") -> Graph:
+        score_mod=None, rotary=None, key_padding: bool = False, bias: bool = True,
+        name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -41,6 +42,9 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             (bias included), before the scores: `mhagen.rotary(base=10000.0,
             rotary_dim=None)`, or True for those defaults (LLaMA's half-split layout; see
             mhagen/ir/rope.py). Values are not rotated.
+        key_padding: the layer takes per-batch key lengths at call time (`kv_lens`, int32
+            [batch]): query rows see keys kv_idx < kv_lens[b] only (combined with the other
+            masks by &); a row with no visible key gives zeros. No S x S mask is built.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
@@ -83,6 +87,9 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
+    if key_padding:
+        padding = ex.kv_idx < ex.kv_len
+        full_mask = padding if full_mask is None else (full_mask & padding)
 
     options = {"d_model": d_model, "num_heads": num_heads, "head_dim": head_dim,
                "kv_heads": kv_heads, "causal": bool(causal), "bias": bool(bias)}
@@ -92,24 +99,29 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["score_mod"] = repr(score_mod)
     if rotary is not None:
         options["rotary"] = rotary.attrs(head_dim)
+    if key_padding:
+        options["key_padding"] = True
     g = Graph(name, options=options)
     x = g.input("x", d_model)
+    lengths = g.lengths("kv_lens") if key_padding else None
     g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
                            score_mod=score_mod,
-                           rotary=None if rotary is None else rotary.attrs(head_dim)))
+                           rotary=None if rotary is None else rotary.attrs(head_dim),
+                           lengths=lengths))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
-              bias: bool, score_mod=None, rotary: dict | None = None) -> str:
+              bias: bool, score_mod=None, rotary: dict | None = None, lengths=None) -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
     K/V head h // (heads // kv_heads); masks[h] may be None; score_mod (optional) modifies
     every head's scaled scores before the mask; rotary ({base, rotary_dim}, optional) adds
-    a rotary node after every Q and K projection. Heads are concatenated and
+    a rotary node after every Q and K projection; lengths (a lengths node, optional) feeds
+    every mask its kv_len per batch. Heads are concatenated and
     projected to d_out. Node and weight names are those of mha().
     """
     kv_of = kv_head_map(len(scales), kv_heads)
@@ -130,7 +142,7 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
         if score_mod is not None:
             s = g.score_mod(s, score_mod, head=h, name=f"modified{h}")
         if mask is not None:
-            s = g.mask(s, mask, head=h, name=f"masked{h}")
+            s = g.mask(s, mask, head=h, name=f"masked{h}", lengths=lengths)
         outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[kv_of[h]],
                                    name=f"o{h}"))
     c = g.concat_heads(outs, name="concat")

@@ -16,7 +16,7 @@ from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.errors import ArtifactError, InputError, TargetError
-from mhagen.reference import check_input
+from mhagen.reference import check_input, check_lengths
 from mhagen.weights import check_weights
 
 ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned vector stores)
@@ -119,9 +119,10 @@ class Module:
             out[b.name] = aligned_copy(arr, b)
         return out
 
-    def __call__(self, x, weights=None, *, out=None) -> np.ndarray:
+    def __call__(self, x, weights=None, *, out=None, kv_lens=None) -> np.ndarray:
+        """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding."""
         with self._lock:
-            buffers = self._buffers(x, weights)
+            buffers = self._buffers(x, weights, kv_lens)
             result, target = self._output_array(out)
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
@@ -148,9 +149,10 @@ class Module:
             return out, out.reshape(full)
         return out, self._temp(self._output)
 
-    def _buffers(self, x, weights) -> dict:
+    def _buffers(self, x, weights, kv_lens=None) -> dict:
         """The kernels' arguments by buffer name (TVM tensors over numpy memory). x is passed
         without a copy when C-contiguous float32 on a 64-byte boundary, else copied."""
+        lens = check_lengths(self.graph, kv_lens, self.batch, self.seq_len)
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
@@ -170,6 +172,10 @@ class Module:
             staged[...] = x.reshape(shape)
             x = staged
         buffers[self._input.name] = runtime.tensor(x.reshape(shape))
+        if lens is not None:
+            staged = self._temp(self.program.buffers[self.graph.lengths_input.name])
+            staged[...] = lens
+            buffers[self.graph.lengths_input.name] = runtime.tensor(staged)
         return buffers
 
     def _resident(self, params) -> dict:
@@ -206,16 +212,20 @@ class Module:
         for func, args in self._calls:
             func(*[buffers[a] for a in args])
 
-    def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50):
+    def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
+                kv_lens=None):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
-        least `number` calls and `min_repeat_ms` each."""
+        least `number` calls and `min_repeat_ms` each (key padding: full lengths unless
+        kv_lens is given)."""
         if x is None:
             x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
+        if kv_lens is None and self.graph.lengths_input is not None:
+            kv_lens = np.full(self.batch, self.seq_len, np.int32)
         with self._lock:
-            return self._latency(x, number, repeat, min_repeat_ms)
+            return self._latency(x, number, repeat, min_repeat_ms, kv_lens)
 
-    def _latency(self, x, number, repeat, min_repeat_ms):
-        buffers = self._buffers(x, None)
+    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens):
+        buffers = self._buffers(x, None, kv_lens)
         buffers[self._output.name] = runtime.tensor(self._temp(self._output))
         self._run(buffers)
         results = []

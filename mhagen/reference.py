@@ -23,12 +23,15 @@ NUMPY_OPS = {
 }
 
 
-def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int) -> np.ndarray:
-    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head."""
+def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int,
+              lengths=None) -> np.ndarray:
+    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head; `lengths`
+    ([batch] key lengths given at call time) is what the mask reads as kv_len, if given."""
     b = np.arange(batch)[:, None, None]
     q = np.arange(q_len)[None, :, None]
     k = np.arange(kv_len)[None, None, :]
-    env = {"batch": b, "head": head, "q_idx": q, "kv_idx": k, "q_len": q_len, "kv_len": kv_len}
+    env = {"batch": b, "head": head, "q_idx": q, "kv_idx": k, "q_len": q_len,
+           "kv_len": kv_len if lengths is None else np.asarray(lengths).reshape(-1, 1, 1)}
     grid = ex.evaluate(mask, env, NUMPY_OPS)
     return np.broadcast_to(grid, (batch, q_len, kv_len)).astype(bool)
 
@@ -62,18 +65,41 @@ def check_input(graph, x, dtype=None) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype) if dtype else x
 
 
-def run_reference(graph, x, weights, return_all: bool = False):
-    """Evaluate `graph` on x with `weights` in float64; the output, or every node's value."""
+def check_lengths(graph, kv_lens, batch: int, seq: int):
+    """The call-time key lengths of a graph with a lengths input: int32 [batch], each in
+    [0, seq]; None for other graphs (which must not get any)."""
+    if graph.lengths_input is None:
+        if kv_lens is not None:
+            raise InputError(f"graph {graph.name!r} takes no key lengths; build the layer with "
+                             "mhagen.mha(..., key_padding=True) to pass kv_lens")
+        return None
+    if kv_lens is None:
+        raise InputError(f"graph {graph.name!r} pads keys by length: pass kv_lens (int, "
+                         f"[batch] = [{batch}], each in 0..{seq})")
+    lens = np.asarray(kv_lens)
+    if lens.shape != (batch,) or not np.issubdtype(lens.dtype, np.integer):
+        raise InputError(f"kv_lens must be integers of shape ({batch},), got {lens.dtype} "
+                         f"{lens.shape}")
+    if lens.min(initial=0) < 0 or lens.max(initial=0) > seq:
+        raise InputError(f"kv_lens must lie in 0..{seq} (the sequence length), got "
+                         f"{lens.tolist()}")
+    return np.ascontiguousarray(lens, dtype=np.int32)
+
+
+def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None):
+    """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
+    kv_lens: the per-batch key lengths of a graph with a lengths input."""
     if len(graph.inputs) != 1:
         raise InputError("run_reference takes one input x; this graph has "
                          f"{len(graph.inputs)} inputs")
     x = check_input(graph, x).astype(np.float64)
+    lens = check_lengths(graph, kv_lens, x.shape[0], x.shape[1])
     w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
     graph.shapes(**graph.dims(*x.shape[:2]))
     vals = {}
     for n in graph.nodes:
         a = [vals[i] for i in n.inputs]
-        vals[n.name] = _EVAL[n.kind](n, a, w, x)
+        vals[n.name] = lens if n.kind == "lengths" else _EVAL[n.kind](n, a, w, x)
     return vals if return_all else vals[graph.output]
 
 
@@ -90,7 +116,8 @@ def _projection(n, a, w, x):
 
 def _mask(n, a, w, x):
     s = a[0]
-    grid = mask_grid(n.attrs["mask"], s.shape[0], n.attrs["head"], s.shape[1], s.shape[2])
+    grid = mask_grid(n.attrs["mask"], s.shape[0], n.attrs["head"], s.shape[1], s.shape[2],
+                     a[1] if len(a) > 1 else None)
     return np.where(grid, s, -np.inf)
 
 
@@ -118,7 +145,8 @@ def _attention(n, a, w, x):
         if n.attrs.get("score_mod") is not None:
             s = apply_score_mod(n.attrs["score_mod"], s, h)
         if n.attrs.get("mask") is not None:
-            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, seq), s, -np.inf)
+            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, seq,
+                                   a[1] if len(a) > 1 else None), s, -np.inf)
         outs.append(softmax_rows(s) @ qkv[..., vo:vo + d])
     return np.concatenate(outs, axis=-1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from mhagen.blockmask import FULL, PARTIAL, SKIP
 from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 
 
@@ -16,14 +17,28 @@ class ScoreRules:
         self.seq = w["seq"]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         self.table_batch, self.table_heads = w["table_batch"], w["table_heads"]
+        self.lengths = bool(w.get("lengths"))   # key lengths per batch row, given per call
+        self.skip_by_length = bool(w.get("skip_by_length"))   # the mask has kv_idx < kv_len
 
-    def visible(self, b, h, qi, kj):
-        """The key exists (kj < seq) and the mask keeps it."""
+    def visible(self, b, h, qi, kj, lens=None):
+        """The key exists (kj < seq) and the mask keeps it (kv_len: lens[b] when the layer
+        takes key lengths, else seq)."""
         S = self.seq
         cond = kj < S
         if self.mask is not None:
-            cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, S))
+            kv_len = S if lens is None else lens[b]
+            cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, kv_len))
         return cond
+
+    def block_state(self, state, lens, b, k0, kb):
+        """A key block's state from the build-time table, corrected by the call's key
+        length: blocks past it are skipped, a FULL block it cuts becomes PARTIAL (its
+        scores masked one by one)."""
+        if lens is None or not self.skip_by_length:
+            return state
+        length = lens[b]
+        return T.Select(k0 >= length, SKIP,
+                        T.Select(tirx.all(state == FULL, k0 + kb > length), PARTIAL, state))
 
     def modified(self, x, b, h, qi, kj):
         """Scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the

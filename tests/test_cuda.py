@@ -176,3 +176,14 @@ def test_score_modifiers_compile_into_the_attention_kernel():
     assert len(attention) == 1 and "tanh" in attention[0], "softcap's tanh is in the kernel"
     for entry, r in code.resources.items():
         assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)
+
+
+@needs_nvcc
+def test_key_padding_compiles_with_the_lengths_argument():
+    layer = mhagen.mha(512, 8, kv_heads=2, causal=True, key_padding=True)
+    m = mhagen.build(layer, "cuda-sm90", batch=2, seq_len=128, tuning=None)
+    assert m.program.kernels[1].args == ["qkv", "blocks", "kv_lens", "att"]
+    code = m.info.device_code
+    assert re.search(r"attention_kernel\([^)]*int\* __restrict__ kv_lens", code.source)
+    for entry, r in code.resources.items():
+        assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)

@@ -29,14 +29,18 @@ def _check_files(path: Path, files: dict) -> None:
 
 
 def _check_program(program: Program, params: dict, path) -> None:
-    """The kernels' params as the program describes them, the output as the C API expects."""
+    """The kernels' params as the program describes them; the inputs and output a Module
+    passes."""
     for b in program.role("param"):
         p = params.get(b.name)
         if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
             raise ArtifactError(f"{path}: params.bin does not hold {b.name!r} as the program "
                                 f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
-    if len(program.role("input")) != 1 or len(program.role("output")) != 1:
-        raise ArtifactError(f"{path}: the program needs one input and one output buffer")
+    inputs = program.role("input")
+    if not inputs or inputs[0].dtype != "float32" or len(program.role("output")) != 1 or \
+            any(b.dtype != "int32" for b in inputs[1:]):
+        raise ArtifactError(f"{path}: the program needs the input x (then key lengths, if any) "
+                            "and one output buffer")
 
 
 def load(path) -> Module:

@@ -111,8 +111,14 @@ class Graph:
     def scale(self, s, factor, name=None) -> str:
         return self.add("scale", (s,), name, factor=float(factor))
 
-    def mask(self, s, mask: ex.Expr, head: int, name=None) -> str:
-        return self.add("mask", (s,), name, mask=mask, head=head)
+    def lengths(self, name: str = "kv_lens", batch: str = "batch") -> str:
+        """Per-batch key lengths [batch] (int32), given at call time; masks that read them
+        (`mask(..., lengths=)`) see kv_len = lengths[batch]."""
+        return self.add("lengths", (), name, batch=batch)
+
+    def mask(self, s, mask: ex.Expr, head: int, name=None, lengths=None) -> str:
+        return self.add("mask", (s,) + ((lengths,) if lengths else ()), name, mask=mask,
+                        head=head)
 
     def score_mod(self, s, expr: ex.Expr, head: int, name=None) -> str:
         """Modify scaled scores per element (see mhagen.ir.expr: alibi, softcap, ...)."""
@@ -147,6 +153,11 @@ class Graph:
     def inputs(self) -> list[Node]:
         return [n for n in self.nodes if n.kind == "input"]
 
+    @property
+    def lengths_input(self):
+        """The lengths node (per-batch key lengths given at call time), or None."""
+        return next((n for n in self.nodes if n.kind == "lengths"), None)
+
     def dims(self, batch: int, seq_len: int) -> dict:
         """The input's symbolic dims bound to numbers, e.g. {"batch": 2, "seq": 97}."""
         shape = self.inputs[0].attrs["shape"]
@@ -163,9 +174,10 @@ class Graph:
         """Random float32 weights in the per-head layout (Xavier-uniform; biases +-0.1)."""
         return init_weights(self, seed)
 
-    def reference(self, x, weights) -> "numpy.ndarray":  # noqa: F821
-        """The float64 numpy oracle of this graph: returns the output as float64."""
-        return run_reference(self, x, weights)
+    def reference(self, x, weights, kv_lens=None) -> "numpy.ndarray":  # noqa: F821
+        """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
+        the per-batch key lengths of a layer with key padding)."""
+        return run_reference(self, x, weights, kv_lens=kv_lens)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

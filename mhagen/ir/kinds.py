@@ -29,6 +29,10 @@ class KindSpec:
 
 KINDS = {
     "input": KindSpec(0, ("shape",), (), "a graph input, shape [B, S, D] with named symbolic dims"),
+    "lengths": KindSpec(
+        0, ("batch",), (),
+        "per-batch key lengths [B] (int32), given at call time: masks read them as kv_len "
+        "(key padding without an S x S tensor)"),
     "head_projection": KindSpec(
         1, ("weight", "head", "out_features"), ("bias",),
         "[B,S,D] @ weight[head] ([D,d]) (+ bias[head]) -> [B,S,d]: one head's Q, K or V"),
@@ -40,8 +44,9 @@ KINDS = {
     "scores": KindSpec(2, (), (), "q [B,S,d], k [B,T,d] -> q @ k^T [B,S,T]"),
     "scale": KindSpec(1, ("factor",), (), "[B,S,T] * factor"),
     "mask": KindSpec(
-        1, ("mask", "head"), (),
-        "[B,S,T] where mask(batch, head, q_idx, kv_idx) else -inf (mask is a boolean expression)"),
+        None, ("mask", "head"), (),
+        "[B,S,T] where mask(batch, head, q_idx, kv_idx) else -inf (mask is a boolean expression); "
+        "a second input, a lengths node, gives kv_len per batch"),
     "score_mod": KindSpec(
         1, ("expr", "head"), (),
         "[B,S,T] -> expr(score, batch, head, q_idx, kv_idx) per score (a numeric expression: "
@@ -57,7 +62,7 @@ KINDS = {
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
         "{weight, head, bias, width} in column order"),
     "attention": KindSpec(
-        1, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary"),
+        None, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary"),
         "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(score_mod(Q_h K_h^T * scale))) "
         "V_h with "
         "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side; "

@@ -31,6 +31,9 @@ def _check_attrs(node):
                          f"got {len(node.inputs)}: {list(node.inputs)}")
     if spec.arity is None and not node.inputs:
         raise GraphError(f"node {node.name!r} ({node.kind}) needs at least one input")
+    if node.kind in ("mask", "attention") and len(node.inputs) > 2:
+        raise GraphError(f"node {node.name!r} ({node.kind}) takes its scores (or qkv) and "
+                         f"optionally a lengths node, got {list(node.inputs)}")
 
 
 def weight_specs(graph) -> list:
@@ -197,6 +200,14 @@ def _infer(n, ins, graph):
             raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
                              "and head width; project Q and K to the same head_dim")
         return [q[0], q[1], kk[1]]
+    if k == "lengths":
+        if not (isinstance(n.attrs["batch"], str) and n.attrs["batch"].isidentifier()) and \
+                not (isinstance(n.attrs["batch"], int) and n.attrs["batch"] > 0):
+            raise GraphError(f"lengths {n.name!r}: batch must be the input's batch dim")
+        return [n.attrs["batch"]]
+    if k in ("mask", "attention") and len(ins) == 2:
+        _check_lengths_input(n, graph, ins)
+        ins = ins[:1]
     if k in ("scale", "mask", "score_mod", "softmax"):
         (s,) = ins
         if len(s) != 3:
@@ -252,6 +263,17 @@ def _infer(n, ins, graph):
             rope.check_attrs(n.attrs["rotary"], d, f"attention {n.name!r}")
         return qkv[:-1] + [d * len(offs[0])]
     raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
+
+
+def _check_lengths_input(n, graph, ins):
+    """A mask's or attention's second input: the graph's lengths node, one per batch row."""
+    source = next(m for m in graph.nodes if m.name == n.inputs[1])
+    if source.kind != "lengths":
+        raise GraphError(f"{n.kind} {n.name!r}: its second input must be a lengths node "
+                         f"(graph.lengths()), got a {source.kind}")
+    if ins[1][0] != ins[0][0]:
+        raise GraphError(f"{n.kind} {n.name!r}: lengths {_fmt(ins[1])} and scores "
+                         f"{_fmt(ins[0])} must share the batch dim")
 
 
 def _check_mask(m, where):

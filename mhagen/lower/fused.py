@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tvm import te
 
-from mhagen.blockmask import block_table, table_dims
+from mhagen.blockmask import block_table, split_lengths
 from mhagen.lower.te import rope_table
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import Buffer, Kernel, Program, Stage, round_up
@@ -55,7 +55,10 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
 
 def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Program:
     """The three kernels, laid out as the target's backend asks (mhagen/backends.py)."""
-    x_node, qkv_node, att_node, out_node = graph.nodes
+    by_kind = {n.kind: n for n in graph.nodes}
+    x_node, qkv_node, att_node, out_node = (by_kind[k] for k in (
+        "input", "qkv_projection", "attention", "output_projection"))
+    has_lengths = len(att_node.inputs) > 1   # key lengths given per call
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
     # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
@@ -88,10 +91,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
-            "score_mod": a.get("score_mod"), "rotary": a.get("rotary")}
+            "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
+            "lengths": has_lengths}
     cfg = attention_config or backend.attention.default_config(work, target)
-    tb, th = table_dims(a.get("mask"), batch, heads)
-    work.update(table_batch=tb, table_heads=th)
 
     # param recipes (mhagen.params): every head's d columns at i * dp
     w_qkv = {"kind": "panels", "depth": d_model, "width": n_qkv_p, "panel": nr,
@@ -106,9 +108,14 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     b_o = {"kind": "vector", "length": d_out_p,
            "pieces": [{"weight": bias_o, "at": 0}] if bias_o else []}
 
-    table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=cfg.kv_block)
+    table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=cfg.kv_block,
+                        lengths=has_lengths)
+    work.update(table_batch=table.shape[0], table_heads=table.shape[1],
+                skip_by_length=has_lengths and split_lengths(a.get("mask"))[1])
     buffers = [
         Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]"),
+        *([Buffer(att_node.inputs[1], (batch,), "input", "int32",
+                  doc="key lengths per batch row, given at call time")] if has_lengths else []),
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
@@ -153,7 +160,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                     f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table [2, {seq}, "
                     f"{r['rotary_dim'] // 2}]")
     # 3. attention template
-    kernels.append(Kernel("attention", ["qkv", "blocks", "att"],
+    lengths = [att_node.inputs[1]] if has_lengths else []
+    kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"],
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
                           template="attention", workload=work, config=cfg,

@@ -95,11 +95,14 @@ def lower_unfused(graph, batch: int, seq_len: int) -> Program:
     for n in graph.nodes:
         ctx.vals[n.name] = _LOWER[n.kind](ctx, n)
     out = ctx.vals[graph.output]
-    inputs = [ctx.vals[n.name] for n in graph.inputs]
+    lengths = [graph.lengths_input] if graph.lengths_input is not None else []
+    inputs = [ctx.vals[n.name] for n in graph.inputs + lengths]
     tables = list(ctx.tables.values())
     args = inputs + [weights[s.name] for s in specs] + [t for t, _ in tables] + [out]
     func = te.create_prim_func(args)
     buffers = [Buffer(n.name, _shape(ctx, n), "input") for n in graph.inputs]
+    buffers += [Buffer(n.name, _shape(ctx, n), "input", "int32",
+                       doc="key lengths per batch row, given at call time") for n in lengths]
     buffers += [Buffer(s.name, tuple(s.shape), "param",
                        pack={"kind": "weight", "weight": s.name})
                 for s in specs]
@@ -157,6 +160,11 @@ def _lower_input(ctx, n):
     shape = _shape(ctx, n)
     ctx.note(f"{n.name} = placeholder{list(shape)}")
     return te.placeholder(shape, ctx.dtype, name=n.name)
+
+
+def _lower_lengths(ctx, n):
+    ctx.note(f"{n.name} = placeholder{list(_shape(ctx, n))} int32  # key lengths, per call")
+    return te.placeholder(_shape(ctx, n), "int32", name=n.name)
 
 
 def _lower_projection(ctx, n):
@@ -236,8 +244,11 @@ def _lower_mask(ctx, n):
     shape = _shape(ctx, n)
     neg_inf = tvm.tirx.const(float("-inf"), ctx.dtype)
 
+    lens = ctx.vals[n.inputs[1]] if len(n.inputs) > 1 else None
+
     def f(bb, i, j):
-        visible = mask_to_tir(n.attrs["mask"], bb, n.attrs["head"], i, j, shape[1], shape[2])
+        kv_len = shape[2] if lens is None else lens[bb].asobject()
+        visible = mask_to_tir(n.attrs["mask"], bb, n.attrs["head"], i, j, shape[1], kv_len)
         return tvm.tirx.Select(visible, s[bb, i, j], neg_inf)
 
     ctx.note(f"{n.name} = where({n.attrs['mask']!r}, {n.inputs[0]}, -inf)")
@@ -310,6 +321,7 @@ def _lower_concat(ctx, n):
 
 _LOWER = {
     "input": _lower_input,
+    "lengths": _lower_lengths,
     "head_projection": _lower_projection,
     "output_projection": _lower_projection,
     "rotary": _lower_rotary,

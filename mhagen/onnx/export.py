@@ -173,6 +173,8 @@ class _Builder:
         self.masks = masks
         self.d_model = layer.inputs[0].attrs["shape"][2]
         self.x = self.fresh("x")
+        lengths = layer.lengths_input
+        self.kv_lens = self.fresh(lengths.name) if lengths is not None else None  # int32 [B]
         self.used.add("y")
 
     # names, constants, ops
@@ -242,7 +244,11 @@ class _Builder:
         for node in self.nodes:   # the output tensor is called y ("y" is reserved)
             node.input[:] = ["y" if i == out else i for i in node.input]
             node.output[:] = ["y" if o == out else o for o in node.output]
-        graph = h.make_graph(self.nodes, self.layer.name, [x_info], [y_info], self.inits,
+        inputs = [x_info]
+        if self.kv_lens is not None:
+            inputs.append(h.make_tensor_value_info(self.kv_lens, onnx.TensorProto.INT32,
+                                                   [self.batch]))
+        graph = h.make_graph(self.nodes, self.layer.name, inputs, [y_info], self.inits,
                              doc_string=f"mhagen layer {self.layer!r}, {form} form")
         opsets = [h.make_opsetid("", self.opset)]
         model = h.make_model(graph, opset_imports=opsets, producer_name="mhagen",
@@ -297,6 +303,8 @@ class _Builder:
         if "batch" in ex.variables(expr):
             dims.add("batch")
         static = all(isinstance(self.batch if d == "batch" else self.seq, int) for d in dims)
+        if self.kv_lens is not None and "kv_len" in ex.variables(expr):
+            static = False    # it reads the key lengths given per call
         if self.masks == "constant" and not static:
             raise OnnxError(f"masks='constant' needs static shapes, but mask {expr!r} depends on "
                             "a dynamic axis; use masks='computed' or 'auto'")
@@ -314,6 +322,11 @@ class _Builder:
     def index_var(self, name, head, rank):
         """An int64 tensor of an index variable, broadcastable to [.., S, S] of rank dims."""
         s = self.dim(1)
+        if name == "kv_len" and self.kv_lens is not None:   # [B, 1, 1]: one per batch row
+            return self.cached(("kv_len", rank), lambda: self.op(
+                "Reshape", [self.op("Cast", [self.kv_lens], "kv_lens_i64",
+                                    to=self.onnx.TensorProto.INT64),
+                            self.i64(-1, *[1] * (rank - 1))], "kv_len"))
         if name in ("q_len", "kv_len"):
             return s
         if name == "kv_idx":
@@ -434,6 +447,8 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
         k = n.kind
         if k == "input":
             vals[n.name] = b.x
+        elif k == "lengths":   # read by the masks' kv_len (index_var)
+            vals[n.name] = b.kv_lens
         elif k == "head_projection":
             head = n.attrs["head"]
             wt = b.init(f"{n.attrs['weight']}.{head}", w[n.attrs["weight"]][head])
@@ -557,6 +572,9 @@ def _decomposed_attention(b, n, qkv):
 def fused_view(layer: Graph) -> Graph:
     """The layer as input -> qkv_projection -> attention -> output_projection, or OnnxError."""
     kinds = [n.kind for n in layer.nodes]
+    if "lengths" in kinds:
+        raise OnnxError(f"graph {layer.name!r} takes key lengths per call, which the fused "
+                        "form does not carry yet; export it with form='decomposed'")
     if kinds == ["input", "qkv_projection", "attention", "output_projection"]:
         return layer
     if "attention" in kinds or "qkv_projection" in kinds:

@@ -49,7 +49,7 @@ SCORE_CHAIN = (("mask", "mask"), ("score_mod", "expr"), ("scale", "factor"))
 def _score_chain(nodes, uses, cur, h, matched):
     """((mask, score modifier, scale) of head h, the node under them), walking up from the
     softmax's input through the optional mask, score_mod and scale nodes."""
-    found = {"mask": None, "score_mod": None, "scale": 1.0}
+    found = {"mask": None, "score_mod": None, "scale": 1.0, "lengths": None}
     for kind, attr in SCORE_CHAIN:
         if cur.kind != kind:
             continue
@@ -58,9 +58,12 @@ def _score_chain(nodes, uses, cur, h, matched):
             _need(cur.attrs["head"] == h, f"{kind} {cur.name!r} is for head "
                                           f"{cur.attrs['head']} but feeds head {h}")
         found[kind] = cur.attrs[attr]
+        if kind == "mask" and len(cur.inputs) > 1:   # the lengths node the mask reads
+            found["lengths"] = cur.inputs[1]
+            matched.add(cur.inputs[1])
         matched.add(cur.name)
         cur = nodes[cur.inputs[0]]
-    return (found["mask"], found["score_mod"], found["scale"]), cur
+    return (found["mask"], found["score_mod"], found["scale"], found["lengths"]), cur
 
 
 def _fuse(g: Graph) -> Graph:
@@ -90,13 +93,14 @@ def _fuse(g: Graph) -> Graph:
         return node.inputs[0], (float(node.attrs["base"]), int(node.attrs["rotary_dim"]))
 
     heads, matched, rotations = [], {out.name, concat.name}, set()
-    scales, masks, mods = set(), set(), set()
+    scales, masks, mods, lengths = set(), set(), set(), set()
     for h, o_name in enumerate(concat.inputs):
         o = single_use(o_name, "weighted_sum")
         p = single_use(o.inputs[0], "softmax")
         cur = nodes[p.inputs[0]]
         matched |= {o.name, p.name}
-        (mask, mod, scale), cur = _score_chain(nodes, uses, cur, h, matched)
+        (mask, mod, scale, lens), cur = _score_chain(nodes, uses, cur, h, matched)
+        lengths.add(lens)
         _need(cur.kind == "scores",
               f"head {h}: expected scores -> [scale] -> [score_mod] -> [mask] -> softmax")
         _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
@@ -110,6 +114,8 @@ def _fuse(g: Graph) -> Graph:
         heads.append((q, k, o.inputs[1], mask, mod))
     _need(len(scales) == 1, "heads use different scales")
     _need(len(masks) == 1, "heads use different masks")
+    _need(len(lengths) == 1, "heads read different key lengths (or only some do)")
+    lengths = lengths.pop()
     _need(len(mods) == 1, "heads use different score modifiers (write one expression that "
                           "reads `head`, e.g. a table of per-head values)")
 
@@ -154,7 +160,8 @@ def _fuse(g: Graph) -> Graph:
         attrs["score_mod"] = heads[0][4]
     if rotation is not None:
         attrs["rotary"] = {"base": rotation[0], "rotary_dim": rotation[1]}
-    att = f.add("attention", (qkv,), "attention", **attrs)
+    lens = () if lengths is None else (f.add("lengths", (), lengths, **nodes[lengths].attrs),)
+    att = f.add("attention", (qkv,) + lens, "attention", **attrs)
     f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
     f.shapes()
     return f

@@ -466,14 +466,18 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
         funcs.append(rule.build(k.workload, cfg, t))
         tables.append(program.buffers["blocks"].make(None))
     slot = kernel.args.index("blocks")
-    if runner is None:   # here: interleaved steady-state timing, each with its block table
-        times = _measure_steady(funcs, t.tvm, fixed=[{slot: table} for table in tables])
+    # every candidate with its own block table (and the full key lengths, if any)
+    lengths = {i: np.full(shape[0], shape[1], np.int32) for i, a in enumerate(kernel.args)
+               if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32"}
+    fixed = [{slot: table, **lengths} for table in tables]
+    if runner is None:   # here: interleaved steady-state timing
+        times = _measure_steady(funcs, t.tvm, fixed=fixed)
         for s in times:
             bar.trial(s)
     else:
         times = []
-        for f, table in zip(funcs, tables):  # one at a time: each has its own block table
-            s = _measure([f], t.tvm, runner, fixed={slot: table})[0]
+        for f, args in zip(funcs, fixed):  # one at a time: each has its own block table
+            s = _measure([f], t.tvm, runner, fixed=args)[0]
             times.append(s)
             bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
@@ -482,8 +486,8 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
             and tuned_s < KEEP_MARGIN * default_s)
     wrong = None
     if keep and t.runs_here():   # the same inputs, each with its own block table
-        wrong = _wrong_result([funcs[0], funcs[best]], t, [{slot: tables[0]},
-                              {slot: tables[best]}], rows=shape[0] * shape[1])
+        wrong = _wrong_result([funcs[0], funcs[best]], t, [fixed[0], fixed[best]],
+                              rows=shape[0] * shape[1])
         keep = wrong is None
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),

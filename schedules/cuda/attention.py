@@ -130,7 +130,7 @@ def build_attention(w, cfg):
     tb, th = rules.tb, rules.th
 
     @T.macro
-    def key_block(masked, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
+    def key_block(masked, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
                   b, h, g, q0, k0, tid, row_group, lane_col):
         for it in range(KV_LOADS):
             if it * NT + tid < KB * DP:
@@ -158,7 +158,8 @@ def build_attention(w, cfg):
                     acc_s[i, j] = modified(acc_s[i, j], b, h, q0 + row_group * RT + i,
                                            k0 + lane_col + CT * j)
                 if masked:
-                    acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i, k0 + lane_col + CT * j),
+                    acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i, k0 + lane_col + CT * j,
+                                                   lens),
                                            acc_s[i, j], neg_inf)
                 red[0] = T.max(red[0], acc_s[i, j])
             max_s[row_group * RT + i, lane_col] = red[0]
@@ -199,11 +200,8 @@ def build_attention(w, cfg):
         # the next key block overwrites K, V, P and the row partials
         T.tvm_storage_sync("shared")
 
-    @T.prim_func
-    def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                  blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                  out: T.Buffer((MA, HD), "float32")):
-        T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+    @T.macro
+    def body(qkv, blocks, lens, out):
         bx = T.launch_thread("blockIdx.x", B * H * NQT)
         tid = T.launch_thread("threadIdx.x", NT)
         q_s = T.decl_buffer((MQ, DP + 1), "float32", scope="shared")
@@ -238,17 +236,35 @@ def build_attention(w, cfg):
                 acc_o[i, j] = zero
         T.tvm_storage_sync("shared")
         for kb in range(NKB):
-            if blocks[tb(b), th(h), qt, kb] == FULL:
-                key_block(False, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
-                          b, h, g, q0, kb * KB, tid, row_group, lane_col)
-            elif blocks[tb(b), th(h), qt, kb] == PARTIAL:
-                key_block(True, qkv, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
-                          b, h, g, q0, kb * KB, tid, row_group, lane_col)
+            state = T.meta_var(rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b,
+                                                 kb * KB, KB))
+            if state == FULL:
+                key_block(False, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st,
+                          red, b, h, g, q0, kb * KB, tid, row_group, lane_col)
+            elif state == PARTIAL:
+                key_block(True, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st,
+                          red, b, h, g, q0, kb * KB, tid, row_group, lane_col)
         for i in T.unroll(RT):
             if q0 + row_group * RT + i < S:
                 red[0] = T.Select(st[1, i] > zero, T.float32(1) / st[1, i], zero)
                 for j in T.unroll(OC):
                     if lane_col + CT * j < d:
                         out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = acc_o[i, j] * red[0]
+
+    if rules.lengths:
+        @T.prim_func
+        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
+                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                      kv_lens: T.Buffer((B,), "int32"),
+                      out: T.Buffer((MA, HD), "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, blocks, kv_lens, out)
+    else:
+        @T.prim_func
+        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
+                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                      out: T.Buffer((MA, HD), "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, blocks, None, out)
 
     return attention

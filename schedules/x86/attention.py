@@ -178,8 +178,8 @@ def build_attention(w, cfg, lanes):
     tb, th = rules.tb, rules.th
 
     @T.macro
-    def key_block(masked, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o, vec,
-                  b, h, g, q0, k0):
+    def key_block(masked, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o,
+                  vec, b, h, g, q0, k0):
         # S^T = K Q^T (log2 units); the write-back masks and takes the running max
         for i in T.vectorized(MQ):
             m_new[i] = m_buf[i]
@@ -199,7 +199,7 @@ def build_attention(w, cfg, lanes):
                     for ii in T.vectorized(NR):
                         if masked:
                             s_buf[jo * MR + jj, io * NR + ii] = T.Select(
-                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj),
+                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
                                 modified(acc[jj, ii], b, h, q0 + io * NR + ii,
                                          k0 + jo * MR + jj), neg_inf)
                         else:
@@ -242,11 +242,8 @@ def build_attention(w, cfg, lanes):
                     for cc in T.vectorized(NV):
                         o_buf[io * OR + ii, co * NV + cc] = acc_o[ii, cc]
 
-    @T.prim_func
-    def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                  blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                  out: T.Buffer((MA, HD), "float32")):
-        T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+    @T.macro
+    def body(qkv, blocks, lens, out):
         for task in T.parallel(B * H * NQT):
             q_t = T.decl_buffer((d, MQ), "float32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
@@ -274,17 +271,33 @@ def build_attention(w, cfg, lanes):
                 for j in T.vectorized(DP):
                     o_buf[i, j] = zero
             for kb in range(NKB):
-                state = blocks[tb(b), th(h), qt, kb]
+                state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
-                    key_block(False, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                              acc_o, vec, b, h, g, q0, kb * KB)
+                    key_block(False, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
+                              acc, acc_o, vec, b, h, g, q0, kb * KB)
                 elif state == PARTIAL:
-                    key_block(True, qkv, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                              acc_o, vec, b, h, g, q0, kb * KB)
+                    key_block(True, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
+                              acc, acc_o, vec, b, h, g, q0, kb * KB)
             for i in range(MQ):
                 if q0 + i < S:
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
+
+    if rules.lengths:
+        @T.prim_func
+        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
+                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                      kv_lens: T.Buffer((B,), "int32"),
+                      out: T.Buffer((MA, HD), "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, blocks, kv_lens, out)
+    else:
+        @T.prim_func
+        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
+                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
+                      out: T.Buffer((MA, HD), "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, blocks, None, out)
 
     return attention
