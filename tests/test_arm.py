@@ -294,3 +294,16 @@ def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
     assert res.error_msg is None, res.error_msg
     assert res.artifact_path.endswith(".so") and _elf_machine(res.artifact_path) == EM_AARCH64
     shutil.rmtree(os.path.dirname(res.artifact_path), ignore_errors=True)
+
+
+def test_every_backend_names_its_own_attention_and_gemm_rules():
+    """Backends name their rules, not list positions (a new rule once shifted them)."""
+    from mhagen.backends import backend_for
+    from mhagen.schedules.x86.attention import AttentionRule
+    from mhagen.schedules.x86.matmul import MatmulRule
+    for preset in ("x86-avx2", "arm-neon"):
+        backend = backend_for(resolve(preset))
+        assert isinstance(backend.attention, AttentionRule)
+        assert isinstance(backend.gemm_rule, MatmulRule)
+    cuda = backend_for(resolve("cuda-sm90"))
+    assert cuda.attention.name == "attention" and hasattr(cuda.gemm_rule, "schedule_whole")

@@ -19,10 +19,11 @@ from mhagen.schedules.cuda.verify import check_bound
 PANEL = 64      # weight / qkv columns per panel
 ROW_TILE = 64   # GEMM rows are padded to whole row tiles (dlight's block tiles divide it)
 
-RULES = [CudaAttentionRule(), CudaRotaryRule(), DlightKernelRule()]
+ATTENTION, GEMM = CudaAttentionRule(), DlightKernelRule()
+RULES = [ATTENTION, CudaRotaryRule(), GEMM]
 
-BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=RULES[0],
+BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=ATTENTION,
                   gemm_tile=lambda target: (ROW_TILE, PANEL),
                   gemm_rows=lambda target, rows, depth: round_up(rows, ROW_TILE),
                   head_dim_padded=lambda d, target: padded_head_dim(d),
-                  gemm_rule=RULES[1], verify=check_bound, device_compile=compile_device)
+                  gemm_rule=GEMM, verify=check_bound, device_compile=compile_device)

@@ -7,18 +7,18 @@ from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
 from mhagen.schedules.x86.rotary import RotaryRule
 from mhagen.schedules.x86.softmax import SoftmaxRule
 
-RULES = [AttentionRule(), RotaryRule(), MatmulRule(), SoftmaxRule(), ElementwiseRule(),
-         Fallback()]
+ATTENTION, GEMM = AttentionRule(), MatmulRule()
+RULES = [ATTENTION, RotaryRule(), GEMM, SoftmaxRule(), ElementwiseRule(), Fallback()]
 
 
 def cpu_backend(family: str) -> Backend:
     """A CPU backend over these rules: they read target attributes (lanes, registers,
     caches, cores), never names, so x86 and aarch64 share them."""
-    return Backend(family=family, device="cpu", rules=RULES, attention=RULES[0],
+    return Backend(family=family, device="cpu", rules=RULES, attention=ATTENTION,
                    gemm_tile=packed_tile,
                    gemm_rows=lambda target, rows, depth: packed_blocking(target, rows, depth)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
-                   gemm_rule=RULES[1])
+                   gemm_rule=GEMM)
 
 
 BACKEND = cpu_backend("cpu-x86")
