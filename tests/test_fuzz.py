@@ -392,3 +392,28 @@ def test_non_finite_input_stays_in_its_batch_element(fuse):
         assert not np.isfinite(y[1, 20]).all()            # the bad token is not hidden
         assert not np.isfinite(layer.reference(x[1:2], w)[0, :20]).any()   # see docstring
 
+
+# -- regressions: cases the fuzzers found, fixed in mhagen/ir/expr.py and mhagen/dsl.py --------
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: ex.alibi(0), ValueError, "num_heads"),            # was: "negative shift count"
+    (lambda: ex.alibi(-2), ValueError, "num_heads"),           # was: accepted, one slope
+    (lambda: ex.alibi(2.5), TypeError, "num_heads"),           # was: bad slice indices
+    (lambda: ex.sliding_window(2.5), TypeError, "window"),     # was: silently window 2
+    (lambda: ex.sliding_window("w"), TypeError, "window"),     # was: int() ValueError
+    (lambda: ex.softcap(float("inf")), ValueError, "positive cap"),  # was: inf * tanh(0) = NaN scores
+    (lambda: ex.softcap("30"), TypeError, "softcap"),          # was: '>' not supported
+    (lambda: ex.table([float("nan")], ex.head), ValueError, "NaN"),   # was: NaN scores
+    (lambda: ex.score * float("nan"), ValueError, "NaN"),      # was: NaN scores
+    (lambda: mhagen.mha(32, 4, score_mod=[mhagen.alibi(4), mhagen.q_idx < 3]),
+     mhagen.GraphError, "score_mod"),                          # was: TypeError from combine()
+    (lambda: mhagen.mha(32, 4, rotary=mhagen.ir.Rotary(base=None)), mhagen.GraphError, "base"),
+    (lambda: mhagen.mha(32, 4, rotary=mhagen.ir.Rotary(base="1e4")), mhagen.GraphError, "base"),
+    (lambda: mhagen.mha(32, 4, bias="no"), mhagen.GraphError, "bias"),    # was: bias on
+    (lambda: mhagen.mha(32, 4, causal="yes"), mhagen.GraphError, "causal"),
+], ids=["alibi-0", "alibi-negative", "alibi-float", "window-float", "window-str",
+        "softcap-inf", "softcap-str", "table-nan", "const-nan", "score_mod-list-of-mask",
+        "Rotary-base-None", "Rotary-base-str", "bias-str", "causal-str"])
+def test_regressions_found_by_fuzzing(make, error, words):
+    with pytest.raises(error, match=words) as e:
+        make()
+    assert raised_by_mhagen(e)
