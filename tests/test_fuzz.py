@@ -14,25 +14,29 @@
    non-empty message: never another exception, never a crash.
 3. NaN / Inf in one batch element's input leaves the other batch elements' outputs exact.
 
-CI profile: the valid-layer fuzzer runs MHAGEN_FUZZ_EXAMPLES cases (default 40: about
-100 s on the 2-core Xeon CI-class VM this was written on), the invalid-configuration fuzzer
-10x as many (cheap: no compiles), all derandomized (the same cases every run). Long profile:
+CI profile: the valid-layer fuzzer runs MHAGEN_FUZZ_EXAMPLES cases (default 30 builds, a
+half unfused here: 95-114 s; the whole file 117-130 s, on the 2-core Xeon VM this was
+written on, CI's class), the cheap fuzzers up to 10x as many (300 invalid layer options, 300 bad weights,
+every bad builder / input / build option), all derandomized (the same cases every run; add
+--hypothesis-show-statistics to see what they covered). Long profile:
 `MHAGEN_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest -q tests/test_fuzz.py` (hours; a
-failure is shrunk by hypothesis to a minimal layer, printed as the falsifying example).
+failure is shrunk to a minimal layer and printed; shrinking a compile-heavy case can itself
+take minutes). One known bug is routed around and pinned by a strict xfail (see
+test_unfused_avx512_seq1_shared_kv_heads).
 """
 import linecache
 import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import mhagen
 from mhagen.ir import expr as ex
 from mhagen.tolerances import assert_close
 
-EXAMPLES = int(os.environ.get("MHAGEN_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("MHAGEN_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck), print_blob=True)
 CHEAP = settings(FUZZ, max_examples=10 * EXAMPLES)
@@ -139,10 +143,21 @@ SEQS = st.one_of(st.integers(1, 16), st.integers(1, 63), st.integers(1, 63),
 
 
 @FUZZ
-@given(options=layers(), batch=st.integers(1, 4), seq=SEQS, fuse=st.booleans(),
+@given(options=layers(), batch=st.integers(1, 4), seq=SEQS, fuse=st.sampled_from([True, True, False]),
        target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
 def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, target, seed):
     layer = mhagen.mha(**options)
+    # Known bug, kept out of the fuzzer and pinned by the strict xfail below
+    # (test_unfused_avx512_seq1_shared_kv_heads): unfused, AVX-512 class, seq_len 1, K/V
+    # heads shared by several query heads.
+    num_heads, kv_heads = options["num_heads"], options.get("kv_heads", options["num_heads"])
+    assume(not (not fuse and seq == 1 and kv_heads < num_heads
+                and mhagen.target.resolve(target).vector_bits == 512))
+    for what in (f"seq {seq}" if seq in (1, 2, 97, 257) else f"seq {'<64' if seq < 64 else '>=64'}",
+                 f"fuse {fuse}", target, f"mask {options['mask'] is not None}",
+                 f"score_mod {options['score_mod'] is not None}",
+                 f"rotary {options['rotary'] is not None}", f"gqa {kv_heads < num_heads}"):
+        event(what)     # --hypothesis-show-statistics lists what the profile covered
     w = layer.init_weights(seed)
     x = np.random.default_rng(seed).standard_normal(
         (batch, seq, options["d_model"])).astype(np.float32)
@@ -150,6 +165,20 @@ def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, targ
     expected = layer.reference(x, w)
     assert_close(kernel(x), expected)
     assert_close(kernel(x, weights=w), expected)     # weights per call: the packing path
+
+
+@pytest.mark.skipif(not mhagen.target.resolve("x86-avx512").runs_here(),
+                    reason="needs an AVX-512 host")
+@pytest.mark.xfail(strict=True, reason="unfused AVX-512 build with seq_len=1 and a K/V head "
+                   "shared by 2 query heads returns garbage (errors 1.5 to 1e26, varying run to "
+                   "run: uninitialised memory?); x86-avx2, fused, seq_len>=2 or kv_heads == "
+                   "num_heads are right. Found by test_random_valid_layers_match_the_reference")
+def test_unfused_avx512_seq1_shared_kv_heads():
+    layer = mhagen.mha(16, 2, kv_heads=1, bias=False)
+    w = layer.init_weights(0)
+    x = np.random.default_rng(0).standard_normal((1, 1, 16)).astype(np.float32)
+    kernel = mhagen.build(layer, "x86-avx512", batch=1, seq_len=1, weights=w, fuse=False)
+    assert_close(kernel(x), layer.reference(x, w))
 
 
 # -- invalid configurations ------------------------------------------------------------------
