@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
@@ -71,7 +73,15 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if mask is not None and not (isinstance(mask, ex.Expr) and mask.is_bool):
         raise GraphError("mask= takes a boolean mask expression, e.g. mhagen.sliding_window(64) "
                          "or (mhagen.kv_idx <= mhagen.q_idx)")
+    for flag, value in (("causal", causal), ("bias", bias)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise GraphError(f"{flag}= takes True or False, got {value!r}")
     if isinstance(score_mod, (list, tuple)):
+        bad = [m for m in score_mod if not ex.is_score_mod(m)]
+        if bad:
+            raise GraphError(f"score_mod= list item {bad[0]!r} is not a score modifier: each "
+                             "is a numeric expression of mhagen.score (e.g. "
+                             "mhagen.softcap(30.0), mhagen.alibi(num_heads))")
         score_mod = ex.combine(*score_mod) if score_mod else None
     if score_mod is not None and not ex.is_score_mod(score_mod):
         raise GraphError("score_mod= takes a numeric expression of mhagen.score (e.g. "
@@ -81,6 +91,8 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if rotary is not None and rotary is not False and not isinstance(rotary, rope.Rotary):
         raise GraphError("rotary= takes mhagen.rotary(base=..., rotary_dim=...) or True, "
                          f"got {rotary!r}")
+    if isinstance(rotary, rope.Rotary):   # built directly, not by mhagen.rotary(): check it
+        rotary = rope.rotary(rotary.base, rotary.rotary_dim)
     rotary = rotary or None
     if rotary is not None:
         rope.check_attrs(rotary.attrs(head_dim), head_dim, "mha(rotary=...)")

@@ -22,6 +22,7 @@ Shape legend: batch and head are scalars per score, q_idx in [0, q_len), kv_idx 
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 VARIABLES = ("batch", "head", "q_idx", "kv_idx", "q_len", "kv_len", "score")
@@ -93,6 +94,9 @@ class Const(Expr):
     def __init__(self, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"expression constants must be numbers, got {value!r}")
+        if value != value:
+            raise ValueError("expression constants must not be NaN (every score it touched "
+                             "would be NaN); use float('-inf') in a score modifier to hide keys")
         self.value = int(value) if isinstance(value, numbers.Integral) else float(value)
 
     def to_json(self):
@@ -148,6 +152,13 @@ class Table(Expr):
     __slots__ = ("values", "index")
 
     def __init__(self, values, index):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TypeError(f"a table takes a sequence of numbers, got {values!r}")
+        values = tuple(values)
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)
+               or v != v]
+        if bad:
+            raise ValueError(f"table values must be numbers (not NaN), got {bad[0]!r}")
         self.values = tuple(float(v) for v in values)
         if not self.values:
             raise ValueError("a table needs at least one value")
@@ -275,11 +286,19 @@ def causal() -> Expr:
     return kv_idx <= q_idx
 
 
+def _positive_int(what: str, value) -> int:
+    """value as an int if it is a positive integer (not a bool); else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value!r}")
+    return int(value)
+
+
 def sliding_window(window: int) -> Expr:
     """Causal, and query i sees only the `window` most recent keys i-window+1..i."""
-    if int(window) < 1:
-        raise ValueError(f"sliding window must be >= 1, got {window}")
-    return causal() & (q_idx - kv_idx < int(window))
+    window = _positive_int("sliding window", window)
+    return causal() & (q_idx - kv_idx < window)
 
 
 # -- score modifiers -------------------------------------------------------------------------
@@ -304,7 +323,8 @@ def alibi_slopes(num_heads: int) -> list:
     paper's appendix and its reference code)."""
     def powers(n):
         return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
-    n = 1 << (int(num_heads).bit_length() - 1)
+    num_heads = _positive_int("alibi's num_heads", num_heads)
+    n = 1 << (num_heads.bit_length() - 1)
     if n == num_heads:
         return powers(n)
     return powers(n) + powers(2 * n)[0::2][:num_heads - n]
@@ -317,7 +337,9 @@ def alibi(num_heads: int) -> Expr:
 
 def softcap(cap: float) -> Expr:
     """cap * tanh(score / cap) (Gemma 2): scores bounded to (-cap, cap)."""
-    if not cap > 0:
-        raise ValueError(f"softcap needs a positive cap, got {cap!r}")
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+        raise TypeError(f"softcap needs a positive number, got {cap!r}")
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"softcap needs a positive cap (a finite number), got {cap!r}")
     cap = float(cap)
     return cap * tanh(score / cap)
