@@ -24,8 +24,20 @@ class ElementwiseRule:
             outer = sch.fuse(*loops[:-1]) if len(loops) > 1 else None
             if outer is not None:
                 sch.parallel(outer)
-            sch.vectorize(sch.split(loops[-1], [None, cfg.vector])[1])
+            # a vector wider than the loop would compute lanes past its end (guarded lanes
+            # of a too-wide vector wrote out of bounds: wrong results at seq 1 on AVX-512)
+            vector = fitting_vector(cfg.vector, int(sch.get(loops[-1]).extent))
+            if vector > 1:
+                sch.vectorize(sch.split(loops[-1], [None, vector])[1])
         return []
+
+
+def fitting_vector(lanes: int, extent: int) -> int:
+    """lanes, or for a loop shorter than that the largest power of two within it."""
+    vector = lanes
+    while vector > 1 and vector > extent:
+        vector //= 2
+    return vector
 
 
 class Fallback:

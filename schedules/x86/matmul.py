@@ -74,6 +74,8 @@ class MatmulRule:
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
+        while tile_cols > 1 and tile_cols > cols:   # never wider than the output
+            tile_cols //= 2
         tile_rows = max(1, min(8, budget * lanes // tile_cols, workload["rows"]))
         return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols)
 

@@ -1,6 +1,8 @@
 """Row softmax: parallel over rows; max, exp, sum and normalise computed per row in cache."""
 from dataclasses import dataclass
 
+from mhagen.schedules.x86.elementwise import fitting_vector
+
 
 @dataclass(frozen=True)
 class SoftmaxConfig:
@@ -15,7 +17,11 @@ class SoftmaxRule:
         return stage.pattern == "softmax"
 
     def default_config(self, workload, target):
-        return SoftmaxConfig(rows_per_task=4 if workload["cols"] < 256 else 1)
+        # never more rows per task than there are (a guarded row loop that LLVM vectorises
+        # when a column loop of extent 1 vanishes gave wrong results at seq 1)
+        rows = workload.get("batch", 1) * workload.get("rows", 1)
+        return SoftmaxConfig(rows_per_task=fitting_vector(4 if workload["cols"] < 256 else 1,
+                                                          rows))
 
     def apply(self, sch, stage, cfg, plan):
         mx, safe, e, total, inv, p = (sch.get_sblock(b) for b in stage.blocks)
