@@ -59,3 +59,25 @@ class ScoreRules:
 
     def th(self, h):
         return h if self.table_heads > 1 else 0
+
+
+def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
+    """The attention PrimFunc around a template's body macro: (qkv, blocks, [kv_lens,] out),
+    with kv_lens only for layers that take key lengths per call."""
+    if rules.lengths:
+        @T.prim_func
+        def attention(qkv: T.Buffer(qkv_shape, "float32"),
+                      blocks: T.Buffer(table_shape, "int32"),
+                      kv_lens: T.Buffer((batch,), "int32"),
+                      out: T.Buffer(out_shape, "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, blocks, kv_lens, out)
+        return attention
+
+    @T.prim_func
+    def attention(qkv: T.Buffer(qkv_shape, "float32"),
+                  blocks: T.Buffer(table_shape, "int32"),
+                  out: T.Buffer(out_shape, "float32")):
+        T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+        body(qkv, blocks, None, out)
+    return attention

@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
-from mhagen.schedules.attention_common import ScoreRules
+from mhagen.schedules.attention_common import ScoreRules, attention_entry
 
 ROWS_PER_THREAD = 4   # query rows a thread owns
 COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
@@ -251,20 +251,4 @@ def build_attention(w, cfg):
                     if lane_col + CT * j < d:
                         out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = acc_o[i, j] * red[0]
 
-    if rules.lengths:
-        @T.prim_func
-        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                      kv_lens: T.Buffer((B,), "int32"),
-                      out: T.Buffer((MA, HD), "float32")):
-            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-            body(qkv, blocks, kv_lens, out)
-    else:
-        @T.prim_func
-        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                      out: T.Buffer((MA, HD), "float32")):
-            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-            body(qkv, blocks, None, out)
-
-    return attention
+    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD))

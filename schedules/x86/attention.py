@@ -27,7 +27,7 @@ from tvm.script import tirx as T
 from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
-from mhagen.schedules.attention_common import ScoreRules
+from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86.fast_math import exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
@@ -284,20 +284,4 @@ def build_attention(w, cfg, lanes):
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
 
-    if rules.lengths:
-        @T.prim_func
-        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                      kv_lens: T.Buffer((B,), "int32"),
-                      out: T.Buffer((MA, HD), "float32")):
-            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-            body(qkv, blocks, kv_lens, out)
-    else:
-        @T.prim_func
-        def attention(qkv: T.Buffer((NP, M, PW), "float32"),
-                      blocks: T.Buffer((TB, TH, NQT, NKB), "int32"),
-                      out: T.Buffer((MA, HD), "float32")):
-            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-            body(qkv, blocks, None, out)
-
-    return attention
+    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD))
