@@ -48,7 +48,6 @@ class BuildInfo:
     device_code: object = None   # GPU builds: the device code compiled at build time
                                  # (schedules/cuda/nvcc.py DeviceCode: fatbin, PTX, ptxas report)
     library_path: str | None = None  # kernel.so of a loaded module
-    constants: dict = field(default_factory=dict)  # constant params of a loaded module
 
 
 class Module:
@@ -110,13 +109,10 @@ class Module:
     def _pack(self, weights) -> dict:
         out = {}
         for b in self.program.role("param"):
-            if b.pack is None or (b.pack["kind"] == "constant" and b.value is None
-                                  and b.name not in self.info.constants):
+            if b.pack is None or (b.pack["kind"] == "constant" and b.value is None):
                 raise ArtifactError(f"param {b.name!r} has no packing recipe (an artifact of "
                                     "format 1): rebuild it to bind other weights")
-            value = self.info.constants.get(b.name) if b.pack["kind"] == "constant" else None
-            arr = value if value is not None else b.make(weights)
-            out[b.name] = aligned_copy(arr, b)
+            out[b.name] = aligned_copy(b.make(weights), b)
         return out
 
     def __call__(self, x, weights=None, *, out=None, kv_lens=None) -> np.ndarray:

@@ -71,11 +71,12 @@ def load(path) -> Module:
         _check_program(program, params, path)
     texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
              if (path / f"{w}.txt").is_file()}
-    constants = {b.name: params[b.name] for b in program.role("param")
-                 if params and (b.pack or {}).get("kind") == "constant"}
+    for b in program.role("param"):   # constants (block tables) come from params.bin
+        if params and (b.pack or {}).get("kind") == "constant":
+            b.value = params[b.name]
     info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=texts,
                      decisions=man.get("schedule") or [], tuning_records=man.get("tuning") or [],
-                     library_path=str(path / "kernel.so"), constants=constants)
+                     library_path=str(path / "kernel.so"))
     module = Module(graph, target, batch, seq_len, program,
                     runtime.load_library(path / "kernel.so"), info=info)
     if weights is not None:
