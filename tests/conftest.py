@@ -11,3 +11,30 @@ def random_input(layer, batch, seq_len, seed=0):
     d_model = layer.inputs[0].attrs["shape"][2]
     return np.random.default_rng(seed).standard_normal((batch, seq_len, d_model)).astype(
         np.float32)
+
+
+def mha_by_hand(w, x, heads, *, causal=False, modify=None, keep=None, rotate=None):
+    """The standard layer written out in float64 numpy, independent of mhagen's reference.
+    modify(s, h, i, j): the scaled scores of head h -> modified scores; keep: a boolean grid
+    broadcastable to [batch, S, S] of the keys each query sees (with causal by &);
+    rotate(t): applied to every query and key head (RoPE)."""
+    from mhagen.reference import softmax_rows
+    w = {k: np.asarray(v, np.float64) for k, v in w.items()}
+    x = np.asarray(x, np.float64)
+    d, seq = w["w_q"].shape[2], x.shape[1]
+    group = heads // w["w_k"].shape[0]
+    rotate = rotate or (lambda t: t)
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    visible = np.ones((1, seq, seq), bool) if keep is None else keep
+    if causal:
+        visible = visible & (j <= i)[None]
+    outs = []
+    for h in range(heads):
+        g = h // group
+        q = rotate(x @ w["w_q"][h] + w["b_q"][h])
+        k = rotate(x @ w["w_k"][g] + w["b_k"][g])
+        s = q @ np.swapaxes(k, 1, 2) / np.sqrt(d)
+        if modify is not None:
+            s = modify(s, h, i, j)
+        outs.append(softmax_rows(np.where(visible, s, -np.inf)) @ (x @ w["w_v"][g] + w["b_v"][g]))
+    return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]

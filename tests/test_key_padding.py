@@ -4,43 +4,24 @@ import json
 
 import numpy as np
 import pytest
-from conftest import random_input
+from conftest import mha_by_hand, random_input
 
 import mhagen
 from mhagen.blockmask import FULL, PARTIAL, SKIP, block_table
 from mhagen.passes import run_passes
-from mhagen.reference import softmax_rows
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
 
 LENGTHS = np.array([97, 40, 1, 0], np.int32)   # full, cut inside a block, one key, none
 
 
-def by_hand(w, x, lens, heads, causal):
-    """The padded layer in numpy (float64), independent of mhagen's reference."""
-    w = {k: v.astype(np.float64) for k, v in w.items()}
-    x = x.astype(np.float64)
-    d, seq = w["w_q"].shape[2], x.shape[1]
-    group = heads // w["w_k"].shape[0]
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-    outs = []
-    for h in range(heads):
-        q = x @ w["w_q"][h] + w["b_q"][h]
-        k = x @ w["w_k"][h // group] + w["b_k"][h // group]
-        v = x @ w["w_v"][h // group] + w["b_v"][h // group]
-        s = q @ np.swapaxes(k, 1, 2) / np.sqrt(d)
-        keep = j[None] < lens[:, None, None]
-        if causal:
-            keep = keep & (j <= i)[None]
-        outs.append(softmax_rows(np.where(keep, s, -np.inf)) @ v)
-    return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]
-
-
 def test_reference_semantics():
     layer = mhagen.mha(64, 4, kv_heads=2, causal=True, key_padding=True)
     w, x = layer.init_weights(1), random_input(layer, 4, 97)
     y = layer.reference(x, w, kv_lens=LENGTHS)
-    np.testing.assert_allclose(y, by_hand(w, x, LENGTHS, 4, True), rtol=1e-12, atol=1e-12)
+    padding = np.arange(97) < LENGTHS[:, None, None]
+    np.testing.assert_allclose(y, mha_by_hand(w, x, 4, causal=True, keep=padding),
+                               rtol=1e-12, atol=1e-12)
     # a batch row with no key gives zero attention: only the output bias is left
     np.testing.assert_array_equal(y[3], np.broadcast_to(w["b_o"], y[3].shape))
 

@@ -5,12 +5,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import random_input
+from conftest import mha_by_hand, random_input
 
 import mhagen
 from mhagen.errors import GraphError
 from mhagen.passes import run_passes
-from mhagen.reference import softmax_rows
 from mhagen.schedules.cuda.nvcc import missing_tools
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
@@ -29,29 +28,13 @@ def numpy_rope(x, rotary_dim, base):
     return y
 
 
-def by_hand(w, x, heads, kv_heads, rotary_dim, base, causal):
-    """The rotary layer in float64 numpy."""
-    w = {k: v.astype(np.float64) for k, v in w.items()}
-    x = x.astype(np.float64)
-    d, group, seq = w["w_q"].shape[2], heads // kv_heads, x.shape[1]
-    outs = []
-    for h in range(heads):
-        g = h // group
-        q = numpy_rope(x @ w["w_q"][h] + w["b_q"][h], rotary_dim, base)
-        k = numpy_rope(x @ w["w_k"][g] + w["b_k"][g], rotary_dim, base)
-        s = q @ np.swapaxes(k, 1, 2) / math.sqrt(d)
-        if causal:
-            s = np.where(np.tri(seq, dtype=bool), s, -np.inf)
-        outs.append(softmax_rows(s) @ (x @ w["w_v"][g] + w["b_v"][g]))
-    return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]
-
-
 @pytest.mark.parametrize("head_dim,rotary_dim,base", [(8, None, 10000.0), (10, 6, 500.0)])
 def test_reference_is_rope_by_hand(head_dim, rotary_dim, base):
     layer = mhagen.mha(24, 6, head_dim=head_dim, kv_heads=3, causal=True,
                        rotary=mhagen.rotary(base=base, rotary_dim=rotary_dim))
     w, x = layer.init_weights(1), random_input(layer, 2, 13)
-    expected = by_hand(w, x, 6, 3, rotary_dim or head_dim, base, causal=True)
+    expected = mha_by_hand(w, x, 6, causal=True,
+                           rotate=lambda t: numpy_rope(t, rotary_dim or head_dim, base))
     np.testing.assert_allclose(layer.reference(x, w), expected, rtol=1e-12, atol=1e-12)
     plain = mhagen.mha(24, 6, head_dim=head_dim, kv_heads=3, causal=True)
     assert mhagen.max_error(plain.reference(x, w), expected) > 1e-3, "the rotation matters"

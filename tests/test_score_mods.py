@@ -5,13 +5,12 @@ import math
 
 import numpy as np
 import pytest
-from conftest import random_input
+from conftest import mha_by_hand, random_input
 
 import mhagen
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.passes import run_passes
-from mhagen.reference import softmax_rows
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
 
@@ -34,24 +33,6 @@ def test_alibi_slopes_are_the_papers(heads):
         assert ex.alibi_slopes(heads) == [2 ** (-8 * (h + 1) / heads) for h in range(heads)]
 
 
-def by_hand(layer_w, x, heads, kv_heads, modify, causal):
-    """The layer written out in numpy (float64), independent of mhagen's reference."""
-    w = {k: v.astype(np.float64) for k, v in layer_w.items()}
-    x = x.astype(np.float64)
-    d, group, seq = w["w_q"].shape[2], heads // kv_heads, x.shape[1]
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-    outs = []
-    for h in range(heads):
-        q = x @ w["w_q"][h] + w["b_q"][h]
-        k = x @ w["w_k"][h // group] + w["b_k"][h // group]
-        v = x @ w["w_v"][h // group] + w["b_v"][h // group]
-        s = modify(q @ np.swapaxes(k, 1, 2) / math.sqrt(d), h, i, j)
-        if causal:
-            s = np.where(j <= i, s, -np.inf)
-        outs.append(softmax_rows(s) @ v)
-    return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]
-
-
 MODS = {
     "alibi": (lambda H: mhagen.alibi(H),
               lambda H: lambda s, h, i, j: s + ex.alibi_slopes(H)[h] * (j - i)),
@@ -68,7 +49,8 @@ def test_reference_semantics(name):
     make, numpy_mod = MODS[name]
     layer = mhagen.mha(48, 6, kv_heads=3, causal=True, score_mod=make(6))
     w, x = layer.init_weights(1), random_input(layer, 2, 13)
-    np.testing.assert_allclose(layer.reference(x, w), by_hand(w, x, 6, 3, numpy_mod(6), True),
+    np.testing.assert_allclose(layer.reference(x, w),
+                               mha_by_hand(w, x, 6, causal=True, modify=numpy_mod(6)),
                                rtol=1e-12, atol=1e-12)
 
 
