@@ -13,7 +13,8 @@ from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, rotary, score,
                        sliding_window, softcap, table, tanh, verify, where)
-from mhagen.module import aligned_empty
+from mhagen.arrays import aligned_empty
+from mhagen.kvcache import KVCache
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.version import __version__
@@ -38,7 +39,8 @@ def load(path):
     return _load(path)
 
 
-__all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "MhagenError",
+__all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",
+           "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "build", "causal", "combine",
            "export_onnx", "head", "import_onnx", "kv_idx", "load", "max_error", "mha", "q_idx",
            "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",

@@ -5,6 +5,8 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
 
   rules            schedule rules for TE stages, first match wins (dlight style)
   attention        the fused attention template rule, or None (the graph then stays unfused)
+  decode           the attention template rule of decoding layers (a K/V cache), or None
+                   (such layers then do not compile for the family)
   gemm_tile        (rows, columns) of the packed GEMMs' register tile; weights are laid out
                    in panels of `columns` columns
   gemm_rows        the rows a packed GEMM of rows x depth runs over (padded to whole tiles
@@ -55,6 +57,7 @@ class Backend:
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object
     verify: Callable | None = None
+    decode: object | None = None
     device_compile: Callable | None = None
 
 

@@ -19,8 +19,8 @@ def _divisors(n):
 
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
-        score_mod=None, rotary=None, key_padding: bool = False, bias: bool = True,
-        name: str = "mha") -> Graph:
+        score_mod=None, rotary=None, key_padding: bool = False, kv_cache: int | None = None,
+        bias: bool = True, name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -47,6 +47,12 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         key_padding: the layer takes per-batch key lengths at call time (`kv_lens`, int32
             [batch]): query rows see keys kv_idx < kv_lens[b] only (combined with the other
             masks by &); a row with no visible key gives zeros. No S x S mask is built.
+        kv_cache: a decoding layer with a K/V cache of kv_cache tokens per sequence
+            (mhagen/kvcache.py): each call takes S new tokens and a `mhagen.KVCache`, writes
+            their K/V rows into it after the cached ones, attends over both and advances the
+            cache. Positions are absolute: new token t of row b is at q_idx = lens[b] + t (so
+            `causal` is bottom-right aligned, and rotary, ALiBi and windows see true
+            positions), kv_len = lens[b] + S. Not with key_padding.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
@@ -96,10 +102,15 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     rotary = rotary or None
     if rotary is not None:
         rope.check_attrs(rotary.attrs(head_dim), head_dim, "mha(rotary=...)")
+    if kv_cache is not None:
+        positive_int("kv_cache", kv_cache)
+        if key_padding:
+            raise GraphError("kv_cache= and key_padding=True do not combine yet: a decoding "
+                             "layer's keys are the cached ones (cache.lens says how many)")
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
-    if key_padding:
+    if key_padding or kv_cache is not None:
         padding = ex.kv_idx < ex.kv_len
         full_mask = padding if full_mask is None else (full_mask & padding)
 
@@ -113,29 +124,37 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["rotary"] = rotary.attrs(head_dim)
     if key_padding:
         options["key_padding"] = True
+    if kv_cache is not None:
+        options["kv_cache"] = kv_cache
     g = Graph(name, options=options)
     x = g.input("x", d_model)
     lengths = g.lengths("kv_lens") if key_padding else None
+    if kv_cache is not None:
+        lengths = g.cache_lens("cache_lens")
     g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
                            score_mod=score_mod,
                            rotary=None if rotary is None else rotary.attrs(head_dim),
-                           lengths=lengths))
+                           lengths=lengths, max_len=kv_cache))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
-              bias: bool, score_mod=None, rotary: dict | None = None, lengths=None) -> str:
+              bias: bool, score_mod=None, rotary: dict | None = None, lengths=None,
+              max_len: int | None = None) -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
     K/V head h // (heads // kv_heads); masks[h] may be None; score_mod (optional) modifies
     every head's scaled scores before the mask; rotary ({base, rotary_dim}, optional) adds
     a rotary node after every Q and K projection; lengths (a lengths node, optional) feeds
-    every mask its kv_len per batch. Heads are concatenated and
-    projected to d_out. Node and weight names are those of mha().
+    every mask its kv_len per batch; max_len (with lengths a cache_lens node) makes a
+    decoding layer: K/V heads go through caches of max_len rows, and the rotary, score_mod
+    and mask nodes read the positions. Heads are concatenated and projected to d_out. Node
+    and weight names are those of mha().
     """
+    positions = lengths if max_len is not None else None
     kv_of = kv_head_map(len(scales), kv_heads)
 
     def proj(w, i):
@@ -143,16 +162,21 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
                                  name=f"{w}{i}")
 
     def rotated(name):
-        return name if rotary is None else g.rotary(name, name=f"r{name}", **rotary)
+        return name if rotary is None else g.rotary(name, name=f"r{name}", **rotary,
+                                                     positions=positions)
 
-    keys = [rotated(proj("k", i)) for i in range(kv_heads)]
-    values = [proj("v", i) for i in range(kv_heads)]
+    def cached(name, which, i):
+        return name if max_len is None else g.cache(name, lengths, f"{which}_cache", i,
+                                                     max_len, name=f"{which}_cache{i}")
+
+    keys = [cached(rotated(proj("k", i)), "k", i) for i in range(kv_heads)]
+    values = [cached(proj("v", i), "v", i) for i in range(kv_heads)]
     outs = []
     for h, (scale, mask) in enumerate(zip(scales, masks)):
         s = g.scores(rotated(proj("q", h)), keys[kv_of[h]], name=f"s{h}")
         s = g.scale(s, scale, name=f"scaled{h}")
         if score_mod is not None:
-            s = g.score_mod(s, score_mod, head=h, name=f"modified{h}")
+            s = g.score_mod(s, score_mod, head=h, name=f"modified{h}", positions=positions)
         if mask is not None:
             s = g.mask(s, mask, head=h, name=f"masked{h}", lengths=lengths)
         outs.append(g.weighted_sum(g.softmax(s, name=f"p{h}"), values[kv_of[h]],

@@ -15,26 +15,11 @@ import numpy as np
 from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
+from mhagen.arrays import aligned_empty, is_aligned
 from mhagen.errors import ArtifactError, InputError, TargetError
-from mhagen.reference import check_input, check_lengths
+from mhagen.kvcache import KVCache
+from mhagen.reference import check_cache, check_input, check_lengths
 from mhagen.weights import check_weights
-
-ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned vector stores)
-
-
-def aligned_empty(shape, dtype="float32") -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape))
-    raw = np.empty(n + ALIGNMENT // dtype.itemsize, dtype)
-    start = (-raw.ctypes.data % ALIGNMENT) // dtype.itemsize
-    return raw[start:start + n].reshape(shape)
-
-
-def _is_aligned(a: np.ndarray) -> bool:
-    return (a.flags.c_contiguous and a.flags.writeable
-            and a.__array_interface__["data"][0] % ALIGNMENT == 0)
-
 
 @dataclass
 class BuildInfo:
@@ -115,13 +100,18 @@ class Module:
             out[b.name] = aligned_copy(b.make(weights), b)
         return out
 
-    def __call__(self, x, weights=None, *, out=None, kv_lens=None) -> np.ndarray:
-        """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding."""
+    def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None) -> np.ndarray:
+        """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding.
+        cache: the mhagen.KVCache of a decoding layer (mhagen.mha(..., kv_cache=N)); x holds
+        the new tokens, whose K/V rows the call writes into the cache before attending;
+        cache.lens then advances by seq_len."""
         with self._lock:
-            buffers = self._buffers(x, weights, kv_lens)
+            buffers = self._buffers(x, weights, kv_lens, cache)
             result, target = self._output_array(out)
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
+            if cache is not None:
+                cache.lens += self.seq_len
             if target is not result:   # padded columns, or an out= the kernels cannot fill
                 result[...] = target.reshape(self.batch, self.seq_len, -1)[
                     ..., :self.out_shape[2]]
@@ -141,14 +131,20 @@ class Module:
             raise InputError(f"out= must be a float32 numpy array of shape {self.out_shape}, got "
                              f"{getattr(out, 'dtype', type(out).__name__)} "
                              f"{getattr(out, 'shape', '')}")
-        if direct and _is_aligned(out):
+        if direct and is_aligned(out):
             return out, out.reshape(full)
         return out, self._temp(self._output)
 
-    def _buffers(self, x, weights, kv_lens=None) -> dict:
+    def new_cache(self) -> KVCache:
+        """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
+        return KVCache.empty(self, self.batch)
+
+    def _buffers(self, x, weights, kv_lens=None, cache=None) -> dict:
         """The kernels' arguments by buffer name (TVM tensors over numpy memory). x is passed
-        without a copy when C-contiguous float32 on a 64-byte boundary, else copied."""
+        without a copy when C-contiguous float32 on a 64-byte boundary, else copied; a
+        decoding layer's cache arrays are always passed as they are (written in place)."""
         lens = check_lengths(self.graph, kv_lens, self.batch, self.seq_len)
+        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32)
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
@@ -163,7 +159,7 @@ class Module:
                              "module.bind(weights), or call module(x, weights=...)")
         buffers = dict(self._resident(params))
         shape = tuple(self._input.shape)
-        if not _is_aligned(x):
+        if not is_aligned(x):
             staged = self._temp(self._input)
             staged[...] = x.reshape(shape)
             x = staged
@@ -172,6 +168,12 @@ class Module:
             staged = self._temp(self.program.buffers[self.graph.lengths_input.name])
             staged[...] = lens
             buffers[self.graph.lengths_input.name] = runtime.tensor(staged)
+        if cache is not None:
+            staged = self._temp(self.program.buffers[self.graph.cache_lens_input.name])
+            staged[...] = cache.lens
+            buffers[self.graph.cache_lens_input.name] = runtime.tensor(staged)
+            buffers["k_cache"], buffers["v_cache"] = (runtime.tensor(cache.k),
+                                                      runtime.tensor(cache.v))
         return buffers
 
     def _resident(self, params) -> dict:
@@ -209,19 +211,23 @@ class Module:
             func(*[buffers[a] for a in args])
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
-                kv_lens=None):
+                kv_lens=None, cache=None):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
         least `number` calls and `min_repeat_ms` each (key padding: full lengths unless
-        kv_lens is given)."""
+        kv_lens is given; decoding: every call appends at the same place of `cache`, by
+        default a cache full up to its last seq_len rows)."""
         if x is None:
             x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
         if kv_lens is None and self.graph.lengths_input is not None:
             kv_lens = np.full(self.batch, self.seq_len, np.int32)
+        if cache is None and self.graph.cache_lens_input is not None:
+            cache = self.new_cache()
+            cache.lens[...] = cache.max_len - self.seq_len
         with self._lock:
-            return self._latency(x, number, repeat, min_repeat_ms, kv_lens)
+            return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache)
 
-    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens):
-        buffers = self._buffers(x, None, kv_lens)
+    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache):
+        buffers = self._buffers(x, None, kv_lens, cache)
         buffers[self._output.name] = runtime.tensor(self._temp(self._output))
         self._run(buffers)
         results = []

@@ -10,6 +10,7 @@ import numpy as np
 from mhagen.errors import InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
+from mhagen.kvcache import KVCache
 from mhagen.weights import check_weights
 
 NUMPY_OPS = {
@@ -23,25 +24,37 @@ NUMPY_OPS = {
 }
 
 
+def positions(batch: int, q_len: int, kv_len: int, lengths=None, offsets=None) -> dict:
+    """The index variables of a [batch, q_len, kv_len] score grid. `lengths` ([batch] key
+    lengths given at call time) is what masks read as kv_len; `offsets` ([batch], a decoding
+    layer's cache_lens) puts query t at q_idx = offsets[b] + t with kv_len = offsets[b] +
+    q_len keys (the cached ones and the new ones)."""
+    env = {"batch": np.arange(batch)[:, None, None], "head": 0,
+           "q_idx": np.arange(q_len)[None, :, None], "kv_idx": np.arange(kv_len)[None, None, :],
+           "q_len": q_len, "kv_len": kv_len}
+    if lengths is not None:
+        env["kv_len"] = np.asarray(lengths).reshape(-1, 1, 1)
+    if offsets is not None:
+        off = np.asarray(offsets).reshape(-1, 1, 1)
+        env["q_idx"] = env["q_idx"] + off
+        env["kv_len"] = off + q_len
+    return env
+
+
 def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int,
-              lengths=None) -> np.ndarray:
-    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head; `lengths`
-    ([batch] key lengths given at call time) is what the mask reads as kv_len, if given."""
-    b = np.arange(batch)[:, None, None]
-    q = np.arange(q_len)[None, :, None]
-    k = np.arange(kv_len)[None, None, :]
-    env = {"batch": b, "head": head, "q_idx": q, "kv_idx": k, "q_len": q_len,
-           "kv_len": kv_len if lengths is None else np.asarray(lengths).reshape(-1, 1, 1)}
+              lengths=None, offsets=None) -> np.ndarray:
+    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head (see
+    positions() for lengths and offsets; with offsets, keys past kv_len are never kept)."""
+    env = dict(positions(batch, q_len, kv_len, lengths, offsets), head=head)
     grid = ex.evaluate(mask, env, NUMPY_OPS)
+    if offsets is not None:
+        grid = grid & (env["kv_idx"] < env["kv_len"])
     return np.broadcast_to(grid, (batch, q_len, kv_len)).astype(bool)
 
 
-def apply_score_mod(mod: ex.Expr, s: np.ndarray, head: int) -> np.ndarray:
+def apply_score_mod(mod: ex.Expr, s: np.ndarray, head: int, offsets=None) -> np.ndarray:
     """A score modifier applied to scaled scores s [batch, q_len, kv_len] of one head."""
-    bsz, q_len, kv_len = s.shape
-    env = {"batch": np.arange(bsz)[:, None, None], "head": head,
-           "q_idx": np.arange(q_len)[None, :, None], "kv_idx": np.arange(kv_len)[None, None, :],
-           "q_len": q_len, "kv_len": kv_len, "score": s}
+    env = dict(positions(*s.shape, offsets=offsets), head=head, score=s)
     return np.broadcast_to(ex.evaluate(mod, env, NUMPY_OPS), s.shape).astype(s.dtype)
 
 
@@ -86,21 +99,58 @@ def check_lengths(graph, kv_lens, batch: int, seq: int):
     return np.ascontiguousarray(lens, dtype=np.int32)
 
 
-def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None):
+def check_cache(graph, cache, batch: int, seq: int, dtype=None):
+    """The KVCache of a decoding graph, checked for [batch, seq new tokens]; None for other
+    graphs (which must not get one)."""
+    if graph.cache_lens_input is None:
+        if cache is not None:
+            raise InputError(f"graph {graph.name!r} keeps no K/V cache; build the layer with "
+                             "mhagen.mha(..., kv_cache=max_len) to pass cache=")
+        return None
+    if cache is None:
+        raise InputError(f"graph {graph.name!r} decodes with a K/V cache: pass "
+                         "cache=mhagen.KVCache.empty(layer_or_module, batch)")
+    if not isinstance(cache, KVCache):
+        raise InputError(f"cache= takes a mhagen.KVCache, got {type(cache).__name__}")
+    cache.check(graph, batch, seq, dtype)
+    return cache
+
+
+def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None):
     """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
-    kv_lens: the per-batch key lengths of a graph with a lengths input."""
+    kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
+    a decoding graph (its new K/V rows are written and lens advanced, as a module call does)."""
     if len(graph.inputs) != 1:
         raise InputError("run_reference takes one input x; this graph has "
                          f"{len(graph.inputs)} inputs")
     x = check_input(graph, x).astype(np.float64)
     lens = check_lengths(graph, kv_lens, x.shape[0], x.shape[1])
+    cache = check_cache(graph, cache, x.shape[0], x.shape[1])
     w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
     graph.shapes(**graph.dims(*x.shape[:2]))
     vals = {}
     for n in graph.nodes:
         a = [vals[i] for i in n.inputs]
-        vals[n.name] = lens if n.kind == "lengths" else _EVAL[n.kind](n, a, w, x)
+        if n.kind == "lengths":
+            vals[n.name] = lens
+        elif n.kind == "cache_lens":
+            vals[n.name] = cache.lens.copy().view(Positions)
+        elif n.kind == "cache" or (n.kind == "attention" and n.attrs.get("cache")):
+            vals[n.name] = _EVAL[n.kind](n, a, w, cache)
+        else:
+            vals[n.name] = _EVAL[n.kind](n, a, w, x)
+    if cache is not None:
+        cache.lens += x.shape[1]
     return vals if return_all else vals[graph.output]
+
+
+def _append(cache, name, head, new, offsets):
+    """Write new [batch, S, d] rows of K/V head `head` at offsets[b] into cache.k or cache.v;
+    return that head's whole cache [batch, max_len, d] in float64."""
+    store = getattr(cache, name[0])
+    for b, o in enumerate(offsets):
+        store[b, head, o:o + new.shape[1]] = new[b]
+    return store[:, head].astype(np.float64)
 
 
 def _projection(n, a, w, x):
@@ -114,10 +164,23 @@ def _projection(n, a, w, x):
     return y
 
 
+class Positions(np.ndarray):
+    """The value of a cache_lens node: where each batch row's new tokens start."""
+
+
+def _second(a):
+    """(lengths, offsets): what a node's optional second input gives (the key lengths of a
+    lengths node, or the positions of a cache_lens node)."""
+    if len(a) < 2:
+        return None, None
+    return (None, np.asarray(a[1])) if isinstance(a[1], Positions) else (a[1], None)
+
+
 def _mask(n, a, w, x):
     s = a[0]
+    lengths, offsets = _second(a)
     grid = mask_grid(n.attrs["mask"], s.shape[0], n.attrs["head"], s.shape[1], s.shape[2],
-                     a[1] if len(a) > 1 else None)
+                     lengths, offsets)
     return np.where(grid, s, -np.inf)
 
 
@@ -131,23 +194,32 @@ def _qkv_projection(n, a, w, x):
     return np.concatenate(cols, axis=-1)
 
 
-def _attention(n, a, w, x):
+def _attention(n, a, w, cache):
+    """The fused attention node; `cache` is the KVCache of a decoding layer (else unused)."""
     qkv, d = a[0], n.attrs["head_dim"]
     bsz, seq = qkv.shape[:2]
+    lengths, offsets = _second(a)
+    kv_heads = {}    # k offset -> K/V head index (in the caches) and its whole cache rows
     outs = []
     for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
                                          n.attrs["v_offsets"])):
-        q, k = qkv[..., qo:qo + d], qkv[..., ko:ko + d]
+        q, k, v = qkv[..., qo:qo + d], qkv[..., ko:ko + d], qkv[..., vo:vo + d]
         if n.attrs.get("rotary") is not None:
             r = n.attrs["rotary"]
-            q, k = (rope.apply(t, r["rotary_dim"], r["base"]) for t in (q, k))
+            q, k = (rope.apply(t, r["rotary_dim"], r["base"], offsets) for t in (q, k))
+        if n.attrs.get("cache"):
+            if ko not in kv_heads:
+                g = len(kv_heads)
+                kv_heads[ko] = (_append(cache, "k_cache", g, k, offsets),
+                                _append(cache, "v_cache", g, v, offsets))
+            k, v = kv_heads[ko]
         s = q @ np.swapaxes(k, -1, -2) * n.attrs["scale"]
         if n.attrs.get("score_mod") is not None:
-            s = apply_score_mod(n.attrs["score_mod"], s, h)
+            s = apply_score_mod(n.attrs["score_mod"], s, h, offsets)
         if n.attrs.get("mask") is not None:
-            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, seq,
-                                   a[1] if len(a) > 1 else None), s, -np.inf)
-        outs.append(softmax_rows(s) @ qkv[..., vo:vo + d])
+            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, s.shape[2], lengths, offsets),
+                         s, -np.inf)
+        outs.append(softmax_rows(s) @ v)
     return np.concatenate(outs, axis=-1)
 
 
@@ -155,11 +227,15 @@ _EVAL = {
     "input": lambda n, a, w, x: x,
     "head_projection": _projection,
     "output_projection": _projection,
-    "rotary": lambda n, a, w, x: rope.apply(a[0], n.attrs["rotary_dim"], n.attrs["base"]),
+    "rotary": lambda n, a, w, x: rope.apply(a[0], n.attrs["rotary_dim"], n.attrs["base"],
+                                            _second(a)[1]),
+    "cache": lambda n, a, w, cache: _append(cache, n.attrs["cache"], n.attrs["head"], a[0],
+                                            a[1]),
     "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
     "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
     "mask": _mask,
-    "score_mod": lambda n, a, w, x: apply_score_mod(n.attrs["expr"], a[0], n.attrs["head"]),
+    "score_mod": lambda n, a, w, x: apply_score_mod(n.attrs["expr"], a[0], n.attrs["head"],
+                                                    _second(a)[1]),
     "softmax": lambda n, a, w, x: softmax_rows(a[0]),
     "weighted_sum": lambda n, a, w, x: a[0] @ a[1],
     "concat_heads": lambda n, a, w, x: np.concatenate(a, axis=-1),

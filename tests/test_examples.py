@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -142,3 +143,26 @@ def test_cpu_classes_example_checks_every_class_or_says_why_not():
         assert re.search(r"max error [0-9.e+-]+ \(tolerance [0-9.e+-]+\) ok", block) or \
             "not run here: cannot call this module: this code" in block, block
     assert "tile_rows': 6, 'tile_cols': 16" in out.split("x86-avx2: class ")[1]
+
+
+# -- decode ----------------------------------------------------------------------------------
+def test_decode_script_matches_the_whole_sequence():
+    r = run_script("decode", "--prompt", "13", "--steps", "16", "--max-len", "64")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "lens [29]" in r.stdout
+    assert printed_error(r.stdout) < 1e-4
+
+
+def test_decode_example_fails_loudly_on_a_mismatch(monkeypatch, capsys):
+    """The example's check can fail: break the cache between steps and it returns 1."""
+    dec = load_example("decode")
+    from mhagen.module import Module
+    real_call = Module.__call__
+
+    def corrupt(self, x, *a, cache=None, **kw):
+        if cache is not None and cache.lens[0] > 13:
+            cache.k[:, :, 3] += 1.0
+        return real_call(self, x, *a, cache=cache, **kw)
+    monkeypatch.setattr(Module, "__call__", corrupt)
+    assert dec.main(["--prompt", "13", "--steps", "4", "--max-len", "32"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out

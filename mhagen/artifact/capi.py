@@ -102,6 +102,9 @@ def _layout(manifest):
     index = {b["name"]: i for i, b in enumerate(bufs)}
     ins = [i for i, b in enumerate(bufs) if b["role"] == "input"]
     outs = [i for i, b in enumerate(bufs) if b["role"] == "output"]
+    if any(b["role"] == "state" for b in bufs):
+        raise ArtifactError("decoding layers (a K/V cache) have no C API yet; call the module "
+                            "from Python (mhagen.load)")
     if any(bufs[i]["dtype"] == "int32" for i in ins):
         raise ArtifactError("layers that take key lengths per call (key_padding) have no C API "
                             "yet; call the module from Python (mhagen.load)")

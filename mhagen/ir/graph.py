@@ -95,11 +95,13 @@ class Graph:
                         out_features=out_features, **({"bias": bias} if bias else {}))
 
     def rotary(self, x, base: float = 10000.0, rotary_dim: int | None = None,
-               name=None) -> str:
-        """RoPE on a Q or K head [B,S,d] (mhagen/ir/rope.py); rotary_dim None: all of d."""
+               name=None, positions=None) -> str:
+        """RoPE on a Q or K head [B,S,d] (mhagen/ir/rope.py); rotary_dim None: all of d;
+        positions (a cache_lens node, decoding layers): token t is at cache_lens[b] + t."""
         if rotary_dim is None:
             rotary_dim = self.shapes_partial(x)[-1]
-        return self.add("rotary", (x,), name, base=float(base), rotary_dim=rotary_dim)
+        return self.add("rotary", (x,) + ((positions,) if positions else ()), name,
+                        base=float(base), rotary_dim=rotary_dim)
 
     def shapes_partial(self, name) -> list:
         """The shape of node `name` from the nodes defined so far (no output needed)."""
@@ -116,13 +118,25 @@ class Graph:
         (`mask(..., lengths=)`) see kv_len = lengths[batch]."""
         return self.add("lengths", (), name, batch=batch)
 
+    def cache_lens(self, name: str = "cache_lens", batch: str = "batch") -> str:
+        """Tokens already in the K/V cache per batch row [batch] (int32), given at call time:
+        the positions of a decoding layer's new tokens start there (mhagen/kvcache.py)."""
+        return self.add("cache_lens", (), name, batch=batch)
+
+    def cache(self, x, lens, cache: str, head: int, max_len: int, name=None) -> str:
+        """K or V head `head` [B,S,d] appended to the cache state `cache` ("k_cache" or
+        "v_cache") at lens[b]: the whole cache [B, max_len, d] for the scores to read."""
+        return self.add("cache", (x, lens), name, cache=cache, head=head, max_len=max_len)
+
     def mask(self, s, mask: ex.Expr, head: int, name=None, lengths=None) -> str:
         return self.add("mask", (s,) + ((lengths,) if lengths else ()), name, mask=mask,
                         head=head)
 
-    def score_mod(self, s, expr: ex.Expr, head: int, name=None) -> str:
-        """Modify scaled scores per element (see mhagen.ir.expr: alibi, softcap, ...)."""
-        return self.add("score_mod", (s,), name, expr=expr, head=head)
+    def score_mod(self, s, expr: ex.Expr, head: int, name=None, positions=None) -> str:
+        """Modify scaled scores per element (see mhagen.ir.expr: alibi, softcap, ...);
+        positions: a cache_lens node (decoding layers)."""
+        return self.add("score_mod", (s,) + ((positions,) if positions else ()), name,
+                        expr=expr, head=head)
 
     def softmax(self, s, name=None) -> str:
         return self.add("softmax", (s,), name)
@@ -158,6 +172,11 @@ class Graph:
         """The lengths node (per-batch key lengths given at call time), or None."""
         return next((n for n in self.nodes if n.kind == "lengths"), None)
 
+    @property
+    def cache_lens_input(self):
+        """The cache_lens node of a decoding layer (mhagen.mha(..., kv_cache=N)), or None."""
+        return next((n for n in self.nodes if n.kind == "cache_lens"), None)
+
     def dims(self, batch: int, seq_len: int) -> dict:
         """The input's symbolic dims bound to numbers, e.g. {"batch": 2, "seq": 97}."""
         shape = self.inputs[0].attrs["shape"]
@@ -174,10 +193,11 @@ class Graph:
         """Random float32 weights in the per-head layout (Xavier-uniform; biases +-0.1)."""
         return init_weights(self, seed)
 
-    def reference(self, x, weights, kv_lens=None) -> "numpy.ndarray":  # noqa: F821
+    def reference(self, x, weights, kv_lens=None, cache=None) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
-        the per-batch key lengths of a layer with key padding)."""
-        return run_reference(self, x, weights, kv_lens=kv_lens)
+        the per-batch key lengths of a layer with key padding; cache: a decoding layer's
+        mhagen.KVCache, written and advanced in place as a module call does)."""
+        return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

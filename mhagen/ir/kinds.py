@@ -33,24 +33,37 @@ KINDS = {
         0, ("batch",), (),
         "per-batch key lengths [B] (int32), given at call time: masks read them as kv_len "
         "(key padding without an S x S tensor)"),
+    "cache_lens": KindSpec(
+        0, ("batch",), (),
+        "tokens already in the K/V cache per batch row [B] (int32), given at call time: a "
+        "decoding layer's positions; the scores, masks, modifiers and rotary nodes that read "
+        "it see q_idx = cache_lens[b] + t and kv_len = cache_lens[b] + S (mhagen/kvcache.py)"),
+    "cache": KindSpec(
+        2, ("cache", "head", "max_len"), (),
+        "new [B,S,d], cache_lens [B] -> [B,max_len,d]: K/V head `head` of the cache state "
+        "`cache` (k_cache or v_cache [B, kv_heads, max_len, d]) after writing the S new rows "
+        "at cache_lens[b] (in place); rows from cache_lens[b] + S on are never visible"),
     "head_projection": KindSpec(
         1, ("weight", "head", "out_features"), ("bias",),
         "[B,S,D] @ weight[head] ([D,d]) (+ bias[head]) -> [B,S,d]: one head's Q, K or V"),
     "rotary": KindSpec(
-        1, ("base", "rotary_dim"), (),
+        None, ("base", "rotary_dim"), (),
         "[B,S,d] -> [B,S,d]: RoPE by position (token index along S), half-split pairs "
         "(x[i], x[i + rotary_dim/2]), angle pos * base^(-2i/rotary_dim); dims past rotary_dim "
-        "unchanged (mhagen/ir/rope.py)"),
+        "unchanged (mhagen/ir/rope.py); a second input, a cache_lens node, starts the positions at "
+        "cache_lens[b]"),
     "scores": KindSpec(2, (), (), "q [B,S,d], k [B,T,d] -> q @ k^T [B,S,T]"),
     "scale": KindSpec(1, ("factor",), (), "[B,S,T] * factor"),
     "mask": KindSpec(
         None, ("mask", "head"), (),
         "[B,S,T] where mask(batch, head, q_idx, kv_idx) else -inf (mask is a boolean expression); "
-        "a second input, a lengths node, gives kv_len per batch"),
+        "a second input, a lengths node, gives kv_len per batch (a cache_lens node: the "
+        "positions of a decoding layer)"),
     "score_mod": KindSpec(
-        1, ("expr", "head"), (),
+        None, ("expr", "head"), (),
         "[B,S,T] -> expr(score, batch, head, q_idx, kv_idx) per score (a numeric expression: "
-        "ALiBi, softcap, ...), applied to the scaled scores before the mask"),
+        "ALiBi, softcap, ...), applied to the scaled scores before the mask; a second input, a cache_lens node, "
+        "gives the positions"),
     "softmax": KindSpec(1, (), (), "softmax over the last axis; a fully masked row gives zeros"),
     "weighted_sum": KindSpec(2, (), (), "p [B,S,T], v [B,T,d] -> p @ v [B,S,d]"),
     "concat_heads": KindSpec(None, (), (), "[B,S,d_0], [B,S,d_1], ... -> [B,S,sum d_i]"),
@@ -62,11 +75,12 @@ KINDS = {
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
         "{weight, head, bias, width} in column order"),
     "attention": KindSpec(
-        None, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary"),
+        None, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary", "cache"),
         "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(score_mod(Q_h K_h^T * scale))) "
         "V_h with "
         "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side; "
-        "rotary {base, rotary_dim}: RoPE on every Q_h and K_h first"),
+        "rotary {base, rotary_dim}: RoPE on every Q_h and K_h first; cache {max_len}: K/V "
+        "appended to the caches and read from them (second input: cache_lens)"),
 }
 
 FUSED_KINDS = ("qkv_projection", "attention")

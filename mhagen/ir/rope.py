@@ -68,9 +68,16 @@ def tables(seq: int, rotary_dim: int, base: float):
     return np.cos(angle), np.sin(angle)
 
 
-def apply(x: np.ndarray, rotary_dim: int, base: float) -> np.ndarray:
-    """RoPE on x [..., seq, head_dim] (positions along axis -2), in x's dtype."""
+def apply(x: np.ndarray, rotary_dim: int, base: float, offsets=None) -> np.ndarray:
+    """RoPE on x [batch, seq, head_dim] (positions along axis -2), in x's dtype; offsets
+    ([batch], decoding layers): row t of batch b is at position offsets[b] + t."""
     half = rotary_dim // 2
-    cos, sin = (t.astype(x.dtype) for t in tables(x.shape[-2], rotary_dim, base))
+    seq = x.shape[-2]
+    if offsets is None:
+        cos, sin = (t.astype(x.dtype) for t in tables(seq, rotary_dim, base))
+    else:
+        pos = np.asarray(offsets).reshape(-1, 1) + np.arange(seq)[None, :]     # [batch, seq]
+        cos, sin = (t.astype(x.dtype)[pos] for t in tables(int(pos.max()) + 1, rotary_dim,
+                                                           base))
     a, b = x[..., :half], x[..., half:rotary_dim]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin, x[..., rotary_dim:]], axis=-1)

@@ -31,9 +31,9 @@ def _check_attrs(node):
                          f"got {len(node.inputs)}: {list(node.inputs)}")
     if spec.arity is None and not node.inputs:
         raise GraphError(f"node {node.name!r} ({node.kind}) needs at least one input")
-    if node.kind in ("mask", "attention") and len(node.inputs) > 2:
-        raise GraphError(f"node {node.name!r} ({node.kind}) takes its scores (or qkv) and "
-                         f"optionally a lengths node, got {list(node.inputs)}")
+    if node.kind in ("mask", "attention", "rotary", "score_mod") and len(node.inputs) > 2:
+        raise GraphError(f"node {node.name!r} ({node.kind}) takes one tensor and "
+                         f"optionally a lengths or cache_lens node, got {list(node.inputs)}")
 
 
 def weight_specs(graph) -> list:
@@ -118,6 +118,12 @@ def verify(graph, **dims) -> dict:
         shapes = {k: [dims.get(d, d) if isinstance(d, str) else d for d in s]
                   for k, s in shapes.items()}
     _check_sizes(specs, shapes)
+    for n in graph.nodes:
+        new = shapes[n.inputs[0]][1] if n.kind == "cache" else None
+        if isinstance(new, int) and new > n.attrs["max_len"]:
+            raise GraphError(f"{new} new tokens per call do not fit the K/V cache of "
+                             f"max_len {n.attrs['max_len']}; use seq_len <= max_len or build "
+                             "the layer with a larger kv_cache=")
     return shapes
 
 
@@ -188,6 +194,9 @@ def _infer(n, ins, graph):
                 raise GraphError(f"node {n.name!r}: head must be an int >= 0, got {head!r}")
         d_out = _projection_width(n, graph, x[-1])
         return x[:-1] + [d_out]
+    if k in ("rotary", "score_mod") and len(ins) == 2:
+        _check_lengths_input(n, graph, ins, kinds=("cache_lens",))
+        ins = ins[:1]
     if k == "rotary":
         (x,) = ins
         if len(x) != 3:
@@ -200,14 +209,36 @@ def _infer(n, ins, graph):
             raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
                              "and head width; project Q and K to the same head_dim")
         return [q[0], q[1], kk[1]]
-    if k == "lengths":
+    if k == "cache":
+        x, lens = ins
+        _check_lengths_input(n, graph, ins, kinds=("cache_lens",))
+        a = n.attrs
+        if a["cache"] not in ("k_cache", "v_cache"):
+            raise GraphError(f"cache {n.name!r}: cache must be 'k_cache' or 'v_cache', got "
+                             f"{a['cache']!r}")
+        for attr in ("head", "max_len"):
+            v = a[attr]
+            if not isinstance(v, int) or isinstance(v, bool) or v < (attr == "max_len"):
+                raise GraphError(f"cache {n.name!r}: {attr} must be an int >= "
+                                 f"{int(attr == 'max_len')}, got {v!r}")
+        if len(x) != 3:
+            raise GraphError(f"cache {n.name!r} takes one K or V head [B, S, d], got {_fmt(x)}")
+        return [x[0], a["max_len"], x[2]]
+    if k in ("lengths", "cache_lens"):
         if not (isinstance(n.attrs["batch"], str) and n.attrs["batch"].isidentifier()) and \
                 not (isinstance(n.attrs["batch"], int) and n.attrs["batch"] > 0):
-            raise GraphError(f"lengths {n.name!r}: batch must be the input's batch dim")
+            raise GraphError(f"{k} {n.name!r}: batch must be the input's batch dim")
         return [n.attrs["batch"]]
     if k in ("mask", "attention") and len(ins) == 2:
         _check_lengths_input(n, graph, ins)
         ins = ins[:1]
+    if k == "attention" and n.attrs.get("cache") is not None:
+        c = n.attrs["cache"]
+        if len(n.inputs) != 2 or not isinstance(c, dict) or not isinstance(
+                c.get("max_len"), int) or c["max_len"] < 1 or next(
+                m for m in graph.nodes if m.name == n.inputs[1]).kind != "cache_lens":
+            raise GraphError(f"attention {n.name!r}: cache must be {{'max_len': N}} with a "
+                             "cache_lens node as the second input")
     if k in ("scale", "mask", "score_mod", "softmax"):
         (s,) = ins
         if len(s) != 3:
@@ -265,12 +296,13 @@ def _infer(n, ins, graph):
     raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
 
 
-def _check_lengths_input(n, graph, ins):
-    """A mask's or attention's second input: the graph's lengths node, one per batch row."""
+def _check_lengths_input(n, graph, ins, kinds=("lengths", "cache_lens")):
+    """A node's second input: the graph's lengths (key padding) or cache_lens (decoding
+    positions) node, one per batch row."""
     source = next(m for m in graph.nodes if m.name == n.inputs[1])
-    if source.kind != "lengths":
-        raise GraphError(f"{n.kind} {n.name!r}: its second input must be a lengths node "
-                         f"(graph.lengths()), got a {source.kind}")
+    if source.kind not in kinds:
+        raise GraphError(f"{n.kind} {n.name!r}: its second input must be a "
+                         f"{' or '.join(kinds)} node, got a {source.kind}")
     if ins[1][0] != ins[0][0]:
         raise GraphError(f"{n.kind} {n.name!r}: lengths {_fmt(ins[1])} and scores "
                          f"{_fmt(ins[0])} must share the batch dim")

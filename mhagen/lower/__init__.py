@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 from mhagen.backends import backend_for
+from mhagen.errors import GraphError
 from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
@@ -35,6 +36,10 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
             program = lower_fused(fusion.graph, batch, seq_len, target, backend, config)
         except NotFusable as why:
             reason = f"not fused: {why}"
+    if program is None and graph.cache_lens_input is not None:
+        raise GraphError(f"decoding layers (a K/V cache) compile through the fused kernels "
+                         f"only, and this one was {reason}; build it with fuse=True from "
+                         "mhagen.mha(..., kv_cache=N) or a graph of that form")
     if program is None:
         program = lower_unfused(graph, batch, seq_len)
     program.key = key

@@ -9,12 +9,20 @@
   output_proj     att @ W_O (packed) + b_o -> y [M, DO]                           (TE, GEMM)
 with M = batch * seq. Weights are repacked once, when they are bound, by the
 params' recipes (mhagen.params).
+
+Decoding layers (attention with a `cache`) run instead, after the GEMM and the rotary kernel
+(whose positions then start at cache_lens[b]):
+  cache_append    qkv's new K and V rows -> k_cache, v_cache [B, G, max_len, d] at
+                  cache_lens[b] + t (the caller's state, written in place)
+  attention       qkv (Q), the caches, cache_lens -> att, split-KV (the backend's decode
+                  template; partial results in two temporaries)
 """
 from __future__ import annotations
 
 from tvm import te
 
 from mhagen.blockmask import block_table, split_lengths
+from mhagen.errors import TargetError
 from mhagen.lower.te import rope_table
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import Buffer, Kernel, Program, Stage, round_up
@@ -58,7 +66,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     by_kind = {n.kind: n for n in graph.nodes}
     x_node, qkv_node, att_node, out_node = (by_kind[k] for k in (
         "input", "qkv_projection", "attention", "output_projection"))
-    has_lengths = len(att_node.inputs) > 1   # key lengths given per call
+    has_lengths = len(att_node.inputs) > 1   # key lengths (or cache lengths) given per call
+    cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N}
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
     # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
@@ -93,7 +102,15 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
             "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
             "lengths": has_lengths}
-    cfg = attention_config or backend.attention.default_config(work, target)
+    if cache is not None:
+        if backend.decode is None:
+            raise TargetError(f"decoding layers (kv_cache=) do not compile for {target.name} "
+                              f"yet ({backend.family} has no decode template); build them "
+                              "for a CPU target")
+        work.update(cache=cache["max_len"], lengths=False)
+        cfg = backend.decode.default_config(work, target)
+    else:
+        cfg = attention_config or backend.attention.default_config(work, target)
 
     # param recipes (mhagen.params): every head's d columns at i * dp
     w_qkv = {"kind": "panels", "depth": d_model, "width": n_qkv_p, "panel": nr,
@@ -108,26 +125,40 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     b_o = {"kind": "vector", "length": d_out_p,
            "pieces": [{"weight": bias_o, "at": 0}] if bias_o else []}
 
-    table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile, kv_block=cfg.kv_block,
-                        lengths=has_lengths)
-    work.update(table_batch=table.shape[0], table_heads=table.shape[1],
-                skip_by_length=has_lengths and split_lengths(a.get("mask"))[1])
+    if cache is None:
+        table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile,
+                            kv_block=cfg.kv_block, lengths=has_lengths)
+        work.update(table_batch=table.shape[0], table_heads=table.shape[1],
+                    skip_by_length=has_lengths and split_lengths(a.get("mask"))[1])
+        attention_buffers = [
+            Buffer("blocks", table.shape, "param", dtype="int32", pack={"kind": "constant"},
+                   value=table, doc="0 skip / 1 partial / 2 full per (query tile, key block)")]
+    else:
+        part_o, part_ml = backend.decode.partial_shapes(work, cfg)
+        cache_shape = (batch, kv_heads, cache["max_len"], d)
+        attention_buffers = [
+            Buffer("k_cache", cache_shape, "state", doc="keys of every K/V head by position "
+                   "(the caller's KVCache, written in place)"),
+            Buffer("v_cache", cache_shape, "state", doc="values, as k_cache"),
+            Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
+            Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
+    positions = cache["max_len"] if cache else seq
+    lengths_doc = ("tokens already cached per batch row, given at call time" if cache else
+                   "key lengths per batch row, given at call time")
     buffers = [
         Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]"),
         *([Buffer(att_node.inputs[1], (batch,), "input", "int32",
-                  doc="key lengths per batch row, given at call time")] if has_lengths else []),
+                  doc=lengths_doc)] if has_lengths else []),
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to the lanes"),
-        Buffer("blocks", table.shape, "param", dtype="int32", pack={"kind": "constant"},
-               value=table,
-               doc="0 skip / 1 partial / 2 full per (query tile, key block)"),
+        *attention_buffers,
     ] + ([
-        Buffer("rope", (2, seq, a["rotary"]["rotary_dim"] // 2), "param",
+        Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
-               value=rope_table(seq, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
+               value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
                doc="RoPE cos [0] and sin [1] by position (float64 math, stored float32)"),
     ] if a.get("rotary") else []) + [
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
@@ -151,16 +182,19 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
                 f"   # {len(segments)} head projections, one GEMM")
     # 2. RoPE on qkv's Q and K columns, in place
+    lengths = [att_node.inputs[1]] if has_lengths else []
     if a.get("rotary"):
         r = a["rotary"]
-        kernels.append(Kernel("rotary", ["qkv", "rope"],
+        kernels.append(Kernel("rotary", ["qkv"] + (lengths if cache else []) + ["rope"],
                               stages=[Stage("rotary", "rotary_template", att_node.name, (), work)],
                               template="rotary", workload=work))
         text.append(f"qkv[Q, K columns] = rope(qkv, base={r['base']:g}, "
-                    f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table [2, {seq}, "
-                    f"{r['rotary_dim'] // 2}]")
+                    f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table "
+                    f"[2, {positions}, {r['rotary_dim'] // 2}]")
+    if cache is not None:
+        _decode_kernels(kernels, text, work, cfg, att_node, lengths)
+        return _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr)
     # 3. attention template
-    lengths = [att_node.inputs[1]] if has_lengths else []
     kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"],
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
@@ -170,10 +204,36 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                 f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                 f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                 "blocks skipped")
-    # 4. output projection
+    return _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr)
+
+
+def _decode_kernels(kernels, text, work, cfg, att_node, lengths):
+    """A decoding layer's cache append and split-KV attention (templates of the backend)."""
+    kernels.append(Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"],
+                          stages=[Stage("cache_append", "cache_append_template",
+                                        att_node.name, (), work)],
+                          template="cache_append", workload=work))
+    text.append("k_cache[b, g, cache_lens[b] + t], v_cache[...] = K, V of qkv row b*seq + t"
+                "  # in place")
+    kernels.append(Kernel("attention", ["qkv"] + lengths + ["k_cache", "v_cache", "part_o",
+                                                            "part_ml", "att"],
+                          stages=[Stage("attention", "decode_template", att_node.name, (),
+                                        work)],
+                          template="decode", workload=work, config=cfg))
+    text.append(f"att = decode_attention(qkv, k_cache, v_cache)  # split-KV template: "
+                f"{work['heads']} heads, {work['kv_heads']} K/V heads, cache "
+                f"{work['cache']}, mask {work.get('mask')!r}; positions from cache_lens")
+
+
+def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr):
+    """The output projection kernel; returns the finished Program."""
+    buf = {b.name: b for b in buffers}
+
+    def ph(name):
+        return te.placeholder(buf[name].shape, buf[name].dtype, name=name)
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],
                           te.create_prim_func([att, wo, bo, y]), st))
     text.append(f"out[m, n] = sum_k att[m, k] * w_o[n // {nr}, k, n % {nr}] + b_o[n]")
-    return Program({b.name: b for b in buffers}, kernels, "\n".join(text))
+    return Program(buf, kernels, "\n".join(text))

@@ -112,6 +112,10 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     positive_int("batch", batch)
     positive_int("seq_len", seq_len)
     layer.shapes()
+    if layer.cache_lens_input is not None:
+        raise OnnxError("decoding layers (a K/V cache) are not exported to ONNX yet (opset-23 "
+                        "Attention with past_key/past_value is planned); export the same layer "
+                        "without kv_cache=")
     if len(layer.inputs) != 1:
         raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")

@@ -49,7 +49,8 @@ SCORE_CHAIN = (("mask", "mask"), ("score_mod", "expr"), ("scale", "factor"))
 def _score_chain(nodes, uses, cur, h, matched):
     """((mask, score modifier, scale) of head h, the node under them), walking up from the
     softmax's input through the optional mask, score_mod and scale nodes."""
-    found = {"mask": None, "score_mod": None, "scale": 1.0, "lengths": None}
+    found = {"mask": None, "score_mod": None, "scale": 1.0, "lengths": None,
+             "mod_positions": None}
     for kind, attr in SCORE_CHAIN:
         if cur.kind != kind:
             continue
@@ -61,9 +62,12 @@ def _score_chain(nodes, uses, cur, h, matched):
         if kind == "mask" and len(cur.inputs) > 1:   # the lengths node the mask reads
             found["lengths"] = cur.inputs[1]
             matched.add(cur.inputs[1])
+        if kind == "score_mod":    # a decoding layer's positions, or none
+            found["mod_positions"] = cur.inputs[1] if len(cur.inputs) > 1 else None
         matched.add(cur.name)
         cur = nodes[cur.inputs[0]]
-    return (found["mask"], found["score_mod"], found["scale"], found["lengths"]), cur
+    return (found["mask"], found["score_mod"], found["scale"], found["lengths"],
+            found["mod_positions"]), cur
 
 
 def _fuse(g: Graph) -> Graph:
@@ -90,17 +94,36 @@ def _fuse(g: Graph) -> Graph:
         # a K rotary feeds every query head of its group; a Q rotary feeds one head
         _need(not single or uses[name] == 1, f"{name!r} has more than one reader")
         matched.add(name)
+        positions.add(node.inputs[1] if len(node.inputs) > 1 else None)
         return node.inputs[0], (float(node.attrs["base"]), int(node.attrs["rotary_dim"]))
+
+    def uncached(name, which):
+        """(the K or V under an optional cache node, (its cache_lens, max_len) or None)."""
+        node = nodes[name]
+        if node.kind != "cache":
+            caches.add(None)
+            return name
+        _need(node.attrs["cache"] == f"{which}_cache", f"{name!r} caches a {which.upper()} "
+              f"head in {node.attrs['cache']}")
+        matched.add(name)
+        caches.add((node.inputs[1], node.attrs["max_len"]))
+        if name not in cache_heads[which]:
+            cache_heads[which][name] = node.attrs["head"]
+        return node.inputs[0]
 
     heads, matched, rotations = [], {out.name, concat.name}, set()
     scales, masks, mods, lengths = set(), set(), set(), set()
+    positions, caches, cache_heads = set(), set(), {"k": {}, "v": {}}
     for h, o_name in enumerate(concat.inputs):
         o = single_use(o_name, "weighted_sum")
         p = single_use(o.inputs[0], "softmax")
         cur = nodes[p.inputs[0]]
         matched |= {o.name, p.name}
-        (mask, mod, scale, lens), cur = _score_chain(nodes, uses, cur, h, matched)
+        (mask, mod, scale, lens, mod_positions), cur = _score_chain(nodes, uses, cur, h,
+                                                                    matched)
         lengths.add(lens)
+        if mod is not None:
+            positions.add(mod_positions)
         _need(cur.kind == "scores",
               f"head {h}: expected scores -> [scale] -> [score_mod] -> [mask] -> softmax")
         _need(uses[cur.name] == 1, f"{cur.name!r} has more than one reader")
@@ -109,9 +132,10 @@ def _fuse(g: Graph) -> Graph:
         masks.add(None if mask is None else repr(mask))
         mods.add(None if mod is None else repr(mod))
         q, q_rot = unrotated(cur.inputs[0], single=True)
-        k, k_rot = unrotated(cur.inputs[1], single=False)
+        k, k_rot = unrotated(uncached(cur.inputs[1], "k"), single=False)
+        v = uncached(o.inputs[1], "v")
         rotations.update({q_rot, k_rot})
-        heads.append((q, k, o.inputs[1], mask, mod))
+        heads.append((q, k, v, mask, mod))
     _need(len(scales) == 1, "heads use different scales")
     _need(len(masks) == 1, "heads use different masks")
     _need(len(lengths) == 1, "heads read different key lengths (or only some do)")
@@ -122,6 +146,17 @@ def _fuse(g: Graph) -> Graph:
     _need(len(rotations) == 1, "rotary embeddings on only some Q/K heads, or with different "
           "base/rotary_dim (the fused kernels rotate every Q and K head alike)")
     rotation = rotations.pop()
+    _need(len(caches) == 1, "only some K/V heads go through a cache, or caches of different "
+          "lengths")
+    cache = caches.pop()
+    if cache is not None:   # a decoding layer: positions come from its cache_lens everywhere
+        _need(lengths == cache[0], "a decoding layer's mask must read its cache_lens (kv_len "
+              "and positions)")
+        _need(positions <= {cache[0]}, "rotary or score_mod nodes of a decoding layer must "
+              "read its cache_lens (positions)")
+    else:
+        _need(positions <= {None}, "rotary or score_mod nodes read positions (cache_lens) but "
+              "no K/V head goes through a cache")
 
     projections = [nodes[name] for hd in heads for name in hd[:3]]
     _need(all(p.kind == "head_projection" for p in projections),
@@ -144,6 +179,11 @@ def _fuse(g: Graph) -> Graph:
     matched |= set(order)
     _need(matched == set(nodes), "the graph has nodes outside the attention pattern: "
                                  f"{sorted(set(nodes) - matched)}")
+    if cache is not None:   # cache head g holds the g-th K/V head query heads read
+        for which in ("k", "v"):
+            _need(list(cache_heads[which].values()) == list(range(len(cache_heads[which]))),
+                  f"{which.upper()} cache heads are not numbered in the order query heads "
+                  "first read them")
     offset = {name: i * d for i, name in enumerate(order)}
     segments = [{"weight": nodes[n].attrs["weight"], "head": nodes[n].attrs["head"],
                  "bias": nodes[n].attrs.get("bias"), "width": d} for n in order]
@@ -160,7 +200,10 @@ def _fuse(g: Graph) -> Graph:
         attrs["score_mod"] = heads[0][4]
     if rotation is not None:
         attrs["rotary"] = {"base": rotation[0], "rotary_dim": rotation[1]}
-    lens = () if lengths is None else (f.add("lengths", (), lengths, **nodes[lengths].attrs),)
+    if cache is not None:
+        attrs["cache"] = {"max_len": cache[1]}
+    lens = () if lengths is None else (f.add(nodes[lengths].kind, (), lengths,
+                                             **nodes[lengths].attrs),)
     att = f.add("attention", (qkv,) + lens, "attention", **attrs)
     f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
     f.shapes()

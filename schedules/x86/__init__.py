@@ -2,13 +2,15 @@
 and the cpu-x86 backend (mhagen/backends.py)."""
 from mhagen.backends import Backend
 from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
+from mhagen.schedules.x86.decode import CacheAppendRule, DecodeRule
 from mhagen.schedules.x86.elementwise import ElementwiseRule, Fallback
 from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
 from mhagen.schedules.x86.rotary import RotaryRule
 from mhagen.schedules.x86.softmax import SoftmaxRule
 
-ATTENTION, GEMM = AttentionRule(), MatmulRule()
-RULES = [ATTENTION, RotaryRule(), GEMM, SoftmaxRule(), ElementwiseRule(), Fallback()]
+ATTENTION, DECODE, GEMM = AttentionRule(), DecodeRule(), MatmulRule()
+RULES = [ATTENTION, DECODE, CacheAppendRule(), RotaryRule(), GEMM, SoftmaxRule(),
+         ElementwiseRule(), Fallback()]
 
 
 def cpu_backend(family: str) -> Backend:
@@ -18,7 +20,7 @@ def cpu_backend(family: str) -> Backend:
                    gemm_tile=packed_tile,
                    gemm_rows=lambda target, rows, depth: packed_blocking(target, rows, depth)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
-                   gemm_rule=GEMM)
+                   gemm_rule=GEMM, decode=DECODE)
 
 
 BACKEND = cpu_backend("cpu-x86")

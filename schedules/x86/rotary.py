@@ -54,27 +54,43 @@ def build_rotary(w, cfg):
     NCH = -(-RD // LN)          # vectors covering the rotated columns
     TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
 
+    P = w.get("cache") or S       # table rows: positions up to the cache length (decoding)
+
+    @T.macro
+    def body(qkv, rope, row, pos):
+        x = T.decl_buffer((NCH * LN,), "float32")
+        y = T.decl_buffer((NCH * LN,), "float32")
+        for slot in range(SLOTS):
+            for ch in range(NCH):
+                for ln in T.vectorized(LN):
+                    x[ch * LN + ln] = qkv[(BASE + slot * DP + ch * LN) // PW, row,
+                                          (BASE + slot * DP + ch * LN) % PW + ln]
+            for i in T.vectorized(HALF):
+                y[i] = x[i] * rope[0, pos, i] - x[i + HALF] * rope[1, pos, i]
+                y[i + HALF] = x[i + HALF] * rope[0, pos, i] + x[i] * rope[1, pos, i]
+            for i in T.vectorized(TAIL + 1):
+                if i < TAIL:
+                    y[RD + i] = x[RD + i]
+            for ch in range(NCH):
+                for ln in T.vectorized(LN):
+                    qkv[(BASE + slot * DP + ch * LN) // PW, row,
+                        (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
+
+    if w.get("cache"):
+        @T.prim_func
+        def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+                   cache_lens: T.Buffer((B,), "int32"),
+                   rope: T.Buffer((2, P, HALF), "float32")):
+            T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+            for row in T.parallel(B * S):     # token t of row b is at cache_lens[b] + t
+                body(qkv, rope, row, T.min(cache_lens[row // S] + row % S, P - 1))
+        return rotary
+
     @T.prim_func
     def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
                rope: T.Buffer((2, S, HALF), "float32")):
         T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
         for row in T.parallel(B * S):
-            x = T.decl_buffer((NCH * LN,), "float32")
-            y = T.decl_buffer((NCH * LN,), "float32")
-            for slot in range(SLOTS):
-                for ch in range(NCH):
-                    for ln in T.vectorized(LN):
-                        x[ch * LN + ln] = qkv[(BASE + slot * DP + ch * LN) // PW, row,
-                                              (BASE + slot * DP + ch * LN) % PW + ln]
-                for i in T.vectorized(HALF):
-                    y[i] = x[i] * rope[0, row % S, i] - x[i + HALF] * rope[1, row % S, i]
-                    y[i + HALF] = x[i + HALF] * rope[0, row % S, i] + x[i] * rope[1, row % S, i]
-                for i in T.vectorized(TAIL + 1):
-                    if i < TAIL:
-                        y[RD + i] = x[RD + i]
-                for ch in range(NCH):
-                    for ln in T.vectorized(LN):
-                        qkv[(BASE + slot * DP + ch * LN) // PW, row,
-                            (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
+            body(qkv, rope, row, row % S)
 
     return rotary

@@ -1,0 +1,21 @@
+"""Aligned numpy arrays: what the kernels assume of every buffer they are given."""
+from __future__ import annotations
+
+import numpy as np
+
+ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned vector stores)
+
+
+def aligned_empty(shape, dtype="float32") -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.empty(n + ALIGNMENT // dtype.itemsize, dtype)
+    start = (-raw.ctypes.data % ALIGNMENT) // dtype.itemsize
+    return raw[start:start + n].reshape(shape)
+
+
+def is_aligned(a: np.ndarray) -> bool:
+    """C-contiguous, writable and starting on a 64-byte boundary: usable without a copy."""
+    return (a.flags.c_contiguous and a.flags.writeable
+            and a.__array_interface__["data"][0] % ALIGNMENT == 0)

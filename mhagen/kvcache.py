@@ -1,0 +1,114 @@
+"""KVCache: the keys and values a decoding layer (`mhagen.mha(..., kv_cache=N)`) keeps between
+calls, and the layout its kernels read.
+
+    k, v   [batch, kv_heads, max_len, head_dim]  (Hugging Face's layout; float32 for modules,
+           any float dtype for the reference), 64-byte aligned, C-contiguous
+    lens   [batch] int32: tokens already cached per batch row
+
+A call with S new tokens writes their K/V rows at lens[b] .. lens[b] + S - 1 in place,
+attends with the queries at absolute positions lens[b] + t, and advances lens by S. Rows at
+and past lens[b] + S are never read, so a cache need not be cleared between sequences:
+`reset()` sets lens to 0 (or `lens[b] = 0` for one row).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mhagen.arrays import ALIGNMENT, aligned_empty
+from mhagen.errors import InputError
+
+
+def cache_shape(graph) -> dict | None:
+    """{kv_heads, max_len, head_dim} of a decoding graph (one with cache nodes, or its fused
+    form), else None."""
+    caches = [n for n in graph.nodes if n.kind == "cache"]
+    fused = [n for n in graph.nodes if n.kind == "attention" and n.attrs.get("cache")]
+    if fused:
+        a = fused[0].attrs
+        return {"kv_heads": len(set(a["k_offsets"])), "max_len": a["cache"]["max_len"],
+                "head_dim": a["head_dim"]}
+    if not caches:
+        return None
+    return {"kv_heads": 1 + max(n.attrs["head"] for n in caches),
+            "max_len": caches[0].attrs["max_len"],
+            "head_dim": graph.shapes_partial(caches[0].inputs[0])[-1]}
+
+
+class KVCache:
+    """The K/V cache of one decoding layer for `batch` sequences (see the module docstring)."""
+
+    def __init__(self, k, v, lens):
+        self.k, self.v, self.lens = k, v, lens
+
+    @classmethod
+    def empty(cls, layer, batch: int = 1, dtype=np.float32) -> "KVCache":
+        """An empty cache for `layer` (a decoding graph, or a Module built from one)."""
+        graph = getattr(layer, "graph", layer)
+        spec = cache_shape(graph)
+        if spec is None:
+            raise InputError(f"layer {graph.name!r} keeps no K/V cache; build it with "
+                             "mhagen.mha(..., kv_cache=max_len)")
+        shape = (int(batch), spec["kv_heads"], spec["max_len"], spec["head_dim"])
+        k, v = aligned_empty(shape, dtype), aligned_empty(shape, dtype)
+        k[...] = 0
+        v[...] = 0
+        return cls(k, v, np.zeros(int(batch), np.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset(self) -> "KVCache":
+        self.lens[...] = 0
+        return self
+
+    def copy(self) -> "KVCache":
+        return KVCache.from_arrays(self.k, self.v, self.lens)
+
+    @classmethod
+    def from_arrays(cls, k, v, lens) -> "KVCache":
+        """A cache holding copies of k, v ([batch, kv_heads, max_len, head_dim]) and lens."""
+        k, v = np.asarray(k), np.asarray(v)
+        ck, cv = aligned_empty(k.shape, k.dtype), aligned_empty(v.shape, v.dtype)
+        ck[...], cv[...] = k, v
+        return cls(ck, cv, np.array(lens, dtype=np.int32).reshape(-1))
+
+    def check(self, graph, batch: int, new_tokens: int, dtype=None) -> None:
+        """Raise InputError unless this cache fits `graph` at [batch, new_tokens] (dtype:
+        the float dtype the kernels need, with aligned C-contiguous writable arrays)."""
+        spec = cache_shape(graph)
+        shape = (batch, spec["kv_heads"], spec["max_len"], spec["head_dim"])
+        for name in ("k", "v"):
+            a = getattr(self, name)
+            if not isinstance(a, np.ndarray) or a.shape != shape:
+                raise InputError(f"cache.{name} must be an array of shape {shape} "
+                                 "[batch, kv_heads, max_len, head_dim], got "
+                                 f"{getattr(a, 'shape', type(a).__name__)}; make one with "
+                                 "mhagen.KVCache.empty(module, batch)")
+            if dtype is not None:
+                if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable \
+                        or a.ctypes.data % ALIGNMENT:
+                    raise InputError(f"cache.{name} must be a writable, C-contiguous, "
+                                     f"{ALIGNMENT}-byte aligned {np.dtype(dtype).name} array "
+                                     "(the kernels write it in place): make the cache with "
+                                     "mhagen.KVCache.empty(module, batch) or "
+                                     "KVCache.from_arrays(k, v, lens)")
+        lens = self.lens
+        if not isinstance(lens, np.ndarray) or lens.shape != (batch,) \
+                or lens.dtype != np.int32:
+            raise InputError(f"cache.lens must be an int32 array of shape ({batch},), got "
+                             f"{getattr(lens, 'dtype', type(lens).__name__)} "
+                             f"{getattr(lens, 'shape', '')}")
+        room = spec["max_len"] - new_tokens
+        if lens.min(initial=0) < 0 or lens.max(initial=0) > room:
+            raise InputError(f"the cache holds {lens.tolist()} tokens per row; {new_tokens} "
+                             f"new ones need lens <= {room} (max_len {spec['max_len']}): "
+                             "reset the cache or build with a larger kv_cache=")
+
+    def __repr__(self):
+        return (f"<mhagen.KVCache batch {self.batch}, max_len {self.max_len}, "
+                f"lens {self.lens.tolist()}, {self.k.dtype}>")

@@ -1,0 +1,180 @@
+"""Decoding with a K/V cache (mhagen.mha(..., kv_cache=N)): reference semantics, compiled
+cache append + split-KV attention against the reference, errors, artifacts."""
+import json
+
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen import KVCache
+from mhagen.errors import GraphError, InputError, TargetError
+from mhagen.target import resolve
+from mhagen.ir import rope
+from mhagen.tolerances import assert_close
+
+from conftest import mha_by_hand
+
+
+
+def runnable(preset):
+    t = resolve(preset)
+    if not t.runs_here():
+        pytest.skip(f"{preset} code cannot run on this CPU: {t.cannot_run()}")
+    return preset
+
+
+def _steps(layer, module_or_none, w, x, chunks, cache):
+    """Feed x [B, S, D] in chunks of new tokens; the outputs side by side."""
+    outs, t = [], 0
+    for n in chunks:
+        part = x[:, t:t + n]
+        outs.append(layer.reference(part, w, cache=cache) if module_or_none is None
+                     else module_or_none(part, cache=cache))
+        t += n
+    return np.concatenate(outs, axis=1)
+
+
+def test_reference_decoding_step_by_step_is_the_causal_layer():
+    """A prompt of 7 then 13 single tokens through the cache == the causal layer on all 20
+    tokens (rotary and ALiBi at absolute positions, grouped K/V)."""
+    kw = dict(kv_heads=2, causal=True, rotary=True, score_mod=mhagen.alibi(4))
+    full, dec = mhagen.mha(64, 4, **kw), mhagen.mha(64, 4, kv_cache=32, **kw)
+    w = full.init_weights(0)
+    x = np.random.default_rng(0).standard_normal((2, 20, 64)).astype(np.float32)
+    cache = KVCache.empty(dec, 2, np.float64)
+    got = _steps(dec, None, w, x, [7] + [1] * 13, cache)
+    np.testing.assert_allclose(got, full.reference(x, w), rtol=1e-12, atol=1e-12)
+    assert cache.lens.tolist() == [20, 20]
+
+
+def test_reference_cache_holds_the_rows_by_hand():
+    dec = mhagen.mha(32, 2, kv_cache=8, bias=True)
+    w = dec.init_weights(1)
+    x = np.random.default_rng(1).standard_normal((1, 3, 32))
+    cache = KVCache.empty(dec, 1, np.float64)
+    cache.lens[0] = 2
+    dec.reference(x, w, cache=cache)
+    k_by_hand = x[0] @ w["w_k"][1] + w["b_k"][1]
+    np.testing.assert_allclose(cache.k[0, 1, 2:5], k_by_hand, rtol=1e-12)
+    assert cache.lens.tolist() == [5]
+    assert not cache.k[0, :, 5:].any()
+
+
+@pytest.mark.parametrize("target", ["x86", "x86-avx2"])
+@pytest.mark.parametrize("case", [
+    dict(d=80, heads=2, kv_heads=2, kw=dict(causal=True, rotary=True)),      # head_dim 40
+    dict(d=160, heads=4, kv_heads=1, kw=dict(causal=True, score_mod=mhagen.alibi(4),
+                                             mask=mhagen.sliding_window(20))),
+], ids=["hd40-rotary", "mqa-alibi-window"])
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
+    """Batch 2 with different cached lengths (random cache contents below them), 4 calls:
+    outputs and the cache rows written match the float64 reference."""
+    layer = mhagen.mha(case["d"], case["heads"], kv_heads=case["kv_heads"], kv_cache=97,
+                       **case["kw"])
+    target = runnable(target)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, target, batch=2, seq_len=new_tokens, weights=w)
+    rng = np.random.default_rng(2)
+    cache = m.new_cache()
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    cache.lens[...] = [0, 61]
+    ref = cache.copy()
+    for _ in range(4):
+        x = rng.standard_normal((2, new_tokens, case["d"])).astype(np.float32)
+        assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
+    assert cache.lens.tolist() == ref.lens.tolist() == [4 * new_tokens, 61 + 4 * new_tokens]
+    assert_close(cache.k, ref.k)
+    assert_close(cache.v, ref.v)
+
+
+def test_compiled_decoding_step_by_step_is_the_causal_layer():
+    """Prefill (seq 9) and 12 decode steps (seq 1), two modules sharing one cache, match the
+    causal layer's reference on all 21 tokens."""
+    kw = dict(kv_heads=2, causal=True, rotary=True)
+    full, dec = mhagen.mha(96, 4, **kw), mhagen.mha(96, 4, kv_cache=40, **kw)
+    w = full.init_weights(3)
+    x = np.random.default_rng(3).standard_normal((1, 21, 96)).astype(np.float32)
+    prefill = mhagen.build(dec, "x86", batch=1, seq_len=9, weights=w)
+    step = mhagen.build(dec, "x86", batch=1, seq_len=1, weights=w)
+    cache = step.new_cache()
+    outs = [prefill(x[:, :9], cache=cache)] + [step(x[:, t:t + 1], cache=cache)
+                                               for t in range(9, 21)]
+    got = np.concatenate(outs, axis=1)
+    assert_close(got, full.reference(x, w))
+    assert_close(got, mha_by_hand(w, x, 4, causal=True,
+                                  rotate=lambda t: rope.apply(t, 24, 10000.0)))
+
+
+def test_a_full_cache_and_rows_that_see_nothing():
+    """A row at max_len - 1 (the last free slot) and a non-causal window that hides every
+    key of the other row: zeros, not NaN."""
+    layer = mhagen.mha(32, 2, kv_cache=16, mask=mhagen.kv_idx < 0)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, "x86", batch=2, seq_len=1, weights=w)
+    cache = m.new_cache()
+    cache.lens[...] = [15, 3]
+    ref = cache.copy()
+    x = np.random.default_rng(0).standard_normal((2, 1, 32)).astype(np.float32)
+    y = m(x, cache=cache)
+    assert_close(y, layer.reference(x, w, cache=ref))
+    np.testing.assert_allclose(y, np.broadcast_to(w["b_o"], y.shape), rtol=1e-6)
+
+
+def test_bad_caches_and_layers_are_refused():
+    layer = mhagen.mha(32, 2, kv_cache=8, causal=True)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, "x86", batch=1, seq_len=3, weights=w)
+    x = np.zeros((1, 3, 32), np.float32)
+    with pytest.raises(InputError, match="KVCache.empty"):
+        m(x)
+    cache = m.new_cache()
+    cache.lens[0] = 6
+    with pytest.raises(InputError, match="lens <= 5"):
+        m(x, cache=cache)
+    assert cache.lens[0] == 6                        # nothing written, nothing advanced
+    bad = KVCache(cache.k[:, :, :4], cache.v, cache.lens.copy())
+    with pytest.raises(InputError, match="shape"):
+        m(x, cache=bad)
+    unaligned = KVCache(cache.k.astype(np.float64), cache.v, np.zeros(1, np.int32))
+    with pytest.raises(InputError, match="aligned float32"):
+        m(x, cache=unaligned)
+    with pytest.raises(InputError, match="int32"):
+        m(x, cache=KVCache(cache.k, cache.v, [0]))
+    plain = mhagen.build(mhagen.mha(32, 2), "x86", batch=1, seq_len=3,
+                         weights=mhagen.mha(32, 2).init_weights(0))
+    with pytest.raises(InputError, match="keeps no K/V cache"):
+        plain(x, cache=cache)
+    with pytest.raises(InputError, match="keeps no K/V cache"):
+        KVCache.empty(mhagen.mha(32, 2))
+    with pytest.raises(GraphError, match="do not fit the K/V cache"):
+        mhagen.build(layer, "x86", batch=1, seq_len=9, weights=w)
+    with pytest.raises(GraphError, match="fused kernels only"):
+        mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w, fuse=False)
+    with pytest.raises(GraphError, match="key_padding"):
+        mhagen.mha(32, 2, kv_cache=8, key_padding=True)
+    with pytest.raises(TargetError, match="decoding layers"):
+        mhagen.build(layer, "cuda-sm90", batch=1, seq_len=1, weights=w)
+    with pytest.raises(mhagen.MhagenError, match="not exported to ONNX"):
+        mhagen.export_onnx(layer, "/nonexistent/never-written.onnx")
+
+
+def test_saved_decoding_module_loads_and_continues(tmp_path):
+    """Save, load (no compiler), continue decoding from the same cache: same numbers as the
+    built module; the C API is skipped with the reason."""
+    layer = mhagen.mha(64, 4, kv_heads=2, kv_cache=24, causal=True, rotary=True)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w)
+    with pytest.warns(UserWarning, match="decoding layers .* have no C API"):
+        m.save(tmp_path / "dec")
+    loaded = mhagen.load(tmp_path / "dec")
+    manifest = json.loads((tmp_path / "dec" / "manifest.json").read_text())
+    assert "no C API" in manifest["c_api"]["skipped"]
+    rng = np.random.default_rng(0)
+    a, b = m.new_cache(), loaded.new_cache()
+    for _ in range(5):
+        x = rng.standard_normal((1, 1, 64)).astype(np.float32)
+        np.testing.assert_array_equal(m(x, cache=a), loaded(x, cache=b))
+    np.testing.assert_array_equal(a.k, b.k)
+    assert b.lens.tolist() == [5]
