@@ -29,9 +29,14 @@ def cache_shape(graph) -> dict | None:
                 "head_dim": a["head_dim"]}
     if not caches:
         return None
+    nodes = {n.name: n for n in graph.nodes}
+    src = nodes[caches[0].inputs[0]]
+    while src.kind == "rotary":
+        src = nodes[src.inputs[0]]
+    head_dim = (src.attrs["out_features"] if src.kind == "head_projection" else
+                graph.shapes_partial(caches[0].inputs[0])[-1])
     return {"kv_heads": 1 + max(n.attrs["head"] for n in caches),
-            "max_len": caches[0].attrs["max_len"],
-            "head_dim": graph.shapes_partial(caches[0].inputs[0])[-1]}
+            "max_len": caches[0].attrs["max_len"], "head_dim": head_dim}
 
 
 class KVCache:
@@ -77,10 +82,11 @@ class KVCache:
         ck[...], cv[...] = k, v
         return cls(ck, cv, np.array(lens, dtype=np.int32).reshape(-1))
 
-    def check(self, graph, batch: int, new_tokens: int, dtype=None) -> None:
+    def check(self, graph, batch: int, new_tokens: int, dtype=None, spec=None) -> None:
         """Raise InputError unless this cache fits `graph` at [batch, new_tokens] (dtype:
-        the float dtype the kernels need, with aligned C-contiguous writable arrays)."""
-        spec = cache_shape(graph)
+        the float dtype the kernels need, with aligned C-contiguous writable arrays; spec:
+        cache_shape(graph) when the caller has it)."""
+        spec = spec or cache_shape(graph)
         shape = (batch, spec["kv_heads"], spec["max_len"], spec["head_dim"])
         for name in ("k", "v"):
             a = getattr(self, name)

@@ -17,7 +17,7 @@ from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, is_aligned
 from mhagen.errors import ArtifactError, InputError, TargetError
-from mhagen.kvcache import KVCache
+from mhagen.kvcache import KVCache, cache_shape
 from mhagen.reference import check_cache, check_input, check_lengths
 from mhagen.weights import check_weights
 
@@ -58,6 +58,7 @@ class Module:
         self.cannot_run = target.cannot_run()
         self.d_model = graph.inputs[0].attrs["shape"][2]
         self.out_shape = tuple(graph.shapes(**graph.dims(batch, seq_len))[graph.output])
+        self._cache_spec = cache_shape(graph)     # a decoding layer's cache, else None
         self._input = program.role("input")[0]
         self._output = program.role("output")[0]
         self._calls = None
@@ -144,7 +145,8 @@ class Module:
         without a copy when C-contiguous float32 on a 64-byte boundary, else copied; a
         decoding layer's cache arrays are always passed as they are (written in place)."""
         lens = check_lengths(self.graph, kv_lens, self.batch, self.seq_len)
-        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32)
+        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32,
+                            self._cache_spec)
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
@@ -190,7 +192,10 @@ class Module:
         if self._temps is None:
             self._temps = {}
         if buffer.name not in self._temps:
+            # zeroed: GEMM padding rows are read but never written, and garbage there can
+            # be denormals (a decode step's output GEMM ran 16x slower on them)
             self._temps[buffer.name] = aligned_empty(buffer.shape, buffer.dtype)
+            self._temps[buffer.name][...] = 0
         return self._temps[buffer.name]
 
     def _check_x(self, x):

@@ -99,9 +99,9 @@ def check_lengths(graph, kv_lens, batch: int, seq: int):
     return np.ascontiguousarray(lens, dtype=np.int32)
 
 
-def check_cache(graph, cache, batch: int, seq: int, dtype=None):
+def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
     """The KVCache of a decoding graph, checked for [batch, seq new tokens]; None for other
-    graphs (which must not get one)."""
+    graphs (which must not get one). spec: the graph's cache_shape, if known."""
     if graph.cache_lens_input is None:
         if cache is not None:
             raise InputError(f"graph {graph.name!r} keeps no K/V cache; build the layer with "
@@ -112,7 +112,7 @@ def check_cache(graph, cache, batch: int, seq: int, dtype=None):
                          "cache=mhagen.KVCache.empty(layer_or_module, batch)")
     if not isinstance(cache, KVCache):
         raise InputError(f"cache= takes a mhagen.KVCache, got {type(cache).__name__}")
-    cache.check(graph, batch, seq, dtype)
+    cache.check(graph, batch, seq, dtype, spec)
     return cache
 
 

@@ -150,7 +150,7 @@ def build_decode(w, cfg):
     RT, SPLIT, KB, LN = cfg.row_tile, cfg.split, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
     QCH = DP // LN
-    assert SPLIT % KB == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
+    assert SPLIT % KB == 0 and KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
     mask, score_mod = w.get("mask"), w.get("score_mod")
@@ -169,16 +169,8 @@ def build_decode(w, cfg):
     assert LN in (4, 8, 16), LN
 
     @T.macro
-    def dot_rows(qb, k_cache, acc, r, b, g, kr):
-        for ln in T.vectorized(LN):
-            acc[ln] = zero
-        for ch in range(NCH):
-            for ln in T.vectorized(LN):
-                acc[ln] = acc[ln] + qb[r, ch * LN + ln] * k_cache[b, g, kr, ch * LN + ln]
-        if TAIL > 0:
-            for ln in T.vectorized(TAIL):
-                acc[ln] = acc[ln] + qb[r, NCH * LN + ln] * k_cache[b, g, kr, NCH * LN + ln]
-        # acc[0] = the sum of the lanes, by halving (vector adds, no scalar chain)
+    def lane_sum(acc):
+        """acc[0] = the sum of acc's lanes, by halving (vector adds, no scalar chain)."""
         if LN == 16:
             for ln in T.vectorized(8):
                 acc[ln] = acc[ln] + acc[ln + 8]
@@ -188,6 +180,31 @@ def build_decode(w, cfg):
         for ln in T.vectorized(2):
             acc[ln] = acc[ln] + acc[ln + 2]
         acc[0] = acc[0] + acc[1]
+
+    @T.macro
+    def lane_max(acc):
+        """acc[0] = the max of acc's lanes."""
+        if LN == 16:
+            for ln in T.vectorized(8):
+                acc[ln] = T.max(acc[ln], acc[ln + 8])
+        if LN >= 8:
+            for ln in T.vectorized(4):
+                acc[ln] = T.max(acc[ln], acc[ln + 4])
+        for ln in T.vectorized(2):
+            acc[ln] = T.max(acc[ln], acc[ln + 2])
+        acc[0] = T.max(acc[0], acc[1])
+
+    @T.macro
+    def dot_rows(qb, k_cache, acc, r, b, g, kr):
+        for ln in T.vectorized(LN):
+            acc[ln] = zero
+        for ch in range(NCH):
+            for ln in T.vectorized(LN):
+                acc[ln] = acc[ln] + qb[r, ch * LN + ln] * k_cache[b, g, kr, ch * LN + ln]
+        if TAIL > 0:
+            for ln in T.vectorized(TAIL):
+                acc[ln] = acc[ln] + qb[r, NCH * LN + ln] * k_cache[b, g, kr, NCH * LN + ln]
+        lane_sum(acc)
 
     @T.macro
     def add_values(part_o, v_cache, p, task, r, b, g, kr):
@@ -238,19 +255,31 @@ def build_decode(w, cfg):
                         row = T.min(rt * RT + r, R - 1)
                         h = g * GROUP + row // S
                         qpos = cache_lens[b] + row % S
-                        st[0] = part_ml[task, 0, r]
                         for j in range(KB):
                             dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
                             s_buf[j] = T.Select(
                                 visible(b, h, qpos, k0 + j, kv_len),
                                 modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
-                            st[0] = T.max(st[0], s_buf[j])
+                        # m' = max(m, scores), P = 2^(S - m'), sum P: vectors over keys
+                        for ln in T.vectorized(LN):
+                            acc[ln] = part_ml[task, 0, r]
+                        for jo in range(KB // LN):
+                            for ln in T.vectorized(LN):
+                                acc[ln] = T.max(acc[ln], s_buf[jo * LN + ln])
+                        lane_max(acc)
+                        st[0] = acc[0]
                         st[3] = T.Select(st[0] == neg_inf, zero, st[0])
                         st[1] = exp2(part_ml[task, 0, r] - st[3])
-                        st[2] = zero
-                        for j in range(KB):
-                            s_buf[j] = T.Select(s_buf[j] == neg_inf, zero, exp2(s_buf[j] - st[3]))
-                            st[2] = st[2] + s_buf[j]
+                        for ln in T.vectorized(LN):
+                            acc[ln] = zero
+                        for jo in range(KB // LN):
+                            for ln in T.vectorized(LN):
+                                s_buf[jo * LN + ln] = T.Select(
+                                    s_buf[jo * LN + ln] == neg_inf, zero,
+                                    exp2(s_buf[jo * LN + ln] - st[3]))
+                                acc[ln] = acc[ln] + s_buf[jo * LN + ln]
+                        lane_sum(acc)
+                        st[2] = acc[0]
                         part_ml[task, 1, r] = part_ml[task, 1, r] * st[1] + st[2]
                         part_ml[task, 0, r] = st[0]
                         for c in T.vectorized(DP):

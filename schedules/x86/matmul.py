@@ -45,6 +45,8 @@ def packed_blocking(target, rows, depth):
     the rows padded to whole blocks, since a partial tile or block puts a guard on every
     multiply-add (AVX2, 6-row tiles: 1.4x slower). Waste: under one tile per block."""
     tile_rows, _ = packed_tile(target)
+    if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
+        return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
     tiles = -(-rows // tile_rows)
     fit = target.l2_kib * 1024 // 3 // (tile_rows * max(1, depth) * 4)
     most = max(1, min(16, fit))
@@ -67,10 +69,10 @@ class MatmulRule:
         # 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
         lanes, budget = target.lanes, target.vector_registers - 4
         if "panel" in workload:
-            tile_rows, tile_cols = packed_tile(target)
+            _, tile_cols = packed_tile(target)
             assert tile_cols == workload["panel"], (tile_cols, workload)
-            _, row_block, _ = packed_blocking(target, workload.get("rows", 0),
-                                              workload.get("depth", 1))
+            tile_rows, row_block, _ = packed_blocking(target, workload.get("rows", 0),
+                                                      workload.get("depth", 1))
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
