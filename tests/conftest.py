@@ -38,3 +38,16 @@ def mha_by_hand(w, x, heads, *, causal=False, modify=None, keep=None, rotate=Non
             s = modify(s, h, i, j)
         outs.append(softmax_rows(np.where(visible, s, -np.inf)) @ (x @ w["w_v"][g] + w["b_v"][g]))
     return np.concatenate(outs, -1) @ w["w_o"] + w["b_o"]
+
+
+# The slowest files first: `make test` runs the files on two xdist workers (--dist loadfile),
+# which take them in collection order; starting the longest ones first keeps both busy to the
+# end (the tuning fixture alone takes ~3 minutes).
+SLOW_FILES_FIRST = ("test_tune.py", "test_fuzz.py", "test_build.py", "test_bench.py",
+                    "test_cli.py", "test_key_padding.py", "test_examples.py", "test_c_api.py",
+                    "test_arm.py", "test_decode.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -165,6 +165,31 @@ def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, targ
     assert_close(kernel(x, weights=w), expected)     # weights per call: the packing path
 
 
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
+@given(options=layers(), batch=st.integers(1, 3), new=st.sampled_from([1, 1, 2, 3, 5, 16]),
+       room=st.integers(0, 90), target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
+def test_random_decoding_layers_match_the_reference(options, batch, new, room, target, seed):
+    """The same random layers as decoding layers (kv_cache=): two calls of `new` tokens on a
+    cache holding random rows up to per-row random lengths; outputs and caches match."""
+    max_len = 2 * new + room + 1
+    layer = mhagen.mha(**options, kv_cache=max_len)
+    event(f"new tokens {new}")
+    rng = np.random.default_rng(seed)
+    w = layer.init_weights(seed)
+    kernel = mhagen.build(layer, target, batch=batch, seq_len=new, weights=w)
+    cache = kernel.new_cache()
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    cache.lens[...] = rng.integers(0, max_len - 2 * new + 1, batch)
+    expected_cache = cache.copy()
+    for _ in range(2):
+        x = rng.standard_normal((batch, new, options["d_model"])).astype(np.float32)
+        assert_close(kernel(x, cache=cache), layer.reference(x, w, cache=expected_cache))
+    assert cache.lens.tolist() == expected_cache.lens.tolist()
+    assert_close(cache.k, expected_cache.k)
+    assert_close(cache.v, expected_cache.v)
+
+
 @pytest.mark.skipif(not mhagen.target.resolve("x86-avx512").runs_here(),
                     reason="needs an AVX-512 host")
 @pytest.mark.xfail(strict=True, reason="unfused AVX-512 builds with seq_len=1 return wrong "
@@ -204,7 +229,8 @@ def bad_layer_options(draw):
     kind = draw(st.sampled_from(["size", "indivisible", "kv_heads", "mask", "score_mod",
                                  "rotary"]))
     if kind == "size":
-        name = draw(st.sampled_from(["d_model", "num_heads", "head_dim", "kv_heads"]))
+        name = draw(st.sampled_from(["d_model", "num_heads", "head_dim", "kv_heads",
+                                     "kv_cache"]))
         value = draw(BAD_SIZES.filter(lambda v: v is not None
                                       or name in ("d_model", "num_heads")))
         base[name] = value
