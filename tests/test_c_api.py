@@ -368,3 +368,174 @@ int main(int argc, char **argv) {
   return rc == -1 ? 2 : 0;
 }
 """
+
+
+# -- lengths and K/V caches: mha_run_padded, mha_run_cached --------------------------------
+LENGTHS_DRIVER = r"""
+/* Test driver for mha_run_padded / mha_run_cached: runs one case, prints
+   "STATUS_NAME|message|lens" (lens: the cache lengths after the call), and for "padded" and
+   "cached" writes y (and the caches) to the given file. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+static float *aligned(size_t n) { return aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64); }
+
+int main(int argc, char **argv) {
+  if (argc != 5) return 2;
+  const char *c = argv[1];
+  mha_handle *h = mha_create(argv[2]);
+  if (!h) { printf("%s|%s|\n", mha_status_name(mha_last_error_code()), mha_last_error()); return 0; }
+  float *x = aligned(MHA_INPUT_SIZE), *y = aligned(MHA_OUTPUT_SIZE);
+  FILE *f = fopen(argv[3], "rb");
+  if (!f || fread(x, sizeof(float), MHA_INPUT_SIZE, f) != MHA_INPUT_SIZE) return 3;
+  fclose(f);
+  size_t cache_size = MHA_CACHE_SIZE ? MHA_CACHE_SIZE : 1;
+  float *k = aligned(cache_size + 16), *v = aligned(cache_size + 16);
+  memset(k, 0, (cache_size + 16) * sizeof(float));
+  memset(v, 0, (cache_size + 16) * sizeof(float));
+  int32_t lens[MHA_BATCH];
+  for (int b = 0; b < MHA_BATCH; ++b) lens[b] = b == 0 ? 0 : 3;
+  int rc;
+  if (!strcmp(c, "plain")) rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y);
+  else if (!strcmp(c, "padded")) {
+    for (int b = 0; b < MHA_BATCH; ++b) lens[b] = b == 0 ? MHA_SEQ_LEN : b;
+    rc = mha_run_padded(h, x, MHA_BATCH, MHA_SEQ_LEN, lens, y);
+  } else if (!strcmp(c, "padded_too_long")) {
+    lens[0] = MHA_SEQ_LEN + 1;
+    rc = mha_run_padded(h, x, MHA_BATCH, MHA_SEQ_LEN, lens, y);
+  } else if (!strcmp(c, "cached")) {
+    rc = mha_run_cached(h, x, MHA_BATCH, MHA_SEQ_LEN, k, v, lens, y);
+    if (rc == MHA_OK) rc = mha_run_cached(h, x, MHA_BATCH, MHA_SEQ_LEN, k, v, lens, y);
+  } else if (!strcmp(c, "cache_full")) {
+    lens[0] = MHA_KV_CACHE - MHA_SEQ_LEN + 1;
+    rc = mha_run_cached(h, x, MHA_BATCH, MHA_SEQ_LEN, k, v, lens, y);
+  } else if (!strcmp(c, "cache_unaligned")) {
+    rc = mha_run_cached(h, x, MHA_BATCH, MHA_SEQ_LEN, k + 1, v, lens, y);
+  } else if (!strcmp(c, "cache_null")) {
+    rc = mha_run_cached(h, x, MHA_BATCH, MHA_SEQ_LEN, k, v, NULL, y);
+  } else return 2;
+  printf("%s|%s|", mha_status_name(rc), mha_last_error());
+  for (int b = 0; b < MHA_BATCH; ++b) printf("%d ", lens[b]);
+  printf("\n");
+  if (rc == MHA_OK) {
+    f = fopen(argv[4], "wb");
+    fwrite(y, sizeof(float), MHA_OUTPUT_SIZE, f);
+    if (MHA_CACHE_SIZE) {
+      fwrite(k, sizeof(float), MHA_CACHE_SIZE, f);
+      fwrite(v, sizeof(float), MHA_CACHE_SIZE, f);
+    }
+    fclose(f);
+  }
+  mha_destroy(h);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lengths_artifacts(root):
+    """A key-padding artifact (batch 2, seq 9) and a decoding one (batch 2, 3 new tokens,
+    cache 16), each with the lengths driver built against it."""
+    (root / "lengths_driver.c").write_text(LENGTHS_DRIVER)
+    out = {}
+    for key, kwargs, seq in (("padded", dict(key_padding=True, causal=True), 9),
+                             ("cached", dict(kv_cache=16, kv_heads=2, causal=True,
+                                             rotary=True), 3)):
+        layer = mhagen.mha(64, 4, **kwargs)
+        w = layer.init_weights(2)
+        module = mhagen.build(layer, "x86", batch=2, seq_len=seq, weights=w)
+        d = module.save(root / f"lengths-{key}")
+        exe = root / f"lengths-{key}.driver"
+        r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror",
+                            str(root / "lengths_driver.c"), f"-I{d}", f"-L{d}", "-lmha",
+                            f"-Wl,-rpath,{d}", "-o", str(exe)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        x = random_input(layer, 2, seq, seed=4)
+        x.tofile(root / f"lengths-{key}.x")
+        out[key] = (layer, w, module, exe, x)
+    return out
+
+
+def _drive(root, lengths_artifacts, key, case):
+    layer, w, module, exe, x = lengths_artifacts[key]
+    yfile = root / f"{key}-{case}.y"
+    r = subprocess.run([str(exe), case, str(root / f"lengths-{key}"), str(root / f"lengths-{key}.x"),
+                        str(yfile)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    status, message, lens = r.stdout.strip().split("|")
+    return status, message, [int(v) for v in lens.split()], yfile
+
+
+def test_c_api_key_padding_matches_python(root, lengths_artifacts):
+    layer, w, module, exe, x = lengths_artifacts["padded"]
+    status, message, _, yfile = _drive(root, lengths_artifacts, "padded", "padded")
+    assert status == "MHA_OK", message
+    kv_lens = np.array([9, 1])
+    y = np.fromfile(yfile, np.float32).reshape(x.shape)
+    assert_close(y, layer.reference(x, w, kv_lens=kv_lens))
+    np.testing.assert_array_equal(y, module(x, kv_lens=kv_lens))
+    assert "MHA_KEY_PADDING 1" in (root / "lengths-padded" / "mha.h").read_text()
+
+
+def test_c_api_decoding_matches_python(root, lengths_artifacts):
+    """Two calls of 3 new tokens on rows cached 0 and 3 deep: the second call's output, the
+    caches and the lengths equal the Python module's."""
+    layer, w, module, exe, x = lengths_artifacts["cached"]
+    status, message, lens, yfile = _drive(root, lengths_artifacts, "cached", "cached")
+    assert status == "MHA_OK" and lens == [6, 9], (message, lens)
+    cache = module.new_cache()
+    cache.lens[...] = [0, 3]
+    module(x, cache=cache)
+    expected = module(x, cache=cache)
+    data = np.fromfile(yfile, np.float32)
+    n = expected.size
+    np.testing.assert_array_equal(data[:n].reshape(expected.shape), expected)
+    np.testing.assert_array_equal(data[n:n + cache.k.size].reshape(cache.k.shape), cache.k)
+    np.testing.assert_array_equal(data[n + cache.k.size:].reshape(cache.v.shape), cache.v)
+
+
+@pytest.mark.parametrize("key,case,status,message", [
+    ("cached", "plain", "MHA_ERR_ARGUMENT", "runs with mha_run_cached"),
+    ("padded", "plain", "MHA_ERR_ARGUMENT", "runs with mha_run_padded"),
+    ("padded", "cached", "MHA_ERR_ARGUMENT", "runs with mha_run_padded"),
+    ("padded", "padded_too_long", "MHA_ERR_ARGUMENT", "outside 0..9"),
+    ("cached", "cache_full", "MHA_ERR_ARGUMENT", "the cache holds 16 tokens"),
+    ("cached", "cache_unaligned", "MHA_ERR_ARGUMENT", "64-byte aligned"),
+    ("cached", "cache_null", "MHA_ERR_NULL_ARGUMENT", "lengths are NULL"),
+])
+def test_c_api_length_errors(root, lengths_artifacts, key, case, status, message):
+    got, text, lens, _ = _drive(root, lengths_artifacts, key, case)
+    assert got == status and message in text, text
+    if key == "cached" and case != "cache_null":
+        assert lens[1] == 3      # nothing advanced on an error
+
+
+def test_c_decode_example_matches_the_whole_sequence(root):
+    """examples/c_app/decode.c, built with its one-line command against a decoding artifact
+    (batch 1, seq_len 1), feeds 29 tokens one at a time: the causal layer on all 29."""
+    kw = dict(kv_heads=2, causal=True, rotary=True)
+    layer = mhagen.mha(64, 4, kv_cache=40, **kw)
+    w = layer.init_weights(0)
+    d = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w).save(root / "decode-step")
+    exe = root / "decode"
+    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror",
+                        str(APP / "decode.c"), f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}",
+                        "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    x = random_input(layer, 1, 29, seed=6)
+    x.tofile(root / "decode.x")
+    r = subprocess.run([str(exe), str(d), str(root / "decode.x"), "29", str(root / "decode.y")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the cache holds 29 of 40" in r.stdout
+    y = np.fromfile(root / "decode.y", np.float32).reshape(x.shape)
+    assert_close(y, mhagen.mha(64, 4, **kw).reference(x, w))
+    # a decode.c built against a non-decoding artifact stops at compile time, with the reason
+    plain = mhagen.build(mhagen.mha(64, 4), "x86", batch=1, seq_len=1,
+                         weights=mhagen.mha(64, 4).init_weights(0)).save(root / "plain-1")
+    r = subprocess.run([CC, "-std=c11", "-fsyntax-only", str(APP / "decode.c"), f"-I{plain}"],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "needs the mha.h of a decoding artifact" in r.stderr

@@ -162,15 +162,15 @@ def test_bad_caches_and_layers_are_refused():
 
 def test_saved_decoding_module_loads_and_continues(tmp_path):
     """Save, load (no compiler), continue decoding from the same cache: same numbers as the
-    built module; the C API is skipped with the reason."""
+    built module; the artifact has a C API (mha_run_cached: tests/test_c_api.py)."""
     layer = mhagen.mha(64, 4, kv_heads=2, kv_cache=24, causal=True, rotary=True)
     w = layer.init_weights(0)
     m = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w)
-    with pytest.warns(UserWarning, match="decoding layers .* have no C API"):
-        m.save(tmp_path / "dec")
+    m.save(tmp_path / "dec")
     loaded = mhagen.load(tmp_path / "dec")
     manifest = json.loads((tmp_path / "dec" / "manifest.json").read_text())
-    assert "no C API" in manifest["c_api"]["skipped"]
+    assert "skipped" not in manifest["c_api"]
+    assert "#define MHA_KV_CACHE 24" in (tmp_path / "dec" / "mha.h").read_text()
     rng = np.random.default_rng(0)
     a, b = m.new_cache(), loaded.new_cache()
     for _ in range(5):

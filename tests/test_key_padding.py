@@ -96,11 +96,11 @@ def test_bad_lengths_are_refused_clearly():
 def test_saved_and_loaded_with_its_lengths_input(tmp_path):
     layer = mhagen.mha(32, 2, causal=True, key_padding=True)
     w, x = layer.init_weights(0), random_input(layer, 2, 17)
-    with pytest.warns(UserWarning, match="key lengths per call"):
-        path = mhagen.build(layer, runnable("x86-avx2"), batch=2, seq_len=17,
-                            weights=w).save(tmp_path / "m")
+    path = mhagen.build(layer, runnable("x86-avx2"), batch=2, seq_len=17,
+                        weights=w).save(tmp_path / "m")
     man = json.loads((path / "manifest.json").read_text())
-    assert "key lengths per call" in man["c_api"]["skipped"]
+    assert "skipped" not in man["c_api"]      # mha_run_padded (tests/test_c_api.py)
+    assert "#define MHA_KEY_PADDING 1" in (path / "mha.h").read_text()
     lens = np.array([17, 6], np.int32)
     assert_close(mhagen.load(path)(x, kv_lens=lens), layer.reference(x, w, kv_lens=lens))
 

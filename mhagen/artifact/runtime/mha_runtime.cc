@@ -383,8 +383,8 @@ int allocate(mha_handle *h) {
   h->data.assign(size_t(kNumBuffers), nullptr);
   for (int i = 0; i < kNumBuffers; ++i) {
     const BufferSpec &b = kBuffers[i];
-    h->data[size_t(i)] = device_alloc(size_t(b.nbytes));
-    if (h->data[size_t(i)] == nullptr)
+    if (b.role != kState) h->data[size_t(i)] = device_alloc(size_t(b.nbytes));
+    if (b.role != kState && h->data[size_t(i)] == nullptr)
       return fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory (" + std::to_string(b.nbytes) +
                                          " bytes for buffer " + b.name + ")");
     DLTensor &t = h->tensors[size_t(i)];
@@ -480,22 +480,63 @@ mha_handle *create(const char *dir_c) {
   return h.release();
 }
 
-int run(mha_handle *h, const float *x, int batch, int seq_len, float *y) {
+// The per-call extras of mha_run_padded / mha_run_cached (all null for mha_run).
+struct Extras {
+  const char *fn;
+  const int32_t *lengths;      // key lengths, or the tokens already cached
+  float *k_cache;
+  float *v_cache;
+};
+
+// Checks the lengths (and caches) a call passes against what this artifact takes.
+int check_extras(const Extras &e, int kind_given) {
+  const std::string fn = e.fn;
+  static const char *const kNames[] = {"mha_run", "mha_run_padded", "mha_run_cached"};
+  if (kind_given != kLengthsKind)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact runs with " + kNames[kLengthsKind] +
+                                      (kLengthsKind == 1   ? " (a layer with key padding)"
+                                       : kLengthsKind == 2 ? " (a decoding layer, K/V cache)"
+                                                           : " (no lengths, no cache)"));
+  if (kLengthsKind == 0) return MHA_OK;
+  if (e.lengths == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
+  const int64_t most = kLengthsKind == 1 ? kSeqLen : kMaxLen - kSeqLen;
+  for (int64_t b = 0; b < kBatch; ++b)
+    if (e.lengths[b] < 0 || e.lengths[b] > most)
+      return fail(MHA_ERR_ARGUMENT,
+                  fn + ": length " + std::to_string(e.lengths[b]) + " of batch row " +
+                      std::to_string(b) + " is outside 0.." + std::to_string(most) +
+                      (kLengthsKind == 1 ? " (seq_len)"
+                                         : " (the cache holds " + std::to_string(kMaxLen) +
+                                               " tokens; reset it or build a larger kv_cache)"));
+  if (kLengthsKind == 2) {
+    if (e.k_cache == nullptr || e.v_cache == nullptr)
+      return fail(MHA_ERR_NULL_ARGUMENT, fn + ": k_cache or v_cache is NULL");
+    if (!usable_in_place(e.k_cache) || !usable_in_place(e.v_cache))
+      return fail(MHA_ERR_ARGUMENT, fn + ": k_cache and v_cache must be 64-byte aligned "
+                                         "(aligned_alloc(64, MHA_CACHE_SIZE * sizeof(float)))");
+  }
+  return MHA_OK;
+}
+
+int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const Extras &e,
+        int kind_given) {
   clear_error();
+  const std::string fn = e.fn;
   if (h == nullptr)
     return fail(MHA_ERR_NULL_ARGUMENT,
-                "mha_run: handle is NULL (did mha_create fail? see mha_last_error())");
-  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, "mha_run: x is NULL");
-  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, "mha_run: y is NULL");
+                fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x is NULL");
+  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": y is NULL");
   if (batch != kBatch || seq_len != kSeqLen)
     return fail(MHA_ERR_SHAPE,
-                "mha_run: got batch=" + std::to_string(batch) + ", seq_len=" +
+                fn + ": got batch=" + std::to_string(batch) + ", seq_len=" +
                     std::to_string(seq_len) + ", but this artifact is compiled for batch=" +
                     std::to_string(kBatch) + ", seq_len=" + std::to_string(kSeqLen) +
                     " only (x is float32 [" + std::to_string(kBatch) + ", " +
                     std::to_string(kSeqLen) + ", " + std::to_string(kDModel) +
                     "]); build another artifact: mhagen build --batch " +
                     std::to_string(batch) + " --seq-len " + std::to_string(seq_len) + " ...");
+  if (check_extras(e, kind_given) != MHA_OK) return g_code;
   std::lock_guard<std::mutex> lock(h->mutex);
   void *in_scratch = h->data[size_t(kInputIndex)];
   void *out_scratch = h->data[size_t(kOutputIndex)];
@@ -506,6 +547,13 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y) {
   } else {
     copy_to_device(in_scratch, x, size_t(kBuffers[kInputIndex].nbytes));
   }
+  if (kLengthsIndex >= 0)
+    copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths,
+                   size_t(kBuffers[kLengthsIndex].nbytes));
+  if (kKCacheIndex >= 0) {
+    h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
+    h->tensors[size_t(kVCacheIndex)].data = e.v_cache;
+  }
   const bool direct = kOutCols == kOutDModel && usable_in_place(y);
   if (direct) out.data = y;
   int rc = MHA_OK;
@@ -514,17 +562,39 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y) {
       tvm::ffi::Any result;
       h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
     }
-  } catch (const std::exception &e) {
-    rc = fail(MHA_ERR_RUNTIME, std::string("mha_run: a kernel failed: ") + e.what());
+  } catch (const std::exception &ex) {
+    rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
   }
   in.data = in_scratch;
   out.data = out_scratch;
+  if (kKCacheIndex >= 0) {
+    h->tensors[size_t(kKCacheIndex)].data = nullptr;
+    h->tensors[size_t(kVCacheIndex)].data = nullptr;
+  }
   if (rc == MHA_OK && !direct) {
     const float *src = static_cast<const float *>(out_scratch);
     for (int64_t r = 0; r < kRows; ++r)
       copy_to_host(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(float));
   }
+  if (rc == MHA_OK && kLengthsKind == 2) {
+    int32_t *lens = const_cast<int32_t *>(e.lengths);
+    for (int64_t b = 0; b < kBatch; ++b) lens[b] += int32_t(kSeqLen);
+  }
   return rc;
+}
+
+// The C entry points' shared exception guard.
+template <typename F>
+int guarded(const char *fn, F &&body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc &) {
+    return fail(MHA_ERR_NO_MEMORY, std::string(fn) + ": out of memory");
+  } catch (const std::exception &ex) {
+    return fail(MHA_ERR_RUNTIME, std::string(fn) + ": " + ex.what());
+  } catch (...) {
+    return fail(MHA_ERR_RUNTIME, std::string(fn) + ": unknown error");
+  }
 }
 
 }  // namespace
@@ -546,15 +616,25 @@ MHA_API mha_handle *mha_create(const char *artifact_dir) {
 }
 
 MHA_API int mha_run(mha_handle *handle, const float *x, int batch, int seq_len, float *y) {
-  try {
-    return mha::run(handle, x, batch, seq_len, y);
-  } catch (const std::bad_alloc &) {
-    return mha::fail(MHA_ERR_NO_MEMORY, "mha_run: out of memory");
-  } catch (const std::exception &e) {
-    return mha::fail(MHA_ERR_RUNTIME, std::string("mha_run: ") + e.what());
-  } catch (...) {
-    return mha::fail(MHA_ERR_RUNTIME, "mha_run: unknown error");
-  }
+  return mha::guarded("mha_run", [&] {
+    return mha::run(handle, x, batch, seq_len, y, {"mha_run", nullptr, nullptr, nullptr}, 0);
+  });
+}
+
+MHA_API int mha_run_padded(mha_handle *handle, const float *x, int batch, int seq_len,
+                           const int32_t *kv_lens, float *y) {
+  return mha::guarded("mha_run_padded", [&] {
+    return mha::run(handle, x, batch, seq_len, y,
+                    {"mha_run_padded", kv_lens, nullptr, nullptr}, 1);
+  });
+}
+
+MHA_API int mha_run_cached(mha_handle *handle, const float *x, int batch, int seq_len,
+                           float *k_cache, float *v_cache, int32_t *cache_lens, float *y) {
+  return mha::guarded("mha_run_cached", [&] {
+    return mha::run(handle, x, batch, seq_len, y,
+                    {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
+  });
 }
 
 MHA_API void mha_destroy(mha_handle *handle) {

@@ -8,6 +8,9 @@
 //   kBatch, kSeqLen, kDModel, kOutDModel      the one shape the kernels run
 //   kRows, kOutCols                           output buffer: kRows rows of kOutCols floats
 //   kInputIndex, kOutputIndex                 the input and output in kBuffers
+//   kLengthsIndex, kLengthsKind               the int32 [batch] lengths input (-1 / 0: none;
+//                                             kind 1 key lengths, 2 tokens in the K/V cache)
+//   kKCacheIndex, kVCacheIndex, kMaxLen       decoding layers: the caller's caches (kState)
 //   kNumBuffers, kBuffers[]                   every kernel argument (BufferSpec)
 //   kNumKernels, kKernels[]                   the kernels of kernel.so, called in order
 //   kNumFiles, kFiles[], kParamsFile          the files mha_create checks (FileSpec)
@@ -26,7 +29,8 @@
 
 namespace mha {
 
-enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3 };
+// kState: the caller's memory, written in place (a decoding layer's K/V cache); never allocated
+enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3, kState = 4 };
 
 constexpr int kMaxDims = 8;
 
