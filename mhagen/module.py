@@ -18,6 +18,7 @@ from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, is_aligned
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape
+from mhagen.maps import head_softmaxes, maps_graph
 from mhagen.reference import check_cache, check_input, check_lengths
 from mhagen.weights import check_weights
 
@@ -64,6 +65,7 @@ class Module:
         self._calls = None
         self._lock = threading.Lock()
         self._temps = None
+        self._maps = None            # the attention-maps module, compiled on first use
         self._resident_for = self._resident_tensors = None
         self.weights = self._params = None
         if weights is not None:
@@ -243,6 +245,25 @@ class Module:
                 n += 1
             results.append((time.perf_counter() - start) / n)
         return float(np.median(results))
+
+    def attention_maps(self, x, *, kv_lens=None) -> np.ndarray:
+        """Every head's attention probabilities for input x: float32 [batch, heads, seq, seq]
+        (rows: queries, columns: keys; masked keys 0). Compiled on first use as a second,
+        unfused program of the same layer (mhagen/maps.py): needs the compiler then."""
+        if self._maps is None:
+            from mhagen.compile import build
+            graph = maps_graph(self.graph, self.batch, self.seq_len)
+            names = {s.name for s in graph.weight_specs()}
+            if self.weights is None:
+                raise InputError("no weights: bind them (module.bind(weights)) before asking "
+                                 "for attention maps")
+            self._maps = build(graph, self.target, batch=self.batch, seq_len=self.seq_len,
+                               weights={k: v for k, v in self.weights.items() if k in names},
+                               fuse=False)
+        heads = len(head_softmaxes(self.graph))
+        p = self._maps(x, kv_lens=kv_lens)
+        b, s, _ = p.shape
+        return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))
 
     def flops(self) -> int:
         """Floating-point operations of one call (2 per multiply-add of every matmul)."""
