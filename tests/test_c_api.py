@@ -269,7 +269,7 @@ def test_another_artifacts_directory_is_refused(small, artifacts):
     ("negative_seq", "MHA_ERR_SHAPE", "seq_len=-1"),
     ("ok_after_error", "MHA_OK", ""),
     ("unaligned", "MHA_OK", "same result"),
-    ("threads", "MHA_OK", "4 threads agree"),
+    ("threads", "MHA_OK", "8 threads agree"),
 ])
 def test_api_status_codes(small, case, status, message):
     r = small.run("driver", case, small.dir)
@@ -350,15 +350,15 @@ int main(int argc, char **argv) {
     }
   } else if (!strcmp(c, "threads")) {
     rc = mha_run(h, x, MHA_BATCH, MHA_SEQ_LEN, y);
-    struct job jobs[4];
-    pthread_t t[4];
-    for (int i = 0; i < 4; ++i) {
+    struct job jobs[8];
+    pthread_t t[8];
+    for (int i = 0; i < 8; ++i) {
       jobs[i] = (struct job){h, x, y, 0};
       pthread_create(&t[i], NULL, worker, &jobs[i]);
     }
     int ok = rc == MHA_OK;
-    for (int i = 0; i < 4; ++i) pthread_join(t[i], NULL), ok &= jobs[i].ok;
-    printf("%s|%s\n", ok ? "MHA_OK" : "MISMATCH", ok ? "4 threads agree" : "threads differ");
+    for (int i = 0; i < 8; ++i) pthread_join(t[i], NULL), ok &= jobs[i].ok;
+    printf("%s|%s\n", ok ? "MHA_OK" : "MISMATCH", ok ? "8 threads agree" : "threads differ");
   } else {
     rc = -1;
   }

@@ -17,7 +17,7 @@ def test_a_module_shared_by_threads_gives_right_answers():
     w = layer.init_weights(0)
     m = mhagen.build(layer, "x86-avx2" if not mhagen.target.resolve("x86").runs_here()
                      else "x86", batch=2, seq_len=33, weights=w)
-    inputs = [random_input(layer, 2, 33, seed=s) for s in range(4)]
+    inputs = [random_input(layer, 2, 33, seed=s) for s in range(8)]
     expected = [m(x) for x in inputs]
     wrong = []
 
@@ -25,13 +25,60 @@ def test_a_module_shared_by_threads_gives_right_answers():
         for _ in range(40):
             if not np.array_equal(m(inputs[i]), expected[i]):
                 wrong.append(i)
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not wrong, f"{len(wrong)} wrong results from a shared module"
     assert_close(expected[0], layer.reference(inputs[0], w))
+
+
+def test_one_module_per_thread_from_8_threads():
+    """Eight modules of one layer (built in turn), each called from its own thread at once:
+    every result right (the modules share kernels' code, never buffers)."""
+    layer = mhagen.mha(64, 4, kv_heads=2, causal=True)
+    w = layer.init_weights(0)
+    target = "x86-avx2" if not mhagen.target.resolve("x86").runs_here() else "x86"
+    modules = [mhagen.build(layer, target, batch=1, seq_len=21, weights=w) for _ in range(8)]
+    inputs = [random_input(layer, 1, 21, seed=s) for s in range(8)]
+    expected = [layer.reference(x, w) for x in inputs]
+    errors = {}
+
+    def worker(i):
+        for _ in range(30):
+            y = modules[i](inputs[i])
+            err = mhagen.max_error(y, expected[i])
+            errors[i] = max(errors.get(i, 0.0), err)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 8 and max(errors.values()) < 1e-4, errors
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"),
+                    reason="reads the resident set size from Linux's /proc")
+def test_ten_thousand_calls_do_not_grow_memory():
+    layer = mhagen.mha(32, 2, causal=True)
+    m = mhagen.build(layer, "x86-avx2" if not mhagen.target.resolve("x86").runs_here()
+                     else "x86", batch=1, seq_len=8, weights=layer.init_weights(0))
+    x, out = random_input(layer, 1, 8), np.empty((1, 8, 32), np.float32)
+    for _ in range(1000):                 # warm up: allocator pools, TVM's workspace
+        m(x)
+        m(x, out=out)
+    before = _rss_bytes()
+    for _ in range(5000):
+        m(x)
+        m(x, out=out)
+    grown = _rss_bytes() - before
+    assert grown < 4 * 2 ** 20, f"RSS grew by {grown / 2 ** 20:.1f} MiB over 10,000 calls"
 
 
 def test_irregular_kv_sharing_compiles_unfused_and_says_why():
