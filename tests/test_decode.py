@@ -156,8 +156,8 @@ def test_bad_caches_and_layers_are_refused():
         mhagen.mha(32, 2, kv_cache=8, key_padding=True)
     with pytest.raises(TargetError, match="decoding layers"):
         mhagen.build(layer, "cuda-sm90", batch=1, seq_len=1, weights=w)
-    with pytest.raises(mhagen.MhagenError, match="not exported to ONNX"):
-        mhagen.export_onnx(layer, "/nonexistent/never-written.onnx")
+    with pytest.raises(mhagen.MhagenError, match="fused form only"):
+        mhagen.export_onnx(layer, "/nonexistent/never-written.onnx", w)
 
 
 def test_saved_decoding_module_loads_and_continues(tmp_path):
@@ -178,3 +178,40 @@ def test_saved_decoding_module_loads_and_continues(tmp_path):
         np.testing.assert_array_equal(m(x, cache=a), loaded(x, cache=b))
     np.testing.assert_array_equal(a.k, b.k)
     assert b.lens.tolist() == [5]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
+def test_onnx_past_present_export_runs_in_onnxruntime(tmp_path, causal):
+    """The fused ONNX form of a decoding layer (Attention with past_key/past_value, symbolic
+    past length): onnxruntime on two past lengths == the reference with cache.lens = past."""
+    ort = pytest.importorskip("onnxruntime")
+    layer = mhagen.mha(64, 4, kv_heads=2, causal=causal, kv_cache=40)
+    w = layer.init_weights(0)
+    path = mhagen.export_onnx(layer, tmp_path / "dec.onnx", w, form="fused", batch=2,
+                              seq_len=3)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x", "past_key", "past_value"]
+    assert sess.get_inputs()[1].shape == [2, 2, "past_seq", 16]
+    rng = np.random.default_rng(0)
+    for past in (0, 11):
+        cache = KVCache.empty(layer, 2, np.float64)
+        cache.k[...] = rng.standard_normal(cache.k.shape)
+        cache.v[...] = rng.standard_normal(cache.v.shape)
+        cache.lens[...] = past
+        x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+        feeds = {"x": x, "past_key": cache.k[:, :, :past].astype(np.float32),
+                 "past_value": cache.v[:, :, :past].astype(np.float32)}
+        y, present_k, present_v = sess.run(None, feeds)
+        assert_close(y, layer.reference(x, w, cache=cache))
+        assert_close(present_k, cache.k[:, :, :past + 3])
+        assert_close(present_v, cache.v[:, :, :past + 3])
+
+
+def test_onnx_export_of_decoding_layers_refuses_what_it_cannot_carry(tmp_path):
+    for kwargs, match in ((dict(mask=mhagen.sliding_window(8)), "causal or no mask"),
+                          (dict(rotary=True), "rotary"),
+                          (dict(score_mod=mhagen.softcap(5.0)), "score modifier")):
+        layer = mhagen.mha(32, 2, kv_cache=16, causal=True, **kwargs)
+        with pytest.raises(mhagen.MhagenError, match=match):
+            mhagen.export_onnx(layer, tmp_path / "no.onnx", layer.init_weights(0), form="fused")
+    assert not (tmp_path / "no.onnx").exists()

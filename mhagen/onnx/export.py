@@ -18,6 +18,15 @@ structure (what ``mhagen.passes.fuse_attention`` accepts); otherwise an ``OnnxEr
 and suggests ``form="decomposed"``. Layers with score modifiers or rotary embeddings are
 refused too (``Attention`` carries neither; opset 23's ``RotaryEmbedding`` is not used).
 
+Decoding layers (``kv_cache=``) export in the fused form only, as ONNX's past/present form:
+inputs ``x`` [batch, seq, d_model], ``past_key`` and ``past_value`` [batch, kv_heads,
+past_seq, head_dim] (``past_seq`` a symbolic dim unless ``past_len`` is given); outputs ``y``,
+``present_key`` and ``present_value`` [batch, kv_heads, past_seq + seq, head_dim]. That is
+mhagen's cache with every batch row holding the same number of tokens (``cache.lens`` all
+``past_seq``): the new tokens sit at positions past_seq + t, and ``is_causal`` is bottom-right
+aligned from the past length, as mhagen's decoding positions are. Causal or no mask only
+(other masks, score modifiers and rotary embeddings are refused with the reason).
+
 Masks (any boolean mask expression of batch, head, q_idx, kv_idx):
   * ``masks="constant"``: materialised as a constant boolean initializer, [S, S] (with a
     leading batch and/or head axis when the expression uses them). Needs static shapes.
@@ -82,7 +91,7 @@ _ARITH = {"+": "Add", "-": "Sub", "*": "Mul"}
 def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = "decomposed",
                 batch: int = 1, seq_len: int = 128, dynamic_batch: bool = False,
                 dynamic_seq: bool = False, opset: int | None = None, masks: str = "auto",
-                external_data: bool | None = None) -> Path:
+                external_data: bool | None = None, past_len: int | None = None) -> Path:
     """Write `layer` with `weights` as an ONNX model at `path`; returns the path.
 
     Args:
@@ -98,6 +107,8 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         opset: ONNX opset; default 17 (decomposed) or 23 (fused).
         masks: ``"auto"``, ``"constant"`` or ``"computed"`` (see the module docstring).
         external_data: store initializers in ``<path>.data``; default: only above 2 GB.
+        past_len: decoding layers: the static past length of past_key/past_value; default
+            a symbolic ``past_seq``.
 
     The model's input is ``x`` [batch, seq, d_model] float32, its output ``y``.
     """
@@ -112,10 +123,11 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     positive_int("batch", batch)
     positive_int("seq_len", seq_len)
     layer.shapes()
-    if layer.cache_lens_input is not None:
-        raise OnnxError("decoding layers (a K/V cache) are not exported to ONNX yet (opset-23 "
-                        "Attention with past_key/past_value is planned); export the same layer "
-                        "without kv_cache=")
+    if layer.cache_lens_input is not None and form != "fused":
+        raise OnnxError("decoding layers (a K/V cache) export in the fused form only (opset-23 "
+                        "Attention with past_key/past_value): pass form='fused'")
+    if past_len is not None:
+        positive_int("past_len", past_len)
     if len(layer.inputs) != 1:
         raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")
@@ -133,6 +145,7 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
                         f"({onnx.defs.onnx_opset_version()}); upgrade onnx or pass a lower opset")
 
     b = _Builder(onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks)
+    b.past = "past_seq" if past_len is None else past_len
     if form == "decomposed":
         out = _decomposed(b, layer, w)
     else:
@@ -180,6 +193,7 @@ class _Builder:
         lengths = layer.lengths_input
         self.kv_lens = self.fresh(lengths.name) if lengths is not None else None  # int32 [B]
         self.used.add("y")
+        self.extra_inputs, self.extra_outputs = [], []   # decoding: past / present K and V
 
     # names, constants, ops
     def fresh(self, base):
@@ -248,11 +262,15 @@ class _Builder:
         for node in self.nodes:   # the output tensor is called y ("y" is reserved)
             node.input[:] = ["y" if i == out else i for i in node.input]
             node.output[:] = ["y" if o == out else o for o in node.output]
-        inputs = [x_info]
+        inputs, outputs = [x_info], [y_info]
         if self.kv_lens is not None:
             inputs.append(h.make_tensor_value_info(self.kv_lens, onnx.TensorProto.INT32,
                                                    [self.batch]))
-        graph = h.make_graph(self.nodes, self.layer.name, inputs, [y_info], self.inits,
+        for name, shape in self.extra_inputs:
+            inputs.append(h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+        for name, shape in self.extra_outputs:
+            outputs.append(h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+        graph = h.make_graph(self.nodes, self.layer.name, inputs, outputs, self.inits,
                              doc_string=f"mhagen layer {self.layer!r}, {form} form")
         opsets = [h.make_opsetid("", self.opset)]
         model = h.make_model(graph, opset_imports=opsets, producer_name="mhagen",
@@ -579,7 +597,8 @@ def fused_view(layer: Graph) -> Graph:
     if "lengths" in kinds:
         raise OnnxError(f"graph {layer.name!r} takes key lengths per call, which the fused "
                         "form does not carry yet; export it with form='decomposed'")
-    if kinds == ["input", "qkv_projection", "attention", "output_projection"]:
+    if kinds in (["input", "qkv_projection", "attention", "output_projection"],
+                 ["input", "qkv_projection", "cache_lens", "attention", "output_projection"]):
         return layer
     if "attention" in kinds or "qkv_projection" in kinds:
         raise OnnxError(f"graph {layer.name!r} has fused nodes but not in the shape input -> "
@@ -596,7 +615,8 @@ def fused_view(layer: Graph) -> Graph:
 
 def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     f = fused_view(layer)
-    qkv, att, out = f.nodes[1], f.nodes[2], f.nodes[3]
+    by_kind = {n.kind: n for n in f.nodes}
+    qkv, att, out = (by_kind[k] for k in ("qkv_projection", "attention", "output_projection"))
     if att.attrs.get("score_mod") is not None:
         raise OnnxError(f"graph {layer.name!r} has a score modifier, which the Attention "
                         "operator cannot carry; export it with form='decomposed'")
@@ -633,6 +653,15 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     attrs = {"q_num_heads": n_heads, "kv_num_heads": kv_heads,
              "scale": float(att.attrs["scale"])}
     mask = att.attrs.get("mask")
+    decoding = att.attrs.get("cache") is not None
+    if decoding:   # the cache's own rule (kv_idx < kv_len) is the past + new keys: implied
+        known = {repr(ex.kv_idx < ex.kv_len): None,
+                 repr(ex.causal() & (ex.kv_idx < ex.kv_len)): ex.causal()}
+        if repr(mask) not in known:
+            raise OnnxError(f"decoding layer {layer.name!r} has mask {mask!r}; its ONNX form "
+                            "(Attention with past_key/past_value) carries causal or no mask "
+                            "only")
+        mask = known[repr(mask)]
     if mask is not None and mask == ex.causal():
         attrs["is_causal"] = 1
     elif mask is not None:
@@ -645,9 +674,28 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
             inputs.append(b.const(grid, np.bool_))
         else:
             inputs.append(b.mask_computed(mask, None, rank=4))
-    y = b.op("Attention", inputs, "attention", **attrs)
+    if decoding:
+        y = _attention_with_past(b, inputs, attrs, kv_heads, d)
+    else:
+        y = b.op("Attention", inputs, "attention", **attrs)
     wt = b.init(out.attrs["weight"], w[out.attrs["weight"]])
     y = b.op("MatMul", [y, wt], "out_matmul" if out.attrs.get("bias") else "out")
     if out.attrs.get("bias"):
         y = b.op("Add", [y, b.init(out.attrs["bias"], w[out.attrs["bias"]])], "out")
+    return y
+
+
+def _attention_with_past(b: _Builder, inputs, attrs, kv_heads, head_dim) -> str:
+    """Attention(q, k, v, no mask, past_key, past_value) -> (y, present_key, present_value),
+    the past and present as graph inputs and outputs."""
+    past = [b.batch, kv_heads, b.past, head_dim]
+    total = (b.past + b.seq if isinstance(b.past, int) and isinstance(b.seq, int)
+             else f"{b.past}_plus_{b.seq}")
+    names = [b.fresh(n) for n in ("past_key", "past_value", "present_key", "present_value")]
+    b.extra_inputs += [(names[0], past), (names[1], past)]
+    b.extra_outputs += [(names[2], past[:2] + [total, head_dim]),
+                        (names[3], past[:2] + [total, head_dim])]
+    y = b.fresh("attention")
+    b.nodes.append(b.h.make_node("Attention", inputs[:3] + ["", names[0], names[1]],
+                                 [y, names[2], names[3]], name=y, **attrs))
     return y
