@@ -36,6 +36,10 @@ def _layer_options(p):
     g.add_argument("--kv-heads", type=int, help="K/V heads for grouped/multi-query attention")
     g.add_argument("--causal", action="store_true", help="causal mask")
     g.add_argument("--no-bias", action="store_true", help="projections without bias")
+    g.add_argument("--kv-cache", type=int, metavar="N",
+                   help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
+                        "new tokens per call; checked on a half-full cache, timed on a full "
+                        "one)")
 
 
 def _shape_options(p):
@@ -57,7 +61,8 @@ def _layer(args):
             raise _Fail(f"{args.graph} is not a graph JSON file (it is not text); write one "
                         "with layer.to_json()") from None
     return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-                      causal=args.causal, bias=not args.no_bias)
+                      causal=args.causal, bias=not args.no_bias,
+                      kv_cache=getattr(args, "kv_cache", None))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -164,9 +169,17 @@ def _build_checked(args, layer):
                           weights=weights, fuse=not args.no_fuse)
     if not module.target.runs_here():
         return module, None, None
-    x = np.random.default_rng(args.seed).standard_normal(module.in_shape).astype(np.float32)
-    expected = layer.reference(x, weights)
-    return module, mhagen.max_error(module(x), expected), tolerance(expected)
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal(module.in_shape).astype(np.float32)
+    cache = reference_cache = None
+    if layer.cache_lens_input is not None:    # a decoding layer: a random, half-full cache
+        cache = module.new_cache()
+        cache.k[...] = rng.standard_normal(cache.k.shape)
+        cache.v[...] = rng.standard_normal(cache.v.shape)
+        cache.lens[...] = (cache.max_len - args.seq_len) // 2
+        reference_cache = cache.copy()
+    expected = layer.reference(x, weights, cache=reference_cache)
+    return module, mhagen.max_error(module(x, cache=cache), expected), tolerance(expected)
 
 
 def _cmd_bench(args):
@@ -220,8 +233,10 @@ def _cmd_build(args):
         print(f"not run: {module.cannot_run}")
         return 0
     seconds = module.latency(repeat=args.repeat)
+    where = (f"; a step of {args.seq_len} new token(s) on a full cache of {layer.options['kv_cache']}"
+             if layer.cache_lens_input is not None else "")
     print(f"median latency: {seconds * 1e3:.3f} ms  ({module.flops() / seconds / 1e9:.1f} "
-          f"GFLOP/s)")
+          f"GFLOP/s{where})")
     return 0
 
 

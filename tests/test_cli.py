@@ -70,3 +70,20 @@ def test_build_without_fusion(tmp_path):
     r = run("build", "--d-model", "32", "--heads", "2", "--seq-len", "9", "--no-fuse",
             "--repeat", "1")
     assert r.returncode == 0 and "not fused" in r.stdout and " ok" in r.stdout
+
+
+def test_build_and_export_a_decoding_layer(tmp_path, capsys):
+    """--kv-cache: build checks a step on a half-full random cache and times a full one;
+    export-onnx --form fused --check runs the past/present model in onnxruntime."""
+    assert main(["build", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--causal",
+                 "--kv-cache", "48", "--seq-len", "1", "--repeat", "1",
+                 "--out", str(tmp_path / "step")]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache=48" in out and " ok" in out and "on a full cache of 48" in out
+    assert (tmp_path / "step" / "mha.h").read_text().count("#define MHA_KV_CACHE 48") == 1
+    assert main(["export-onnx", "--d-model", "64", "--heads", "4", "--causal", "--kv-cache",
+                 "48", "--seq-len", "2", "--form", "fused", "--out", str(tmp_path / "d.onnx"),
+                 "--check"]) == 0
+    assert "onnxruntime vs float64 reference" in capsys.readouterr().out
+    assert main(["export-onnx", "--kv-cache", "48", "--out", str(tmp_path / "x.onnx")]) == 2
+    assert "--form fused" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def _layer(args):
             raise InputError(f"cannot read {args.graph}: {err.strerror}") from None
         return Graph.from_json(text)
     return mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-                      causal=args.causal, bias=not args.no_bias)
+               causal=args.causal, bias=not args.no_bias, kv_cache=args.kv_cache)
 
 
 def _load_weights(path):
@@ -110,8 +110,19 @@ def _cmd_export(args) -> int:
         return 0
     x = np.random.default_rng(args.seed).standard_normal(
         (args.batch, args.seq_len, layer.inputs[0].attrs["shape"][2])).astype(np.float32)
-    y = ort_session(onnx.load(str(path)), optimize=True).run(None, {"x": x})[0]
-    expected = layer.reference(x, weights)
+    feeds, cache = {"x": x}, None
+    if layer.cache_lens_input is not None:   # a random past of up to 8 tokens per row
+        from mhagen.kvcache import KVCache
+        cache = KVCache.empty(layer, args.batch, np.float64)
+        past = min(8, cache.max_len - args.seq_len)
+        rng = np.random.default_rng(args.seed + 1)
+        cache.k[...] = rng.standard_normal(cache.k.shape)
+        cache.v[...] = rng.standard_normal(cache.v.shape)
+        cache.lens[...] = past
+        feeds.update(past_key=cache.k[:, :, :past].astype(np.float32),
+                     past_value=cache.v[:, :, :past].astype(np.float32))
+    y = ort_session(onnx.load(str(path)), optimize=True).run(None, feeds)[0]
+    expected = layer.reference(x, weights, cache=cache)
     err, tol = max_error(y, expected), tolerance(expected)
     ok = bool(np.all(np.isfinite(y))) and err <= tol
     print(f"onnxruntime vs float64 reference: max error {err:.2e} (tolerance {tol:.1e}) "

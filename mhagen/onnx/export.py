@@ -125,7 +125,7 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     layer.shapes()
     if layer.cache_lens_input is not None and form != "fused":
         raise OnnxError("decoding layers (a K/V cache) export in the fused form only (opset-23 "
-                        "Attention with past_key/past_value): pass form='fused'")
+                        "Attention with past_key/past_value): pass form='fused' (--form fused)")
     if past_len is not None:
         positive_int("past_len", past_len)
     if len(layer.inputs) != 1:
