@@ -13,7 +13,8 @@ from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 class ScoreRules:
     """Python helpers the TIR templates call while they are parsed."""
 
-    def __init__(self, w):
+    def __init__(self, w, math=None):
+        self.math = math     # vectorisable tanh/exp for score modifiers (score_to_tir)
         self.seq = w["seq"]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         self.table_batch, self.table_heads = w["table_batch"], w["table_heads"]
@@ -46,8 +47,8 @@ class ScoreRules:
         if self.score_mod is None:
             return x
         S = self.seq
-        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S, S) * \
-            T.float32(LOG2E)
+        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S, S,
+                            self.math) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
         """Full blocks hold keys < seq only; partial ones may run past it (clamped, masked)."""

@@ -75,14 +75,19 @@ def mask_to_tir(mask, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
     return ex.evaluate(mask, env, _TIR_OPS)
 
 
-def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
-    """A score modifier as a float32 TIR expression of a score and loop variables."""
+def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int,
+                 math: dict | None = None):
+    """A score modifier as a float32 TIR expression of a score and loop variables. `math`
+    replaces the one-argument functions ("tanh", "exp") by the caller's TIR versions (a CPU
+    template's vectorisable ones; TVM's own call scalar libm on CPUs)."""
     def value(v):
         return tvm.tirx.const(v, "int32") if isinstance(v, int) else v
     env = {"batch": value(batch), "head": value(head), "q_idx": value(q_idx),
            "kv_idx": value(kv_idx), "q_len": value(q_len), "kv_len": value(kv_len),
            "score": score}
-    return _f32(ex.evaluate(mod, env, _TIR_OPS))
+    ops = _TIR_OPS if not math else dict(
+        _TIR_OPS, **{name: (lambda f: lambda a: f(_f32(a)))(f) for name, f in math.items()})
+    return _f32(ex.evaluate(mod, env, ops))
 
 
 def lower_unfused(graph, batch: int, seq_len: int) -> Program:

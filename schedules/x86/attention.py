@@ -28,7 +28,7 @@ from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
-from mhagen.schedules.x86.fast_math import exp2, f32
+from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
@@ -173,7 +173,7 @@ def build_attention(w, cfg, lanes):
     M = w.get("rows", B * S)          # qkv rows and att rows: batch*seq padded to whole
     MA = w.get("att_rows", M)         # GEMM tiles (rows past batch*seq are never read)
 
-    rules = ScoreRules(w)
+    rules = ScoreRules(w, SCORE_MATH)
     visible, modified, key_row = rules.visible, rules.modified, rules.key_row
     tb, th = rules.tb, rules.th
 

@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 from mhagen.program import round_up
-from mhagen.schedules.x86.fast_math import exp2, f32
+from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,8 @@ def build_decode(w, cfg):
     def modified(x, b, h, qi, kj, kv_len):
         if score_mod is None:
             return x
-        return score_to_tir(score_mod, x * f32(LN2), b, h, qi, kj, S, kv_len) * f32(LOG2E)
+        return score_to_tir(score_mod, x * f32(LN2), b, h, qi, kj, S, kv_len,
+                            SCORE_MATH) * f32(LOG2E)
 
     assert LN in (4, 8, 16), LN
 
