@@ -25,8 +25,6 @@ Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--out DIR
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 
@@ -206,14 +204,11 @@ def main(argv=None):
                          "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None})
     meta = {"shape": f"batch {B}, d_model {D}, {H} heads, cache {N} (one new token)",
             "target": args.target, "bytes_read": bytes_read, "status": status,
-            "cpu": bm.machine_cpu() if hasattr(bm, "machine_cpu") else None}
+            "cpu": bm.cpu_summary()}
     text = markdown(rows, meta)
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                          indent=1))
-        (args.out / "results.md").write_text(text + "\n")
+        bm.save_results(args.out, {"meta": meta, "rows": rows}, text)
     return 0
 
 
@@ -230,6 +225,7 @@ def markdown(rows, meta):
     lines.append("")
     lines += [f"- {n}: {s}" for n, s in meta["status"].items()]
     bws = sorted({(r['threads'], r['read_bw_gb_s']) for r in rows})
+    lines.append(f"- CPU: {meta['cpu']}")
     lines.append("- read bandwidth (torch sum of 512 MiB): " + ", ".join(
         f"{bw:.1f} GB/s at {t} thread{'s' * (t > 1)}" for t, bw in bws))
     return "\n".join(lines)

@@ -652,6 +652,29 @@ def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0):
     return samples, calls
 
 
+def save_results(out_dir: Path, payload: dict, text: str) -> None:
+    """results.json and results.md in out_dir (created): the other bench_*.py scripts."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1))
+    (out_dir / "results.md").write_text(text + "\n")
+
+
+def cpu_summary() -> str:
+    """The CPU model, LLVM's name for it and its SIMD features, for result files."""
+    host = mhagen.target.resolve("x86") if platform.machine() == "x86_64" else None
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.*)", f.read())
+            model = m.group(1).strip() if m else model
+    except OSError:
+        pass
+    if host is None:
+        return model
+    simd = " ".join(f for f in host.features if f.startswith(("avx", "fma")))
+    return f"{model} (LLVM {host.cpu}; {simd}; L2 {host.l2_kib} KiB, L3 {host.l3_kib} KiB)"
+
+
 def loud(msg):
     bar = "!" * 78
     print(f"\n{bar}\n!!! {msg}\n{bar}\n", flush=True)

@@ -24,7 +24,6 @@ Run: python benchmarks/bench_score_mods.py [--shape 1x2048x1024x16] [--threads 1
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -67,6 +66,19 @@ class TorchLayer:
         elif sdpa:
             raise ValueError("SDPA cannot carry softcap (a function of the score)")
 
+    def attend(self, q, k, v):
+        torch = self.torch
+        if self.sdpa:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                    attn_mask=self.bias)
+        s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.d))
+        if self.kind == "alibi":
+            s = s + self.bias
+        else:
+            s = SOFTCAP * torch.tanh(s / SOFTCAP)
+            s = s.masked_fill(self.hidden, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
     def __call__(self, x):
         torch, F = self.torch, self.torch.nn.functional
         with torch.inference_mode():
@@ -74,16 +86,7 @@ class TorchLayer:
             b, s, _ = t.shape
             qkv = F.linear(t, self.w_in, self.b_in)
             q, k, v = qkv.view(b, s, 3, self.heads, self.d).permute(2, 0, 3, 1, 4)
-            if self.sdpa:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
-            else:
-                s_ = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.d))
-                if self.kind == "alibi":
-                    s_ = s_ + self.bias
-                else:
-                    s_ = SOFTCAP * torch.tanh(s_ / SOFTCAP)
-                    s_ = s_.masked_fill(self.hidden, float("-inf"))
-                o = torch.softmax(s_, dim=-1) @ v
+            o = self.attend(q, k, v)
             y = F.linear(o.transpose(1, 2).reshape(b, s, -1), self.w_out, self.b_out)
             return y.numpy()
 
@@ -104,17 +107,9 @@ class FlexLayer(TorchLayer):
         self.flex = torch.compile(flex_attention)
         self.score_mod = score_mod
 
-    def __call__(self, x):
-        torch, F = self.torch, self.torch.nn.functional
-        with torch.inference_mode():
-            t = torch.from_numpy(x)
-            b, s, _ = t.shape
-            qkv = F.linear(t, self.w_in, self.b_in)
-            q, k, v = qkv.view(b, s, 3, self.heads, self.d).permute(2, 0, 3, 1, 4)
-            o = self.flex(q.contiguous(), k.contiguous(), v.contiguous(),
-                          score_mod=self.score_mod, block_mask=self.block_mask)
-            y = F.linear(o.transpose(1, 2).reshape(b, s, -1), self.w_out, self.b_out)
-            return y.numpy()
+    def attend(self, q, k, v):
+        return self.flex(q.contiguous(), k.contiguous(), v.contiguous(),
+                         score_mod=self.score_mod, block_mask=self.block_mask)
 
 
 def main(argv=None):
@@ -179,10 +174,7 @@ def main(argv=None):
     text = markdown(rows, status, args)
     print(text)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"rows": rows, "status": status},
-                                                          indent=1))
-        (args.out / "results.md").write_text(text + "\n")
+        bm.save_results(args.out, {"rows": rows, "status": status}, text)
     return 0
 
 
@@ -198,6 +190,7 @@ def markdown(rows, status, args):
                      f"{r['vs_plain']:.2f} | {peer} |")
     lines.append("")
     lines += [f"- {k}: {v}" for k, v in status.items()]
+    lines.append(f"- CPU: {bm.cpu_summary()}")
     return "\n".join(lines)
 
 
