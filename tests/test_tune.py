@@ -1,6 +1,8 @@
 """Tuning: a small MetaSchedule run writes records; builds replay them in a fresh process;
 corrupt or stale records fall back with a warning; distributed tuning over loopback RPC."""
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -147,7 +149,8 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
     port, server_port = _free_port(), _free_port()
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
                                 "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
     server = None
     try:
         time.sleep(2)
@@ -155,7 +158,7 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
             [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
              "--key", "mhagen-test", "--host", "127.0.0.1", "--port", str(server_port),
              "--port-end", str(server_port + 1)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(3)
         report = tune(mhagen.mha(32, 2), shapes=[(1, 16)], trials=2,
                       database=tmp_path / "x86.json", kernels=["output_projection"],
@@ -165,10 +168,31 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
         assert result.trials == 2
         assert Database.load(tmp_path / "x86.json").records
     finally:
+        # tracker and server each run their loop in a TVM popen_worker child: signal the
+        # whole process group (each was started in its own session), or the children
+        # outlive the test, reparented to init
         for p in (server, tracker):
             if p is not None:
-                p.terminate()
+                os.killpg(p.pid, signal.SIGTERM)
                 p.wait(timeout=30)
+    time.sleep(0.5)
+    left = [pid for p in (server, tracker) if p is not None for pid in _group_members(p.pid)]
+    assert not left, f"RPC processes left running: {left}"
+
+
+def _group_members(pgid):
+    """Live processes of process group pgid (Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
 
 
 @pytest.mark.parametrize("preset", ["x86", "x86-avx2"])
