@@ -35,8 +35,10 @@ def tune(layer, target="x86", **options):
 
 def load(path):
     """Load a module saved with Module.save(path): needs the TVM runtime only, not the
-    compiler (see mhagen/artifact/load.py)."""
-    return _load(path)
+    compiler (see mhagen/artifact/load.py); attention_maps() then compiles with build()."""
+    module = _load(path)
+    module.info.builder = build
+    return module
 
 
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",

@@ -70,5 +70,5 @@ def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, wei
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,
                      compile_seconds=time.perf_counter() - start, executable=executable,
-                     device_code=device)
+                     device_code=device, builder=build)
     return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info)

@@ -34,6 +34,9 @@ class BuildInfo:
     device_code: object = None   # GPU builds: the device code compiled at build time
                                  # (schedules/cuda/nvcc.py DeviceCode: fatbin, PTX, ptxas report)
     library_path: str | None = None  # kernel.so of a loaded module
+    builder: object = None       # mhagen's build(), to compile derived programs (attention
+                                 # maps); set by a build and by mhagen.load, never imported
+                                 # here (running a module needs no compiler)
 
 
 class Module:
@@ -251,7 +254,10 @@ class Module:
         (rows: queries, columns: keys; masked keys 0). Compiled on first use as a second,
         unfused program of the same layer (mhagen/maps.py): needs the compiler then."""
         if self._maps is None:
-            from mhagen.compile import build
+            build = self.info.builder
+            if build is None:
+                raise InputError("attention maps need the compiler: use a module from "
+                                 "mhagen.build() or mhagen.load()")
             graph = maps_graph(self.graph, self.batch, self.seq_len)
             names = {s.name for s in graph.weight_specs()}
             if self.weights is None:

@@ -54,7 +54,7 @@ def test_head_b_attends_to_first_token(heads_run):
 
 def test_head_a_attends_to_previous_tokens(heads_run):
     p = heads_run["map_a"]
-    np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-9)
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-6)   # float32, compiled
     for i in range(2, 6):
         assert p[i, i - 1] + p[i, i - 2] > 0.9, (i, p[i])
         assert p[i, i - 1] > 0.45 and p[i, i - 2] > 0.45, (i, p[i])

@@ -34,3 +34,19 @@ def test_maps_refusals():
     unbound = mhagen.build(plain, "x86", batch=1, seq_len=4)
     with pytest.raises(mhagen.InputError, match="bind them"):
         unbound.attention_maps(np.zeros((1, 4, 32), np.float32))
+
+
+def test_loaded_modules_give_maps_too(tmp_path):
+    """A loaded artifact compiles its maps program with the compiler mhagen.load hands it;
+    a Module made without one says what to do."""
+    layer = mhagen.mha(32, 2, causal=True)
+    w = layer.init_weights(0)
+    path = mhagen.build(layer, "x86", batch=1, seq_len=6, weights=w).save(tmp_path / "m")
+    loaded = mhagen.load(path)
+    x = random_input(layer, 1, 6)
+    vals = run_reference(layer, x, w, return_all=True)
+    assert_close(loaded.attention_maps(x)[0], np.stack([vals["p0"][0], vals["p1"][0]]))
+    loaded.info.builder = None
+    loaded._maps = None
+    with pytest.raises(mhagen.InputError, match="need the compiler"):
+        loaded.attention_maps(x)

@@ -13,6 +13,7 @@ import numpy as np
 from mhagen.dsl import mha
 from mhagen.errors import InputError
 from mhagen.ir.graph import Graph
+from mhagen.kvcache import KVCache
 from mhagen.onnx._common import ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
 from mhagen.onnx.importer import import_onnx
@@ -112,7 +113,6 @@ def _cmd_export(args) -> int:
         (args.batch, args.seq_len, layer.inputs[0].attrs["shape"][2])).astype(np.float32)
     feeds, cache = {"x": x}, None
     if layer.cache_lens_input is not None:   # a random past of up to 8 tokens per row
-        from mhagen.kvcache import KVCache
         cache = KVCache.empty(layer, args.batch, np.float64)
         past = min(8, cache.max_len - args.seq_len)
         rng = np.random.default_rng(args.seed + 1)
