@@ -102,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="x86", help="target preset (default x86)")
     t.add_argument("--shapes", nargs="+", default=["1x128"],
                    help="BATCHxSEQ shapes to tune (default 1x128)")
-    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per GEMM kernel")
+    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per GEMM kernel (and at most that many attention "
+                        "template configs)")
     t.add_argument("--time-budget", type=float, help="stop after this many seconds")
     t.add_argument("--db", type=Path, help="records file (default: the user database)")
     t.add_argument("--work-dir", type=Path, help="MetaSchedule databases (to resume)")

@@ -313,10 +313,11 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
          kernels=None) -> TuneReport:
     """Tune `layer` for `target` at each (batch, seq_len) in `shapes`; write the records.
 
-    trials: MetaSchedule trials per GEMM kernel; time_budget: seconds for the whole run
-    (stops early, keeping what was measured); database: the records file (default: the
-    user database that builds consult); work_dir: MetaSchedule's databases (default: beside
-    the records), reused to resume; rpc: (tracker_host, tracker_port, device_key) to measure
+    trials: MetaSchedule trials per GEMM kernel, and at most that many candidate configs of
+    the attention template (it has about 9; the default is always one); time_budget:
+    seconds for the whole run (stops early, keeping what was measured); database: the
+    records file (default: the user database that builds consult); work_dir: MetaSchedule's
+    databases (default: beside the records), reused to resume; rpc: (tracker_host, tracker_port, device_key) to measure
     on a remote device; kernels: names of the kernels to tune (default: all tunable).
     Ctrl-C stops tuning and still writes what was found.
     """
@@ -354,7 +355,8 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         for i, (shape, program, kernel) in enumerate(plans, 1):
             key = program.key(kernel.name)
             if kernel.template:
-                res = _tune_template(kernel, t, runner, bar, i, key, shape, layer, fuse)
+                res = _tune_template(kernel, t, runner, bar, i, key, shape, layer, fuse,
+                                     trials)
             else:
                 res = _tune_metaschedule(kernel, t, runner, bar, i, key, trials, work_dir,
                                          seed)
@@ -453,11 +455,11 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
                          _us(default_s), _us(tuned_s), "tuned" if keep else "default"), record)
 
 
-def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse):
-
-
+def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trials):
+    """The attention template's candidate configs (the default first, at most `trials` of
+    them), each built and timed; the fastest kept if right and faster by the margin."""
     rule = backend_for(t).attention
-    candidates = rule.candidates(kernel.workload, t)
+    candidates = rule.candidates(kernel.workload, t)[:max(2, trials)]
     bar.kernel(index, f"{kernel.name} {shape[0]}x{shape[1]}", len(candidates))
     funcs, tables = [], []
     for cfg in candidates:
