@@ -317,8 +317,9 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     the attention template (it has about 9; the default is always one); time_budget:
     seconds for the whole run (stops early, keeping what was measured); database: the
     records file (default: the user database that builds consult); work_dir: MetaSchedule's
-    databases (default: beside the records), reused to resume; rpc: (tracker_host, tracker_port, device_key) to measure
-    on a remote device; kernels: names of the kernels to tune (default: all tunable).
+    databases (default: beside the records), reused to resume; rpc: (tracker_host,
+    tracker_port, device_key) to measure on a remote device; kernels: names of the kernels
+    to tune (default: all tunable).
     Ctrl-C stops tuning and still writes what was found.
     """
     import tvm.s_tir.meta_schedule as ms
