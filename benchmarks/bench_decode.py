@@ -25,6 +25,7 @@ Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--out DIR
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -204,7 +205,9 @@ def main(argv=None):
                          "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None})
     meta = {"shape": f"batch {B}, d_model {D}, {H} heads, cache {N} (one new token)",
             "target": args.target, "bytes_read": bytes_read, "status": status,
-            "cpu": bm.cpu_summary()}
+            "cpu": bm.cpu_summary(),
+            "env": {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE",
+                                               "TVM_NUM_THREADS") if k in os.environ}}
     text = markdown(rows, meta)
     print(text)
     if args.out:
@@ -226,6 +229,8 @@ def markdown(rows, meta):
     lines += [f"- {n}: {s}" for n, s in meta["status"].items()]
     bws = sorted({(r['threads'], r['read_bw_gb_s']) for r in rows})
     lines.append(f"- CPU: {meta['cpu']}")
+    if meta["env"]:
+        lines.append(f"- environment: {meta['env']}")
     lines.append("- read bandwidth (torch sum of 512 MiB): " + ", ".join(
         f"{bw:.1f} GB/s at {t} thread{'s' * (t > 1)}" for t, bw in bws))
     return "\n".join(lines)
