@@ -272,6 +272,9 @@ def main(argv=None) -> int:
     except (MhagenError, _Fail) as err:
         print(f"mhagen {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # Ctrl-C outside tune's own handling (which keeps records)
+        print(f"mhagen {args.command}: interrupted", file=sys.stderr)
+        return 130
     except OSError as err:   # e.g. --out in a directory that cannot be written
         where = f" {err.filename}" if err.filename else ""
         print(f"mhagen {args.command}: error: {err.strerror or err}{where}", file=sys.stderr)

@@ -87,3 +87,18 @@ def test_build_and_export_a_decoding_layer(tmp_path, capsys):
     assert "onnxruntime vs float64 reference" in capsys.readouterr().out
     assert main(["export-onnx", "--kv-cache", "48", "--out", str(tmp_path / "x.onnx")]) == 2
     assert "--form fused" in capsys.readouterr().err
+
+
+def test_ctrl_c_gives_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C where a command does not handle it itself (tune keeps its records and says
+    'interrupted' in its report): one line, exit status 130, no traceback."""
+    import mhagen
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mhagen, "tune", interrupted)
+    monkeypatch.setattr(mhagen, "build", interrupted)
+    assert main(["tune", "--d-model", "32", "--heads", "2"]) == 130
+    assert main(["build", "--d-model", "32", "--heads", "2"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mhagen tune: interrupted", "mhagen build: interrupted"]
