@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from mhagen.blockmask import conjuncts
+from mhagen.ir import expr as ex
 from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
 from mhagen.program import round_up
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
@@ -154,6 +156,9 @@ def build_decode(w, cfg):
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
     mask, score_mod = w.get("mask"), w.get("score_mod")
+    # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
+    # a prompt's tile skips the blocks above the diagonal, as the prefill template does
+    causal = mask is not None and any(p == ex.causal() for p in conjuncts(mask))
 
     def visible(b, h, qi, kj, kv_len):
         cond = kj < kv_len
@@ -237,6 +242,12 @@ def build_decode(w, cfg):
             rt = task // NS % NRT
             sp = task % NS
             kv_len = T.min(cache_lens[b] + S, N)
+            # the keys this tile may see: up to its last query's position when causal (its
+            # rows run over heads, then tokens: a tile within one head ends at token
+            # (last row) % S, one that crosses heads reaches token S - 1)
+            last = T.min(rt * RT + RT - 1, R - 1)
+            t_last = T.Select((rt * RT) // S == last // S, last % S, S - 1)
+            k_end = T.min(kv_len, cache_lens[b] + t_last + 1) if causal else kv_len
             for r in range(RT):
                 row = T.min(rt * RT + r, R - 1)          # rows past R: copies, never stored
                 h = g * GROUP + row // S
@@ -251,7 +262,7 @@ def build_decode(w, cfg):
                 part_ml[task, 1, r] = zero
             for kb in range(SPLIT // KB):
                 k0 = sp * SPLIT + kb * KB
-                if k0 < kv_len:
+                if k0 < k_end:
                     for r in range(RT):
                         row = T.min(rt * RT + r, R - 1)
                         h = g * GROUP + row // S
