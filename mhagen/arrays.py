@@ -15,6 +15,13 @@ def aligned_empty(shape, dtype="float32") -> np.ndarray:
     return raw[start:start + n].reshape(shape)
 
 
+def aligned_zeros(shape, dtype="float32") -> np.ndarray:
+    """aligned_empty, filled with zeros."""
+    a = aligned_empty(shape, dtype)
+    a[...] = 0
+    return a
+
+
 def is_aligned(a: np.ndarray) -> bool:
     """C-contiguous, writable and starting on a 64-byte boundary: usable without a copy."""
     return (a.flags.c_contiguous and a.flags.writeable

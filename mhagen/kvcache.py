@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhagen.arrays import ALIGNMENT, aligned_empty
+from mhagen.arrays import ALIGNMENT, aligned_empty, aligned_zeros, is_aligned
 from mhagen.errors import InputError
 
 
@@ -54,10 +54,8 @@ class KVCache:
             raise InputError(f"layer {graph.name!r} keeps no K/V cache; build it with "
                              "mhagen.mha(..., kv_cache=max_len)")
         shape = (int(batch), spec["kv_heads"], spec["max_len"], spec["head_dim"])
-        k, v = aligned_empty(shape, dtype), aligned_empty(shape, dtype)
-        k[...] = 0
-        v[...] = 0
-        return cls(k, v, np.zeros(int(batch), np.int32))
+        return cls(aligned_zeros(shape, dtype), aligned_zeros(shape, dtype),
+                   np.zeros(int(batch), np.int32))
 
     @property
     def batch(self) -> int:
@@ -95,14 +93,12 @@ class KVCache:
                                  "[batch, kv_heads, max_len, head_dim], got "
                                  f"{getattr(a, 'shape', type(a).__name__)}; make one with "
                                  "mhagen.KVCache.empty(module, batch)")
-            if dtype is not None:
-                if a.dtype != dtype or not a.flags.c_contiguous or not a.flags.writeable \
-                        or a.ctypes.data % ALIGNMENT:
-                    raise InputError(f"cache.{name} must be a writable, C-contiguous, "
-                                     f"{ALIGNMENT}-byte aligned {np.dtype(dtype).name} array "
-                                     "(the kernels write it in place): make the cache with "
-                                     "mhagen.KVCache.empty(module, batch) or "
-                                     "KVCache.from_arrays(k, v, lens)")
+            if dtype is not None and (a.dtype != dtype or not is_aligned(a)):
+                raise InputError(f"cache.{name} must be a writable, C-contiguous, "
+                                 f"{ALIGNMENT}-byte aligned {np.dtype(dtype).name} array "
+                                 "(the kernels write it in place): make the cache with "
+                                 "mhagen.KVCache.empty(module, batch) or "
+                                 "KVCache.from_arrays(k, v, lens)")
         lens = self.lens
         if not isinstance(lens, np.ndarray) or lens.shape != (batch,) \
                 or lens.dtype != np.int32:

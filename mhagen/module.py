@@ -15,7 +15,7 @@ import numpy as np
 from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
-from mhagen.arrays import aligned_empty, is_aligned
+from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape
 from mhagen.maps import head_softmaxes, maps_graph
@@ -69,6 +69,7 @@ class Module:
         self._lock = threading.Lock()
         self._temps = None
         self._maps = None            # the attention-maps module, compiled on first use
+        self._maps_for = None        # the weights it holds
         self._resident_for = self._resident_tensors = None
         self.weights = self._params = None
         if weights is not None:
@@ -199,8 +200,7 @@ class Module:
         if buffer.name not in self._temps:
             # zeroed: GEMM padding rows are read but never written, and garbage there can
             # be denormals (a decode step's output GEMM ran 16x slower on them)
-            self._temps[buffer.name] = aligned_empty(buffer.shape, buffer.dtype)
-            self._temps[buffer.name][...] = 0
+            self._temps[buffer.name] = aligned_zeros(buffer.shape, buffer.dtype)
         return self._temps[buffer.name]
 
     def _check_x(self, x):
@@ -253,19 +253,20 @@ class Module:
         """Every head's attention probabilities for input x: float32 [batch, heads, seq, seq]
         (rows: queries, columns: keys; masked keys 0). Compiled on first use as a second,
         unfused program of the same layer (mhagen/maps.py): needs the compiler then."""
+        if self.weights is None:
+            raise InputError("no weights: bind them (module.bind(weights)) before asking "
+                             "for attention maps")
         if self._maps is None:
             build = self.info.builder
             if build is None:
                 raise InputError("attention maps need the compiler: use a module from "
                                  "mhagen.build() or mhagen.load()")
-            graph = maps_graph(self.graph, self.batch, self.seq_len)
-            names = {s.name for s in graph.weight_specs()}
-            if self.weights is None:
-                raise InputError("no weights: bind them (module.bind(weights)) before asking "
-                                 "for attention maps")
-            self._maps = build(graph, self.target, batch=self.batch, seq_len=self.seq_len,
-                               weights={k: v for k, v in self.weights.items() if k in names},
-                               fuse=False)
+            self._maps = build(maps_graph(self.graph, self.batch, self.seq_len), self.target,
+                               batch=self.batch, seq_len=self.seq_len, fuse=False)
+        if self._maps_for is not self.weights:   # first use, or weights bound since
+            names = {s.name for s in self._maps.graph.weight_specs()}
+            self._maps.bind({k: v for k, v in self.weights.items() if k in names})
+            self._maps_for = self.weights
         heads = len(head_softmaxes(self.graph))
         p = self._maps(x, kv_lens=kv_lens)
         b, s, _ = p.shape

@@ -17,17 +17,22 @@ class ScoreRules:
         self.math = math     # vectorisable tanh/exp for score modifiers (score_to_tir)
         self.seq = w["seq"]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
-        self.table_batch, self.table_heads = w["table_batch"], w["table_heads"]
+        # block-table extents (templates without a table, as the decode one: 1)
+        self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
         self.lengths = bool(w.get("lengths"))   # key lengths per batch row, given per call
         self.skip_by_length = bool(w.get("skip_by_length"))   # the mask has kv_idx < kv_len
 
-    def visible(self, b, h, qi, kj, lens=None):
-        """The key exists (kj < seq) and the mask keeps it (kv_len: lens[b] when the layer
-        takes key lengths, else seq)."""
+    def visible(self, b, h, qi, kj, lens=None, kv_len=None):
+        """The key exists and the mask keeps it. Prefill: keys kj < seq, the mask reads
+        kv_len = lens[b] when the layer takes key lengths, else seq. Decoding: kv_len (the
+        cached keys and the new ones) is both the bound and what the mask reads."""
         S = self.seq
-        cond = kj < S
+        if kv_len is None:
+            bound, kv_len = S, (S if lens is None else lens[b])
+        else:
+            bound = kv_len
+        cond = kj < bound
         if self.mask is not None:
-            kv_len = S if lens is None else lens[b]
             cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, kv_len))
         return cond
 
@@ -41,14 +46,15 @@ class ScoreRules:
         return T.Select(k0 >= length, SKIP,
                         T.Select(tirx.all(state == FULL, k0 + kb > length), PARTIAL, state))
 
-    def modified(self, x, b, h, qi, kj):
+    def modified(self, x, b, h, qi, kj, kv_len=None):
         """Scores are in log2 units (scale * log2(e) folded into Q): the modifier sees the
-        scaled score x * ln 2 and its result returns to log2 units."""
+        scaled score x * ln 2 and its result returns to log2 units. kv_len: a decoding
+        layer's keys (else seq)."""
         if self.score_mod is None:
             return x
         S = self.seq
-        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S, S,
-                            self.math) * T.float32(LOG2E)
+        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S,
+                            S if kv_len is None else kv_len, self.math) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
         """Full blocks hold keys < seq only; partial ones may run past it (clamped, masked)."""

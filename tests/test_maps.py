@@ -23,6 +23,10 @@ def test_maps_match_the_reference_probabilities(target):
     assert not p[1, :, :, 4:].any() and not p[2].any()    # padded keys; a row with no key
     np.testing.assert_allclose(p[0].sum(-1), 1.0, rtol=1e-5)
     assert_close(m(x, kv_lens=lens), layer.reference(x, w, kv_lens=lens))   # y unchanged
+    other = layer.init_weights(7)          # maps follow weights bound after the first use
+    m.bind(other)
+    vals = run_reference(layer, x, other, return_all=True, kv_lens=lens)
+    assert_close(m.attention_maps(x, kv_lens=lens), np.stack([vals["p0"], vals["p1"]], axis=1))
 
 
 def test_maps_refusals():

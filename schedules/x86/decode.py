@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import conjuncts
 from mhagen.ir import expr as ex
-from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
+from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
+from mhagen.schedules.attention_common import ScoreRules
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 
 
@@ -83,6 +83,12 @@ class DecodeRule:
         return (n, cfg.row_tile, w["head_dim_padded"]), (n, 2, cfg.row_tile)
 
 
+@dataclass(frozen=True)
+class CacheAppendConfig:
+    lanes: int
+    """floats per vector copied along head_dim."""
+
+
 class CacheAppendRule:
     name = "cache_append"
 
@@ -90,7 +96,7 @@ class CacheAppendRule:
         return stage.pattern == "cache_append_template"
 
     def default_config(self, workload, target):
-        return DecodeConfig(row_tile=1, split=1, kv_block=1, lanes=target.lanes)
+        return CacheAppendConfig(lanes=target.lanes)
 
     def build(self, w, cfg, target):
         return build_cache_append(w, cfg)
@@ -155,22 +161,12 @@ def build_decode(w, cfg):
     assert SPLIT % KB == 0 and KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
-    mask, score_mod = w.get("mask"), w.get("score_mod")
+    mask = w.get("mask")
     # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
     # a prompt's tile skips the blocks above the diagonal, as the prefill template does
     causal = mask is not None and any(p == ex.causal() for p in conjuncts(mask))
 
-    def visible(b, h, qi, kj, kv_len):
-        cond = kj < kv_len
-        if mask is not None:
-            cond = tirx.all(cond, mask_to_tir(mask, b, h, qi, kj, S, kv_len))
-        return cond
-
-    def modified(x, b, h, qi, kj, kv_len):
-        if score_mod is None:
-            return x
-        return score_to_tir(score_mod, x * f32(LN2), b, h, qi, kj, S, kv_len,
-                            SCORE_MATH) * f32(LOG2E)
+    rules = ScoreRules(w, SCORE_MATH)   # the mask and modifier, as the prefill template
 
     assert LN in (4, 8, 16), LN
 
@@ -270,8 +266,8 @@ def build_decode(w, cfg):
                         for j in range(KB):
                             dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
                             s_buf[j] = T.Select(
-                                visible(b, h, qpos, k0 + j, kv_len),
-                                modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
+                                rules.visible(b, h, qpos, k0 + j, kv_len=kv_len),
+                                rules.modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
                         # m' = max(m, scores), P = 2^(S - m'), sum P: vectors over keys
                         for ln in T.vectorized(LN):
                             acc[ln] = part_ml[task, 0, r]
