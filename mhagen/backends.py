@@ -17,6 +17,8 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
   verify           (optional) (kernel, scheduled PrimFunc, target) -> None; raises ScheduleError
                    when the schedule cannot run there (CUDA: a block left outside GPU threads
                    would compile to host code, or to nothing, without any error from TVM)
+  symbolic         whether its kernels take the call's batch and seq at run time (one build
+                   for every length; mhagen.build(..., seq_len=None))
   device_compile   (optional) (executable, target) -> DeviceCode: the device code compiled at
                    build time (CUDA: nvcc's fatbin, its PTX and ptxas' resource report)
 
@@ -59,6 +61,7 @@ class Backend:
     verify: Callable | None = None
     decode: object | None = None
     device_compile: Callable | None = None
+    symbolic: bool = False       # its templates take the call's batch and seq (seq_len=None)
 
 
 def family_of(target) -> Family:

@@ -22,16 +22,19 @@ def conjuncts(mask) -> list:
     return [mask]
 
 
-def split_lengths(mask):
+def split_lengths(mask, symbolic=False):
     """For a layer with per-call key lengths: (the mask without the parts that read kv_len,
     whether it had the plain padding part kv_idx < kv_len (the kernels skip blocks past
-    the length at run time), whether other parts read kv_len (no block is FULL then))."""
+    the length at run time), whether other parts read kv_len (no block is FULL then)).
+    symbolic: the lengths are given per call (seq_len=None), so parts that read q_len
+    count as parts that read kv_len."""
     if mask is None:
         return None, False, False
+    dynamic = {"kv_len", "q_len"} if symbolic else {"kv_len"}
     parts = conjuncts(mask)
-    static = [p for p in parts if "kv_len" not in ex.variables(p)]
+    static = [p for p in parts if not dynamic & ex.variables(p)]
     padding = any(p == KEY_PADDING for p in parts)
-    others = any("kv_len" in ex.variables(p) and p != KEY_PADDING for p in parts)
+    others = any(dynamic & ex.variables(p) and p != KEY_PADDING for p in parts)
     rest = None
     for p in static:
         rest = p if rest is None else rest & p
@@ -44,11 +47,15 @@ def table_dims(mask, batch, heads):
     return (batch if "batch" in used else 1), (heads if "head" in used else 1)
 
 
-def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False) -> np.ndarray:
+def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False,
+                symbolic=False) -> np.ndarray:
     """The table of a mask; with key lengths per call (lengths=True), of the parts that do not
-    read kv_len (the kernels apply the length at run time, see split_lengths)."""
-    if lengths:
-        static, _, others = split_lengths(mask)
+    read kv_len (the kernels apply the length at run time, see split_lengths). symbolic: for
+    every call length up to seq (positions are absolute, so a tile's state at seq holds for
+    the rows and keys of a shorter call; parts that read q_len or kv_len are left to the
+    kernel, and the kernel cuts the key blocks at the call's length)."""
+    if lengths or symbolic:
+        static, _, others = split_lengths(mask, symbolic)
         table = block_table(static, batch, heads, seq, q_tile, kv_block)
         if others:
             table[table == FULL] = PARTIAL

@@ -24,7 +24,10 @@ def compile_program(program, target, tuning=None):
     else the device code is None."""
     funcs, decisions = {}, []
     for kernel in program.kernels:
-        record = tuning.lookup(program.key(kernel.name)) if tuning and program.key else None
+        record = None
+        # symbolic-length GEMMs: their traces were recorded on fixed shapes, the rules apply
+        if tuning and program.key and not (program.symbolic and kernel.template is None):
+            record = tuning.lookup(program.key(kernel.name))
         func, dec = schedule_kernel(kernel, target, record=record)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
         decisions += [d.__dict__ for d in dec]
@@ -51,20 +54,41 @@ def resolve_tuning(tuning, target):
     return Tuning([Database.load(tuning, missing_ok=False)])
 
 
-def build(layer: Graph, target="x86", *, batch: int = 1, seq_len: int = 128, weights=None,
-          fuse: bool = True, tuning="auto"):
+def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | None = 128,
+          weights=None, fuse: bool = True, tuning="auto", max_batch: int | None = None,
+          max_seq_len: int | None = None):
+    """Compile `layer` for `target` (a preset name, "host", or a Target) into a Module.
+
+    batch, seq_len: the input shape [batch, seq_len, d_model] the kernels are built for.
+    seq_len=None with max_seq_len=N (and/or batch=None with max_batch=B): one module for every
+    length 1..N (batch 1..B); the kernels take the call's lengths at run time (TVM symbolic
+    shapes), buffers are allocated at the maximum, block tables hold for every length.
+    Such builds use the default GEMM schedules, and the attention config tuned for the
+    maximum shape when a record has it."""
     if not isinstance(layer, Graph):
         raise GraphError(f"build() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
                          f"{type(layer).__name__}")
-    positive_int("batch", batch)
-    positive_int("seq_len", seq_len)
+    symbolic = None
+    if batch is None or seq_len is None:
+        symbolic = {"batch": batch is None, "seq": seq_len is None}
+    for name, fixed, most in (("batch", batch, max_batch), ("seq_len", seq_len, max_seq_len)):
+        if fixed is None and most is None:
+            raise GraphError(f"{name}=None builds for every {name} up to max_{name}: give "
+                             f"max_{name}=N too")
+        if fixed is not None and most is not None:
+            raise GraphError(f"max_{name} goes with {name}=None (a symbolic length); got "
+                             f"{name}={fixed!r} and max_{name}={most!r}: drop one")
+    batch, seq_len = batch if batch is not None else max_batch, \
+        seq_len if seq_len is not None else max_seq_len
+    positive_int("max_batch" if symbolic and symbolic["batch"] else "batch", batch)
+    positive_int("max_seq_len" if symbolic and symbolic["seq"] else "seq_len", seq_len)
     t = resolve(target)
     if len(layer.inputs) != 1:
         raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "
                          f"{layer.name!r} has {len(layer.inputs)}")
     start = time.perf_counter()
     tuning = resolve_tuning(tuning, t)
-    program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning)
+    program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic)
     executable, texts, decisions, device = compile_program(program, t, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]

@@ -40,7 +40,9 @@ class BuildInfo:
 
 
 class Module:
-    """A layer compiled for one target and one input shape [batch, seq_len, d_model].
+    """A layer compiled for one target and one input shape [batch, seq_len, d_model], or,
+    built with seq_len=None (batch=None), for every shape up to [batch, seq_len, d_model]
+    (`symbolic`: then batch and seq_len are the maxima, and each call's x sets the shape).
 
     `module(x)` runs it on a float32 numpy array x and returns a new float32 array;
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
@@ -63,6 +65,7 @@ class Module:
         self.d_model = graph.inputs[0].attrs["shape"][2]
         self.out_shape = tuple(graph.shapes(**graph.dims(batch, seq_len))[graph.output])
         self._cache_spec = cache_shape(graph)     # a decoding layer's cache, else None
+        self.symbolic = program.symbolic           # {"batch": bool, "seq": bool, ...} or None
         self._input = program.role("input")[0]
         self._output = program.role("output")[0]
         self._calls = None
@@ -113,51 +116,55 @@ class Module:
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len."""
         with self._lock:
-            buffers = self._buffers(x, weights, kv_lens, cache)
-            result, target = self._output_array(out)
+            buffers, dims = self._buffers(x, weights, kv_lens, cache)
+            result, target = self._output_array(out, dims)
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
             if cache is not None:
                 cache.lens += self.seq_len
             if target is not result:   # padded columns, or an out= the kernels cannot fill
-                result[...] = target.reshape(self.batch, self.seq_len, -1)[
+                result[...] = target.reshape(dims["batch"], dims["seq"], -1)[
                     ..., :self.out_shape[2]]
             return result
 
-    def _output_array(self, out):
+    def _output_array(self, out, dims):
         """(the array returned, the aligned [rows, columns] array the kernels write)."""
-        full = tuple(self._output.shape)
+        full = self._output.call_shape(dims)
+        out_shape = (dims["batch"], dims["seq"], self.out_shape[2])
         direct = full[1] == self.out_shape[2]
         if out is None:
             if direct:
-                a = aligned_empty(self.out_shape, self._output.dtype)
+                a = aligned_empty(out_shape, self._output.dtype)
                 return a, a.reshape(full)
-            return np.empty(self.out_shape, np.float32), self._temp(self._output)
-        if not isinstance(out, np.ndarray) or out.shape != self.out_shape \
+            return np.empty(out_shape, np.float32), self._view(self._output, dims)
+        if not isinstance(out, np.ndarray) or out.shape != out_shape \
                 or out.dtype != np.float32:
-            raise InputError(f"out= must be a float32 numpy array of shape {self.out_shape}, got "
+            raise InputError(f"out= must be a float32 numpy array of shape {out_shape}, got "
                              f"{getattr(out, 'dtype', type(out).__name__)} "
                              f"{getattr(out, 'shape', '')}")
         if direct and is_aligned(out):
             return out, out.reshape(full)
-        return out, self._temp(self._output)
+        return out, self._view(self._output, dims)
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
         return KVCache.empty(self, self.batch)
 
-    def _buffers(self, x, weights, kv_lens=None, cache=None) -> dict:
-        """The kernels' arguments by buffer name (TVM tensors over numpy memory). x is passed
+    def _buffers(self, x, weights, kv_lens=None, cache=None):
+        """(the kernels' arguments by name: TVM tensors over numpy memory and, symbolic
+        builds, the call's batch and seq; the call's dims: Program.call_dims). x is passed
         without a copy when C-contiguous float32 on a 64-byte boundary, else copied; a
         decoding layer's cache arrays are always passed as they are (written in place)."""
-        lens = check_lengths(self.graph, kv_lens, self.batch, self.seq_len)
-        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32,
-                            self._cache_spec)
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.shape != self.in_shape:
             x = self._check_x(x)
+        batch, seq = x.shape[:2]
+        dims = self.program.call_dims(batch, seq)
+        lens = check_lengths(self.graph, kv_lens, batch, seq)
+        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32,
+                            self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=np.float32))
         elif self._params is not None:
@@ -166,14 +173,18 @@ class Module:
             raise InputError("no weights: pass weights= to mhagen.build(), call "
                              "module.bind(weights), or call module(x, weights=...)")
         buffers = dict(self._resident(params))
-        shape = tuple(self._input.shape)
+        if self.symbolic:
+            buffers.update(batch=batch, seq=seq)
+            buffers.update((b.name, runtime.tensor(self._view(b, dims)))
+                           for b in self.program.role("temp") if b.symbolic)
+        shape = self._input.call_shape(dims)
         if not is_aligned(x):
-            staged = self._temp(self._input)
+            staged = self._view(self._input, dims)
             staged[...] = x.reshape(shape)
             x = staged
         buffers[self._input.name] = runtime.tensor(x.reshape(shape))
         if lens is not None:
-            staged = self._temp(self.program.buffers[self.graph.lengths_input.name])
+            staged = self._view(self.program.buffers[self.graph.lengths_input.name], dims)
             staged[...] = lens
             buffers[self.graph.lengths_input.name] = runtime.tensor(staged)
         if cache is not None:
@@ -182,14 +193,15 @@ class Module:
             buffers[self.graph.cache_lens_input.name] = runtime.tensor(staged)
             buffers["k_cache"], buffers["v_cache"] = (runtime.tensor(cache.k),
                                                       runtime.tensor(cache.v))
-        return buffers
+        return buffers, dims
 
     def _resident(self, params) -> dict:
         """TVM tensors over the params and the temporaries, made once per set of params."""
         if self._resident_for is not params:
             self._resident_tensors = {name: runtime.tensor(a) for name, a in params.items()}
             self._resident_tensors.update((b.name, runtime.tensor(self._temp(b)))
-                                          for b in self.program.role("temp"))
+                                          for b in self.program.role("temp")
+                                          if not b.symbolic)
             self._resident_for = params
         return self._resident_tensors
 
@@ -203,12 +215,41 @@ class Module:
             self._temps[buffer.name] = aligned_zeros(buffer.shape, buffer.dtype)
         return self._temps[buffer.name]
 
+    def _view(self, buffer, dims) -> np.ndarray:
+        """The module's array for `buffer` shaped for one call (symbolic builds: the front
+        of the maximum-size allocation)."""
+        shape = buffer.call_shape(dims)
+        full = self._temp(buffer)
+        if shape == full.shape:
+            return full
+        return full.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+
     def _check_x(self, x):
         x = check_input(self.graph, x)
+        if self.symbolic:
+            return self._check_symbolic_x(x)
         if x.shape != self.in_shape:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
+        if x.dtype != np.float32:
+            raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
+                             "pass x.astype(np.float32)")
+        return x
+
+    def _check_symbolic_x(self, x):
+        names = ("batch", "seq_len")
+        for axis, (name, key) in enumerate(zip(names, ("batch", "seq"))):
+            most = self.in_shape[axis]
+            if self.symbolic[key] and not 1 <= x.shape[axis] <= most:
+                raise InputError(f"x has {name} {x.shape[axis]}; this module runs {name} 1.."
+                                 f"{most} (rebuild with max_{name}={x.shape[axis]})")
+            if not self.symbolic[key] and x.shape[axis] != most:
+                raise InputError(f"x has {name} {x.shape[axis]}; this module was built for "
+                                 f"{name}={most} (rebuild with {name}=None, "
+                                 f"max_{name}=N for any)")
+        if x.shape[2] != self.d_model:
+            raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
         if x.dtype != np.float32:
             raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
                              "pass x.astype(np.float32)")
@@ -229,7 +270,7 @@ class Module:
         if x is None:
             x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
         if kv_lens is None and self.graph.lengths_input is not None:
-            kv_lens = np.full(self.batch, self.seq_len, np.int32)
+            kv_lens = np.full(x.shape[0], x.shape[1], np.int32)
         if cache is None and self.graph.cache_lens_input is not None:
             cache = self.new_cache()
             cache.lens[...] = cache.max_len - self.seq_len
@@ -237,8 +278,8 @@ class Module:
             return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache)
 
     def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache):
-        buffers = self._buffers(x, None, kv_lens, cache)
-        buffers[self._output.name] = runtime.tensor(self._temp(self._output))
+        buffers, dims = self._buffers(x, None, kv_lens, cache)
+        buffers[self._output.name] = runtime.tensor(self._view(self._output, dims))
         self._run(buffers)
         results = []
         for _ in range(repeat):
@@ -256,13 +297,17 @@ class Module:
         if self.weights is None:
             raise InputError("no weights: bind them (module.bind(weights)) before asking "
                              "for attention maps")
-        if self._maps is None:
+        batch, seq = self.batch, self.seq_len
+        if self.symbolic:     # maps for the call's shape (one unfused build per shape)
+            batch, seq = np.shape(x)[:2]
+        if self._maps is None or self._maps.in_shape[:2] != (batch, seq):
             build = self.info.builder
             if build is None:
                 raise InputError("attention maps need the compiler: use a module from "
                                  "mhagen.build() or mhagen.load()")
-            self._maps = build(maps_graph(self.graph, self.batch, self.seq_len), self.target,
-                               batch=self.batch, seq_len=self.seq_len, fuse=False)
+            self._maps = build(maps_graph(self.graph, batch, seq), self.target,
+                               batch=batch, seq_len=seq, fuse=False)
+            self._maps_for = None
         if self._maps_for is not self.weights:   # first use, or weights bound since
             names = {s.name for s in self._maps.graph.weight_specs()}
             self._maps.bind({k: v for k, v in self.weights.items() if k in names})

@@ -16,6 +16,9 @@ import numpy as np
 from mhagen.params import pack_param
 
 
+SCALARS = ("batch", "seq")      # kernel arguments that are not buffers (symbolic builds)
+
+
 def round_up(a: int, b: int) -> int:
     """a rounded up to a multiple of b (padded tile and panel sizes)."""
     return (a + b - 1) // b * b
@@ -30,6 +33,15 @@ class Buffer:
     pack: dict | None = None     # params: how to make it from the weights (mhagen.params)
     value: np.ndarray | None = None  # params of kind "constant": the array
     doc: str = ""
+    symbolic: dict | None = None  # symbolic-length builds: {axis: "batch" | "rows" |
+                                  # "padded_rows"}; `shape` then holds the maximum
+
+    def call_shape(self, dims: dict) -> tuple:
+        """The shape of one call: symbolic axes from dims (call_dims()), the rest fixed."""
+        if not self.symbolic:
+            return tuple(self.shape)
+        return tuple(dims[self.symbolic[a]] if a in self.symbolic else n
+                     for a, n in enumerate(self.shape))
 
     def make(self, weights) -> np.ndarray:
         """This param for `weights` (a constant's value when it does not depend on them)."""
@@ -42,6 +54,8 @@ class Buffer:
              "role": self.role}
         if self.pack is not None:
             d["pack"] = self.pack
+        if self.symbolic:
+            d["symbolic"] = {str(a): k for a, k in self.symbolic.items()}
         return d
 
 
@@ -58,7 +72,8 @@ class Stage:
 @dataclass
 class Kernel:
     name: str
-    args: list                   # buffer names in call order
+    args: list                   # buffer names in call order (symbolic-length builds end
+                                 # with the scalars SCALARS: the call's batch and seq)
     prim_func: object = None     # a TE-made PrimFunc to schedule with rules ...
     stages: list = field(default_factory=list)
     template: str | None = None  # ... or a template a rule instantiates (e.g. "attention")
@@ -74,6 +89,15 @@ class Program:
     te_text: str = ""
     fusion: str = ""
     key: Callable | None = None   # kernel name -> readable tuning key (set by lower())
+    symbolic: dict | None = None  # one build for every length: {"batch": bool, "seq": bool,
+                                  # "row_tile": rows the GEMM temporaries are padded to}
+
+    def call_dims(self, batch: int, seq: int) -> dict:
+        """The values of the symbolic axes (and the kernels' scalar arguments) for a call."""
+        rows = batch * seq
+        tile = self.symbolic["row_tile"] if self.symbolic else 1
+        return {"batch": batch, "seq": seq, "rows": rows,
+                "padded_rows": round_up(rows, tile)}
 
     def role(self, role):
         return [b for b in self.buffers.values() if b.role == role]
@@ -81,15 +105,20 @@ class Program:
     def describe(self) -> dict:
         """JSON-able summary (the manifest's "program", what the C API and mhagen.load read):
         buffers with their param recipes, the kernels in call order with their arguments."""
-        return {"buffers": [b.describe() for b in self.buffers.values()],
-                "kernels": [{"name": k.name, "args": list(k.args)} for k in self.kernels],
-                "fusion": self.fusion}
+        d = {"buffers": [b.describe() for b in self.buffers.values()],
+             "kernels": [{"name": k.name, "args": list(k.args)} for k in self.kernels],
+             "fusion": self.fusion}
+        if self.symbolic:
+            d["symbolic"] = dict(self.symbolic)
+        return d
 
     @classmethod
     def from_description(cls, d: dict) -> "Program":
         """The Program describe() wrote (kernels without code: they live in kernel.so)."""
         buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), b["role"], b["dtype"],
-                                     pack=b.get("pack"))
+                                     pack=b.get("pack"),
+                                     symbolic={int(a): k for a, k in
+                                               b.get("symbolic", {}).items()} or None)
                    for b in d["buffers"]}
         kernels = [Kernel(k["name"], list(k["args"])) for k in d["kernels"]]
-        return cls(buffers, kernels, fusion=d.get("fusion", ""))
+        return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))

@@ -15,7 +15,13 @@ class ScoreRules:
 
     def __init__(self, w, math=None):
         self.math = math     # vectorisable tanh/exp for score modifiers (score_to_tir)
-        self.seq = w["seq"]
+        # symbolic-length builds: the call's batch and seq are scalar arguments (free vars
+        # while the template is parsed, made parameters by attention_entry / with_scalars)
+        self.symbolic = bool(w.get("symbolic"))
+        if self.symbolic:
+            self.batch, self.seq = tirx.Var("batch", "int32"), tirx.Var("seq", "int32")
+        else:
+            self.batch, self.seq = w["batch"], w["seq"]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
@@ -38,11 +44,14 @@ class ScoreRules:
 
     def block_state(self, state, lens, b, k0, kb):
         """A key block's state from the build-time table, corrected by the call's key
-        length: blocks past it are skipped, a FULL block it cuts becomes PARTIAL (its
-        scores masked one by one)."""
-        if lens is None or not self.skip_by_length:
+        length (or, symbolic builds, the call's seq): blocks past it are skipped, a FULL
+        block it cuts becomes PARTIAL (its scores masked one by one)."""
+        if lens is not None and self.skip_by_length:
+            length = lens[b]
+        elif self.symbolic:
+            length = self.seq
+        else:
             return state
-        length = lens[b]
         return T.Select(k0 >= length, SKIP,
                         T.Select(tirx.all(state == FULL, k0 + kb > length), PARTIAL, state))
 
@@ -68,23 +77,34 @@ class ScoreRules:
         return h if self.table_heads > 1 else 0
 
 
+def with_scalars(func, rules):
+    """A template's PrimFunc with the call's batch and seq appended as scalar parameters
+    (symbolic-length builds; the template was parsed with them as free variables)."""
+    if not rules.symbolic:
+        return func
+    return tirx.PrimFunc(list(func.params) + [rules.batch, rules.seq], func.body,
+                         func.ret_type, func.attrs)
+
+
 def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
-    """The attention PrimFunc around a template's body macro: (qkv, blocks, [kv_lens,] out),
-    with kv_lens only for layers that take key lengths per call."""
+    """The attention PrimFunc around a template's body macro: (qkv, blocks, [kv_lens,] out
+    [, batch, seq]), with kv_lens only for layers that take key lengths per call and the
+    scalars only in symbolic-length builds. Parsed without the well-formedness check (the
+    scalars are free until with_scalars); tvm.compile checks the finished function."""
     if rules.lengths:
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, "float32"),
                       blocks: T.Buffer(table_shape, "int32"),
                       kv_lens: T.Buffer((batch,), "int32"),
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, blocks, kv_lens, out)
-        return attention
+        return with_scalars(attention, rules)
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, "float32"),
                   blocks: T.Buffer(table_shape, "int32"),
                   out: T.Buffer(out_shape, "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, blocks, None, out)
-    return attention
+    return with_scalars(attention, rules)

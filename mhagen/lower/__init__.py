@@ -16,9 +16,12 @@ from mhagen.program import Buffer, Kernel, Program, Stage
 from mhagen.tuning.records import TuningWarning, workload_key
 
 
-def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None) -> Program:
+def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
+          symbolic=None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel.
-    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config."""
+    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config.
+    symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
+    fused kernels take the call's (mhagen/lower/fused.py)."""
     graph.shapes(**graph.dims(batch, seq_len))
     fusion = run_passes(graph, fuse=fuse)
     backend = backend_for(target)
@@ -33,13 +36,18 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     if fusion.fused and rule is not None:
         config = _tuned_config(rule, tuning, key("attention"), target)
         try:
-            program = lower_fused(fusion.graph, batch, seq_len, target, backend, config)
+            program = lower_fused(fusion.graph, batch, seq_len, target, backend, config,
+                                  symbolic=symbolic)
         except NotFusable as why:
             reason = f"not fused: {why}"
     if program is None and graph.cache_lens_input is not None:
         raise GraphError(f"decoding layers (a K/V cache) compile through the fused kernels "
                          f"only, and this one was {reason}; build it with fuse=True from "
                          "mhagen.mha(..., kv_cache=N) or a graph of that form")
+    if program is None and symbolic:
+        raise GraphError(f"symbolic lengths (seq_len=None or batch=None) need the fused "
+                         f"kernels, and this layer was {reason}; build it for one length "
+                         "(seq_len=N)")
     if program is None:
         program = lower_unfused(graph, batch, seq_len)
     program.key = key

@@ -19,30 +19,35 @@ Decoding layers (attention with a `cache`) run instead, after the GEMM and the r
 """
 from __future__ import annotations
 
-from tvm import te
+from tvm import te, tirx
 
 from mhagen.blockmask import block_table, split_lengths
-from mhagen.errors import TargetError
+from mhagen.errors import GraphError, TargetError
 from mhagen.lower.te import rope_table
 from mhagen.ir.heads import kv_head_map
-from mhagen.program import Buffer, Kernel, Program, Stage, round_up
+from mhagen.program import SCALARS, Buffer, Kernel, Program, Stage, round_up
 
 
 class NotFusable(Exception):
     """The fused attention's layout cannot express this graph: lower it unfused."""
 
 
-def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None):
+def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
+          scalars=()):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
-    C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major."""
+    C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major.
+    Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them."""
     k = te.reduce_axis((0, depth), name="k")
-    last = int(a.shape[0]) - 1
+    clamp = bool(scalars) and a.name == "x"   # x has batch*seq rows, att whole tiles
+    last = a.shape[0] - 1
 
     def a_row(m):
-        return m if last + 1 >= rows else te.min(m, last)
-    out_rows = out_rows or rows
+        if scalars:
+            return te.min(m, last) if clamp else m
+        return m if int(last) + 1 >= rows else te.min(m, last)
+    out_rows = out_rows if out_rows is not None else rows
     if panel_major:
         mm = te.compute((cols // nr, rows, nr),
                         lambda p, m, j: te.sum(a[a_row(m), k] * wp[p, k, j], axis=k),
@@ -54,20 +59,33 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
                         lambda m, n: te.sum(a[a_row(m), k] * wp[n // nr, k, n % nr], axis=k),
                         name=name + "_matmul")
         out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
-    stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,),
-                    {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
-                     "panel_major": panel_major}),
+    work = {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
+            "panel_major": panel_major}
+    if scalars:   # rule sizes from the largest call; no row blocks (a partial one costs a guard)
+        work.update(rows=None, symbolic=True)
+    stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
               Stage(name, "epilogue", node, (name,))]
     return out, stages
 
 
-def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Program:
-    """The three kernels, laid out as the target's backend asks (mhagen/backends.py)."""
+def lower_fused(graph, batch, seq, target, backend, attention_config=None,
+                symbolic=None) -> Program:
+    """The three kernels, laid out as the target's backend asks (mhagen/backends.py).
+    symbolic ({"batch": bool, "seq": bool}, or None): one program for every batch <= batch
+    and seq <= seq. Rows stay dense (row b*seq + t for the call's seq); every kernel takes
+    the call's batch and seq as scalars (SCALARS) and its row-indexed buffers are TVM shape
+    expressions of them; buffers are allocated at the maximum."""
     by_kind = {n.kind: n for n in graph.nodes}
     x_node, qkv_node, att_node, out_node = (by_kind[k] for k in (
         "input", "qkv_projection", "attention", "output_projection"))
     has_lengths = len(att_node.inputs) > 1   # key lengths (or cache lengths) given per call
     cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N}
+    if symbolic and cache is not None:
+        raise GraphError("decoding layers (kv_cache=) take a fixed number of new tokens per "
+                         "call: build them with seq_len=N, not seq_len=None")
+    if symbolic and not backend.symbolic:
+        raise TargetError(f"symbolic lengths (seq_len=None) do not compile for "
+                          f"{target.name} yet ({backend.family}); build one module per length")
     d_model = x_node.attrs["shape"][2]
     rows = batch * seq
     # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
@@ -92,6 +110,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     hd = heads * d
     rows_qkv = backend.gemm_rows(target, rows, d_model)
     rows_att = backend.gemm_rows(target, rows, hd)
+    tile_rows = backend.gemm_tile(target)[0]
+    if symbolic:   # allocations: the largest call, padded to whole register tiles
+        rows_qkv = rows_att = round_up(rows, tile_rows)
 
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
@@ -102,6 +123,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
             "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
             "lengths": has_lengths}
+    if symbolic:
+        work.update(symbolic=True, row_tile=tile_rows)
     if cache is not None:
         if backend.decode is None:
             raise TargetError(f"decoding layers (kv_cache=) do not compile for {target.name} "
@@ -127,7 +150,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
 
     if cache is None:
         table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile,
-                            kv_block=cfg.kv_block, lengths=has_lengths)
+                            kv_block=cfg.kv_block, lengths=has_lengths,
+                            symbolic=bool(symbolic))
         work.update(table_batch=table.shape[0], table_heads=table.shape[1],
                     skip_by_length=has_lengths and split_lengths(a.get("mask"))[1])
         attention_buffers = [
@@ -146,14 +170,17 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
     lengths_doc = ("tokens already cached per batch row, given at call time" if cache else
                    "key lengths per batch row, given at call time")
     buffers = [
-        Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]"),
+        Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]",
+               symbolic={0: "rows"} if symbolic else None),
         *([Buffer(att_node.inputs[1], (batch,), "input", "int32",
-                  doc=lengths_doc)] if has_lengths else []),
+                  doc=lengths_doc, symbolic={0: "batch"} if symbolic else None)]
+          if has_lengths else []),
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
-               doc="Q, K, V of every head in column panels, each head padded to the lanes"),
+               doc="Q, K, V of every head in column panels, each head padded to the lanes",
+               symbolic={1: "padded_rows"} if symbolic else None),
         *attention_buffers,
     ] + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
@@ -162,30 +189,32 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                doc="RoPE cos [0] and sin [1] by position (float64 math, stored float32)"),
     ] if a.get("rotary") else []) + [
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
-               "(rows past batch*seq: GEMM padding, never read into the output)"),
+               "(rows past batch*seq: GEMM padding, never read into the output)",
+               symbolic={0: "padded_rows"} if symbolic else None),
         Buffer("w_o", (d_out_p // nr, hd, nr), "param", pack=w_o),
         Buffer("b_o", (d_out_p,), "param", pack=b_o),
-        Buffer("out", (rows, d_out_p), "output"),
+        Buffer("out", (rows, d_out_p), "output", symbolic={0: "rows"} if symbolic else None),
     ]
     buf = {b.name: b for b in buffers}
-
-    def ph(name):
-        return te.placeholder(buf[name].shape, buf[name].dtype, name=name)
+    scalars = (tirx.Var("batch", "int32"), tirx.Var("seq", "int32")) if symbolic else ()
+    ph = _placeholders(buf, scalars, tile_rows)
+    extra = list(SCALARS) if symbolic else []
 
     kernels, text = [], []
     # 1. packed QKV GEMM
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
-    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv, rows_qkv, d_model, n_qkv_p, nr,
-                    panel_major=True)
-    kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"],
-                          te.create_prim_func([x, wqkv, bqkv, qkv]), st))
+    qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
+                    ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
+                    panel_major=True, scalars=scalars)
+    kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
+                          te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
                 f"   # {len(segments)} head projections, one GEMM")
     # 2. RoPE on qkv's Q and K columns, in place
     lengths = [att_node.inputs[1]] if has_lengths else []
     if a.get("rotary"):
         r = a["rotary"]
-        kernels.append(Kernel("rotary", ["qkv"] + (lengths if cache else []) + ["rope"],
+        kernels.append(Kernel("rotary", ["qkv"] + (lengths if cache else []) + ["rope"] + extra,
                               stages=[Stage("rotary", "rotary_template", att_node.name, (), work)],
                               template="rotary", workload=work))
         text.append(f"qkv[Q, K columns] = rope(qkv, base={r['base']:g}, "
@@ -195,7 +224,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
         _decode_kernels(kernels, text, work, cfg, att_node, lengths)
         return _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr)
     # 3. attention template
-    kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"],
+    kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"] + extra,
                           stages=[Stage("attention", "attention_template", att_node.name,
                                         (), work)],
                           template="attention", workload=work, config=cfg,
@@ -204,7 +233,29 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None) -> Pr
                 f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                 f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                 "blocks skipped")
-    return _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr)
+    program = _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
+                           ph if symbolic else None)
+    if symbolic:
+        program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
+                            "row_tile": tile_rows}
+    return program
+
+
+def _placeholders(buf, scalars, tile_rows):
+    """ph(name): a TE placeholder of buffer `name`; symbolic axes become expressions of the
+    scalars (ph.dims: batch, seq, rows, padded_rows)."""
+    dims = {}
+    if scalars:
+        b, s = scalars
+        rows = b * s
+        dims = {"batch": b, "seq": s, "rows": rows,
+                "padded_rows": tirx.floordiv(rows + tile_rows - 1, tile_rows) * tile_rows}
+
+    def ph(name):
+        shape = buf[name].call_shape(dims) if scalars else buf[name].shape
+        return te.placeholder(shape, buf[name].dtype, name=name)
+    ph.dims = dims
+    return ph
 
 
 def _decode_kernels(kernels, text, work, cfg, att_node, lengths):
@@ -225,15 +276,22 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths):
                 f"{work['cache']}, mask {work.get('mask')!r}; positions from cache_lens")
 
 
-def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr):
-    """The output projection kernel; returns the finished Program."""
+def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
+                 ph=None):
+    """The output projection kernel; returns the finished Program. ph: a symbolic build's
+    placeholders (_placeholders)."""
     buf = {b.name: b for b in buffers}
-
-    def ph(name):
-        return te.placeholder(buf[name].shape, buf[name].dtype, name=name)
+    scalars = ()
+    if ph is not None:
+        scalars = (ph.dims["batch"], ph.dims["seq"])
+        rows, rows_att = ph.dims["rows"], ph.dims["padded_rows"]
+    else:
+        ph = _placeholders(buf, (), 0)
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
-    y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows)
-    kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"],
-                          te.create_prim_func([att, wo, bo, y]), st))
+    y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
+                  scalars=scalars)
+    kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
+                          (list(SCALARS) if scalars else []),
+                          te.create_prim_func([att, wo, bo, y, *scalars]), st))
     text.append(f"out[m, n] = sum_k att[m, k] * w_o[n // {nr}, k, n % {nr}] + b_o[n]")
     return Program(buf, kernels, "\n".join(text))

@@ -154,9 +154,9 @@ def layout(w, cfg):
 
 def build_attention(w, cfg, lanes):
     """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
-    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
+    H, G, d = w["heads"], w["kv_heads"], w["head_dim"]
     L = layout(w, cfg)
-    NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]
+    NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]   # table extents
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
     OR, NV = cfg.out_rows, cfg.out_cols               # P V register tile
     LN = lanes
@@ -170,12 +170,17 @@ def build_attention(w, cfg, lanes):
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf = f32(float("-inf"))
     zero = f32(0.0)
-    M = w.get("rows", B * S)          # qkv rows and att rows: batch*seq padded to whole
-    MA = w.get("att_rows", M)         # GEMM tiles (rows past batch*seq are never read)
+    M = w.get("rows", w["batch"] * w["seq"])   # qkv rows and att rows: batch*seq padded to
+    MA = w.get("att_rows", M)         # whole GEMM tiles (rows past batch*seq are never read)
 
     rules = ScoreRules(w, SCORE_MATH)
     visible, modified, key_row = rules.visible, rules.modified, rules.key_row
     tb, th = rules.tb, rules.th
+    B, S = rules.batch, rules.seq     # ints, or the call's (symbolic-length builds)
+    NQ, NK = NQT, NKB                 # query tiles and key blocks a call runs
+    if rules.symbolic:
+        NQ, NK = (S + MQ - 1) // MQ, (S + KB - 1) // KB
+        M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     @T.macro
     def key_block(masked, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o,
@@ -244,7 +249,7 @@ def build_attention(w, cfg, lanes):
 
     @T.macro
     def body(qkv, blocks, lens, out):
-        for task in T.parallel(B * H * NQT):
+        for task in T.parallel(B * H * NQ):
             q_t = T.decl_buffer((d, MQ), "float32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
             o_buf = T.decl_buffer((MQ, DP), "float32")
@@ -255,9 +260,9 @@ def build_attention(w, cfg, lanes):
             acc = T.alloc_buffer((MR, NR), "float32", scope="local", annotations=ON_STACK)
             acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
             vec = T.alloc_buffer((2, LN), "float32", scope="local", annotations=ON_STACK)
-            b = task // (H * NQT)
-            h = task // NQT % H
-            qt = task % NQT
+            b = task // (H * NQ)
+            h = task // NQ % H
+            qt = task % NQ
             g = h // GROUP
             q0 = qt * MQ
             for c in range(d):
@@ -270,7 +275,7 @@ def build_attention(w, cfg, lanes):
             for i in range(MQ):
                 for j in T.vectorized(DP):
                     o_buf[i, j] = zero
-            for kb in range(NKB):
+            for kb in range(NK):
                 state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
                     key_block(False, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 
@@ -55,6 +56,10 @@ def build_rotary(w, cfg):
     TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
 
     P = w.get("cache") or S       # table rows: positions up to the cache length (decoding)
+    scalars = ()
+    if w.get("symbolic"):         # the call's batch and seq: parameters, rows dense b*seq + t
+        scalars = B, S = tirx.Var("batch", "int32"), tirx.Var("seq", "int32")
+        M = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     @T.macro
     def body(qkv, rope, row, pos):
@@ -86,11 +91,14 @@ def build_rotary(w, cfg):
                 body(qkv, rope, row, T.min(cache_lens[row // S] + row % S, P - 1))
         return rotary
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)   # free scalar vars: see below
     def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
-               rope: T.Buffer((2, S, HALF), "float32")):
+               rope: T.Buffer((2, P, HALF), "float32")):
         T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
         for row in T.parallel(B * S):
             body(qkv, rope, row, row % S)
 
+    if scalars:
+        return tirx.PrimFunc(list(rotary.params) + list(scalars), rotary.body,
+                             rotary.ret_type, rotary.attrs)
     return rotary
