@@ -336,6 +336,8 @@ struct mha_handle {
   std::vector<tvm::ffi::Function> kernels;
   std::vector<std::vector<tvm::ffi::AnyView>> args;   // views of `tensors`
   std::vector<DLTensor> tensors;    // one per buffer; never resized after mha_create
+  std::vector<int64_t> shapes;      // their shapes, kMaxDims per buffer (symbolic axes: the
+                                    // current call's)
   std::vector<void *> data;         // device memory; input/output: staging copies
   ~mha_handle() {
     args.clear();
@@ -381,6 +383,7 @@ int check_manifest(const std::string &dir) {
 int allocate(mha_handle *h) {
   h->tensors.resize(size_t(kNumBuffers));
   h->data.assign(size_t(kNumBuffers), nullptr);
+  h->shapes.assign(size_t(kNumBuffers) * kMaxDims, 0);
   for (int i = 0; i < kNumBuffers; ++i) {
     const BufferSpec &b = kBuffers[i];
     if (b.role != kState) h->data[size_t(i)] = device_alloc(size_t(b.nbytes));
@@ -392,7 +395,8 @@ int allocate(mha_handle *h) {
     t.device = device();
     t.ndim = b.ndim;
     t.dtype = DLDataType{b.code, b.bits, 1};
-    t.shape = const_cast<int64_t *>(b.shape);
+    t.shape = &h->shapes[size_t(i) * kMaxDims];
+    for (int d = 0; d < b.ndim; ++d) t.shape[d] = b.shape[d];
     t.strides = nullptr;
     t.byte_offset = 0;
   }
@@ -438,8 +442,11 @@ int load_kernels(const std::string &dir, mha_handle *h) {
                                          kKernels[k].name + "'; rebuild the artifact");
       h->kernels.push_back(*f);
       std::vector<tvm::ffi::AnyView> args;
-      for (int a = 0; a < kKernels[k].nargs; ++a)
-        args.push_back(tvm::ffi::AnyView(&h->tensors[size_t(kKernels[k].args[a])]));
+      for (int a = 0; a < kKernels[k].nargs; ++a) {
+        const int i = kKernels[k].args[a];   // a buffer, or a scalar set per call
+        args.push_back(i >= 0 ? tvm::ffi::AnyView(&h->tensors[size_t(i)])
+                              : tvm::ffi::AnyView(int64_t(0)));
+      }
       h->args.push_back(std::move(args));
     }
   } catch (const std::exception &e) {
@@ -488,8 +495,25 @@ struct Extras {
   float *v_cache;
 };
 
-// Checks the lengths (and caches) a call passes against what this artifact takes.
-int check_extras(const Extras &e, int kind_given) {
+// Symbolic-length artifacts: the buffers' symbolic axes and the kernels' scalar arguments
+// for a call of batch x seq_len (rows batch * seq_len, dense).
+void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len) {
+  const int64_t rows = batch * seq_len;
+  const int64_t values[] = {0, batch, rows, (rows + kRowTile - 1) / kRowTile * kRowTile};
+  for (int i = 0; i < kNumBuffers; ++i)
+    if (kBuffers[i].sym_kind != kFixed)
+      h->shapes[size_t(i) * kMaxDims + size_t(kBuffers[i].sym_axis)] =
+          values[kBuffers[i].sym_kind];
+  for (int k = 0; k < kNumKernels; ++k)
+    for (int a = 0; a < kKernels[k].nargs; ++a)
+      if (kKernels[k].args[a] < 0)
+        h->args[size_t(k)][size_t(a)] =
+            tvm::ffi::AnyView(kKernels[k].args[a] == kArgBatch ? batch : seq_len);
+}
+
+// Checks the lengths (and caches) a call of batch x seq_len passes against what this
+// artifact takes.
+int check_extras(const Extras &e, int kind_given, int64_t batch, int64_t seq_len) {
   const std::string fn = e.fn;
   static const char *const kNames[] = {"mha_run", "mha_run_padded", "mha_run_cached"};
   if (kind_given != kLengthsKind)
@@ -499,8 +523,8 @@ int check_extras(const Extras &e, int kind_given) {
                                                            : " (no lengths, no cache)"));
   if (kLengthsKind == 0) return MHA_OK;
   if (e.lengths == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
-  const int64_t most = kLengthsKind == 1 ? kSeqLen : kMaxLen - kSeqLen;
-  for (int64_t b = 0; b < kBatch; ++b)
+  const int64_t most = kLengthsKind == 1 ? seq_len : kMaxLen - seq_len;
+  for (int64_t b = 0; b < batch; ++b)
     if (e.lengths[b] < 0 || e.lengths[b] > most)
       return fail(MHA_ERR_ARGUMENT,
                   fn + ": length " + std::to_string(e.lengths[b]) + " of batch row " +
@@ -527,7 +551,16 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
                 fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
   if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x is NULL");
   if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": y is NULL");
-  if (batch != kBatch || seq_len != kSeqLen)
+  const bool batch_ok = kSymbolicBatch ? batch >= 1 && batch <= kBatch : batch == kBatch;
+  const bool seq_ok = kSymbolicSeq ? seq_len >= 1 && seq_len <= kSeqLen : seq_len == kSeqLen;
+  if ((kSymbolicBatch || kSymbolicSeq) && !(batch_ok && seq_ok))
+    return fail(MHA_ERR_SHAPE,
+                fn + ": got batch=" + std::to_string(batch) + ", seq_len=" +
+                    std::to_string(seq_len) + "; this artifact runs batch " +
+                    (kSymbolicBatch ? "1.." : "") + std::to_string(kBatch) + " and seq_len " +
+                    (kSymbolicSeq ? "1.." : "") + std::to_string(kSeqLen) +
+                    " (build a larger one: mhagen build --max-seq-len N ...)");
+  if (!(batch_ok && seq_ok))
     return fail(MHA_ERR_SHAPE,
                 fn + ": got batch=" + std::to_string(batch) + ", seq_len=" +
                     std::to_string(seq_len) + ", but this artifact is compiled for batch=" +
@@ -536,8 +569,10 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
                     std::to_string(kSeqLen) + ", " + std::to_string(kDModel) +
                     "]); build another artifact: mhagen build --batch " +
                     std::to_string(batch) + " --seq-len " + std::to_string(seq_len) + " ...");
-  if (check_extras(e, kind_given) != MHA_OK) return g_code;
+  if (check_extras(e, kind_given, batch, seq_len) != MHA_OK) return g_code;
   std::lock_guard<std::mutex> lock(h->mutex);
+  const int64_t rows = int64_t(batch) * seq_len;
+  if (kSymbolicBatch || kSymbolicSeq) set_call_shape(h, batch, seq_len);
   void *in_scratch = h->data[size_t(kInputIndex)];
   void *out_scratch = h->data[size_t(kOutputIndex)];
   DLTensor &in = h->tensors[size_t(kInputIndex)];
@@ -545,11 +580,10 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   if (usable_in_place(x)) {
     in.data = const_cast<float *>(x);   // the kernels only read their input
   } else {
-    copy_to_device(in_scratch, x, size_t(kBuffers[kInputIndex].nbytes));
+    copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(float));
   }
   if (kLengthsIndex >= 0)
-    copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths,
-                   size_t(kBuffers[kLengthsIndex].nbytes));
+    copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths, size_t(batch) * sizeof(int32_t));
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
     h->tensors[size_t(kVCacheIndex)].data = e.v_cache;
@@ -573,12 +607,12 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   }
   if (rc == MHA_OK && !direct) {
     const float *src = static_cast<const float *>(out_scratch);
-    for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t r = 0; r < rows; ++r)
       copy_to_host(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(float));
   }
   if (rc == MHA_OK && kLengthsKind == 2) {
     int32_t *lens = const_cast<int32_t *>(e.lengths);
-    for (int64_t b = 0; b < kBatch; ++b) lens[b] += int32_t(kSeqLen);
+    for (int64_t b = 0; b < batch; ++b) lens[b] += int32_t(seq_len);
   }
   return rc;
 }

@@ -5,7 +5,9 @@
 // mhagen/artifact/capi.py from manifest.json), which defines in namespace mha::config:
 //
 //   kFormatVersion, kFormat, kContentHash     what mha_create expects in manifest.json
-//   kBatch, kSeqLen, kDModel, kOutDModel      the one shape the kernels run
+//   kBatch, kSeqLen, kDModel, kOutDModel      the shape the kernels run (the largest, when
+//                                             kSymbolicBatch / kSymbolicSeq: any batch, seq
+//                                             up to them; kRowTile pads the GEMM rows)
 //   kRows, kOutCols                           output buffer: kRows rows of kOutCols floats
 //   kInputIndex, kOutputIndex                 the input and output in kBuffers
 //   kLengthsIndex, kLengthsKind               the int32 [batch] lengths input (-1 / 0: none;
@@ -32,6 +34,11 @@ namespace mha {
 // kState: the caller's memory, written in place (a decoding layer's K/V cache); never allocated
 enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3, kState = 4 };
 
+// Symbolic-length artifacts: the axis of a buffer that follows the call (BufferSpec.sym_axis;
+// the shape holds its largest value) and what it is, and the scalar kernel arguments.
+enum SymbolicDim { kFixed = 0, kDimBatch = 1, kDimRows = 2, kDimPaddedRows = 3 };
+enum ScalarArg { kArgBatch = -1, kArgSeq = -2 };   // KernelSpec.args entries below 0
+
 constexpr int kMaxDims = 8;
 
 struct BufferSpec {
@@ -43,12 +50,14 @@ struct BufferSpec {
   int64_t shape[kMaxDims];
   int64_t nbytes;
   int64_t offset;           // params: byte offset in params.bin; else -1
+  int sym_axis;             // the axis that follows the call (SymbolicDim), or -1
+  int sym_kind;             // SymbolicDim
 };
 
 struct KernelSpec {
   const char *name;         // the function's name in kernel.so
   int nargs;
-  const int *args;          // indices into kBuffers
+  const int *args;          // indices into kBuffers, or a ScalarArg
 };
 
 struct FileSpec {
