@@ -33,12 +33,13 @@ class NotFusable(Exception):
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
-          scalars=()):
+          scalars=(), max_rows=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
     C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major.
-    Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them."""
+    Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them,
+    at most max_rows."""
     k = te.reduce_axis((0, depth), name="k")
     clamp = bool(scalars) and a.name == "x"   # x has batch*seq rows, att whole tiles
     last = a.shape[0] - 1
@@ -61,8 +62,8 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
     work = {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
             "panel_major": panel_major}
-    if scalars:   # rule sizes from the largest call; no row blocks (a partial one costs a guard)
-        work.update(rows=None, symbolic=True)
+    if scalars:   # the rule sizes its row blocks for the largest call
+        work.update(rows=max_rows, symbolic=True)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
               Stage(name, "epilogue", node, (name,))]
     return out, stages
@@ -205,7 +206,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
-                    panel_major=True, scalars=scalars)
+                    panel_major=True, scalars=scalars, max_rows=rows_qkv)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -282,6 +283,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
     placeholders (_placeholders)."""
     buf = {b.name: b for b in buffers}
     scalars = ()
+    max_rows = rows_att
     if ph is not None:
         scalars = (ph.dims["batch"], ph.dims["seq"])
         rows, rows_att = ph.dims["rows"], ph.dims["padded_rows"]
@@ -289,7 +291,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
         ph = _placeholders(buf, (), 0)
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
-                  scalars=scalars)
+                  scalars=scalars, max_rows=max_rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
                           (list(SCALARS) if scalars else []),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))

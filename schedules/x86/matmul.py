@@ -71,8 +71,7 @@ class MatmulRule:
         if "panel" in workload:
             _, tile_cols = packed_tile(target)
             assert tile_cols == workload["panel"], (tile_cols, workload)
-            # symbolic-length builds (rows None): whole tiles, no row blocks
-            tile_rows, row_block, _ = packed_blocking(target, workload.get("rows") or 0,
+            tile_rows, row_block, _ = packed_blocking(target, workload.get("rows", 0),
                                                       workload.get("depth", 1))
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block)
         cols = workload["cols"]
