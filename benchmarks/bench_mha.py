@@ -47,16 +47,21 @@ LONG_SHAPE = (1, 16384, 1024, 16)
 LONG_CHECK_ROWS = 256
 LONG_SMALL_SEQ = 1024
 MASKS = (False, True)
-IMPLS = ("mhagen", "numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention")
+IMPLS = ("mhagen", "mhagen_any_len", "numpy", "torch_mha", "torch_sdpa", "ort_mha",
+         "ort_attention")
+ANY_LEN_MAX = 2048   # mhagen_any_len: one module for every seq_len up to this
 DESCRIPTIONS = {
     "mhagen": "mhagen.build(layer, target) (TVM)",
+    "mhagen_any_len": f"mhagen.build(layer, target, seq_len=None, max_seq_len={ANY_LEN_MAX}): "
+                      "one module for every length (symbolic shapes)",
     "numpy": "numpy float32: packed QKV matmul, batched attention, W_O matmul",
     "torch_mha": "torch.nn.MultiheadAttention (batch_first, need_weights=False)",
     "torch_sdpa": "torch Linear -> F.scaled_dot_product_attention -> Linear",
     "ort_mha": "onnxruntime com.microsoft.MultiHeadAttention + MatMul projections",
     "ort_attention": "onnxruntime opset-23 Attention + MatMul projections",
 }
-REQUIRES = {"mhagen": (), "numpy": (), "torch_mha": ("torch",), "torch_sdpa": ("torch",),
+REQUIRES = {"mhagen": (), "mhagen_any_len": (), "numpy": (), "torch_mha": ("torch",),
+            "torch_sdpa": ("torch",),
             "ort_mha": ("onnx", "onnxruntime"), "ort_attention": ("onnx", "onnxruntime")}
 SGEMM = (2048, 1024, 3072)   # [M, K] @ [K, N]
 DISTURBED = 0.25             # cores busy in other processes while timing: numbers disturbed
@@ -142,6 +147,12 @@ class Mhagen:
 
     def __call__(self, x):
         return self.kernel(x)
+
+
+class MhagenAnyLength(Mhagen):
+    def __init__(self, layer, w, batch, seq, causal, threads=None, kernel=None):
+        self.kernel = kernel or mhagen.build(layer, TARGET, batch=batch, seq_len=None,
+                                             max_seq_len=max(seq, ANY_LEN_MAX), weights=w)
 
 
 class NumpyMHA:
@@ -312,7 +323,8 @@ class OrtAttention(OrtImpl):
     op = "ort_attention"
 
 
-FACTORIES = {"mhagen": Mhagen, "numpy": NumpyMHA, "torch_mha": TorchMHA,
+FACTORIES = {"mhagen": Mhagen, "mhagen_any_len": MhagenAnyLength, "numpy": NumpyMHA,
+             "torch_mha": TorchMHA,
              "torch_sdpa": TorchSDPA, "ort_mha": OrtMHA, "ort_attention": OrtAttention}
 
 
@@ -879,6 +891,14 @@ def summarize(rows, threads, peaks):
                          (f" (peers: {others})" if others else ""))
         else:
             parts.append("causal/no-mask time at seq 2048: n/a (no seq-2048 shape timed)")
+        any_len = {r["shape"] + " " + r["mask"]: o["median_ms"] / r["median_ms"]
+                   for r in mh for o in rows if o["impl"] == "mhagen_any_len"
+                   and o["threads"] == n and o["shape"] == r["shape"]
+                   and o["mask"] == r["mask"] and "median_ms" in o}
+        s["any_len_over_exact"] = any_len
+        if any_len:
+            parts.append("any-length module / exact build: " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in any_len.items()))
         s["line"] = "; ".join(parts)
         out[str(n)] = s
     return out
@@ -1278,7 +1298,8 @@ def main(argv=None):
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}"
           + (f", {png}" if png else ""))
 
-    mh = [r for r in rows if r["impl"] == "mhagen" and "mhagen" in args.impls]
+    mh = [r for r in rows if r["impl"] in ("mhagen", "mhagen_any_len")
+          and r["impl"] in args.impls]
     bad = [r for r in mh if not r["checked"]]
     if bad:
         loud("mhagen FAILED its check on: " + "; ".join(

@@ -128,7 +128,8 @@ def test_quick_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SUMMARY threads=1" in proc.stdout
     md = (tmp_path / "results.md").read_text()
-    for name in ("mhagen", "numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention"):
+    for name in ("mhagen", "mhagen_any_len", "numpy", "torch_mha", "torch_sdpa", "ort_mha",
+                 "ort_attention"):
         lines = [ln for ln in md.splitlines() if name in ln]
         assert lines, f"{name} not in results.md"
         listed = "\n".join(lines)
@@ -139,6 +140,9 @@ def test_quick_run_end_to_end(tmp_path):
     assert all(r.get("median_ms", 0) > 0 for r in mh)
     assert {r["mask"] for r in mh} == {"none", "causal"}
     assert data["sgemm_peak"]["1"]["gflops"] > 0
+    any_len = [r for r in data["rows"] if r["impl"] == "mhagen_any_len"]
+    assert any_len and all(r["checked"] for r in any_len)
+    assert "any-length module / exact build" in proc.stdout
 
 
 def test_quick_run_of_the_avx2_class(tmp_path):
