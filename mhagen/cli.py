@@ -46,6 +46,9 @@ def _shape_options(p):
     p.add_argument("--target", default="x86", help="target preset (default x86: this machine)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--max-seq-len", type=int, metavar="N",
+                   help="one module for every sequence length up to N (symbolic shapes); "
+                        "--seq-len is then the length it is checked and timed at")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
     p.add_argument("--no-fuse", action="store_true",
                    help="compile node by node (no fused QKV GEMM / attention kernels)")
@@ -166,12 +169,12 @@ def _build_checked(args, layer):
     if getattr(args, "repeat", 1) < 1:
         raise _Fail(f"--repeat must be >= 1, got {args.repeat}")
     weights = layer.init_weights(args.seed)
-    module = mhagen.build(layer, args.target, batch=args.batch, seq_len=args.seq_len,
-                          weights=weights, fuse=not args.no_fuse)
+    module = mhagen.build(layer, args.target, weights=weights, fuse=not args.no_fuse,
+                          **_shape(args))
     if not module.target.runs_here():
         return module, None, None
     rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal(module.in_shape).astype(np.float32)
+    x = rng.standard_normal((args.batch, args.seq_len, module.d_model)).astype(np.float32)
     cache = reference_cache = None
     if layer.cache_lens_input is not None:    # a decoding layer: a random, half-full cache
         cache = module.new_cache()
@@ -180,7 +183,19 @@ def _build_checked(args, layer):
         cache.lens[...] = (cache.max_len - args.seq_len) // 2
         reference_cache = cache.copy()
     expected = layer.reference(x, weights, cache=reference_cache)
+    args.x = x    # what latency and GFLOP/s are measured at
     return module, mhagen.max_error(module(x, cache=cache), expected), tolerance(expected)
+
+
+def _shape(args) -> dict:
+    """build()'s shape options from --batch, --seq-len and --max-seq-len."""
+    most = getattr(args, "max_seq_len", None)
+    if most is None:
+        return {"batch": args.batch, "seq_len": args.seq_len}
+    if not 1 <= args.seq_len <= most:
+        raise _Fail(f"--seq-len {args.seq_len} is outside 1..--max-seq-len {most}: give the "
+                    "length to check and time the module at (--seq-len) within it")
+    return {"batch": args.batch, "seq_len": None, "max_seq_len": most}
 
 
 def _cmd_bench(args):
@@ -203,8 +218,9 @@ def _cmd_bench(args):
     print(f"{'threads':>7} {'median ms':>10} {'GFLOP/s':>9}")
     for t in threads:
         set_num_threads(t)
-        seconds = module.latency(repeat=args.repeat)
-        print(f"{t:>7} {seconds * 1e3:>10.3f} {module.flops() / seconds / 1e9:>9.1f}")
+        seconds = module.latency(args.x, repeat=args.repeat)
+        print(f"{t:>7} {seconds * 1e3:>10.3f} "
+              f"{module.flops(*args.x.shape[:2]) / seconds / 1e9:>9.1f}")
     set_num_threads(available)
     return 0
 
@@ -213,7 +229,7 @@ def _cmd_build(args):
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
-          f"  input {module.in_shape} in {module.compile_seconds:.1f} s\n"
+          f"  input {_input_text(module)} in {module.compile_seconds:.1f} s\n"
           f"  schedules: {_schedule_summary(module)}")
     for record in module.tuning_records:
         print(f"  record {describe_record(record)}")
@@ -233,12 +249,19 @@ def _cmd_build(args):
     if err is None:
         print(f"not run: {module.cannot_run}")
         return 0
-    seconds = module.latency(repeat=args.repeat)
+    seconds = module.latency(args.x, repeat=args.repeat)
     where = (f"; a step of {args.seq_len} new token(s) on a full cache of {layer.options['kv_cache']}"
              if layer.cache_lens_input is not None else "")
-    print(f"median latency: {seconds * 1e3:.3f} ms  ({module.flops() / seconds / 1e9:.1f} "
-          f"GFLOP/s{where})")
+    if module.symbolic:
+        where = f" at input {args.x.shape}"
+    print(f"median latency: {seconds * 1e3:.3f} ms  "
+          f"({module.flops(*args.x.shape[:2]) / seconds / 1e9:.1f} GFLOP/s{where})")
     return 0
+
+
+def _input_text(module) -> str:
+    b, s, d = module.in_shape
+    return f"(batch {b}, any seq_len 1..{s}, {d})" if module.symbolic else str(module.in_shape)
 
 
 def _cmd_inspect(args):
@@ -253,8 +276,7 @@ def _cmd_inspect(args):
         print(_layer(args))
         return 0
     else:
-        module = mhagen.build(_layer(args), args.target, batch=args.batch, seq_len=args.seq_len,
-                              fuse=not args.no_fuse)
+        module = mhagen.build(_layer(args), args.target, fuse=not args.no_fuse, **_shape(args))
     print(module.inspect(args.what))
     return 0
 

@@ -317,9 +317,11 @@ class Module:
         b, s, _ = p.shape
         return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))
 
-    def flops(self) -> int:
-        """Floating-point operations of one call (2 per multiply-add of every matmul)."""
-        return graph_flops(self.graph, **self.graph.dims(self.batch, self.seq_len))
+    def flops(self, batch=None, seq_len=None) -> int:
+        """Floating-point operations of one call (2 per multiply-add of every matmul), at the
+        built shape or (symbolic builds) at batch x seq_len."""
+        return graph_flops(self.graph, **self.graph.dims(batch or self.batch,
+                                                          seq_len or self.seq_len))
 
     def inspect(self, what: str = "graph") -> str:
         """One stage as text: graph, te, tir (scheduled), source (assembly), schedule, manifest."""

@@ -176,3 +176,17 @@ def test_c_api_runs_every_length(tmp_path):
         assert_close(y, layer.reference(x, w))
     status, message, _, _ = run(2, 98)
     assert status == "MHA_ERR_SHAPE" and "seq_len 1..97" in message, message
+
+
+def test_cli_builds_for_every_length(capsys, tmp_path):
+    from mhagen.cli import main
+    rc = main(["build", "--d-model", "64", "--heads", "2", "--causal", "--max-seq-len", "80",
+               "--seq-len", "33", "--batch", "2", "--out", str(tmp_path / "art"),
+               "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "input (batch 2, any seq_len 1..80, 64)" in out and "ok" in out
+    assert "at input (2, 33, 64)" in out
+    assert mhagen.load(tmp_path / "art").symbolic["seq"]
+    assert main(["build", "--d-model", "64", "--heads", "2", "--max-seq-len", "16"]) == 2
+    assert "--seq-len 128 is outside 1..--max-seq-len 16" in capsys.readouterr().err
