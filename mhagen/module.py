@@ -121,7 +121,7 @@ class Module:
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
             if cache is not None:
-                cache.lens += self.seq_len
+                cache.lens += dims["seq"]
             if target is not result:   # padded columns, or an out= the kernels cannot fill
                 result[...] = target.reshape(dims["batch"], dims["seq"], -1)[
                     ..., :self.out_shape[2]]
@@ -163,8 +163,7 @@ class Module:
         batch, seq = x.shape[:2]
         dims = self.program.call_dims(batch, seq)
         lens = check_lengths(self.graph, kv_lens, batch, seq)
-        cache = check_cache(self.graph, cache, self.batch, self.seq_len, np.float32,
-                            self._cache_spec)
+        cache = check_cache(self.graph, cache, batch, seq, np.float32, self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=np.float32))
         elif self._params is not None:
@@ -333,8 +332,13 @@ class Module:
         return save_module(self, path)
 
     def __repr__(self):
-        return (f"<mhagen.Module {self.graph.name} on {self.target.name} x{self.in_shape} "
-                f"-> {self.out_shape}, weights {'bound' if self._params else 'not bound'}>")
+        shape = self.in_shape
+        if self.symbolic:   # (1..B, 1..S, D): the axes each call sets
+            shape = "(" + ", ".join(f"1..{n}" if self.symbolic.get(k) else str(n) for n, k in
+                                    zip(shape, ("batch", "seq", "d_model"))) + ")"
+        return (f"<mhagen.Module {self.graph.name} on {self.target.name} x{shape} "
+                f"-> {self.out_shape[2]} features, weights "
+                f"{'bound' if self._params else 'not bound'}>")
 
 
 def aligned_copy(arr, buffer) -> np.ndarray:

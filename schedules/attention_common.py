@@ -7,7 +7,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL, SKIP
-from mhagen.lower.te import LN2, LOG2E, mask_to_tir, score_to_tir
+from mhagen.lower.te import LN2, LOG2E, call_scalars, mask_to_tir, score_to_tir
 
 
 class ScoreRules:
@@ -19,9 +19,10 @@ class ScoreRules:
         # while the template is parsed, made parameters by attention_entry / with_scalars)
         self.symbolic = bool(w.get("symbolic"))
         if self.symbolic:
-            self.batch, self.seq = tirx.Var("batch", "int32"), tirx.Var("seq", "int32")
+            self.batch, self.seq = call_scalars()
         else:
             self.batch, self.seq = w["batch"], w["seq"]
+        self.scalars = (self.batch, self.seq) if self.symbolic else ()
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
@@ -77,13 +78,14 @@ class ScoreRules:
         return h if self.table_heads > 1 else 0
 
 
-def with_scalars(func, rules):
-    """A template's PrimFunc with the call's batch and seq appended as scalar parameters
-    (symbolic-length builds; the template was parsed with them as free variables)."""
-    if not rules.symbolic:
+def with_scalars(func, scalars):
+    """A template's PrimFunc with `scalars` (the call's batch and seq vars of a
+    symbolic-length build, or ()) appended as parameters; the template was parsed with them
+    as free variables (check_well_formed=False; tvm.compile checks the result)."""
+    if not scalars:
         return func
-    return tirx.PrimFunc(list(func.params) + [rules.batch, rules.seq], func.body,
-                         func.ret_type, func.attrs)
+    return tirx.PrimFunc(list(func.params) + list(scalars), func.body, func.ret_type,
+                         func.attrs)
 
 
 def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
@@ -99,7 +101,7 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, blocks, kv_lens, out)
-        return with_scalars(attention, rules)
+        return with_scalars(attention, rules.scalars)
 
     @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, "float32"),
@@ -107,4 +109,4 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
                   out: T.Buffer(out_shape, "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, blocks, None, out)
-    return with_scalars(attention, rules)
+    return with_scalars(attention, rules.scalars)

@@ -513,26 +513,33 @@ def test_c_api_length_errors(root, lengths_artifacts, key, case, status, message
         assert lens[1] == 3      # nothing advanced on an error
 
 
-def test_c_decode_example_matches_the_whole_sequence(root):
+@pytest.mark.parametrize("seq_len,calls", [(1, 29), (None, 17)], ids=["step", "any-length"])
+def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls):
     """examples/c_app/decode.c, built with its one-line command against a decoding artifact
-    (batch 1, seq_len 1), feeds 29 tokens one at a time: the causal layer on all 29."""
+    (batch 1; seq_len 1, or any number of new tokens up to 16), feeds 29 tokens: a prompt of
+    13 (in one call when the artifact takes it), then 16 decode steps. Equals the causal
+    layer on all 29."""
     kw = dict(kv_heads=2, causal=True, rotary=True)
     layer = mhagen.mha(64, 4, kv_cache=40, **kw)
     w = layer.init_weights(0)
-    d = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w).save(root / "decode-step")
-    exe = root / "decode"
+    lengths = dict(seq_len=1) if seq_len else dict(seq_len=None, max_seq_len=16)
+    d = mhagen.build(layer, "x86", batch=1, weights=w, **lengths).save(
+        root / f"decode-{seq_len}")
+    exe = root / f"decode-{seq_len}.exe"
     r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror",
                         str(APP / "decode.c"), f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}",
                         "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     x = random_input(layer, 1, 29, seed=6)
     x.tofile(root / "decode.x")
-    r = subprocess.run([str(exe), str(d), str(root / "decode.x"), "29", str(root / "decode.y")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([str(exe), str(d), str(root / "decode.x"), "29", str(root / "decode.y"),
+                        "13"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "the cache holds 29 of 40" in r.stdout
+    assert f"29 tokens in {calls} calls" in r.stdout and "the cache holds 29 of 40" in r.stdout
     y = np.fromfile(root / "decode.y", np.float32).reshape(x.shape)
     assert_close(y, mhagen.mha(64, 4, **kw).reference(x, w))
+    if seq_len is None:
+        return
     # a decode.c built against a non-decoding artifact stops at compile time, with the reason
     plain = mhagen.build(mhagen.mha(64, 4), "x86", batch=1, seq_len=1,
                          weights=mhagen.mha(64, 4).init_weights(0)).save(root / "plain-1")

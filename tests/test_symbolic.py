@@ -96,12 +96,32 @@ def test_attention_maps_follow_the_call():
     assert module.attention_maps(random_input(layer, 2, 11)).shape == (2, 2, 11, 11)
 
 
+@pytest.mark.parametrize("target", ["x86", "x86-avx2"])
+def test_decoding_prompt_and_steps_from_one_module(target):
+    """A decoding layer built with seq_len=None: a prompt of any length in one call, then
+    single tokens, from one module and one cache; equals the causal layer on everything."""
+    kw = dict(kv_heads=2, causal=True, rotary=True, score_mod=mhagen.alibi(4))
+    layer = mhagen.mha(96, 4, kv_cache=64, **kw)
+    w = layer.init_weights(seed=2)
+    module = mhagen.build(layer, target, batch=2, seq_len=None, max_seq_len=40, weights=w,
+                          tuning=None)
+    x = random_input(layer, 2, 45, seed=9)
+    cache = module.new_cache()
+    ys = [module(x[:, :37], cache=cache)]
+    ys += [module(x[:, t:t + 1], cache=cache) for t in range(37, 42)]
+    ys.append(module(x[:, 42:], cache=cache))
+    assert list(cache.lens) == [45, 45]
+    assert_close(np.concatenate(ys, axis=1), mhagen.mha(96, 4, **kw).reference(x, w))
+    with pytest.raises(mhagen.InputError, match="seq_len 1..40"):
+        module(random_input(layer, 2, 41), cache=module.new_cache())
+
+
 @pytest.mark.parametrize("kwargs,options,error,message", [
     ({}, dict(max_seq_len=None), mhagen.GraphError, "give max_seq_len=N"),
     ({}, dict(seq_len=8, max_seq_len=16), mhagen.GraphError, "drop one"),
     ({}, dict(max_seq_len=0), ValueError, "max_seq_len"),
     ({}, dict(fuse=False), mhagen.GraphError, "need the fused kernels"),
-    (dict(kv_cache=32), dict(), mhagen.GraphError, "fixed number of new tokens"),
+    (dict(kv_cache=32), dict(batch=None, max_batch=2), mhagen.GraphError, "fixed batch"),
 ])
 def test_bad_symbolic_builds_are_refused(kwargs, options, error, message):
     layer = mhagen.mha(32, 2, **kwargs)

@@ -1,12 +1,13 @@
 /* decode.c -- token-by-token generation through the C API of a decoding artifact.
  *
  * The artifact: a layer with a K/V cache (mhagen.mha(..., kv_cache=N)) built with batch 1 and
+ * either seq_len=None, max_seq_len=P (any number of new tokens per call, up to P) or
  * seq_len 1, saved with Module.save. This program owns the cache (two 64-byte aligned arrays
- * and a length) and feeds x one token per mha_run_cached call: the prompt first (a prefill,
- * token by token), then the generated positions; each call appends that token's K/V to the
- * cache and attends over everything cached so far.
+ * and a length). It runs the first PROMPT tokens of x in one mha_run_cached call (a prefill;
+ * a seq_len-1 artifact takes them one at a time), then the rest one token per call (decode
+ * steps); each call appends its tokens' K/V to the cache and attends over everything cached.
  *
- * Usage: decode ARTIFACT_DIR X_FILE TOKENS Y_FILE
+ * Usage: decode ARTIFACT_DIR X_FILE TOKENS Y_FILE [PROMPT]   (PROMPT default 1)
  *   X_FILE: TOKENS x MHA_D_MODEL float32 (row-major); Y_FILE: written, TOKENS x MHA_OUT_D_MODEL
  * Build: cc -std=c11 decode.c -I DIR -L DIR -lmha -Wl,-rpath,DIR -o decode
  */
@@ -15,8 +16,8 @@
 
 #include "mha.h"
 
-#if MHA_KV_CACHE == 0 || MHA_BATCH != 1 || MHA_SEQ_LEN != 1
-#error "decode.c needs the mha.h of a decoding artifact built with batch 1 and seq_len 1"
+#if MHA_KV_CACHE == 0 || MHA_BATCH != 1 || (MHA_SEQ_LEN != 1 && !MHA_SYMBOLIC_SEQ_LEN)
+#error "decode.c needs the mha.h of a decoding artifact built with batch 1 and seq_len None or 1"
 #endif
 
 static float *aligned_floats(size_t n) {
@@ -25,15 +26,23 @@ static float *aligned_floats(size_t n) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 5) {
-    fprintf(stderr, "usage: %s ARTIFACT_DIR X_FILE TOKENS Y_FILE\n", argv[0]);
+  if (argc != 5 && argc != 6) {
+    fprintf(stderr, "usage: %s ARTIFACT_DIR X_FILE TOKENS Y_FILE [PROMPT]\n", argv[0]);
     return 2;
   }
   const int tokens = atoi(argv[3]);
+  const int prompt = argc == 6 ? atoi(argv[5]) : 1;
   if (tokens < 1 || tokens > MHA_KV_CACHE) {
     fprintf(stderr, "TOKENS must be in 1..%d (the cache size)\n", MHA_KV_CACHE);
     return 2;
   }
+  if (prompt < 1 || prompt > tokens) {
+    fprintf(stderr, "PROMPT must be in 1..TOKENS\n");
+    return 2;
+  }
+  /* tokens per call: the prompt at once when the artifact takes any number (up to
+   * MHA_SEQ_LEN), else one by one */
+  const int chunk = prompt <= MHA_SEQ_LEN ? prompt : 1;
   float *x = malloc((size_t)tokens * MHA_D_MODEL * sizeof(float));
   float *y = malloc((size_t)tokens * MHA_OUT_D_MODEL * sizeof(float));
   float *k_cache = aligned_floats(MHA_CACHE_SIZE);
@@ -57,16 +66,19 @@ int main(int argc, char **argv) {
             mha_status_name(mha_last_error_code()));
     return 1;
   }
-  for (int t = 0; t < tokens; ++t) {
-    int rc = mha_run_cached(h, x + (size_t)t * MHA_D_MODEL, 1, 1, k_cache, v_cache, &cache_len,
+  int calls = 0;
+  for (int t = 0; t < tokens; ++calls) {
+    const int n = t == 0 ? chunk : 1;
+    int rc = mha_run_cached(h, x + (size_t)t * MHA_D_MODEL, 1, n, k_cache, v_cache, &cache_len,
                             y + (size_t)t * MHA_OUT_D_MODEL);
     if (rc != MHA_OK) {
       fprintf(stderr, "token %d: %s (%s)\n", t, mha_last_error(), mha_status_name(rc));
       return 1;
     }
+    t += n;
   }
-  printf("decoded %d tokens one at a time; the cache holds %d of %d\n", tokens, cache_len,
-         MHA_KV_CACHE);
+  printf("decoded %d tokens in %d calls (the first took %d); the cache holds %d of %d\n",
+         tokens, calls, chunk, cache_len, MHA_KV_CACHE);
   f = fopen(argv[4], "wb");
   if (!f || fwrite(y, sizeof(float), (size_t)tokens * MHA_OUT_D_MODEL, f) !=
                 (size_t)tokens * MHA_OUT_D_MODEL) {

@@ -23,7 +23,7 @@ from tvm import te, tirx
 
 from mhagen.blockmask import block_table, split_lengths
 from mhagen.errors import GraphError, TargetError
-from mhagen.lower.te import rope_table
+from mhagen.lower.te import call_scalars, rope_table
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import SCALARS, Buffer, Kernel, Program, Stage, round_up
 
@@ -81,9 +81,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         "input", "qkv_projection", "attention", "output_projection"))
     has_lengths = len(att_node.inputs) > 1   # key lengths (or cache lengths) given per call
     cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N}
-    if symbolic and cache is not None:
-        raise GraphError("decoding layers (kv_cache=) take a fixed number of new tokens per "
-                         "call: build them with seq_len=N, not seq_len=None")
+    if symbolic and symbolic["batch"] and cache is not None:
+        raise GraphError("decoding layers (kv_cache=) run a fixed batch (the cache's): build "
+                         "them with batch=B (seq_len=None serves any number of new tokens)")
     if symbolic and not backend.symbolic:
         raise TargetError(f"symbolic lengths (seq_len=None) do not compile for "
                           f"{target.name} yet ({backend.family}); build one module per length")
@@ -197,7 +197,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("out", (rows, d_out_p), "output", symbolic={0: "rows"} if symbolic else None),
     ]
     buf = {b.name: b for b in buffers}
-    scalars = (tirx.Var("batch", "int32"), tirx.Var("seq", "int32")) if symbolic else ()
+    scalars = call_scalars() if symbolic else ()
     ph = _placeholders(buf, scalars, tile_rows)
     extra = list(SCALARS) if symbolic else []
 
@@ -222,18 +222,17 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table "
                     f"[2, {positions}, {r['rotary_dim'] // 2}]")
     if cache is not None:
-        _decode_kernels(kernels, text, work, cfg, att_node, lengths)
-        return _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr)
-    # 3. attention template
-    kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"] + extra,
-                          stages=[Stage("attention", "attention_template", att_node.name,
-                                        (), work)],
-                          template="attention", workload=work, config=cfg,
-                          tuned=attention_config is not None))
-    text.append(f"att = attention(qkv)  # template: {heads} heads, {kv_heads} K/V heads, "
-                f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
-                f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
-                "blocks skipped")
+        _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra)
+    else:   # 3. attention template
+        kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"] + extra,
+                              stages=[Stage("attention", "attention_template", att_node.name,
+                                            (), work)],
+                              template="attention", workload=work, config=cfg,
+                              tuned=attention_config is not None))
+        text.append(f"att = attention(qkv)  # template: {heads} heads, {kv_heads} K/V heads, "
+                    f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
+                    f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
+                    "blocks skipped")
     program = _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
                            ph if symbolic else None)
     if symbolic:
@@ -259,16 +258,17 @@ def _placeholders(buf, scalars, tile_rows):
     return ph
 
 
-def _decode_kernels(kernels, text, work, cfg, att_node, lengths):
-    """A decoding layer's cache append and split-KV attention (templates of the backend)."""
-    kernels.append(Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"],
+def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra):
+    """A decoding layer's cache append and split-KV attention (templates of the backend);
+    extra: the scalar arguments of a symbolic-length build."""
+    kernels.append(Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"] + extra,
                           stages=[Stage("cache_append", "cache_append_template",
                                         att_node.name, (), work)],
                           template="cache_append", workload=work))
     text.append("k_cache[b, g, cache_lens[b] + t], v_cache[...] = K, V of qkv row b*seq + t"
                 "  # in place")
     kernels.append(Kernel("attention", ["qkv"] + lengths + ["k_cache", "v_cache", "part_o",
-                                                            "part_ml", "att"],
+                                                            "part_ml", "att"] + extra,
                           stages=[Stage("attention", "decode_template", att_node.name, (),
                                         work)],
                           template="decode", workload=work, config=cfg))

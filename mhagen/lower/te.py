@@ -19,6 +19,13 @@ from mhagen.ir import rope
 from mhagen.program import Buffer, Kernel, Program, Stage
 
 
+
+def call_scalars():
+    """The call's batch and seq as TIR vars: the scalar parameters every kernel of a
+    symbolic-length build takes last (mhagen.program.SCALARS)."""
+    return tvm.tirx.Var("batch", "int32"), tvm.tirx.Var("seq", "int32")
+
+
 LOG2E = 1.4426950408889634   # templates compute softmax in base 2: exp(x) = 2^(x log2 e)
 LN2 = 0.6931471805599453
 

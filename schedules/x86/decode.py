@@ -27,9 +27,9 @@ from tvm.script import tirx as T
 
 from mhagen.blockmask import conjuncts
 from mhagen.ir import expr as ex
-from mhagen.lower.te import LOG2E
+from mhagen.lower.te import LOG2E, call_scalars
 from mhagen.program import round_up
-from mhagen.schedules.attention_common import ScoreRules
+from mhagen.schedules.attention_common import ScoreRules, with_scalars
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 
 
@@ -111,6 +111,10 @@ def build_cache_append(w, cfg):
     B, S, G, d, DP = w["batch"], w["seq"], w["kv_heads"], w["head_dim"], w["head_dim_padded"]
     N, PW = w["cache"], w["panel"]
     NP, M = w["qkv_width"] // PW, w["rows"]
+    scalars = ()
+    if w.get("symbolic"):      # the call's number of new tokens (symbolic-length builds)
+        scalars = B, S = call_scalars()
+        M = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
     K_BASE, V_BASE = w["k_base"], w["v_base"]
     LN = cfg.lanes
     NCH, TAIL = _chunks(d, LN)
@@ -128,7 +132,7 @@ def build_cache_append(w, cfg):
                                                       b * S + t,
                                                       (base + g * DP + NCH * LN) % PW + ln]
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)   # free scalars until they become parameters
     def cache_append(qkv: T.Buffer((NP, M, PW), "float32"),
                      cache_lens: T.Buffer((B,), "int32"),
                      k_cache: T.Buffer((B, G, N, d), "float32"),
@@ -143,18 +147,19 @@ def build_cache_append(w, cfg):
                     copy_head(qkv, k_cache, K_BASE, b, g, t, pos)
                     copy_head(qkv, v_cache, V_BASE, b, g, t, pos)
 
-    return cache_append
+    return with_scalars(cache_append, scalars)
 
 
 def build_decode(w, cfg):
     """The decode attention PrimFunc (qkv, cache_lens, k_cache, v_cache, part_o, part_ml,
     att) for workload w."""
-    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
+    H, G, d = w["heads"], w["kv_heads"], w["head_dim"]
     DP, N, PW = w["head_dim_padded"], w["cache"], w["panel"]
     NP, M, MA = w["qkv_width"] // PW, w["rows"], w["att_rows"]
     Q_BASE, HD, GROUP = w["q_base"], H * d, H // G
     L = decode_layout(w, cfg)
     R, NRT, NS, NT = L["rows"], L["n_row_tiles"], L["n_splits"], L["tasks"]
+    NT_MAX = NT                   # the partial temporaries: sized for the largest call
     RT, SPLIT, KB, LN = cfg.row_tile, cfg.split, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
     QCH = DP // LN
@@ -167,6 +172,12 @@ def build_decode(w, cfg):
     causal = mask is not None and any(p == ex.causal() for p in conjuncts(mask))
 
     rules = ScoreRules(w, SCORE_MATH)   # the mask and modifier, as the prefill template
+    B, S = rules.batch, rules.seq       # ints, or the call's (symbolic-length builds)
+    if rules.symbolic:
+        R = GROUP * S
+        NRT = (R + RT - 1) // RT
+        NT = B * G * NRT * NS
+        M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     assert LN in (4, 8, 16), LN
 
@@ -219,13 +230,13 @@ def build_decode(w, cfg):
                 part_o[task, r, NCH * LN + ln] = part_o[task, r, NCH * LN + ln] + p * v_cache[
                     b, g, kr, NCH * LN + ln]
 
-    @T.prim_func
+    @T.prim_func(check_well_formed=False)   # free scalars until with_scalars
     def attention(qkv: T.Buffer((NP, M, PW), "float32"),
                   cache_lens: T.Buffer((B,), "int32"),
                   k_cache: T.Buffer((B, G, N, d), "float32"),
                   v_cache: T.Buffer((B, G, N, d), "float32"),
-                  part_o: T.Buffer((NT, RT, DP), "float32"),
-                  part_ml: T.Buffer((NT, 2, RT), "float32"),
+                  part_o: T.Buffer((NT_MAX, RT, DP), "float32"),
+                  part_ml: T.Buffer((NT_MAX, 2, RT), "float32"),
                   out: T.Buffer((MA, HD), "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         for task in T.parallel(NT):
@@ -327,4 +338,4 @@ def build_decode(w, cfg):
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
 
-    return attention
+    return with_scalars(attention, rules.scalars)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tvm import tirx
 from tvm.script import tirx as T
+
+from mhagen.lower.te import call_scalars
+from mhagen.schedules.attention_common import with_scalars
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def build_rotary(w, cfg):
     P = w.get("cache") or S       # table rows: positions up to the cache length (decoding)
     scalars = ()
     if w.get("symbolic"):         # the call's batch and seq: parameters, rows dense b*seq + t
-        scalars = B, S = tirx.Var("batch", "int32"), tirx.Var("seq", "int32")
+        scalars = B, S = call_scalars()
         M = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     @T.macro
@@ -82,14 +84,14 @@ def build_rotary(w, cfg):
                         (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
 
     if w.get("cache"):
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)   # free scalars: see below
         def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
                    cache_lens: T.Buffer((B,), "int32"),
                    rope: T.Buffer((2, P, HALF), "float32")):
             T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
             for row in T.parallel(B * S):     # token t of row b is at cache_lens[b] + t
                 body(qkv, rope, row, T.min(cache_lens[row // S] + row % S, P - 1))
-        return rotary
+        return with_scalars(rotary, scalars)
 
     @T.prim_func(check_well_formed=False)   # free scalar vars: see below
     def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
@@ -98,7 +100,4 @@ def build_rotary(w, cfg):
         for row in T.parallel(B * S):
             body(qkv, rope, row, row % S)
 
-    if scalars:
-        return tirx.PrimFunc(list(rotary.params) + list(scalars), rotary.body,
-                             rotary.ret_type, rotary.attrs)
-    return rotary
+    return with_scalars(rotary, scalars)
