@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--max-len", type=int, default=256, help="tokens the cache holds")
-    p.add_argument("--max-prompt", type=int, default=64, help="most new tokens per call")
+    p.add_argument("--max-prompt", type=int, help="most new tokens per call (default: the "
+                   "prompt rounded up to 64, at most --max-len)")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -36,8 +37,9 @@ def main(argv=None) -> int:
     style = dict(kv_heads=args.kv_heads, causal=True, rotary=True)
     layer = mhagen.mha(args.d_model, args.heads, kv_cache=args.max_len, **style)
     weights = layer.init_weights(seed=0)
-    module = mhagen.build(layer, args.target, batch=1, seq_len=None,
-                          max_seq_len=args.max_prompt, weights=weights)
+    most = args.max_prompt or min(-(-args.prompt // 64) * 64, args.max_len)
+    module = mhagen.build(layer, args.target, batch=1, seq_len=None, max_seq_len=most,
+                          weights=weights)
     print(f"{layer!r}\n{module}")
 
     tokens = args.prompt + args.steps

@@ -7,7 +7,9 @@
    1-4, seq 1-300, mostly < 64, with 1, 2, 97 and 257) and fuse on/off, builds it for
    "x86-avx2" (or "x86" when that preset runs here and differs), runs it on random input
    and compares with `assert_close` against `layer.reference`. Nothing is cached across
-   cases: every case builds its own module from its own graph.
+   cases: every case builds its own module from its own graph. The same layers also run
+   as decoding layers (two calls on a random cache) and as symbolic-length builds (one
+   build, 1-3 calls at random shapes up to its maximum, some with key padding).
 2. Invalid configurations (bad sizes, masks, score modifiers, rotary, build options, call
    time inputs and weights) raise mhagen's own errors (or the documented TypeError /
    ValueError of the expression builders) from a deliberate `raise` in mhagen, with a
@@ -188,6 +190,28 @@ def test_random_decoding_layers_match_the_reference(options, batch, new, room, t
     assert cache.lens.tolist() == expected_cache.lens.tolist()
     assert_close(cache.k, expected_cache.k)
     assert_close(cache.v, expected_cache.v)
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
+@given(options=layers(), max_batch=st.integers(1, 3), max_seq=st.integers(1, 300),
+       calls=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=3),
+       padding=st.booleans(), target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
+def test_random_symbolic_length_layers_match_the_reference(options, max_batch, max_seq, calls,
+                                                           padding, target, seed):
+    """The same random layers built once for every batch <= max_batch and seq <= max_seq
+    (seq_len=None), some with key padding, called at 1-3 random shapes (the maximum among
+    them when drawn): each call matches the reference of its shape."""
+    layer = mhagen.mha(**options, key_padding=padding)
+    rng = np.random.default_rng(seed)
+    w = layer.init_weights(seed)
+    kernel = mhagen.build(layer, target, batch=None, max_batch=max_batch, seq_len=None,
+                          max_seq_len=max_seq, weights=w)
+    for fb, fs in calls:
+        batch, seq = 1 + round(fb * (max_batch - 1)), 1 + round(fs * (max_seq - 1))
+        event(f"call at the maximum: {(batch, seq) == (max_batch, max_seq)}")
+        x = rng.standard_normal((batch, seq, options["d_model"])).astype(np.float32)
+        lens = rng.integers(0, seq + 1, batch) if padding else None
+        assert_close(kernel(x, kv_lens=lens), layer.reference(x, w, kv_lens=lens))
 
 
 @pytest.mark.skipif(not mhagen.target.resolve("x86-avx512").runs_here(),
