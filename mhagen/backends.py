@@ -19,6 +19,8 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
                    would compile to host code, or to nothing, without any error from TVM)
   symbolic         whether its kernels take the call's batch and seq at run time (one build
                    for every length; mhagen.build(..., seq_len=None))
+  cross            whether its attention template takes cross-attention (K/V projected from a
+                   second input, mhagen.mha(..., cross=True)) fused
   device_compile   (optional) (executable, target) -> DeviceCode: the device code compiled at
                    build time (CUDA: nvcc's fatbin, its PTX and ptxas' resource report)
 
@@ -62,6 +64,7 @@ class Backend:
     decode: object | None = None
     device_compile: Callable | None = None
     symbolic: bool = False       # its templates take the call's batch and seq (seq_len=None)
+    cross: bool = False          # its attention template reads K/V from a second GEMM's output
 
 
 def family_of(target) -> Family:

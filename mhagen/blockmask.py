@@ -48,30 +48,32 @@ def table_dims(mask, batch, heads):
 
 
 def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False,
-                symbolic=False) -> np.ndarray:
+                symbolic=False, kv_seq=None) -> np.ndarray:
     """The table of a mask; with key lengths per call (lengths=True), of the parts that do not
     read kv_len (the kernels apply the length at run time, see split_lengths). symbolic: for
     every call length up to seq (positions are absolute, so a tile's state at seq holds for
     the rows and keys of a shorter call; parts that read q_len or kv_len are left to the
-    kernel, and the kernel cuts the key blocks at the call's length)."""
+    kernel, and the kernel cuts the key blocks at the call's length). kv_seq: the keys'
+    length when it differs from the queries' (cross-attention)."""
+    kv_seq = seq if kv_seq is None else kv_seq
     if lengths or symbolic:
         static, _, others = split_lengths(mask, symbolic)
-        table = block_table(static, batch, heads, seq, q_tile, kv_block)
+        table = block_table(static, batch, heads, seq, q_tile, kv_block, kv_seq=kv_seq)
         if others:
             table[table == FULL] = PARTIAL
         return table
     tb, th = table_dims(mask, batch, heads)
-    n_q, n_kv = -(-seq // q_tile), -(-seq // kv_block)
+    n_q, n_kv = -(-seq // q_tile), -(-kv_seq // kv_block)
     table = np.empty((tb, th, n_q, n_kv), np.int32)
     keys = np.arange(n_kv * kv_block)[None, :]
     for b in range(tb):
         for h in range(th):
             for qt in range(n_q):
                 rows = np.arange(qt * q_tile, min((qt + 1) * q_tile, seq))[:, None]
-                vis = keys < seq
+                vis = keys < kv_seq
                 if mask is not None:
                     env = {"batch": b, "head": h, "q_idx": rows, "kv_idx": keys,
-                           "q_len": seq, "kv_len": seq}
+                           "q_len": seq, "kv_len": kv_seq}
                     vis = vis & ex.evaluate(mask, env, NUMPY_OPS)
                 vis = np.broadcast_to(vis, (len(rows), keys.shape[1]))
                 blocks = vis.reshape(len(rows), n_kv, kv_block)

@@ -56,7 +56,7 @@ def resolve_tuning(tuning, target):
 
 def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | None = 128,
           weights=None, fuse: bool = True, tuning="auto", max_batch: int | None = None,
-          max_seq_len: int | None = None):
+          max_seq_len: int | None = None, kv_seq_len: int | None = None):
     """Compile `layer` for `target` (a preset name, "host", or a Target) into a Module.
 
     batch, seq_len: the input shape [batch, seq_len, d_model] the kernels are built for.
@@ -64,7 +64,9 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     length 1..N (batch 1..B); the kernels take the call's lengths at run time (TVM symbolic
     shapes), buffers are allocated at the maximum, block tables hold for every length.
     Such builds use the default GEMM schedules, and the attention config tuned for the
-    maximum shape when a record has it."""
+    maximum shape when a record has it.
+    kv_seq_len: the context's length of a cross-attention layer (mhagen.mha(..., cross=True));
+    required for them, refused for others."""
     if not isinstance(layer, Graph):
         raise GraphError(f"build() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
                          f"{type(layer).__name__}")
@@ -83,16 +85,27 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     positive_int("max_batch" if symbolic and symbolic["batch"] else "batch", batch)
     positive_int("max_seq_len" if symbolic and symbolic["seq"] else "seq_len", seq_len)
     t = resolve(target)
-    if len(layer.inputs) != 1:
-        raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model]; "
-                         f"{layer.name!r} has {len(layer.inputs)}")
+    if len(layer.inputs) != 1 and not (len(layer.inputs) == 2 and layer.context_input):
+        raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model] (and "
+                         f"a cross-attention layer's context); {layer.name!r} has "
+                         f"{len(layer.inputs)}")
+    if layer.context_input is not None:
+        if kv_seq_len is None:
+            raise GraphError(f"{layer.name!r} is a cross-attention layer: give kv_seq_len=T, "
+                             "the context's length")
+        positive_int("kv_seq_len", kv_seq_len)
+    elif kv_seq_len is not None:
+        raise GraphError(f"kv_seq_len is the context's length of a cross-attention layer; "
+                         f"{layer.name!r} has one input: drop kv_seq_len")
     start = time.perf_counter()
     tuning = resolve_tuning(tuning, t)
-    program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic)
+    program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,
+                    kv_seq_len=kv_seq_len)
     executable, texts, decisions, device = compile_program(program, t, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,
                      compile_seconds=time.perf_counter() - start, executable=executable,
                      device_code=device, builder=build)
-    return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info)
+    return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info,
+                  kv_seq_len=kv_seq_len)

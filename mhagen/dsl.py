@@ -20,7 +20,8 @@ def _divisors(n):
 def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
         score_mod=None, rotary=None, key_padding: bool = False, kv_cache: int | None = None,
-        bias: bool = True, name: str = "mha") -> Graph:
+        cross: bool = False, kv_dim: int | None = None, bias: bool = True,
+        name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -53,11 +54,18 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             cache. Positions are absolute: new token t of row b is at q_idx = lens[b] + t (so
             `causal` is bottom-right aligned, and rotary, ALiBi and windows see true
             positions), kv_len = lens[b] + S. Not with key_padding.
+        cross: cross-attention: queries from x [batch, seq, D], keys and values from a
+            second input `context` [batch, kv_seq, kv_dim] of its own length (an encoder's
+            output); masks see q_idx < seq, kv_idx < kv_seq (q_len = seq, kv_len = kv_seq;
+            `causal` is then top-left: query i sees keys 0..i), key_padding pads the
+            context. Not with rotary or kv_cache.
+        kv_dim: the context's width (cross only); default d_model.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
 
-    Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d],
-    w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d], b_o [D].
-    Input x: [batch, seq, D]; output [batch, seq, D].
+    Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d] (cross:
+    [kv_heads, kv_dim, d]), w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d],
+    b_o [D]. Input x: [batch, seq, D] (cross: and context [batch, kv_seq, kv_dim]); output
+    [batch, seq, D].
     """
     positive_int("d_model", d_model)
     positive_int("num_heads", num_heads)
@@ -107,6 +115,17 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         if key_padding:
             raise GraphError("kv_cache= and key_padding=True do not combine yet: a decoding "
                              "layer's keys are the cached ones (cache.lens says how many)")
+    if not isinstance(cross, (bool, np.bool_)):
+        raise GraphError(f"cross= takes True or False, got {cross!r}")
+    if kv_dim is not None and not cross:
+        raise GraphError("kv_dim= is the context's width of a cross-attention layer: pass "
+                         "cross=True too, or drop kv_dim")
+    if cross:
+        kv_dim = d_model if kv_dim is None else positive_int("kv_dim", kv_dim)
+        for option, value in (("rotary", rotary), ("kv_cache", kv_cache)):
+            if value is not None:
+                raise GraphError(f"cross=True does not combine with {option}= yet (queries and "
+                                 "keys come from two sequences); drop one")
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
@@ -126,8 +145,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["key_padding"] = True
     if kv_cache is not None:
         options["kv_cache"] = kv_cache
+    if cross:
+        options.update(cross=True, kv_dim=kv_dim)
     g = Graph(name, options=options)
     x = g.input("x", d_model)
+    context = g.input("context", kv_dim, seq="kv_seq") if cross else None
     lengths = g.lengths("kv_lens") if key_padding else None
     if kv_cache is not None:
         lengths = g.cache_lens("cache_lens")
@@ -135,14 +157,14 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
                            score_mod=score_mod,
                            rotary=None if rotary is None else rotary.attrs(head_dim),
-                           lengths=lengths, max_len=kv_cache))
+                           lengths=lengths, max_len=kv_cache, context=context))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
               bias: bool, score_mod=None, rotary: dict | None = None, lengths=None,
-              max_len: int | None = None) -> str:
+              max_len: int | None = None, context: str | None = None) -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
@@ -151,15 +173,17 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
     a rotary node after every Q and K projection; lengths (a lengths node, optional) feeds
     every mask its kv_len per batch; max_len (with lengths a cache_lens node) makes a
     decoding layer: K/V heads go through caches of max_len rows, and the rotary, score_mod
-    and mask nodes read the positions. Heads are concatenated and projected to d_out. Node
+    and mask nodes read the positions; context (an input node, optional) is what K and V
+    project (cross-attention), else x. Heads are concatenated and projected to d_out. Node
     and weight names are those of mha().
     """
     positions = lengths if max_len is not None else None
     kv_of = kv_head_map(len(scales), kv_heads)
 
     def proj(w, i):
-        return g.head_projection(x, f"w_{w}", i, head_dim, bias=f"b_{w}" if bias else None,
-                                 name=f"{w}{i}")
+        source = x if w == "q" or context is None else context
+        return g.head_projection(source, f"w_{w}", i, head_dim,
+                                 bias=f"b_{w}" if bias else None, name=f"{w}{i}")
 
     def rotated(name):
         return name if rotary is None else g.rotary(name, name=f"r{name}", **rotary,

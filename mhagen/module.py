@@ -19,7 +19,7 @@ from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape
 from mhagen.maps import head_softmaxes, maps_graph
-from mhagen.reference import check_cache, check_input, check_lengths
+from mhagen.reference import check_cache, check_context, check_input, check_lengths
 from mhagen.weights import check_weights
 
 @dataclass
@@ -52,9 +52,10 @@ class Module:
     """
 
     def __init__(self, graph, target, batch, seq_len, program, library, *, weights=None,
-                 info: BuildInfo | None = None):
+                 info: BuildInfo | None = None, kv_seq_len: int | None = None):
         self.graph, self.target = graph, target
         self.batch, self.seq_len = batch, seq_len
+        self.kv_seq_len = kv_seq_len        # a cross-attention layer's context length
         self.program = program
         self.library = library
         self.info = info or BuildInfo()
@@ -63,7 +64,8 @@ class Module:
         # start LLVM's JIT, which refuses a foreign architecture, the second dies of SIGILL.
         self.cannot_run = target.cannot_run()
         self.d_model = graph.inputs[0].attrs["shape"][2]
-        self.out_shape = tuple(graph.shapes(**graph.dims(batch, seq_len))[graph.output])
+        self.out_shape = tuple(graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))[
+            graph.output])
         self._cache_spec = cache_shape(graph)     # a decoding layer's cache, else None
         self.symbolic = program.symbolic           # {"batch": bool, "seq": bool, ...} or None
         self._input = program.role("input")[0]
@@ -110,13 +112,15 @@ class Module:
             out[b.name] = aligned_copy(b.make(weights), b)
         return out
 
-    def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None) -> np.ndarray:
+    def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None,
+                 context=None) -> np.ndarray:
         """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding.
         cache: the mhagen.KVCache of a decoding layer (mhagen.mha(..., kv_cache=N)); x holds
         the new tokens, whose K/V rows the call writes into the cache before attending;
-        cache.lens then advances by seq_len."""
+        cache.lens then advances by seq_len. context: the keys' and values' input of a
+        cross-attention layer, [batch, kv_seq_len, kv_dim]."""
         with self._lock:
-            buffers, dims = self._buffers(x, weights, kv_lens, cache)
+            buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
             result, target = self._output_array(out, dims)
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
@@ -150,7 +154,7 @@ class Module:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
         return KVCache.empty(self, self.batch)
 
-    def _buffers(self, x, weights, kv_lens=None, cache=None):
+    def _buffers(self, x, weights, kv_lens=None, cache=None, context=None):
         """(the kernels' arguments by name: TVM tensors over numpy memory and, symbolic
         builds, the call's batch and seq; the call's dims: Program.call_dims). x is passed
         without a copy when C-contiguous float32 on a 64-byte boundary, else copied; a
@@ -162,7 +166,9 @@ class Module:
             x = self._check_x(x)
         batch, seq = x.shape[:2]
         dims = self.program.call_dims(batch, seq)
-        lens = check_lengths(self.graph, kv_lens, batch, seq)
+        context = self._check_context(context, batch)
+        lens = check_lengths(self.graph, kv_lens, batch, seq if context is None else
+                             self.kv_seq_len)
         cache = check_cache(self.graph, cache, batch, seq, np.float32, self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=np.float32))
@@ -182,6 +188,13 @@ class Module:
             staged[...] = x.reshape(shape)
             x = staged
         buffers[self._input.name] = runtime.tensor(x.reshape(shape))
+        if context is not None:
+            node = self.program.buffers[self.graph.context_input.name]
+            if not is_aligned(context):
+                staged = self._temp(node)
+                staged[...] = context.reshape(node.shape)
+                context = staged
+            buffers[node.name] = runtime.tensor(context.reshape(node.shape))
         if lens is not None:
             staged = self._view(self.program.buffers[self.graph.lengths_input.name], dims)
             staged[...] = lens
@@ -235,6 +248,21 @@ class Module:
             raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
                              "pass x.astype(np.float32)")
         return x
+
+    def _check_context(self, context, batch):
+        """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
+        context = check_context(self.graph, context, batch)
+        if context is None:
+            return None
+        want = (batch, self.kv_seq_len, self.graph.context_input.attrs["shape"][2])
+        if context.shape != want:
+            raise InputError(f"context has shape {context.shape}, but this module was built "
+                             f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "
+                             f"mhagen.build(layer, ..., kv_seq_len={context.shape[1]})")
+        if context.dtype != np.float32:
+            raise InputError(f"context has dtype {context.dtype}; this module computes in "
+                             "float32: pass context.astype(np.float32)")
+        return np.ascontiguousarray(context)
 
     def _check_symbolic_x(self, x):
         names = ("batch", "seq_len")

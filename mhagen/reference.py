@@ -78,6 +78,31 @@ def check_input(graph, x, dtype=None) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=dtype) if dtype else x
 
 
+def check_context(graph, context, batch: int, dtype=None):
+    """The context of a cross-attention graph ([batch, kv_seq, kv_dim], as an array), or
+    None for other graphs (which must not get one)."""
+    node = graph.context_input
+    if node is None:
+        if context is not None:
+            raise InputError(f"graph {graph.name!r} has one input; context= is for "
+                             "cross-attention layers (mhagen.mha(..., cross=True))")
+        return None
+    if context is None:
+        raise InputError(f"graph {graph.name!r} is a cross-attention layer: pass context= "
+                         f"(keys and values come from it), [batch, kv_seq, "
+                         f"{node.attrs['shape'][2]}]")
+    context = np.asarray(context)
+    width = node.attrs["shape"][2]
+    if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != width \
+            or context.shape[1] < 1:
+        raise InputError(f"context has shape {context.shape}; this layer takes [batch, "
+                         f"kv_seq, {width}] with batch {batch} (x's) and kv_seq >= 1")
+    if not np.issubdtype(context.dtype, np.floating):
+        raise InputError(f"context has dtype {context.dtype}; pass a floating-point array "
+                         "(float32)")
+    return np.ascontiguousarray(context, dtype=dtype) if dtype else context
+
+
 def check_lengths(graph, kv_lens, batch: int, seq: int):
     """The call-time key lengths of a graph with a lengths input: int32 [batch], each in
     [0, seq]; None for other graphs (which must not get any)."""
@@ -116,22 +141,28 @@ def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
     return cache
 
 
-def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None):
+def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
+                  context=None):
     """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
     kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
-    a decoding graph (its new K/V rows are written and lens advanced, as a module call does)."""
-    if len(graph.inputs) != 1:
-        raise InputError("run_reference takes one input x; this graph has "
-                         f"{len(graph.inputs)} inputs")
+    a decoding graph (its new K/V rows are written and lens advanced, as a module call does);
+    context: a cross-attention graph's second input (its keys and values)."""
+    if len(graph.inputs) > 2 or (len(graph.inputs) == 2 and graph.context_input is None):
+        raise InputError("run_reference takes x (and a cross-attention layer's context); "
+                         f"this graph has {len(graph.inputs)} inputs")
     x = check_input(graph, x).astype(np.float64)
-    lens = check_lengths(graph, kv_lens, x.shape[0], x.shape[1])
+    context = check_context(graph, context, x.shape[0])
+    kv_seq = x.shape[1] if context is None else context.shape[1]
+    lens = check_lengths(graph, kv_lens, x.shape[0], kv_seq)
     cache = check_cache(graph, cache, x.shape[0], x.shape[1])
     w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
-    graph.shapes(**graph.dims(*x.shape[:2]))
+    graph.shapes(**graph.dims(*x.shape[:2], kv_seq))
     vals = {}
     for n in graph.nodes:
         a = [vals[i] for i in n.inputs]
-        if n.kind == "lengths":
+        if context is not None and n is graph.context_input:
+            vals[n.name] = context.astype(np.float64)
+        elif n.kind == "lengths":
             vals[n.name] = lens
         elif n.kind == "cache_lens":
             vals[n.name] = cache.lens.copy().view(Positions)
@@ -197,13 +228,16 @@ def _qkv_projection(n, a, w, x):
 def _attention(n, a, w, cache):
     """The fused attention node; `cache` is the KVCache of a decoding layer (else unused)."""
     qkv, d = a[0], n.attrs["head_dim"]
+    kv = qkv
+    if n.attrs.get("cross"):     # (qkv, kv[, lengths]): K/V columns come from kv
+        kv, a = a[1], a[:1] + a[2:]
     bsz, seq = qkv.shape[:2]
     lengths, offsets = _second(a)
     kv_heads = {}    # k offset -> K/V head index (in the caches) and its whole cache rows
     outs = []
     for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
                                          n.attrs["v_offsets"])):
-        q, k, v = qkv[..., qo:qo + d], qkv[..., ko:ko + d], qkv[..., vo:vo + d]
+        q, k, v = qkv[..., qo:qo + d], kv[..., ko:ko + d], kv[..., vo:vo + d]
         if n.attrs.get("rotary") is not None:
             r = n.attrs["rotary"]
             q, k = (rope.apply(t, r["rotary_dim"], r["base"], offsets) for t in (q, k))

@@ -23,6 +23,8 @@ class ScoreRules:
         else:
             self.batch, self.seq = w["batch"], w["seq"]
         self.scalars = (self.batch, self.seq) if self.symbolic else ()
+        # the keys' length: the context's in cross-attention, else the queries'
+        self.kv_seq = w.get("kv_seq") or self.seq
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
@@ -30,12 +32,13 @@ class ScoreRules:
         self.skip_by_length = bool(w.get("skip_by_length"))   # the mask has kv_idx < kv_len
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
-        """The key exists and the mask keeps it. Prefill: keys kj < seq, the mask reads
-        kv_len = lens[b] when the layer takes key lengths, else seq. Decoding: kv_len (the
-        cached keys and the new ones) is both the bound and what the mask reads."""
-        S = self.seq
+        """The key exists and the mask keeps it. Prefill: keys kj < kv_seq (seq, or the
+        context's length), the mask reads kv_len = lens[b] when the layer takes key lengths,
+        else kv_seq. Decoding: kv_len (the cached keys and the new ones) is both the bound
+        and what the mask reads."""
+        S, T = self.seq, self.kv_seq
         if kv_len is None:
-            bound, kv_len = S, (S if lens is None else lens[b])
+            bound, kv_len = T, (T if lens is None else lens[b])
         else:
             bound = kv_len
         cond = kj < bound
@@ -50,7 +53,7 @@ class ScoreRules:
         if lens is not None and self.skip_by_length:
             length = lens[b]
         elif self.symbolic:
-            length = self.seq
+            length = self.kv_seq
         else:
             return state
         return T.Select(k0 >= length, SKIP,
@@ -64,11 +67,13 @@ class ScoreRules:
             return x
         S = self.seq
         return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S,
-                            S if kv_len is None else kv_len, self.math) * T.float32(LOG2E)
+                            self.kv_seq if kv_len is None else kv_len,
+                            self.math) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
-        """Full blocks hold keys < seq only; partial ones may run past it (clamped, masked)."""
-        S = self.seq
+        """Key t of batch row b (rows b * kv_seq + t): full blocks hold keys < kv_seq only;
+        partial ones may run past it (clamped, masked)."""
+        S = self.kv_seq
         return b * S + (T.min(t, S - 1) if masked else t)
 
     def tb(self, b):
@@ -88,11 +93,30 @@ def with_scalars(func, scalars):
                          func.attrs)
 
 
-def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
-    """The attention PrimFunc around a template's body macro: (qkv, blocks, [kv_lens,] out
-    [, batch, seq]), with kv_lens only for layers that take key lengths per call and the
-    scalars only in symbolic-length builds. Parsed without the well-formedness check (the
-    scalars are free until with_scalars); tvm.compile checks the finished function."""
+def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_shape=None):
+    """The attention PrimFunc around a template's body macro body(qkv, kv, blocks, lens, out):
+    (qkv, [kv,] blocks, [kv_lens,] out [, batch, seq]), with kv (the keys' and values'
+    buffer, kv_shape) only for cross-attention (else the body reads them from qkv too),
+    kv_lens only for layers that take key lengths per call and the scalars only in
+    symbolic-length builds. Parsed without the well-formedness check (the scalars are free
+    until with_scalars); tvm.compile checks the finished function."""
+    if kv_shape is not None and rules.lengths:
+        @T.prim_func(check_well_formed=False)
+        def attention(qkv: T.Buffer(qkv_shape, "float32"), kv: T.Buffer(kv_shape, "float32"),
+                      blocks: T.Buffer(table_shape, "int32"),
+                      kv_lens: T.Buffer((batch,), "int32"),
+                      out: T.Buffer(out_shape, "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, kv, blocks, kv_lens, out)
+        return with_scalars(attention, rules.scalars)
+    if kv_shape is not None:
+        @T.prim_func(check_well_formed=False)
+        def attention(qkv: T.Buffer(qkv_shape, "float32"), kv: T.Buffer(kv_shape, "float32"),
+                      blocks: T.Buffer(table_shape, "int32"),
+                      out: T.Buffer(out_shape, "float32")):
+            T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            body(qkv, kv, blocks, None, out)
+        return with_scalars(attention, rules.scalars)
     if rules.lengths:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, "float32"),
@@ -100,7 +124,7 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
                       kv_lens: T.Buffer((batch,), "int32"),
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-            body(qkv, blocks, kv_lens, out)
+            body(qkv, qkv, blocks, kv_lens, out)
         return with_scalars(attention, rules.scalars)
 
     @T.prim_func(check_well_formed=False)
@@ -108,5 +132,5 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape):
                   blocks: T.Buffer(table_shape, "int32"),
                   out: T.Buffer(out_shape, "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-        body(qkv, blocks, None, out)
+        body(qkv, qkv, blocks, None, out)
     return with_scalars(attention, rules.scalars)

@@ -177,10 +177,21 @@ class Graph:
         """The cache_lens node of a decoding layer (mhagen.mha(..., kv_cache=N)), or None."""
         return next((n for n in self.nodes if n.kind == "cache_lens"), None)
 
-    def dims(self, batch: int, seq_len: int) -> dict:
-        """The input's symbolic dims bound to numbers, e.g. {"batch": 2, "seq": 97}."""
+    def dims(self, batch: int, seq_len: int, kv_seq_len: int | None = None) -> dict:
+        """The inputs' symbolic dims bound to numbers, e.g. {"batch": 2, "seq": 97}; a
+        cross-attention layer's context adds its length (kv_seq_len, default seq_len)."""
         shape = self.inputs[0].attrs["shape"]
-        return {d: int(v) for d, v in zip(shape[:2], (batch, seq_len)) if isinstance(d, str)}
+        dims = {d: int(v) for d, v in zip(shape[:2], (batch, seq_len)) if isinstance(d, str)}
+        for extra in self.inputs[1:]:
+            d = extra.attrs["shape"][1]
+            if isinstance(d, str) and d not in dims:
+                dims[d] = int(seq_len if kv_seq_len is None else kv_seq_len)
+        return dims
+
+    @property
+    def context_input(self):
+        """The second input of a cross-attention layer (K/V project it), or None."""
+        return self.inputs[1] if len(self.inputs) > 1 else None
 
     def shapes(self, **dims) -> dict:
         """Verify the graph; return node name -> shape (symbolic dims bound from `dims`)."""
@@ -193,11 +204,13 @@ class Graph:
         """Random float32 weights in the per-head layout (Xavier-uniform; biases +-0.1)."""
         return init_weights(self, seed)
 
-    def reference(self, x, weights, kv_lens=None, cache=None) -> "numpy.ndarray":  # noqa: F821
+    def reference(self, x, weights, kv_lens=None, cache=None,
+                  context=None) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
         the per-batch key lengths of a layer with key padding; cache: a decoding layer's
-        mhagen.KVCache, written and advanced in place as a module call does)."""
-        return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache)
+        mhagen.KVCache, written and advanced in place as a module call does; context: the
+        second input of a cross-attention layer)."""
+        return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache, context=context)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

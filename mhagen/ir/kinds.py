@@ -75,7 +75,8 @@ KINDS = {
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "
         "{weight, head, bias, width} in column order"),
     "attention": KindSpec(
-        None, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"), ("mask", "score_mod", "rotary", "cache"),
+        None, ("head_dim", "q_offsets", "k_offsets", "v_offsets", "scale"),
+        ("mask", "score_mod", "rotary", "cache", "cross"),
         "qkv [B,S,N] -> [B,S,H*d]: per query head h, softmax(mask(score_mod(Q_h K_h^T * scale))) "
         "V_h with "
         "Q_h, K_h, V_h the head_dim columns of qkv at q/k/v_offsets[h]; heads side by side; "

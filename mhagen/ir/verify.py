@@ -31,7 +31,9 @@ def _check_attrs(node):
                          f"got {len(node.inputs)}: {list(node.inputs)}")
     if spec.arity is None and not node.inputs:
         raise GraphError(f"node {node.name!r} ({node.kind}) needs at least one input")
-    if node.kind in ("mask", "attention", "rotary", "score_mod") and len(node.inputs) > 2:
+    cross = node.kind == "attention" and node.attrs.get("cross")   # and a kv input
+    if node.kind in ("mask", "attention", "rotary", "score_mod") and \
+            len(node.inputs) > 2 + bool(cross):
         raise GraphError(f"node {node.name!r} ({node.kind}) takes one tensor and "
                          f"optionally a lengths or cache_lens node, got {list(node.inputs)}")
 
@@ -229,6 +231,11 @@ def _infer(n, ins, graph):
                 not (isinstance(n.attrs["batch"], int) and n.attrs["batch"] > 0):
             raise GraphError(f"{k} {n.name!r}: batch must be the input's batch dim")
         return [n.attrs["batch"]]
+    kv = None
+    if k == "attention" and n.attrs.get("cross"):   # (qkv, kv[, lengths]): K/V columns in kv
+        if len(ins) < 2:
+            raise GraphError(f"attention {n.name!r}: cross takes qkv and kv inputs")
+        kv, ins = ins[1], ins[:1] + ins[2:]
     if k in ("mask", "attention") and len(ins) == 2:
         _check_lengths_input(n, graph, ins)
         ins = ins[:1]
@@ -283,9 +290,13 @@ def _infer(n, ins, graph):
         offs = [n.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets")]
         if len({len(o) for o in offs}) != 1 or not offs[0]:
             raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per head")
-        if any(o < 0 or o + d > qkv[-1] for lst in offs for o in lst):
+        widths = (qkv[-1], (kv or qkv)[-1], (kv or qkv)[-1])
+        if any(o < 0 or o + d > width for lst, width in zip(offs, widths) for o in lst):
             raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "
-                             f"width {qkv[-1]}")
+                             f"(or kv) width {widths}")
+        if kv is not None and kv[0] != qkv[0]:
+            raise GraphError(f"attention {n.name!r}: qkv {_fmt(qkv)} and kv {_fmt(kv)} must "
+                             "share the batch")
         if n.attrs.get("mask") is not None:
             _check_mask(n.attrs["mask"], f"attention {n.name!r}")
         if n.attrs.get("score_mod") is not None:
@@ -297,9 +308,9 @@ def _infer(n, ins, graph):
 
 
 def _check_lengths_input(n, graph, ins, kinds=("lengths", "cache_lens")):
-    """A node's second input: the graph's lengths (key padding) or cache_lens (decoding
-    positions) node, one per batch row."""
-    source = next(m for m in graph.nodes if m.name == n.inputs[1])
+    """A node's second input (a cross attention's third): the graph's lengths (key padding)
+    or cache_lens (decoding positions) node, one per batch row."""
+    source = next(m for m in graph.nodes if m.name == n.inputs[-1])
     if source.kind not in kinds:
         raise GraphError(f"{n.kind} {n.name!r}: its second input must be a "
                          f"{' or '.join(kinds)} node, got a {source.kind}")

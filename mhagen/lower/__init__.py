@@ -17,12 +17,17 @@ from mhagen.tuning.records import TuningWarning, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
-          symbolic=None) -> Program:
+          symbolic=None, kv_seq_len: int | None = None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel.
     `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config.
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
-    fused kernels take the call's (mhagen/lower/fused.py)."""
-    graph.shapes(**graph.dims(batch, seq_len))
+    fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length
+    of a cross-attention layer (its programs consult no tuning records yet)."""
+    cross = graph.context_input is not None
+    if cross and symbolic:
+        raise GraphError("cross-attention layers are built for one query and one context "
+                         "length (seq_len=N, kv_seq_len=T) for now, not seq_len=None")
+    graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     fusion = run_passes(graph, fuse=fuse)
     backend = backend_for(target)
     rule = backend.attention if fusion.fused else None
@@ -34,10 +39,10 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
         "not fused: no attention template for this target"
     program = None
     if fusion.fused and rule is not None:
-        config = _tuned_config(rule, tuning, key("attention"), target)
+        config = None if cross else _tuned_config(rule, tuning, key("attention"), target)
         try:
             program = lower_fused(fusion.graph, batch, seq_len, target, backend, config,
-                                  symbolic=symbolic)
+                                  symbolic=symbolic, kv_seq=kv_seq_len)
         except NotFusable as why:
             reason = f"not fused: {why}"
     if program is None and graph.cache_lens_input is not None:
@@ -49,8 +54,8 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
                          f"kernels, and this layer was {reason}; build it for one length "
                          "(seq_len=N)")
     if program is None:
-        program = lower_unfused(graph, batch, seq_len)
-    program.key = key
+        program = lower_unfused(graph, batch, seq_len, kv_seq_len)
+    program.key = None if cross else key
     program.fusion = reason
     return program
 

@@ -70,16 +70,27 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
 
 
 def lower_fused(graph, batch, seq, target, backend, attention_config=None,
-                symbolic=None) -> Program:
+                symbolic=None, kv_seq=None) -> Program:
     """The three kernels, laid out as the target's backend asks (mhagen/backends.py).
     symbolic ({"batch": bool, "seq": bool}, or None): one program for every batch <= batch
     and seq <= seq. Rows stay dense (row b*seq + t for the call's seq); every kernel takes
     the call's batch and seq as scalars (SCALARS) and its row-indexed buffers are TVM shape
-    expressions of them; buffers are allocated at the maximum."""
+    expressions of them; buffers are allocated at the maximum.
+    Cross-attention (attention attr cross; kv_seq: the context's length): a second packed
+    GEMM projects the context into `kv` (the K/V heads' columns, kv_seq rows per batch row),
+    which the attention template reads its keys and values from."""
     by_kind = {n.kind: n for n in graph.nodes}
-    x_node, qkv_node, att_node, out_node = (by_kind[k] for k in (
-        "input", "qkv_projection", "attention", "output_projection"))
-    has_lengths = len(att_node.inputs) > 1   # key lengths (or cache lengths) given per call
+    att_node, out_node = by_kind["attention"], by_kind["output_projection"]
+    nodes = {n.name: n for n in graph.nodes}
+    qkv_node = nodes[att_node.inputs[0]]
+    x_node = nodes[qkv_node.inputs[0]]
+    cross = bool(att_node.attrs.get("cross"))
+    kv_node = nodes[att_node.inputs[1]] if cross else None
+    # key lengths (or cache lengths) given per call: the attention's last input
+    has_lengths = len(att_node.inputs) > 1 + cross
+    if cross and not backend.cross:
+        raise TargetError(f"cross-attention does not compile fused for {target.name} yet "
+                          f"({backend.family}); build it with fuse=False or for a CPU target")
     cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N}
     if symbolic and symbolic["batch"] and cache is not None:
         raise GraphError("decoding layers (kv_cache=) run a fixed batch (the cache's): build "
@@ -111,6 +122,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     hd = heads * d
     rows_qkv = backend.gemm_rows(target, rows, d_model)
     rows_att = backend.gemm_rows(target, rows, hd)
+    kv_rows = rows_kv = kv_dim = None
+    if cross:
+        kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
+        kv_rows = batch * kv_seq
+        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim)
     tile_rows = backend.gemm_tile(target)[0]
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
@@ -118,6 +134,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
+    kv_segments = kv_node.attrs["segments"] if cross else []
+    n_kv_p = round_up(len(kv_segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
@@ -126,6 +144,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             "lengths": has_lengths}
     if symbolic:
         work.update(symbolic=True, row_tile=tile_rows)
+    if cross:   # keys and values: kv [n_kv_p / nr, rows_kv, nr], kv_seq rows per batch row
+        work.update(cross=True, kv_seq=kv_seq, kv_rows=rows_kv, kv_width=n_kv_p)
     if cache is not None:
         if backend.decode is None:
             raise TargetError(f"decoding layers (kv_cache=) do not compile for {target.name} "
@@ -137,12 +157,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         cfg = attention_config or backend.attention.default_config(work, target)
 
     # param recipes (mhagen.params): every head's d columns at i * dp
-    w_qkv = {"kind": "panels", "depth": d_model, "width": n_qkv_p, "panel": nr,
-             "columns": [{"weight": s["weight"], "head": s["head"], "at": i * dp}
-                         for i, s in enumerate(segments)]}
-    b_qkv = {"kind": "vector", "length": n_qkv_p,
-             "pieces": [{"weight": s["bias"], "head": s["head"], "at": i * dp}
-                        for i, s in enumerate(segments) if s.get("bias")]}
+    w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp)
     w_o = {"kind": "panels", "depth": hd, "width": d_out_p, "panel": nr,
            "columns": [{"weight": out_node.attrs["weight"], "at": 0}]}
     bias_o = out_node.attrs.get("bias")
@@ -152,7 +167,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     if cache is None:
         table = block_table(a.get("mask"), batch, heads, seq, cfg.q_tile,
                             kv_block=cfg.kv_block, lengths=has_lengths,
-                            symbolic=bool(symbolic))
+                            symbolic=bool(symbolic), kv_seq=kv_seq)
         work.update(table_batch=table.shape[0], table_heads=table.shape[1],
                     skip_by_length=has_lengths and split_lengths(a.get("mask"))[1])
         attention_buffers = [
@@ -173,7 +188,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     buffers = [
         Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]",
                symbolic={0: "rows"} if symbolic else None),
-        *([Buffer(att_node.inputs[1], (batch,), "input", "int32",
+        *([Buffer(att_node.inputs[-1], (batch,), "input", "int32",
                   doc=lengths_doc, symbolic={0: "batch"} if symbolic else None)]
           if has_lengths else []),
         Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
@@ -182,8 +197,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
-        *attention_buffers,
-    ] + ([
+    ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
+                        nr, dp) if cross else []) + attention_buffers + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
@@ -211,8 +226,16 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
                 f"   # {len(segments)} head projections, one GEMM")
+    if cross:   # 1b. the K/V heads' GEMM over the context
+        c, wkv, bkv = ph(kv_node.inputs[0]), ph("w_kv"), ph("b_kv")
+        kv, st = _gemm("kv", kv_node.name, c, wkv, bkv, rows_kv, kv_dim, n_kv_p, nr,
+                       panel_major=True)
+        kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"],
+                              te.create_prim_func([c, wkv, bkv, kv]), st))
+        text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
+                    f"   # {len(kv_segments)} K/V head projections of the context")
     # 2. RoPE on qkv's Q and K columns, in place
-    lengths = [att_node.inputs[1]] if has_lengths else []
+    lengths = [att_node.inputs[-1]] if has_lengths else []
     if a.get("rotary"):
         r = a["rotary"]
         kernels.append(Kernel("rotary", ["qkv"] + (lengths if cache else []) + ["rope"] + extra,
@@ -224,7 +247,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     if cache is not None:
         _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra)
     else:   # 3. attention template
-        kernels.append(Kernel("attention", ["qkv", "blocks"] + lengths + ["att"] + extra,
+        kernels.append(Kernel("attention", ["qkv"] + (["kv"] if cross else []) + ["blocks"] +
+                              lengths + ["att"] + extra,
                               stages=[Stage("attention", "attention_template", att_node.name,
                                             (), work)],
                               template="attention", workload=work, config=cfg,
@@ -239,6 +263,30 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
                             "row_tile": tile_rows}
     return program
+
+
+def _packed(segments, depth, width, nr, dp):
+    """The param recipes (mhagen.params) of a packed GEMM's weights and bias: segment i's
+    d columns at i * dp (each head padded to what the attention template reads)."""
+    w = {"kind": "panels", "depth": depth, "width": width, "panel": nr,
+         "columns": [{"weight": s["weight"], "head": s["head"], "at": i * dp}
+                     for i, s in enumerate(segments)]}
+    b = {"kind": "vector", "length": width,
+         "pieces": [{"weight": s["bias"], "head": s["head"], "at": i * dp}
+                    for i, s in enumerate(segments) if s.get("bias")]}
+    return w, b
+
+
+def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp):
+    """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary."""
+    w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp)
+    return [Buffer(context, (rows, kv_dim), "input",
+                   doc="context [batch*kv_seq, kv_dim]: what K and V project"),
+            Buffer("w_kv", (width // nr, kv_dim, nr), "param", pack=w_kv,
+                   doc="every K/V weight side by side, in column panels"),
+            Buffer("b_kv", (width,), "param", pack=b_kv),
+            Buffer("kv", (width // nr, rows_kv, nr), "temp",
+                   doc="K, V of every K/V head in column panels (cross-attention)")]
 
 
 def _placeholders(buf, scalars, tile_rows):

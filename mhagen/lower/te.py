@@ -97,9 +97,9 @@ def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int
     return _f32(ex.evaluate(mod, env, ops))
 
 
-def lower_unfused(graph, batch: int, seq_len: int) -> Program:
+def lower_unfused(graph, batch: int, seq_len: int, kv_seq_len: int | None = None) -> Program:
     """Every node as TE stages of one kernel, `main` (any graph verify accepts)."""
-    shapes = graph.shapes(**graph.dims(batch, seq_len))
+    shapes = graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     dtype = graph.dtype
     specs = graph.weight_specs()
     weights = {s.name: te.placeholder(tuple(s.shape), dtype, name=s.name) for s in specs}

@@ -9,6 +9,10 @@ all heads share head_dim, scale, score modifier and mask expression (they may di
   - one packed GEMM for every head's Q, K and V (K/V heads shared by query heads once),
   - one attention node that never builds [B, heads, S, S] (see the attention templates),
   - the concat is free: attention writes each head at its concat offset, where W_O reads it.
+Cross-attention (Q heads project one input, K/V heads another, the context): two packed
+GEMMs instead of one, qkv_projection(x) with the Q heads and qkv_projection(context) named
+"kv" with the K/V heads; the attention node reads both (inputs qkv, kv[, lengths]; attr
+cross) and its k/v offsets are columns of kv.
 Anything else is left alone and compiles through the unfused path; `reason` says why.
 """
 from __future__ import annotations
@@ -161,14 +165,20 @@ def _fuse(g: Graph) -> Graph:
     projections = [nodes[name] for hd in heads for name in hd[:3]]
     _need(all(p.kind == "head_projection" for p in projections),
           "q, k and v must all be head_projection nodes")
-    sources = {p.inputs[0] for p in projections}
-    _need(len(sources) == 1, "q, k and v project different inputs")
+    q_sources = {nodes[hd[0]].inputs[0] for hd in heads}
+    kv_sources = {nodes[name].inputs[0] for hd in heads for name in hd[1:3]}
+    _need(len(q_sources) == 1 and len(kv_sources) == 1,
+          "the Q heads (or the K/V heads) project different inputs")
     widths = {p.attrs["out_features"] for p in projections}
     _need(len(widths) == 1, "heads have different widths")
     d = widths.pop()
-    x = nodes[sources.pop()]
-    _need(x.kind == "input", "q, k and v do not project a graph input")
-    matched.add(x.name)
+    x, context = nodes[q_sources.pop()], nodes[kv_sources.pop()]
+    _need(x.kind == "input" and context.kind == "input",
+          "q, k and v do not project graph inputs")
+    cross = context.name != x.name
+    _need(not (cross and (rotation is not None or cache is not None)),
+          "cross-attention with rotary embeddings or a K/V cache")
+    matched |= {x.name, context.name}
 
     order = []  # column order: all Q, then K, then V (shared K/V heads once)
     for role in range(3):
@@ -184,13 +194,22 @@ def _fuse(g: Graph) -> Graph:
             _need(list(cache_heads[which].values()) == list(range(len(cache_heads[which]))),
                   f"{which.upper()} cache heads are not numbered in the order query heads "
                   "first read them")
-    offset = {name: i * d for i, name in enumerate(order)}
+    q_heads = len(dict.fromkeys(hd[0] for hd in heads))
+    # cross: Q columns in qkv, K/V columns in kv (each from 0)
+    offset = {name: (i - q_heads if cross and i >= q_heads else i) * d
+              for i, name in enumerate(order)}
     segments = [{"weight": nodes[n].attrs["weight"], "head": nodes[n].attrs["head"],
                  "bias": nodes[n].attrs.get("bias"), "width": d} for n in order]
 
     f = Graph(g.name, g.dtype, dict(g.options, fused=True))
     xi = f.add("input", (), x.name, **x.attrs)
-    qkv = f.add("qkv_projection", (xi,), "qkv", segments=segments)
+    kv = ()
+    if cross:
+        ci = f.add("input", (), context.name, **context.attrs)
+        qkv = f.add("qkv_projection", (xi,), "qkv", segments=segments[:q_heads])
+        kv = (f.add("qkv_projection", (ci,), "kv", segments=segments[q_heads:]),)
+    else:
+        qkv = f.add("qkv_projection", (xi,), "qkv", segments=segments)
     attrs = {"head_dim": d, "q_offsets": [offset[hd[0]] for hd in heads],
              "k_offsets": [offset[hd[1]] for hd in heads],
              "v_offsets": [offset[hd[2]] for hd in heads], "scale": scales.pop()}
@@ -202,9 +221,11 @@ def _fuse(g: Graph) -> Graph:
         attrs["rotary"] = {"base": rotation[0], "rotary_dim": rotation[1]}
     if cache is not None:
         attrs["cache"] = {"max_len": cache[1]}
+    if cross:
+        attrs["cross"] = True
     lens = () if lengths is None else (f.add(nodes[lengths].kind, (), lengths,
                                              **nodes[lengths].attrs),)
-    att = f.add("attention", (qkv,) + lens, "attention", **attrs)
+    att = f.add("attention", (qkv,) + kv + lens, "attention", **attrs)
     f.set_output(f.add("output_projection", (att,), out.name, **out.attrs))
     f.shapes()
     return f

@@ -201,7 +201,7 @@ def build_attention(w, cfg):
         T.tvm_storage_sync("shared")
 
     @T.macro
-    def body(qkv, blocks, lens, out):
+    def body(qkv, kv, blocks, lens, out):   # kv: qkv itself (no cross-attention on CUDA)
         bx = T.launch_thread("blockIdx.x", B * H * NQT)
         tid = T.launch_thread("threadIdx.x", NT)
         q_s = T.decl_buffer((MQ, DP + 1), "float32", scope="shared")

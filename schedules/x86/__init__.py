@@ -20,7 +20,7 @@ def cpu_backend(family: str) -> Backend:
                    gemm_tile=packed_tile,
                    gemm_rows=lambda target, rows, depth: packed_blocking(target, rows, depth)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
-                   gemm_rule=GEMM, decode=DECODE, symbolic=True)
+                   gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True)
 
 
 BACKEND = cpu_backend("cpu-x86")

@@ -88,14 +88,15 @@ class AttentionRule:
 
     def default_config(self, workload, target):
         seq = workload["seq"]
+        keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
         tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
                                               workload["panel"])
         unit = lcm(tc, orows)            # q_tile: whole S^T and P V tiles
         q_tile = _balanced(seq, 64 if seq >= 256 else 32, unit)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
         kv_goal = 128 if target.vector_registers >= 32 else 96
-        kv_block = _balanced(seq, kv_goal, tr) if seq >= 128 else round_up(seq, tr)
-        if workload.get("mask") is not None and seq >= 256:
+        kv_block = _balanced(keys, kv_goal, tr) if keys >= 128 else round_up(keys, tr)
+        if workload.get("mask") is not None and seq >= 256 and keys == seq:
             # key blocks as wide as the query tiles: a causal diagonal block then wastes a
             # quarter of a 64 x 64 tile, not of 64 x 128 (2.4% less time at seq 2048)
             kv_block = round_up(q_tile, tr)
@@ -147,8 +148,8 @@ def padded_head_dim(head_dim, lanes):
 
 def layout(w, cfg):
     """Sizes shared by the lowering (block table) and the template."""
-    seq = w["seq"]
-    return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-seq // cfg.kv_block),
+    seq, keys = w["seq"], w.get("kv_seq") or w["seq"]
+    return {"n_q_tiles": -(-seq // cfg.q_tile), "n_kv_blocks": -(-keys // cfg.kv_block),
             "head_dim_padded": w["head_dim_padded"]}
 
 
@@ -163,6 +164,8 @@ def build_attention(w, cfg, lanes):
     GROUP = H // G
     PW, HD = w["panel"], H * d                        # qkv is [columns / PW, M, PW]
     NP = w["qkv_width"] // PW
+    cross = bool(w.get("cross"))       # K/V in kv [kv_width / PW, kv_rows, PW], else in qkv
+    KV_SHAPE = (w["kv_width"] // PW, w["kv_rows"], PW) if cross else None
     Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]   # in columns
     # a P V vector (NV columns of one V head) must lie inside one panel
     assert PW % NV == 0 and V_BASE % NV == 0 and DP % NV == 0, (PW, NV, V_BASE, DP)
@@ -179,11 +182,11 @@ def build_attention(w, cfg, lanes):
     B, S = rules.batch, rules.seq     # ints, or the call's (symbolic-length builds)
     NQ, NK = NQT, NKB                 # query tiles and key blocks a call runs
     if rules.symbolic:
-        NQ, NK = (S + MQ - 1) // MQ, (S + KB - 1) // KB
+        NQ, NK = (S + MQ - 1) // MQ, (rules.kv_seq + KB - 1) // KB
         M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     @T.macro
-    def key_block(masked, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o,
+    def key_block(masked, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o,
                   vec, b, h, g, q0, k0):
         # S^T = K Q^T (log2 units); the write-back masks and takes the running max
         for i in T.vectorized(MQ):
@@ -196,7 +199,7 @@ def build_attention(w, cfg, lanes):
                 for c in range(d):
                     for jj in T.unroll(MR):
                         for ii in T.vectorized(NR):
-                            acc[jj, ii] = acc[jj, ii] + qkv[
+                            acc[jj, ii] = acc[jj, ii] + kv[
                                 (K_BASE + g * DP + c) // PW,
                                 key_row(b, k0 + jo * MR + jj, masked),
                                 (K_BASE + g * DP + c) % PW] * q_t[c, io * NR + ii]
@@ -240,7 +243,7 @@ def build_attention(w, cfg, lanes):
                 for j in range(KB):
                     for ii in T.unroll(OR):
                         for cc in T.vectorized(NV):
-                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * qkv[
+                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * kv[
                                 (V_BASE + g * DP + co * NV) // PW, key_row(b, k0 + j, masked),
                                 (V_BASE + g * DP + co * NV) % PW + cc]
                 for ii in T.unroll(OR):
@@ -248,7 +251,7 @@ def build_attention(w, cfg, lanes):
                         o_buf[io * OR + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.macro
-    def body(qkv, blocks, lens, out):
+    def body(qkv, kv, blocks, lens, out):
         for task in T.parallel(B * H * NQ):
             q_t = T.decl_buffer((d, MQ), "float32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
@@ -278,10 +281,10 @@ def build_attention(w, cfg, lanes):
             for kb in range(NK):
                 state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
-                    key_block(False, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
+                    key_block(False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
                               acc, acc_o, vec, b, h, g, q0, kb * KB)
                 elif state == PARTIAL:
-                    key_block(True, qkv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
+                    key_block(True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
                               acc, acc_o, vec, b, h, g, q0, kb * KB)
             for i in range(MQ):
                 if q0 + i < S:
@@ -289,4 +292,5 @@ def build_attention(w, cfg, lanes):
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
 
-    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD))
+    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
+                           kv_shape=KV_SHAPE)
