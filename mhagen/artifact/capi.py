@@ -110,13 +110,19 @@ def _layout(manifest):
     states = {b["name"]: i for i, b in enumerate(bufs) if b["role"] == "state"}
     lengths = [i for i in ins if bufs[i]["dtype"] == "int32"]
     ins = [i for i in ins if i not in lengths]
-    if len(ins) != 1 or len(outs) != 1 or len(lengths) > 1:
-        raise ArtifactError("the C API needs one input, one output and at most one lengths "
-                            f"buffer; this program has {len(ins)}, {len(outs)} and "
-                            f"{len(lengths)}")
+    context = shapes.get("kv_seq_len") is not None   # cross-attention: x, then the context
+    if len(ins) != 1 + context or len(outs) != 1 or len(lengths) > 1:
+        raise ArtifactError("the C API needs one input (two for cross-attention), one output "
+                            f"and at most one lengths buffer; this program has {len(ins)}, "
+                            f"{len(outs)} and {len(lengths)}")
+    kv_seq = shapes.get("kv_seq_len") or 0
+    kv_dim = bufs[ins[1]]["shape"][1] if context else 0
     if states and (sorted(states) != ["k_cache", "v_cache"] or not lengths):
         raise ArtifactError(f"the C API knows the K/V caches of decoding layers only; this "
                             f"program has state buffers {sorted(states)}")
+    if context and list(bufs[ins[1]]["shape"]) != [batch * kv_seq, kv_dim]:
+        raise ArtifactError(f"context buffer {bufs[ins[1]]['shape']} is not "
+                            "[batch*kv_seq, kv_dim]")
     if lengths and list(bufs[lengths[0]]["shape"]) != [batch]:
         raise ArtifactError(f"lengths buffer {bufs[lengths[0]]['shape']} is not [batch]")
     rows = batch * seq
@@ -142,7 +148,8 @@ def _layout(manifest):
                 lengths=lengths[0] if lengths else -1,
                 lengths_kind=(2 if states else 1) if lengths else 0,
                 k_cache=states.get("k_cache", -1), v_cache=states.get("v_cache", -1),
-                kv_heads=cache[1], max_len=cache[2], head_dim=cache[3])
+                kv_heads=cache[1], max_len=cache[2], head_dim=cache[3],
+                context=ins[1] if context else -1, kv_seq=kv_seq, kv_dim=kv_dim)
 
 
 def generate_header(manifest) -> str:
@@ -234,6 +241,10 @@ extern "C" {{
 #define MHA_KV_HEADS {g}
 #define MHA_HEAD_DIM {hd}
 #define MHA_CACHE_SIZE {b * g * n * hd}   /* floats in each of k_cache and v_cache */
+#define MHA_CROSS {int(lay['context'] >= 0)}   /* 1: a cross-attention layer (mha_run_cross) */
+#define MHA_KV_SEQ_LEN {lay['kv_seq']}   /* its context's length */
+#define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
+#define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* floats in context */
 
 typedef enum mha_status {{
 {status}
@@ -271,6 +282,14 @@ MHA_API int mha_run_padded(mha_handle *handle, const float *x, int batch, int se
  * layer share one cache. */
 MHA_API int mha_run_cached(mha_handle *handle, const float *x, int batch, int seq_len,
                            float *k_cache, float *v_cache, int32_t *cache_lens, float *y);
+
+/* Cross-attention layers (MHA_CROSS 1): queries from x, keys and values from context
+ * [batch, MHA_KV_SEQ_LEN, MHA_KV_DIM] floats (kv_seq_len must equal MHA_KV_SEQ_LEN). kv_lens
+ * [batch] int32 (each in 0..kv_seq_len: context rows past it are padding) when the layer has
+ * key padding (MHA_KEY_PADDING 1), else NULL. */
+MHA_API int mha_run_cross(mha_handle *handle, const float *x, int batch, int seq_len,
+                          const float *context, int kv_seq_len, const int32_t *kv_lens,
+                          float *y);
 
 /* Free the handle (NULL is allowed). */
 MHA_API void mha_destroy(mha_handle *handle);
@@ -415,6 +434,10 @@ def generate_config(manifest, files: list) -> str:
             f"constexpr int kKCacheIndex = {lay['k_cache']};",
             f"constexpr int kVCacheIndex = {lay['v_cache']};",
             f"constexpr int64_t kMaxLen = {lay['max_len']};",
+            "// cross-attention: the context input [batch * kKvSeqLen, kKvDim] (-1: none)",
+            f"constexpr int kContextIndex = {lay['context']};",
+            f"constexpr int64_t kKvSeqLen = {lay['kv_seq']};",
+            f"constexpr int64_t kKvDim = {lay['kv_dim']};",
             f"constexpr DLDeviceType kDeviceType = {_DEVICES[device]};",
             "constexpr int kSveVectorBits = MHA_SVE_VECTOR_BITS;", "",
             f"constexpr int kNumBuffers = {len(buffers)};",

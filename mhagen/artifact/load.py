@@ -37,9 +37,11 @@ def _check_program(program: Program, params: dict, path) -> None:
             raise ArtifactError(f"{path}: params.bin does not hold {b.name!r} as the program "
                                 f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
     inputs = program.role("input")
+    floats = [b for b in inputs if b.dtype == "float32"]
     if not inputs or inputs[0].dtype != "float32" or len(program.role("output")) != 1 or \
-            any(b.dtype != "int32" for b in inputs[1:]):
-        raise ArtifactError(f"{path}: the program needs the input x (then key lengths, if any) "
+            len(floats) > 2 or any(b.dtype not in ("int32", "float32") for b in inputs):
+        raise ArtifactError(f"{path}: the program needs the input x (then a context and key "
+                            "lengths, if any) "
                             "and one output buffer")
 
 
@@ -54,6 +56,7 @@ def load(path) -> Module:
         program = Program.from_description(man["program"])
         shapes = man["shapes"]
         batch, seq_len = shapes["batch"], shapes["seq_len"]
+        kv_seq_len = shapes.get("kv_seq_len")      # cross-attention layers
     except (KeyError, TypeError, ValueError) as err:
         raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
                             "module") from None
@@ -78,7 +81,7 @@ def load(path) -> Module:
                      decisions=man.get("schedule") or [], tuning_records=man.get("tuning") or [],
                      library_path=str(path / "kernel.so"))
     module = Module(graph, target, batch, seq_len, program,
-                    runtime.load_library(path / "kernel.so"), info=info)
+                    runtime.load_library(path / "kernel.so"), info=info, kv_seq_len=kv_seq_len)
     if weights is not None:
         module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
                                      for b in program.role("param")})

@@ -91,7 +91,8 @@ _ARITH = {"+": "Add", "-": "Sub", "*": "Mul"}
 def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = "decomposed",
                 batch: int = 1, seq_len: int = 128, dynamic_batch: bool = False,
                 dynamic_seq: bool = False, opset: int | None = None, masks: str = "auto",
-                external_data: bool | None = None, past_len: int | None = None) -> Path:
+                external_data: bool | None = None, past_len: int | None = None,
+                kv_seq_len: int | None = None) -> Path:
     """Write `layer` with `weights` as an ONNX model at `path`; returns the path.
 
     Args:
@@ -109,8 +110,11 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         external_data: store initializers in ``<path>.data``; default: only above 2 GB.
         past_len: decoding layers: the static past length of past_key/past_value; default
             a symbolic ``past_seq``.
+        kv_seq_len: cross-attention layers: the context's static length (with dynamic_seq,
+            a symbolic ``kv_seq`` instead); decomposed form only.
 
-    The model's input is ``x`` [batch, seq, d_model] float32, its output ``y``.
+    The model's input is ``x`` [batch, seq, d_model] float32 (cross-attention: and
+    ``context`` [batch, kv_seq, kv_dim]), its output ``y``.
     """
     onnx = need_onnx()
     if not isinstance(layer, Graph):
@@ -128,9 +132,23 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
                         "Attention with past_key/past_value): pass form='fused' (--form fused)")
     if past_len is not None:
         positive_int("past_len", past_len)
-    if len(layer.inputs) != 1:
-        raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model]; "
-                         f"{layer.name!r} has {len(layer.inputs)}")
+    cross = layer.context_input is not None
+    if len(layer.inputs) != 1 + cross:
+        raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model] "
+                         f"(and a cross-attention layer's context); {layer.name!r} has "
+                         f"{len(layer.inputs)}")
+    if cross:
+        if form != "decomposed":
+            raise OnnxError("cross-attention layers export in the decomposed form only: pass "
+                            "form='decomposed'")
+        if kv_seq_len is None and not dynamic_seq:
+            raise InputError("a cross-attention layer needs the context's length: pass "
+                             "kv_seq_len=T (or dynamic_seq=True)")
+        if kv_seq_len is not None:
+            positive_int("kv_seq_len", kv_seq_len)
+    elif kv_seq_len is not None:
+        raise InputError(f"kv_seq_len is the context's length of a cross-attention layer; "
+                         f"{layer.name!r} has one input: drop it")
     if weights is None:
         raise InputError("export_onnx() needs weights: pass weights=layer.init_weights(seed) "
                          "(random) or trained weights, e.g. mhagen.weights_from_torch(module)")
@@ -144,7 +162,8 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         raise OnnxError(f"opset={opset} is newer than this onnx package supports "
                         f"({onnx.defs.onnx_opset_version()}); upgrade onnx or pass a lower opset")
 
-    b = _Builder(onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks)
+    b = _Builder(onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks,
+                 kv_seq_len)
     b.past = "past_seq" if past_len is None else past_len
     if form == "decomposed":
         out = _decomposed(b, layer, w)
@@ -180,7 +199,8 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
 class _Builder:
     """Collects nodes and initializers with unique, readable names."""
 
-    def __init__(self, onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks):
+    def __init__(self, onnx, opset, layer, batch, seq_len, dynamic_batch, dynamic_seq, masks,
+                 kv_seq_len=None):
         from onnx import numpy_helper
         self.onnx, self.h, self.nh, self.opset = onnx, onnx.helper, numpy_helper, opset
         self.layer = layer
@@ -190,6 +210,10 @@ class _Builder:
         self.masks = masks
         self.d_model = layer.inputs[0].attrs["shape"][2]
         self.x = self.fresh("x")
+        context = layer.context_input       # cross-attention: keys' length kv_seq, not seq
+        self.context = self.fresh(context.name) if context is not None else None
+        self.kv_dim = context.attrs["shape"][2] if context is not None else None
+        self.kv_seq = self.seq if context is None else ("kv_seq" if dynamic_seq else kv_seq_len)
         lengths = layer.lengths_input
         self.kv_lens = self.fresh(lengths.name) if lengths is not None else None  # int32 [B]
         self.used.add("y")
@@ -237,12 +261,17 @@ class _Builder:
 
     # dims at run time (scalars, int64)
     def dim(self, axis):
-        static = self.batch if axis == 0 else self.seq
+        """Axis 0 batch, 1 seq, 2 the keys' length (kv_seq: the context's, else seq)."""
+        static = (self.batch, self.seq, self.kv_seq)[axis]
         if isinstance(static, int):
             return self.const(static, np.int64)
+        if axis == 2 and self.context is None:
+            return self.dim(1)
+        source = self.context if axis == 2 else self.x
         return self.cached(("dim", axis), lambda: self.op(
-            "Gather", [self.cached("shape_x", lambda: self.op("Shape", [self.x], "shape_x")),
-                       self.const(axis, np.int64)], f"{'batch' if axis == 0 else 'seq'}_len",
+            "Gather", [self.cached(("shape", source), lambda: self.op(
+                "Shape", [source], f"shape_{source}")),
+                self.const(min(axis, 1), np.int64)], ("batch", "seq", "kv_seq")[axis] + "_len",
             axis=0))
 
     def reduce_max_last(self, t, base):
@@ -263,6 +292,9 @@ class _Builder:
             node.input[:] = ["y" if i == out else i for i in node.input]
             node.output[:] = ["y" if o == out else o for o in node.output]
         inputs, outputs = [x_info], [y_info]
+        if self.context is not None:
+            inputs.append(h.make_tensor_value_info(self.context, onnx.TensorProto.FLOAT,
+                                                   [self.batch, self.kv_seq, self.kv_dim]))
         if self.kv_lens is not None:
             inputs.append(h.make_tensor_value_info(self.kv_lens, onnx.TensorProto.INT32,
                                                    [self.batch]))
@@ -321,10 +353,9 @@ class _Builder:
     # masks -----------------------------------------------------------------------------
     def mask_static(self, expr):
         """Whether the mask can be a constant: the dims it depends on are static."""
-        dims = {"seq"}   # every mask grid is [.., S, S]
+        static = isinstance(self.seq, int) and isinstance(self.kv_seq, int)   # grid [.., S, T]
         if "batch" in ex.variables(expr):
-            dims.add("batch")
-        static = all(isinstance(self.batch if d == "batch" else self.seq, int) for d in dims)
+            static = static and isinstance(self.batch, int)
         if self.kv_lens is not None and "kv_len" in ex.variables(expr):
             static = False    # it reads the key lengths given per call
         if self.masks == "constant" and not static:
@@ -333,30 +364,32 @@ class _Builder:
         return static and self.masks != "computed"
 
     def mask_grid(self, expr, heads):
-        """numpy bool grid: [S, S], or [B?, H?, S, S] for heads=list (fused form)."""
+        """numpy bool grid: [S, T], or [B?, H?, S, T] for heads=list (fused form)."""
         uses = ex.variables(expr)
         nb = self.batch if "batch" in uses else 1
         hs = heads if isinstance(heads, list) else [heads]
         hs = hs if "head" in uses else hs[:1]
-        grid = np.stack([mask_grid(expr, nb, h, self.seq, self.seq) for h in hs], axis=1)
-        return grid   # [B?, H?, S, S]
+        grid = np.stack([mask_grid(expr, nb, h, self.seq, self.kv_seq) for h in hs], axis=1)
+        return grid   # [B?, H?, S, T]
 
     def index_var(self, name, head, rank):
-        """An int64 tensor of an index variable, broadcastable to [.., S, S] of rank dims."""
-        s = self.dim(1)
+        """An int64 tensor of an index variable, broadcastable to [.., S, T] of rank dims."""
+        s, t = self.dim(1), self.dim(2)
         if name == "kv_len" and self.kv_lens is not None:   # [B, 1, 1]: one per batch row
             return self.cached(("kv_len", rank), lambda: self.op(
                 "Reshape", [self.op("Cast", [self.kv_lens], "kv_lens_i64",
                                     to=self.onnx.TensorProto.INT64),
                             self.i64(-1, *[1] * (rank - 1))], "kv_len"))
         if name in ("q_len", "kv_len"):
-            return s
+            return s if name == "q_len" else t
         if name == "kv_idx":
             return self.cached("kv_idx", lambda: self.op(
-                "Range", [self.const(0, np.int64), s, self.const(1, np.int64)], "kv_idx"))
+                "Range", [self.const(0, np.int64), t, self.const(1, np.int64)], "kv_idx"))
         if name == "q_idx":
             return self.cached("q_idx", lambda: self.op(
-                "Unsqueeze", [self.index_var("kv_idx", head, rank), self.i64(1)], "q_idx"))
+                "Unsqueeze", [self.op("Range", [self.const(0, np.int64), s,
+                                                self.const(1, np.int64)], "q_range"),
+                              self.i64(1)], "q_idx"))
         if name == "batch":
             return self.cached(("batch_idx", rank), lambda: self.op(
                 "Reshape", [self.op("Range", [self.const(0, np.int64), self.dim(0),
@@ -398,8 +431,8 @@ class _Builder:
 
     def mask_computed(self, expr, head, rank):
         """Bool tensor of `expr` computed from Range ops; shape broadcastable to rank dims,
-        expanded to at least [.., S, S]. head: an int, or None for all heads (fused)."""
-        s = self.dim(1)
+        expanded to at least [.., S, T]. head: an int, or None for all heads (fused)."""
+        s, kv_s = self.dim(1), self.dim(2)
 
         def var(name):
             return self.index_var(name, head, rank)
@@ -429,7 +462,7 @@ class _Builder:
             shape = self.cached(("mask_shape", rank), lambda: self.op(
                 "Concat", [self.i64(*[1] * (rank - 2)), self.op("Unsqueeze", [s, self.i64(0)],
                                                                 "seq_1d"),
-                           self.op("Unsqueeze", [s, self.i64(0)], "seq_1d")],
+                           self.op("Unsqueeze", [kv_s, self.i64(0)], "kv_seq_1d")],
                 "mask_shape", axis=0))
             return self.op("Expand", [t, shape], "mask")
         return self.cached(key, make)
@@ -468,7 +501,8 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
         a = [vals[i] for i in n.inputs]
         k = n.kind
         if k == "input":
-            vals[n.name] = b.x
+            vals[n.name] = b.context if n.name == getattr(layer.context_input, "name", None) \
+                else b.x
         elif k == "lengths":   # read by the masks' kv_len (index_var)
             vals[n.name] = b.kv_lens
         elif k == "head_projection":
@@ -530,8 +564,9 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
                              f"{n.name}_{wname}{head}_bias")
                 cols.append(y)
             vals[n.name] = b.op("Concat", cols, n.name, axis=-1)
-        elif k == "attention":
-            vals[n.name] = _decomposed_attention(b, n, a[0])
+        elif k == "attention":   # cross: K/V columns from the second input (kv)
+            vals[n.name] = _decomposed_attention(b, n, a[0], a[1] if n.attrs.get("cross")
+                                                 else a[0])
         else:  # pragma: no cover - verify() knows every kind
             raise OnnxError(f"node {n.name!r}: kind {k!r} has no ONNX export")
     return vals[layer.output]
@@ -558,16 +593,16 @@ def _dead_rows(b, keep, grid):
         b.const(0, np.int32)], keep + "_dead"))
 
 
-def _decomposed_attention(b, n, qkv):
+def _decomposed_attention(b, n, qkv, kv):
     d = n.attrs["head_dim"]
     mask = n.attrs.get("mask")
     outs = []
     for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
                                          n.attrs["v_offsets"])):
-        def cols(off, role):
-            return b.cached(("slice", qkv, off), lambda: b.op(
-                "Slice", [qkv, b.i64(off), b.i64(off + d), b.i64(-1)], f"{n.name}_{role}{h}"))
-        q, k, v = cols(qo, "q"), cols(ko, "k"), cols(vo, "v")
+        def cols(src, off, role):
+            return b.cached(("slice", src, off), lambda: b.op(
+                "Slice", [src, b.i64(off), b.i64(off + d), b.i64(-1)], f"{n.name}_{role}{h}"))
+        q, k, v = cols(qkv, qo, "q"), cols(kv, ko, "k"), cols(kv, vo, "v")
         r = n.attrs.get("rotary")
         if r is not None:   # each K head once, however many query heads read it
             q, k = (b.cached(("rotary", qkv, off), lambda t=t, off=off, role=role: b.rotary(

@@ -487,13 +487,20 @@ mha_handle *create(const char *dir_c) {
   return h.release();
 }
 
-// The per-call extras of mha_run_padded / mha_run_cached (all null for mha_run).
+// The per-call extras of mha_run_padded / mha_run_cached / mha_run_cross (all null for
+// mha_run).
 struct Extras {
   const char *fn;
   const int32_t *lengths;      // key lengths, or the tokens already cached
   float *k_cache;
   float *v_cache;
+  const float *context = nullptr;   // cross-attention: keys' and values' input
+  int kv_seq_len = 0;
 };
+
+// The entry point an artifact runs with: 0 mha_run, 1 mha_run_padded, 2 mha_run_cached,
+// 3 mha_run_cross (whose kv_lens are required when kLengthsKind is 1, else NULL).
+constexpr int kEntry = kContextIndex >= 0 ? 3 : kLengthsKind;
 
 // Symbolic-length artifacts: the buffers' symbolic axes and the kernels' scalar arguments
 // for a call of batch x seq_len (rows batch * seq_len, dense).
@@ -515,21 +522,32 @@ void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len) {
 // artifact takes.
 int check_extras(const Extras &e, int kind_given, int64_t batch, int64_t seq_len) {
   const std::string fn = e.fn;
-  static const char *const kNames[] = {"mha_run", "mha_run_padded", "mha_run_cached"};
-  if (kind_given != kLengthsKind)
-    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact runs with " + kNames[kLengthsKind] +
-                                      (kLengthsKind == 1   ? " (a layer with key padding)"
-                                       : kLengthsKind == 2 ? " (a decoding layer, K/V cache)"
-                                                           : " (no lengths, no cache)"));
+  static const char *const kNames[] = {"mha_run", "mha_run_padded", "mha_run_cached",
+                                       "mha_run_cross"};
+  if (kind_given != kEntry)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact runs with " + kNames[kEntry] +
+                                      (kEntry == 3   ? " (a cross-attention layer)"
+                                       : kEntry == 1 ? " (a layer with key padding)"
+                                       : kEntry == 2 ? " (a decoding layer, K/V cache)"
+                                                     : " (no lengths, no cache)"));
+  if (kEntry == 3) {
+    if (e.context == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": context is NULL");
+    if (e.kv_seq_len != kKvSeqLen)
+      return fail(MHA_ERR_SHAPE, fn + ": got kv_seq_len=" + std::to_string(e.kv_seq_len) +
+                                     ", but this artifact is compiled for kv_seq_len=" +
+                                     std::to_string(kKvSeqLen) + " (MHA_KV_SEQ_LEN)");
+    if (kLengthsKind == 0 && e.lengths != nullptr)
+      return fail(MHA_ERR_ARGUMENT, fn + ": this layer has no key padding: pass kv_lens NULL");
+  }
   if (kLengthsKind == 0) return MHA_OK;
   if (e.lengths == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
-  const int64_t most = kLengthsKind == 1 ? seq_len : kMaxLen - seq_len;
+  const int64_t most = kLengthsKind == 2 ? kMaxLen - seq_len : kEntry == 3 ? kKvSeqLen : seq_len;
   for (int64_t b = 0; b < batch; ++b)
     if (e.lengths[b] < 0 || e.lengths[b] > most)
       return fail(MHA_ERR_ARGUMENT,
                   fn + ": length " + std::to_string(e.lengths[b]) + " of batch row " +
                       std::to_string(b) + " is outside 0.." + std::to_string(most) +
-                      (kLengthsKind == 1 ? " (seq_len)"
+                      (kLengthsKind == 1 ? (kEntry == 3 ? " (kv_seq_len)" : " (seq_len)")
                                          : " (the cache holds " + std::to_string(kMaxLen) +
                                                " tokens; reset it or build a larger kv_cache)"));
   if (kLengthsKind == 2) {
@@ -584,6 +602,13 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   }
   if (kLengthsIndex >= 0)
     copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths, size_t(batch) * sizeof(int32_t));
+  DLTensor *context = kContextIndex >= 0 ? &h->tensors[size_t(kContextIndex)] : nullptr;
+  if (context != nullptr) {
+    if (usable_in_place(e.context))
+      context->data = const_cast<float *>(e.context);   // only read
+    else
+      copy_to_device(context->data, e.context, size_t(kBuffers[kContextIndex].nbytes));
+  }
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
     h->tensors[size_t(kVCacheIndex)].data = e.v_cache;
@@ -601,6 +626,7 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   }
   in.data = in_scratch;
   out.data = out_scratch;
+  if (context != nullptr) context->data = h->data[size_t(kContextIndex)];
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = nullptr;
     h->tensors[size_t(kVCacheIndex)].data = nullptr;
@@ -668,6 +694,17 @@ MHA_API int mha_run_cached(mha_handle *handle, const float *x, int batch, int se
   return mha::guarded("mha_run_cached", [&] {
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
+  });
+}
+
+MHA_API int mha_run_cross(mha_handle *handle, const float *x, int batch, int seq_len,
+                          const float *context, int kv_seq_len, const int32_t *kv_lens,
+                          float *y) {
+  return mha::guarded("mha_run_cross", [&] {
+    mha::Extras e{"mha_run_cross", kv_lens, nullptr, nullptr};
+    e.context = context;
+    e.kv_seq_len = kv_seq_len;
+    return mha::run(handle, x, batch, seq_len, y, e, 3);
   });
 }
 
