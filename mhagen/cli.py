@@ -10,7 +10,7 @@ from pathlib import Path
 
 import mhagen
 from mhagen.artifact.describe import describe
-from mhagen.errors import MhagenError
+from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
@@ -40,6 +40,10 @@ def _layer_options(p):
                    help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
                         "new tokens per call; checked on a half-full cache, timed on a full "
                         "one)")
+    g.add_argument("--cross", action="store_true",
+                   help="cross-attention: keys and values from a second input, the context "
+                        "(its length: --kv-seq-len)")
+    g.add_argument("--kv-dim", type=int, help="the context's width (--cross; default d_model)")
 
 
 def _shape_options(p):
@@ -49,6 +53,8 @@ def _shape_options(p):
     p.add_argument("--max-seq-len", type=int, metavar="N",
                    help="one module for every sequence length up to N (symbolic shapes); "
                         "--seq-len is then the length it is checked and timed at")
+    p.add_argument("--kv-seq-len", type=int, metavar="T",
+                   help="the context's length of a cross-attention layer (--cross)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
     p.add_argument("--no-fuse", action="store_true",
                    help="compile node by node (no fused QKV GEMM / attention kernels)")
@@ -59,13 +65,14 @@ def _layer(args):
         try:
             return mhagen.Graph.from_json(args.graph.read_text())
         except OSError as err:
-            raise _Fail(f"cannot read {args.graph}: {err.strerror}") from None
+            raise InputError(f"cannot read {args.graph}: {err.strerror}") from None
         except UnicodeDecodeError:
-            raise _Fail(f"{args.graph} is not a graph JSON file (it is not text); write one "
-                        "with layer.to_json()") from None
+            raise InputError(f"{args.graph} is not a graph JSON file (it is not text); "
+                             "write one with layer.to_json()") from None
     return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
                       causal=args.causal, bias=not args.no_bias,
-                      kv_cache=getattr(args, "kv_cache", None))
+                      kv_cache=getattr(args, "kv_cache", None),
+                      cross=getattr(args, "cross", False), kv_dim=getattr(args, "kv_dim", None))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -116,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
     t.add_argument("--seed", type=int, default=0)
 
-    for name, handler in add_parsers(sub, _layer_options).items():
+    for name, handler in add_parsers(sub, _layer_options, _layer).items():
         sub.choices[name].set_defaults(handler=handler)
     return p
 
@@ -175,6 +182,10 @@ def _build_checked(args, layer):
         return module, None, None
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal((args.batch, args.seq_len, module.d_model)).astype(np.float32)
+    context = None
+    if layer.context_input is not None:   # cross-attention: a random context
+        context = rng.standard_normal((args.batch, module.kv_seq_len,
+                                       layer.context_input.attrs["shape"][2])).astype(np.float32)
     cache = reference_cache = None
     if layer.cache_lens_input is not None:    # a decoding layer: a random, half-full cache
         cache = module.new_cache()
@@ -182,20 +193,22 @@ def _build_checked(args, layer):
         cache.v[...] = rng.standard_normal(cache.v.shape)
         cache.lens[...] = (cache.max_len - args.seq_len) // 2
         reference_cache = cache.copy()
-    expected = layer.reference(x, weights, cache=reference_cache)
-    args.x = x    # what latency and GFLOP/s are measured at
-    return module, mhagen.max_error(module(x, cache=cache), expected), tolerance(expected)
+    expected = layer.reference(x, weights, cache=reference_cache, context=context)
+    args.x, args.context = x, context    # what latency and GFLOP/s are measured at
+    return module, mhagen.max_error(module(x, cache=cache, context=context), expected), \
+        tolerance(expected)
 
 
 def _shape(args) -> dict:
     """build()'s shape options from --batch, --seq-len and --max-seq-len."""
     most = getattr(args, "max_seq_len", None)
+    kv = {"kv_seq_len": args.kv_seq_len} if getattr(args, "kv_seq_len", None) else {}
     if most is None:
-        return {"batch": args.batch, "seq_len": args.seq_len}
+        return {"batch": args.batch, "seq_len": args.seq_len, **kv}
     if not 1 <= args.seq_len <= most:
         raise _Fail(f"--seq-len {args.seq_len} is outside 1..--max-seq-len {most}: give the "
                     "length to check and time the module at (--seq-len) within it")
-    return {"batch": args.batch, "seq_len": None, "max_seq_len": most}
+    return {"batch": args.batch, "seq_len": None, "max_seq_len": most, **kv}
 
 
 def _cmd_bench(args):
@@ -218,7 +231,7 @@ def _cmd_bench(args):
     print(f"{'threads':>7} {'median ms':>10} {'GFLOP/s':>9}")
     for t in threads:
         set_num_threads(t)
-        seconds = module.latency(args.x, repeat=args.repeat)
+        seconds = module.latency(args.x, repeat=args.repeat, context=args.context)
         print(f"{t:>7} {seconds * 1e3:>10.3f} "
               f"{module.flops(*args.x.shape[:2]) / seconds / 1e9:>9.1f}")
     set_num_threads(available)
@@ -249,7 +262,7 @@ def _cmd_build(args):
     if err is None:
         print(f"not run: {module.cannot_run}")
         return 0
-    seconds = module.latency(args.x, repeat=args.repeat)
+    seconds = module.latency(args.x, repeat=args.repeat, context=args.context)
     where = (f"; a step of {args.seq_len} new token(s) on a full cache of {layer.options['kv_cache']}"
              if layer.cache_lens_input is not None else "")
     if module.symbolic:

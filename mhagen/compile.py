@@ -92,7 +92,7 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     if layer.context_input is not None:
         if kv_seq_len is None:
             raise GraphError(f"{layer.name!r} is a cross-attention layer: give kv_seq_len=T, "
-                             "the context's length")
+                             "the context's length (command line: --kv-seq-len T)")
         positive_int("kv_seq_len", kv_seq_len)
     elif kv_seq_len is not None:
         raise GraphError(f"kv_seq_len is the context's length of a cross-attention layer; "

@@ -289,23 +289,30 @@ class Module:
             func(*[buffers[a] for a in args])
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
-                kv_lens=None, cache=None):
+                kv_lens=None, cache=None, context=None):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
         least `number` calls and `min_repeat_ms` each (key padding: full lengths unless
         kv_lens is given; decoding: every call appends at the same place of `cache`, by
-        default a cache full up to its last seq_len rows)."""
+        default a cache full up to its last seq_len rows; cross-attention: a random context
+        unless given)."""
+        rng = np.random.default_rng(0)
         if x is None:
-            x = np.random.default_rng(0).standard_normal(self.in_shape).astype(np.float32)
+            x = rng.standard_normal(self.in_shape).astype(np.float32)
+        node = self.graph.context_input
+        if context is None and node is not None:
+            context = rng.standard_normal((x.shape[0], self.kv_seq_len,
+                                           node.attrs["shape"][2])).astype(np.float32)
         if kv_lens is None and self.graph.lengths_input is not None:
-            kv_lens = np.full(x.shape[0], x.shape[1], np.int32)
+            kv_lens = np.full(x.shape[0], x.shape[1] if node is None else self.kv_seq_len,
+                              np.int32)
         if cache is None and self.graph.cache_lens_input is not None:
             cache = self.new_cache()
             cache.lens[...] = cache.max_len - self.seq_len
         with self._lock:
-            return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache)
+            return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache, context)
 
-    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache):
-        buffers, dims = self._buffers(x, None, kv_lens, cache)
+    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache, context):
+        buffers, dims = self._buffers(x, None, kv_lens, cache, context)
         buffers[self._output.name] = runtime.tensor(self._view(self._output, dims))
         self._run(buffers)
         results = []
@@ -348,7 +355,8 @@ class Module:
         """Floating-point operations of one call (2 per multiply-add of every matmul), at the
         built shape or (symbolic builds) at batch x seq_len."""
         return graph_flops(self.graph, **self.graph.dims(batch or self.batch,
-                                                          seq_len or self.seq_len))
+                                                          seq_len or self.seq_len,
+                                                          self.kv_seq_len))
 
     def inspect(self, what: str = "graph") -> str:
         """One stage as text: graph, te, tir (scheduled), source (assembly), schedule, manifest."""

@@ -456,7 +456,7 @@ def cli():
     from mhagen.onnx.cli import add_parsers
     p = main_cli._Parser(prog="mhagen")
     sub = p.add_subparsers(dest="command", parser_class=main_cli._Parser)
-    handlers = add_parsers(sub, main_cli._layer_options)
+    handlers = add_parsers(sub, main_cli._layer_options, main_cli._layer)
     assert set(handlers) == {"export-onnx", "import-onnx"}
 
     def run(*argv):

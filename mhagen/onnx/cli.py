@@ -1,7 +1,8 @@
 """The `mhagen export-onnx` and `mhagen import-onnx` sub-commands.
 
-Wired into mhagen/cli.py by `add_parsers(subparsers, layer_options)`, which returns
-{command name: handler(args) -> exit status}. Handlers raise MhagenError subclasses for bad
+Wired into mhagen/cli.py by `add_parsers(subparsers, layer_options, layer)` (the main
+command line's layer options and the function that builds the layer from them), which
+returns {command name: handler(args) -> exit status}. Handlers raise MhagenError subclasses for bad
 options or models (the main program prints them as one line and exits with status 2).
 """
 from __future__ import annotations
@@ -10,9 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mhagen.dsl import mha
 from mhagen.errors import InputError
-from mhagen.ir.graph import Graph
 from mhagen.kvcache import KVCache
 from mhagen.onnx._common import ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
@@ -20,7 +19,7 @@ from mhagen.onnx.importer import import_onnx
 from mhagen.tolerances import max_error, tolerance
 
 
-def add_parsers(subparsers, layer_options) -> dict:
+def add_parsers(subparsers, layer_options, layer) -> dict:
     e = subparsers.add_parser(
         "export-onnx", help="write a layer as an ONNX model (plain ops or the Attention op)",
         description="Write a layer and its weights (random from --seed, or --weights) as an "
@@ -37,7 +36,10 @@ def add_parsers(subparsers, layer_options) -> dict:
     e.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     e.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
     e.add_argument("--dynamic-batch", action="store_true", help="symbolic batch axis")
-    e.add_argument("--dynamic-seq", action="store_true", help="symbolic sequence axis")
+    e.add_argument("--kv-seq-len", type=int, metavar="T",
+                   help="the context's length of a cross-attention layer (--cross)")
+    e.add_argument("--dynamic-seq", action="store_true",
+                   help="symbolic sequence axis (and the context's, with --cross)")
     e.add_argument("--opset", type=int,
                    help=f"ONNX opset (default {MIN_OPSET['decomposed']} decomposed, "
                         f"{MIN_OPSET['fused']} fused)")
@@ -63,18 +65,8 @@ def add_parsers(subparsers, layer_options) -> dict:
                    help="batch size to probe a dynamic batch axis at (default 1)")
     i.add_argument("--out", type=Path, help="write <name>.json and <name>.npz here")
     i.add_argument("--show", action="store_true", help="print each graph node by node")
-    return {"export-onnx": _cmd_export, "import-onnx": _cmd_import}
-
-
-def _layer(args):
-    if args.graph:
-        try:
-            text = args.graph.read_text()
-        except OSError as err:
-            raise InputError(f"cannot read {args.graph}: {err.strerror}") from None
-        return Graph.from_json(text)
-    return mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
-               causal=args.causal, bias=not args.no_bias, kv_cache=args.kv_cache)
+    return {"export-onnx": lambda args: _cmd_export(args, layer(args)),
+            "import-onnx": _cmd_import}
 
 
 def _load_weights(path):
@@ -86,9 +78,7 @@ def _load_weights(path):
                          "(as import-onnx --out writes)") from None
 
 
-def _cmd_export(args) -> int:
-
-    layer = _layer(args)
+def _cmd_export(args, layer) -> int:
     if args.weights:
         weights, origin = _load_weights(args.weights), f"from {args.weights}"
     else:
@@ -96,7 +86,8 @@ def _cmd_export(args) -> int:
     path = export_onnx(layer, args.out, weights, form=args.form, batch=args.batch,
                        seq_len=args.seq_len, dynamic_batch=args.dynamic_batch,
                        dynamic_seq=args.dynamic_seq, opset=args.opset, masks=args.masks,
-                       external_data=True if args.external_data else None)
+                       external_data=True if args.external_data else None,
+                       kv_seq_len=args.kv_seq_len)
     import onnx
     model = onnx.load(str(path), load_external_data=False)
     data = path.with_name(path.name + ".data")
@@ -111,7 +102,12 @@ def _cmd_export(args) -> int:
         return 0
     x = np.random.default_rng(args.seed).standard_normal(
         (args.batch, args.seq_len, layer.inputs[0].attrs["shape"][2])).astype(np.float32)
-    feeds, cache = {"x": x}, None
+    feeds, cache, context = {"x": x}, None, None
+    if layer.context_input is not None:   # cross-attention: a random context
+        context = np.random.default_rng(args.seed + 2).standard_normal(
+            (args.batch, args.kv_seq_len or args.seq_len,
+             layer.context_input.attrs["shape"][2])).astype(np.float32)
+        feeds["context"] = context
     if layer.cache_lens_input is not None:   # a random past of up to 8 tokens per row
         cache = KVCache.empty(layer, args.batch, np.float64)
         past = min(8, cache.max_len - args.seq_len)
@@ -122,7 +118,7 @@ def _cmd_export(args) -> int:
         feeds.update(past_key=cache.k[:, :, :past].astype(np.float32),
                      past_value=cache.v[:, :, :past].astype(np.float32))
     y = ort_session(onnx.load(str(path)), optimize=True).run(None, feeds)[0]
-    expected = layer.reference(x, weights, cache=cache)
+    expected = layer.reference(x, weights, cache=cache, context=context)
     err, tol = max_error(y, expected), tolerance(expected)
     ok = bool(np.all(np.isfinite(y))) and err <= tol
     print(f"onnxruntime vs float64 reference: max error {err:.2e} (tolerance {tol:.1e}) "
