@@ -8,8 +8,9 @@
    "x86-avx2" (or "x86" when that preset runs here and differs), runs it on random input
    and compares with `assert_close` against `layer.reference`. Nothing is cached across
    cases: every case builds its own module from its own graph. The same layers also run
-   as decoding layers (two calls on a random cache) and as symbolic-length builds (one
-   build, 1-3 calls at random shapes up to its maximum, some with key padding).
+   as decoding layers (two calls on a random cache), as symbolic-length builds (one build,
+   1-3 calls at random shapes up to its maximum, some with key padding) and as
+   cross-attention layers (a context of another length and width, fused or not).
 2. Invalid configurations (bad sizes, masks, score modifiers, rotary, build options, call
    time inputs and weights) raise mhagen's own errors (or the documented TypeError /
    ValueError of the expression builders) from a deliberate `raise` in mhagen, with a
@@ -212,6 +213,28 @@ def test_random_symbolic_length_layers_match_the_reference(options, max_batch, m
         x = rng.standard_normal((batch, seq, options["d_model"])).astype(np.float32)
         lens = rng.integers(0, seq + 1, batch) if padding else None
         assert_close(kernel(x, kv_lens=lens), layer.reference(x, w, kv_lens=lens))
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
+@given(options=layers(), batch=st.integers(1, 3), seq=st.integers(1, 120),
+       kv_seq=st.integers(1, 120), kv_dim=st.integers(4, 100), padding=st.booleans(),
+       fuse=st.booleans(), target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
+def test_random_cross_attention_layers_match_the_reference(options, batch, seq, kv_seq, kv_dim,
+                                                           padding, fuse, target, seed):
+    """The same random layers (without RoPE) as cross-attention: K/V from a context of
+    another length and width, some with key padding over it, fused or not."""
+    options = dict(options, rotary=None)
+    layer = mhagen.mha(**options, cross=True, kv_dim=kv_dim, key_padding=padding)
+    event(f"fused: {fuse}")
+    rng = np.random.default_rng(seed)
+    w = layer.init_weights(seed)
+    kernel = mhagen.build(layer, target, batch=batch, seq_len=seq, kv_seq_len=kv_seq,
+                          weights=w, fuse=fuse)
+    x = rng.standard_normal((batch, seq, options["d_model"])).astype(np.float32)
+    c = rng.standard_normal((batch, kv_seq, kv_dim)).astype(np.float32)
+    lens = rng.integers(0, kv_seq + 1, batch) if padding else None
+    assert_close(kernel(x, context=c, kv_lens=lens),
+                 layer.reference(x, w, context=c, kv_lens=lens))
 
 
 @pytest.mark.skipif(not mhagen.target.resolve("x86-avx512").runs_here(),
