@@ -244,10 +244,7 @@ class Module:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
-        if x.dtype != np.float32:
-            raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
-                             "pass x.astype(np.float32)")
-        return x
+        return _float32("x", x)
 
     def _check_context(self, context, batch):
         """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
@@ -259,10 +256,7 @@ class Module:
             raise InputError(f"context has shape {context.shape}, but this module was built "
                              f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "
                              f"mhagen.build(layer, ..., kv_seq_len={context.shape[1]})")
-        if context.dtype != np.float32:
-            raise InputError(f"context has dtype {context.dtype}; this module computes in "
-                             "float32: pass context.astype(np.float32)")
-        return np.ascontiguousarray(context)
+        return np.ascontiguousarray(_float32("context", context))
 
     def _check_symbolic_x(self, x):
         names = ("batch", "seq_len")
@@ -277,10 +271,7 @@ class Module:
                                  f"max_{name}=N for any)")
         if x.shape[2] != self.d_model:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
-        if x.dtype != np.float32:
-            raise InputError(f"x has dtype {x.dtype}; this module computes in float32: "
-                             "pass x.astype(np.float32)")
-        return x
+        return _float32("x", x)
 
     def _run(self, buffers):
         if self._calls is None:
@@ -375,6 +366,13 @@ class Module:
         return (f"<mhagen.Module {self.graph.name} on {self.target.name} x{shape} "
                 f"-> {self.out_shape[2]} features, weights "
                 f"{'bound' if self._params else 'not bound'}>")
+
+
+def _float32(name, a):
+    if a.dtype != np.float32:
+        raise InputError(f"{name} has dtype {a.dtype}; this module computes in float32: "
+                         f"pass {name}.astype(np.float32)")
+    return a
 
 
 def aligned_copy(arr, buffer) -> np.ndarray:
