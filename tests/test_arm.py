@@ -312,22 +312,23 @@ def test_every_backend_names_its_own_attention_and_gemm_rules():
 @pytest.mark.parametrize("target", RUN_TARGETS)
 def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_runtime,
                                                         target):
-    """A decoding layer (cache append + split-KV template) cross-built for NEON / SVE,
-    examples/c_app/decode.c cross-compiled against it, 21 tokens one at a time under qemu:
-    the causal layer on all 21 tokens."""
+    """A decoding layer (cache append + split-KV template) cross-built for NEON / SVE with
+    symbolic lengths (any number of new tokens per call), examples/c_app/decode.c
+    cross-compiled against it, under qemu: a prompt of 9 tokens in one call, then 12 single
+    tokens; the causal layer on all 21 tokens."""
     kw = dict(kv_heads=2, causal=True, rotary=True)
     layer = mhagen.mha(96, 4, kv_cache=32, **kw)        # head_dim 24: a vector tail on NEON
     w = layer.init_weights(1)
-    module = mhagen.build(layer, target, batch=1, seq_len=1, weights=w)
+    module = mhagen.build(layer, target, batch=1, seq_len=None, max_seq_len=16, weights=w)
     d = module.save(tmp_path / "step")
     app = cross.compile_app(APP.parent / "decode.c", d, tmp_path / "decode.app")
     x = random_input(layer, 1, 21, seed=2)
     x.tofile(tmp_path / "x.f32")
     t = json.loads((d / "manifest.json").read_text())["target"]
-    r = cross.run([app, d, tmp_path / "x.f32", 21, tmp_path / "y.f32"],
+    r = cross.run([app, d, tmp_path / "x.f32", 21, tmp_path / "y.f32", 9],
                   cpu=cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"]),
                   timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "the cache holds 21 of 32" in r.stdout
+    assert "21 tokens in 13 calls" in r.stdout and "the cache holds 21 of 32" in r.stdout
     y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(x.shape)
     assert_close(y, mhagen.mha(96, 4, **kw).reference(x, w))
