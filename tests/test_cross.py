@@ -112,6 +112,8 @@ def test_save_load_and_onnx_in_onnxruntime(tmp_path):
                           max_seq_len=8, kv_seq_len=8), "one query and one context length"),
     (lambda: mhagen.build(mhagen.mha(64, 4, cross=True), "cuda-sm90", seq_len=8,
                           kv_seq_len=8, tuning=None), "does not compile fused for cuda"),
+    (lambda: mhagen.tune(mhagen.mha(64, 4, cross=True), "x86", shapes=[(1, 8)], trials=1,
+                         progress=False), "tuning cross-attention layers"),
 ])
 def test_bad_cross_layers_are_refused(make, message):
     with pytest.raises(mhagen.MhagenError, match=message):

@@ -36,7 +36,7 @@ from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
 from mhagen.backends import backend_for
 from mhagen.cross import ARCHES
-from mhagen.errors import MhagenError, TargetError
+from mhagen.errors import GraphError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, schedule_kernel
@@ -330,6 +330,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
                           "measure it on the device through a TVM RPC tracker "
                           "(mhagen tune --rpc-tracker HOST:PORT --device-key KEY)")
+    if getattr(layer, "context_input", None) is not None:
+        raise GraphError("tuning cross-attention layers is not supported yet (their records "
+                         "would need the context's length in the key); their builds use the "
+                         "default schedules")
     db_path = Path(database) if database else user_database_path(t.name)
     db = Database.load(db_path)
     work_dir = Path(work_dir) if work_dir else db_path.parent / f"{t.name}-work"
