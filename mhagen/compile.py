@@ -56,7 +56,8 @@ def resolve_tuning(tuning, target):
 
 def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | None = 128,
           weights=None, fuse: bool = True, tuning="auto", max_batch: int | None = None,
-          max_seq_len: int | None = None, kv_seq_len: int | None = None):
+          max_seq_len: int | None = None, kv_seq_len: int | None = None,
+          max_kv_seq_len: int | None = None):
     """Compile `layer` for `target` (a preset name, "host", or a Target) into a Module.
 
     batch, seq_len: the input shape [batch, seq_len, d_model] the kernels are built for.
@@ -66,37 +67,39 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     Such builds use the default GEMM schedules, and the attention config tuned for the
     maximum shape when a record has it.
     kv_seq_len: the context's length of a cross-attention layer (mhagen.mha(..., cross=True));
-    required for them, refused for others."""
+    required for them (or kv_seq_len=None with max_kv_seq_len=T: any context length up to
+    T), refused for others."""
     if not isinstance(layer, Graph):
         raise GraphError(f"build() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
                          f"{type(layer).__name__}")
-    symbolic = None
-    if batch is None or seq_len is None:
-        symbolic = {"batch": batch is None, "seq": seq_len is None}
-    for name, fixed, most in (("batch", batch, max_batch), ("seq_len", seq_len, max_seq_len)):
+    if len(layer.inputs) != 1 and not (len(layer.inputs) == 2 and layer.context_input):
+        raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model] (and "
+                         f"a cross-attention layer's context); {layer.name!r} has "
+                         f"{len(layer.inputs)}")
+    cross = layer.context_input is not None
+    if not cross and (kv_seq_len is not None or max_kv_seq_len is not None):
+        raise GraphError(f"kv_seq_len is the context's length of a cross-attention layer; "
+                         f"{layer.name!r} has one input: drop kv_seq_len / max_kv_seq_len")
+    if cross and kv_seq_len is None and max_kv_seq_len is None:
+        raise GraphError(f"{layer.name!r} is a cross-attention layer: give kv_seq_len=T, "
+                         "the context's length (command line: --kv-seq-len T)")
+    dims = {"batch": (batch, max_batch), "seq_len": (seq_len, max_seq_len)}
+    if cross:
+        dims["kv_seq_len"] = (kv_seq_len, max_kv_seq_len)
+    sizes, symbolic = {}, {}
+    for name, (fixed, most) in dims.items():
         if fixed is None and most is None:
             raise GraphError(f"{name}=None builds for every {name} up to max_{name}: give "
                              f"max_{name}=N too")
         if fixed is not None and most is not None:
             raise GraphError(f"max_{name} goes with {name}=None (a symbolic length); got "
                              f"{name}={fixed!r} and max_{name}={most!r}: drop one")
-    batch, seq_len = batch if batch is not None else max_batch, \
-        seq_len if seq_len is not None else max_seq_len
-    positive_int("max_batch" if symbolic and symbolic["batch"] else "batch", batch)
-    positive_int("max_seq_len" if symbolic and symbolic["seq"] else "seq_len", seq_len)
+        sizes[name] = positive_int(name if fixed is not None else f"max_{name}",
+                                   fixed if fixed is not None else most)
+        symbolic[{"batch": "batch", "seq_len": "seq"}.get(name, "kv_seq")] = fixed is None
+    batch, seq_len, kv_seq_len = sizes["batch"], sizes["seq_len"], sizes.get("kv_seq_len")
+    symbolic = symbolic if any(symbolic.values()) else None
     t = resolve(target)
-    if len(layer.inputs) != 1 and not (len(layer.inputs) == 2 and layer.context_input):
-        raise GraphError(f"build() compiles graphs with one input [batch, seq, d_model] (and "
-                         f"a cross-attention layer's context); {layer.name!r} has "
-                         f"{len(layer.inputs)}")
-    if layer.context_input is not None:
-        if kv_seq_len is None:
-            raise GraphError(f"{layer.name!r} is a cross-attention layer: give kv_seq_len=T, "
-                             "the context's length (command line: --kv-seq-len T)")
-        positive_int("kv_seq_len", kv_seq_len)
-    elif kv_seq_len is not None:
-        raise GraphError(f"kv_seq_len is the context's length of a cross-attention layer; "
-                         f"{layer.name!r} has one input: drop kv_seq_len")
     start = time.perf_counter()
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,

@@ -165,10 +165,10 @@ class Module:
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.shape != self.in_shape:
             x = self._check_x(x)
         batch, seq = x.shape[:2]
-        dims = self.program.call_dims(batch, seq)
         context = self._check_context(context, batch)
-        lens = check_lengths(self.graph, kv_lens, batch, seq if context is None else
-                             self.kv_seq_len)
+        kv_seq = seq if context is None else context.shape[1]
+        dims = self.program.call_dims(batch, seq, kv_seq)
+        lens = check_lengths(self.graph, kv_lens, batch, kv_seq)
         cache = check_cache(self.graph, cache, batch, seq, np.float32, self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=np.float32))
@@ -179,7 +179,7 @@ class Module:
                              "module.bind(weights), or call module(x, weights=...)")
         buffers = dict(self._resident(params))
         if self.symbolic:
-            buffers.update(batch=batch, seq=seq)
+            buffers.update(batch=batch, seq=seq, kv_seq=kv_seq)
             buffers.update((b.name, runtime.tensor(self._view(b, dims)))
                            for b in self.program.role("temp") if b.symbolic)
         shape = self._input.call_shape(dims)
@@ -190,11 +190,12 @@ class Module:
         buffers[self._input.name] = runtime.tensor(x.reshape(shape))
         if context is not None:
             node = self.program.buffers[self.graph.context_input.name]
+            shape = node.call_shape(dims)
             if not is_aligned(context):
-                staged = self._temp(node)
-                staged[...] = context.reshape(node.shape)
+                staged = self._view(node, dims)
+                staged[...] = context.reshape(shape)
                 context = staged
-            buffers[node.name] = runtime.tensor(context.reshape(node.shape))
+            buffers[node.name] = runtime.tensor(context.reshape(shape))
         if lens is not None:
             staged = self._view(self.program.buffers[self.graph.lengths_input.name], dims)
             staged[...] = lens
@@ -252,6 +253,12 @@ class Module:
         if context is None:
             return None
         want = (batch, self.kv_seq_len, self.graph.context_input.attrs["shape"][2])
+        if self.symbolic and self.symbolic.get("kv_seq"):
+            if not 1 <= context.shape[1] <= self.kv_seq_len:
+                raise InputError(f"context has kv_seq_len {context.shape[1]}; this module runs "
+                                 f"kv_seq_len 1..{self.kv_seq_len} (rebuild with "
+                                 f"max_kv_seq_len={context.shape[1]})")
+            want = want[:1] + context.shape[1:2] + want[2:]
         if context.shape != want:
             raise InputError(f"context has shape {context.shape}, but this module was built "
                              f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "

@@ -16,7 +16,8 @@ import numpy as np
 from mhagen.params import pack_param
 
 
-SCALARS = ("batch", "seq")      # kernel arguments that are not buffers (symbolic builds)
+SCALARS = ("batch", "seq")      # kernel arguments that are not buffers (symbolic builds;
+CROSS_SCALARS = SCALARS + ("kv_seq",)   # cross-attention: and the context's length)
 
 
 def round_up(a: int, b: int) -> int:
@@ -34,7 +35,8 @@ class Buffer:
     value: np.ndarray | None = None  # params of kind "constant": the array
     doc: str = ""
     symbolic: dict | None = None  # symbolic-length builds: {axis: "batch" | "rows" |
-                                  # "padded_rows"}; `shape` then holds the maximum
+                                  # "padded_rows" | "kv_rows" | "kv_padded_rows"}; `shape`
+                                  # then holds the maximum
 
     def call_shape(self, dims: dict) -> tuple:
         """The shape of one call: symbolic axes from dims (call_dims()), the rest fixed."""
@@ -92,12 +94,15 @@ class Program:
     symbolic: dict | None = None  # one build for every length: {"batch": bool, "seq": bool,
                                   # "row_tile": rows the GEMM temporaries are padded to}
 
-    def call_dims(self, batch: int, seq: int) -> dict:
-        """The values of the symbolic axes (and the kernels' scalar arguments) for a call."""
+    def call_dims(self, batch: int, seq: int, kv_seq: int | None = None) -> dict:
+        """The values of the symbolic axes (and the kernels' scalar arguments) for a call;
+        kv_seq: a cross-attention's context length."""
         rows = batch * seq
         tile = self.symbolic["row_tile"] if self.symbolic else 1
-        return {"batch": batch, "seq": seq, "rows": rows,
-                "padded_rows": round_up(rows, tile)}
+        kv_rows = batch * (kv_seq or seq)
+        return {"batch": batch, "seq": seq, "rows": rows, "padded_rows": round_up(rows, tile),
+                "kv_seq": kv_seq or seq, "kv_rows": kv_rows,
+                "kv_padded_rows": round_up(kv_rows, tile)}
 
     def role(self, role):
         return [b for b in self.buffers.values() if b.role == role]

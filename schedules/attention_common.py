@@ -19,12 +19,15 @@ class ScoreRules:
         # while the template is parsed, made parameters by attention_entry / with_scalars)
         self.symbolic = bool(w.get("symbolic"))
         if self.symbolic:
-            self.batch, self.seq = call_scalars()
+            self.scalars = call_scalars(bool(w.get("cross")))
+            self.batch, self.seq = self.scalars[:2]
         else:
             self.batch, self.seq = w["batch"], w["seq"]
-        self.scalars = (self.batch, self.seq) if self.symbolic else ()
+            self.scalars = ()
         # the keys' length: the context's in cross-attention, else the queries'
         self.kv_seq = w.get("kv_seq") or self.seq
+        if self.symbolic and w.get("cross"):
+            self.kv_seq = self.scalars[2]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)

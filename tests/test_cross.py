@@ -108,8 +108,8 @@ def test_save_load_and_onnx_in_onnxruntime(tmp_path):
      "give kv_seq_len=T"),
     (lambda: mhagen.build(mhagen.mha(64, 4), "x86", seq_len=8, kv_seq_len=8),
      "drop kv_seq_len"),
-    (lambda: mhagen.build(mhagen.mha(64, 4, cross=True), "x86", seq_len=None,
-                          max_seq_len=8, kv_seq_len=8), "one query and one context length"),
+    (lambda: mhagen.build(mhagen.mha(64, 4, cross=True), "x86", seq_len=8,
+                          kv_seq_len=8, max_kv_seq_len=9), "drop one"),
     (lambda: mhagen.build(mhagen.mha(64, 4, cross=True), "cuda-sm90", seq_len=8,
                           kv_seq_len=8, tuning=None), "does not compile fused for cuda"),
     (lambda: mhagen.tune(mhagen.mha(64, 4, cross=True), "x86", shapes=[(1, 8)], trials=1,
@@ -205,7 +205,7 @@ def test_c_api_runs_cross_attention(tmp_path):
     np.testing.assert_array_equal(y, module(x, context=c, kv_lens=lens))
     assert_close(y, layer.reference(x, w, context=c, kv_lens=lens))
     for case, status, text in (("plain", "MHA_ERR_ARGUMENT", "runs with mha_run_cross"),
-                               ("short", "MHA_ERR_SHAPE", "kv_seq_len=19"),
+                               ("short", "MHA_ERR_SHAPE", "runs kv_seq_len 19"),
                                ("nullctx", "MHA_ERR_NULL_ARGUMENT", "context is NULL")):
         got, message = run(case)
         assert got == status and text in message, message
@@ -219,3 +219,86 @@ def test_cli_builds_a_cross_attention_layer(capsys):
     assert rc == 0 and "kv_projection" in out and "ok" in out, out
     assert main(["build", "--d-model", "64", "--heads", "2", "--cross"]) == 2
     assert "--kv-seq-len" in capsys.readouterr().err
+
+
+def test_one_build_serves_every_query_and_context_length():
+    """batch=None, seq_len=None, kv_seq_len=None: one module, any (batch, seq, kv_seq) up to
+    the maxima; key padding over the context."""
+    layer = mhagen.mha(160, 4, head_dim=40, kv_heads=2, cross=True, kv_dim=24,
+                       key_padding=True, causal=True)
+    w = layer.init_weights(5)
+    module = mhagen.build(layer, "x86-avx2", batch=None, max_batch=3, seq_len=None,
+                          max_seq_len=100, kv_seq_len=None, max_kv_seq_len=150, weights=w,
+                          tuning=None)
+    rng = np.random.default_rng(0)
+    for batch, seq, kv_seq in ((1, 1, 1), (3, 97, 33), (2, 5, 150), (3, 100, 149)):
+        x, c = random_input(layer, batch, seq, seed=seq), _context(layer, batch, kv_seq)
+        lens = rng.integers(0, kv_seq + 1, batch)
+        assert_close(module(x, context=c, kv_lens=lens),
+                     layer.reference(x, w, context=c, kv_lens=lens))
+    with pytest.raises(mhagen.InputError, match="kv_seq_len 1..150"):
+        module(random_input(layer, 1, 4), context=_context(layer, 1, 151),
+               kv_lens=[151])
+
+
+SYMBOLIC_DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "mha.h"
+
+/* argv: artifact, batch, seq, kv_seq, x file, context file, y file */
+int main(int argc, char **argv) {
+  if (argc != 8) return 2;
+  int b = atoi(argv[2]), s = atoi(argv[3]), t = atoi(argv[4]);
+  mha_handle *h = mha_create(argv[1]);
+  if (!h) return 3;
+  size_t nx = (size_t)b * s * MHA_D_MODEL, nc = (size_t)b * t * MHA_KV_DIM;
+  float *x = malloc(nx * sizeof(float)), *c = malloc(nc * sizeof(float));
+  float *y = malloc((size_t)b * s * MHA_OUT_D_MODEL * sizeof(float));
+  FILE *f = fopen(argv[5], "rb");
+  if (!f || fread(x, sizeof(float), nx, f) != nx) return 4;
+  fclose(f);
+  f = fopen(argv[6], "rb");
+  if (!f || fread(c, sizeof(float), nc, f) != nc) return 4;
+  fclose(f);
+  int rc = mha_run_cross(h, x, b, s, c, t, NULL, y);
+  printf("%s|%s\n", mha_status_name(rc), mha_last_error());
+  f = fopen(argv[7], "wb");
+  fwrite(y, sizeof(float), rc == MHA_OK ? (size_t)b * s * MHA_OUT_D_MODEL : 0, f);
+  fclose(f);
+  mha_destroy(h);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not (CC and shutil.which("g++")), reason="needs gcc and g++")
+def test_c_api_runs_every_context_length(tmp_path):
+    layer = mhagen.mha(48, 4, cross=True, kv_dim=20)
+    w = layer.init_weights(6)
+    module = mhagen.build(layer, "x86", batch=2, seq_len=None, max_seq_len=30,
+                          kv_seq_len=None, max_kv_seq_len=40, weights=w)
+    d = module.save(tmp_path / "art")
+    assert "#define MHA_SYMBOLIC_KV_SEQ_LEN 1" in (d / "mha.h").read_text()
+    (tmp_path / "driver.c").write_text(SYMBOLIC_DRIVER)
+    exe = tmp_path / "driver"
+    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror", str(tmp_path / "driver.c"),
+                        f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for seq, kv_seq in ((1, 40), (30, 3), (17, 41)):
+        x, c = random_input(layer, 2, seq, seed=seq), _context(layer, 2, kv_seq)
+        x.tofile(tmp_path / "x")
+        c.tofile(tmp_path / "c")
+        r = subprocess.run([str(exe), str(d), "2", str(seq), str(kv_seq), str(tmp_path / "x"),
+                            str(tmp_path / "c"), str(tmp_path / "y")], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        status, message = r.stdout.strip().split("|")
+        if kv_seq > 40:
+            assert status == "MHA_ERR_SHAPE" and "kv_seq_len 1..40" in message, message
+            continue
+        assert status == "MHA_OK", message
+        y = np.fromfile(tmp_path / "y", np.float32).reshape(2, seq, 48)
+        np.testing.assert_array_equal(y, module(x, context=c))
+        assert_close(y, layer.reference(x, w, context=c))

@@ -81,7 +81,8 @@ _ROLES = {"input": "kInput", "param": "kParam", "temp": "kTemp", "output": "kOut
           "state": "kState"}
 _MAX_DIMS = 8     # mha_runtime.h kMaxDims
 _SYMBOLIC_DIMS = {"fixed": "kFixed", "batch": "kDimBatch", "rows": "kDimRows",
-                  "padded_rows": "kDimPaddedRows"}   # mha_runtime.h SymbolicDim
+                  "padded_rows": "kDimPaddedRows", "kv_rows": "kDimKvRows",
+                  "kv_padded_rows": "kDimKvPaddedRows"}   # mha_runtime.h SymbolicDim
 
 __all__ = ["CONFIG", "HEADER", "LIBRARY", "RUNTIME_LIBS", "STATUS", "Toolchain",
            "compile_command", "find_tvm_runtime", "generate_config", "generate_header",
@@ -242,7 +243,8 @@ extern "C" {{
 #define MHA_HEAD_DIM {hd}
 #define MHA_CACHE_SIZE {b * g * n * hd}   /* floats in each of k_cache and v_cache */
 #define MHA_CROSS {int(lay['context'] >= 0)}   /* 1: a cross-attention layer (mha_run_cross) */
-#define MHA_KV_SEQ_LEN {lay['kv_seq']}   /* its context's length */
+#define MHA_KV_SEQ_LEN {lay['kv_seq']}   /* its context's length (the most, when symbolic) */
+#define MHA_SYMBOLIC_KV_SEQ_LEN {int(bool(sym.get('kv_seq')))}   /* 1: any kv_seq_len 1..MHA_KV_SEQ_LEN */
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* floats in context */
 
@@ -284,7 +286,8 @@ MHA_API int mha_run_cached(mha_handle *handle, const float *x, int batch, int se
                            float *k_cache, float *v_cache, int32_t *cache_lens, float *y);
 
 /* Cross-attention layers (MHA_CROSS 1): queries from x, keys and values from context
- * [batch, MHA_KV_SEQ_LEN, MHA_KV_DIM] floats (kv_seq_len must equal MHA_KV_SEQ_LEN). kv_lens
+ * [batch, kv_seq_len, MHA_KV_DIM] floats (kv_seq_len: MHA_KV_SEQ_LEN, or at most that when
+ * MHA_SYMBOLIC_KV_SEQ_LEN). kv_lens
  * [batch] int32 (each in 0..kv_seq_len: context rows past it are padding) when the layer has
  * key padding (MHA_KEY_PADDING 1), else NULL. */
 MHA_API int mha_run_cross(mha_handle *handle, const float *x, int batch, int seq_len,
@@ -393,7 +396,7 @@ def generate_config(manifest, files: list) -> str:
                        f"{_SYMBOLIC_DIMS[kind]}}},")
     kernels, args = [], []
     for k, kern in enumerate(prog["kernels"]):
-        index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq"}
+        index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
         args.append(f"constexpr int kArgs{k}[] = "
                     f"{{{', '.join(str(index[a]) for a in kern['args'])}}};")
         kernels.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
@@ -424,6 +427,7 @@ def generate_config(manifest, files: list) -> str:
     out += ["// symbolic lengths: calls may pass any batch / seq_len up to kBatch / kSeqLen",
             f"constexpr bool kSymbolicBatch = {'true' if sym.get('batch') else 'false'};",
             f"constexpr bool kSymbolicSeq = {'true' if sym.get('seq') else 'false'};",
+            f"constexpr bool kSymbolicKvSeq = {'true' if sym.get('kv_seq') else 'false'};",
             f"constexpr int64_t kRowTile = {int(sym.get('row_tile', 1))};"]
     out += [f"constexpr int kInputIndex = {lay['input']};",
             f"constexpr int kOutputIndex = {lay['output']};",

@@ -24,9 +24,6 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length
     of a cross-attention layer (its programs consult no tuning records yet)."""
     cross = graph.context_input is not None
-    if cross and symbolic:
-        raise GraphError("cross-attention layers are built for one query and one context "
-                         "length (seq_len=N, kv_seq_len=T) for now, not seq_len=None")
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     fusion = run_passes(graph, fuse=fuse)
     backend = backend_for(target)

@@ -25,7 +25,7 @@ from mhagen.blockmask import block_table, split_lengths
 from mhagen.errors import GraphError, TargetError
 from mhagen.lower.te import call_scalars, rope_table
 from mhagen.ir.heads import kv_head_map
-from mhagen.program import SCALARS, Buffer, Kernel, Program, Stage, round_up
+from mhagen.program import CROSS_SCALARS, Buffer, Kernel, Program, Stage, round_up
 
 
 class NotFusable(Exception):
@@ -41,7 +41,7 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them,
     at most max_rows."""
     k = te.reduce_axis((0, depth), name="k")
-    clamp = bool(scalars) and a.name == "x"   # x has batch*seq rows, att whole tiles
+    clamp = bool(scalars) and a.name != "att"   # inputs: batch*seq rows; att: whole tiles
     last = a.shape[0] - 1
 
     def a_row(m):
@@ -130,6 +130,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     tile_rows = backend.gemm_tile(target)[0]
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
+        rows_kv = kv_rows and round_up(kv_rows, tile_rows)
 
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
@@ -198,7 +199,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
-                        nr, dp) if cross else []) + attention_buffers + ([
+                        nr, dp, bool(symbolic)) if cross else []) + attention_buffers + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
@@ -212,9 +213,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("out", (rows, d_out_p), "output", symbolic={0: "rows"} if symbolic else None),
     ]
     buf = {b.name: b for b in buffers}
-    scalars = call_scalars() if symbolic else ()
+    scalars = call_scalars(cross) if symbolic else ()
     ph = _placeholders(buf, scalars, tile_rows)
-    extra = list(SCALARS) if symbolic else []
+    extra = list(CROSS_SCALARS[:len(scalars)])    # the scalars' names, in order
 
     kernels, text = [], []
     # 1. packed QKV GEMM
@@ -228,10 +229,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                 f"   # {len(segments)} head projections, one GEMM")
     if cross:   # 1b. the K/V heads' GEMM over the context
         c, wkv, bkv = ph(kv_node.inputs[0]), ph("w_kv"), ph("b_kv")
-        kv, st = _gemm("kv", kv_node.name, c, wkv, bkv, rows_kv, kv_dim, n_kv_p, nr,
-                       panel_major=True)
-        kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"],
-                              te.create_prim_func([c, wkv, bkv, kv]), st))
+        kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
+                       ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
+                       panel_major=True, scalars=scalars, max_rows=rows_kv)
+        kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
+                              te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
                     f"   # {len(kv_segments)} K/V head projections of the context")
     # 2. RoPE on qkv's Q and K columns, in place
@@ -261,7 +263,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                            ph if symbolic else None)
     if symbolic:
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
-                            "row_tile": tile_rows}
+                            "row_tile": tile_rows,
+                            **({"max_kv_seq": kv_seq} if cross else {})}
     return program
 
 
@@ -277,32 +280,40 @@ def _packed(segments, depth, width, nr, dp):
     return w, b
 
 
-def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp):
-    """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary."""
+def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic):
+    """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
+    (symbolic: their rows follow the call's batch * kv_seq)."""
     w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp)
     return [Buffer(context, (rows, kv_dim), "input",
-                   doc="context [batch*kv_seq, kv_dim]: what K and V project"),
+                   doc="context [batch*kv_seq, kv_dim]: what K and V project",
+                   symbolic={0: "kv_rows"} if symbolic else None),
             Buffer("w_kv", (width // nr, kv_dim, nr), "param", pack=w_kv,
                    doc="every K/V weight side by side, in column panels"),
             Buffer("b_kv", (width,), "param", pack=b_kv),
             Buffer("kv", (width // nr, rows_kv, nr), "temp",
-                   doc="K, V of every K/V head in column panels (cross-attention)")]
+                   doc="K, V of every K/V head in column panels (cross-attention)",
+                   symbolic={1: "kv_padded_rows"} if symbolic else None)]
 
 
 def _placeholders(buf, scalars, tile_rows):
     """ph(name): a TE placeholder of buffer `name`; symbolic axes become expressions of the
-    scalars (ph.dims: batch, seq, rows, padded_rows)."""
+    scalars (ph.dims: batch, seq, rows, padded_rows, and with a third scalar, the context's
+    kv_seq, kv_rows, kv_padded_rows)."""
     dims = {}
+
+    def padded(rows):
+        return tirx.floordiv(rows + tile_rows - 1, tile_rows) * tile_rows
     if scalars:
-        b, s = scalars
-        rows = b * s
-        dims = {"batch": b, "seq": s, "rows": rows,
-                "padded_rows": tirx.floordiv(rows + tile_rows - 1, tile_rows) * tile_rows}
+        b, s = scalars[:2]
+        dims = {"batch": b, "seq": s, "rows": b * s, "padded_rows": padded(b * s)}
+    if len(scalars) == 3:
+        dims.update(kv_seq=scalars[2], kv_rows=b * scalars[2],
+                    kv_padded_rows=padded(b * scalars[2]))
 
     def ph(name):
         shape = buf[name].call_shape(dims) if scalars else buf[name].shape
         return te.placeholder(shape, buf[name].dtype, name=name)
-    ph.dims = dims
+    ph.dims, ph.scalars = dims, tuple(scalars)
     return ph
 
 
@@ -333,7 +344,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
     scalars = ()
     max_rows = rows_att
     if ph is not None:
-        scalars = (ph.dims["batch"], ph.dims["seq"])
+        scalars = ph.scalars
         rows, rows_att = ph.dims["rows"], ph.dims["padded_rows"]
     else:
         ph = _placeholders(buf, (), 0)
@@ -341,7 +352,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
                   scalars=scalars, max_rows=max_rows)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
-                          (list(SCALARS) if scalars else []),
+                          list(CROSS_SCALARS[:len(scalars)]),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))
     text.append(f"out[m, n] = sum_k att[m, k] * w_o[n // {nr}, k, n % {nr}] + b_o[n]")
     return Program(buf, kernels, "\n".join(text))

@@ -20,10 +20,12 @@ from mhagen.program import Buffer, Kernel, Program, Stage
 
 
 
-def call_scalars():
-    """The call's batch and seq as TIR vars: the scalar parameters every kernel of a
-    symbolic-length build takes last (mhagen.program.SCALARS)."""
-    return tvm.tirx.Var("batch", "int32"), tvm.tirx.Var("seq", "int32")
+def call_scalars(cross=False):
+    """The call's batch and seq (cross-attention: and kv_seq) as TIR vars: the scalar
+    parameters every kernel of a symbolic-length build takes last (mhagen.program.SCALARS,
+    CROSS_SCALARS)."""
+    names = ("batch", "seq", "kv_seq") if cross else ("batch", "seq")
+    return tuple(tvm.tirx.Var(n, "int32") for n in names)
 
 
 LOG2E = 1.4426950408889634   # templates compute softmax in base 2: exp(x) = 2^(x log2 e)

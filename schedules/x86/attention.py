@@ -184,6 +184,9 @@ def build_attention(w, cfg, lanes):
     if rules.symbolic:
         NQ, NK = (S + MQ - 1) // MQ, (rules.kv_seq + KB - 1) // KB
         M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
+        if cross:   # the context's rows, padded as its GEMM's
+            KV_SHAPE = (KV_SHAPE[0], (B * rules.kv_seq + w["row_tile"] - 1) // w["row_tile"]
+                        * w["row_tile"], PW)
 
     @T.macro
     def key_block(masked, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc, acc_o,

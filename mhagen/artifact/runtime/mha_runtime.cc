@@ -503,10 +503,12 @@ struct Extras {
 constexpr int kEntry = kContextIndex >= 0 ? 3 : kLengthsKind;
 
 // Symbolic-length artifacts: the buffers' symbolic axes and the kernels' scalar arguments
-// for a call of batch x seq_len (rows batch * seq_len, dense).
-void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len) {
-  const int64_t rows = batch * seq_len;
-  const int64_t values[] = {0, batch, rows, (rows + kRowTile - 1) / kRowTile * kRowTile};
+// for a call of batch x seq_len (rows batch * seq_len, dense; a cross-attention's context
+// batch * kv_seq_len rows).
+void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_seq_len) {
+  const int64_t rows = batch * seq_len, kv_rows = batch * kv_seq_len;
+  const int64_t values[] = {0, batch, rows, (rows + kRowTile - 1) / kRowTile * kRowTile,
+                            kv_rows, (kv_rows + kRowTile - 1) / kRowTile * kRowTile};
   for (int i = 0; i < kNumBuffers; ++i)
     if (kBuffers[i].sym_kind != kFixed)
       h->shapes[size_t(i) * kMaxDims + size_t(kBuffers[i].sym_axis)] =
@@ -514,8 +516,10 @@ void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len) {
   for (int k = 0; k < kNumKernels; ++k)
     for (int a = 0; a < kKernels[k].nargs; ++a)
       if (kKernels[k].args[a] < 0)
-        h->args[size_t(k)][size_t(a)] =
-            tvm::ffi::AnyView(kKernels[k].args[a] == kArgBatch ? batch : seq_len);
+        h->args[size_t(k)][size_t(a)] = tvm::ffi::AnyView(
+            kKernels[k].args[a] == kArgBatch ? batch
+            : kKernels[k].args[a] == kArgSeq ? seq_len
+                                             : kv_seq_len);
 }
 
 // Checks the lengths (and caches) a call of batch x seq_len passes against what this
@@ -532,16 +536,20 @@ int check_extras(const Extras &e, int kind_given, int64_t batch, int64_t seq_len
                                                      : " (no lengths, no cache)"));
   if (kEntry == 3) {
     if (e.context == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": context is NULL");
-    if (e.kv_seq_len != kKvSeqLen)
+    if (kSymbolicKvSeq ? e.kv_seq_len < 1 || e.kv_seq_len > kKvSeqLen
+                       : e.kv_seq_len != kKvSeqLen)
       return fail(MHA_ERR_SHAPE, fn + ": got kv_seq_len=" + std::to_string(e.kv_seq_len) +
-                                     ", but this artifact is compiled for kv_seq_len=" +
-                                     std::to_string(kKvSeqLen) + " (MHA_KV_SEQ_LEN)");
+                                     ", but this artifact runs kv_seq_len " +
+                                     (kSymbolicKvSeq ? "1.." : "") + std::to_string(kKvSeqLen) +
+                                     " (MHA_KV_SEQ_LEN)");
     if (kLengthsKind == 0 && e.lengths != nullptr)
       return fail(MHA_ERR_ARGUMENT, fn + ": this layer has no key padding: pass kv_lens NULL");
   }
   if (kLengthsKind == 0) return MHA_OK;
   if (e.lengths == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
-  const int64_t most = kLengthsKind == 2 ? kMaxLen - seq_len : kEntry == 3 ? kKvSeqLen : seq_len;
+  const int64_t most = kLengthsKind == 2 ? kMaxLen - seq_len
+                       : kEntry == 3       ? e.kv_seq_len
+                                           : seq_len;
   for (int64_t b = 0; b < batch; ++b)
     if (e.lengths[b] < 0 || e.lengths[b] > most)
       return fail(MHA_ERR_ARGUMENT,
@@ -590,7 +598,8 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   if (check_extras(e, kind_given, batch, seq_len) != MHA_OK) return g_code;
   std::lock_guard<std::mutex> lock(h->mutex);
   const int64_t rows = int64_t(batch) * seq_len;
-  if (kSymbolicBatch || kSymbolicSeq) set_call_shape(h, batch, seq_len);
+  if (kSymbolicBatch || kSymbolicSeq || kSymbolicKvSeq)
+    set_call_shape(h, batch, seq_len, e.kv_seq_len);
   void *in_scratch = h->data[size_t(kInputIndex)];
   void *out_scratch = h->data[size_t(kOutputIndex)];
   DLTensor &in = h->tensors[size_t(kInputIndex)];
@@ -607,7 +616,8 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
     if (usable_in_place(e.context))
       context->data = const_cast<float *>(e.context);   // only read
     else
-      copy_to_device(context->data, e.context, size_t(kBuffers[kContextIndex].nbytes));
+      copy_to_device(context->data, e.context,
+                     size_t(int64_t(batch) * e.kv_seq_len * kKvDim) * sizeof(float));
   }
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = e.k_cache;

@@ -36,8 +36,13 @@ enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3, kState = 4 };
 
 // Symbolic-length artifacts: the axis of a buffer that follows the call (BufferSpec.sym_axis;
 // the shape holds its largest value) and what it is, and the scalar kernel arguments.
-enum SymbolicDim { kFixed = 0, kDimBatch = 1, kDimRows = 2, kDimPaddedRows = 3 };
-enum ScalarArg { kArgBatch = -1, kArgSeq = -2 };   // KernelSpec.args entries below 0
+// (cross-attention: kDimKvRows = batch * kv_seq rows of the context, kDimKvPaddedRows those
+// padded to kRowTile)
+enum SymbolicDim {
+  kFixed = 0, kDimBatch = 1, kDimRows = 2, kDimPaddedRows = 3, kDimKvRows = 4,
+  kDimKvPaddedRows = 5
+};
+enum ScalarArg { kArgBatch = -1, kArgSeq = -2, kArgKvSeq = -3 };   // KernelSpec.args below 0
 
 constexpr int kMaxDims = 8;
 
