@@ -24,15 +24,15 @@ every bad builder / input / build option), all derandomized (the same cases ever
 --hypothesis-show-statistics to see what they covered). Long profile:
 `MHAGEN_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest -q tests/test_fuzz.py` (hours; a
 failure is shrunk to a minimal layer and printed; shrinking a compile-heavy case can itself
-take minutes). One known bug is routed around and pinned by a strict xfail (see
-test_unfused_avx512_seq1_shared_kv_heads).
+take minutes). A bug the fuzzers found (unfused builds at seq_len 1 with several heads) is
+fixed and pinned by test_unfused_seq1_multi_head.
 """
 import linecache
 import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import mhagen
@@ -150,9 +150,6 @@ SEQS = st.one_of(st.integers(1, 16), st.integers(1, 63), st.integers(1, 63),
        target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
 def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, target, seed):
     layer = mhagen.mha(**options)
-    # Known bug, kept out of the fuzzer and pinned by the strict xfail below
-    # (test_unfused_avx512_seq1_shared_kv_heads): unfused, AVX-512 class, seq_len 1.
-    assume(not (not fuse and seq == 1 and mhagen.target.resolve(target).vector_bits == 512))
     num_heads, kv_heads = options["num_heads"], options.get("kv_heads", options["num_heads"])
     for what in (f"seq {seq}" if seq in (1, 2, 97, 257) else f"seq {'<64' if seq < 64 else '>=64'}",
                  f"fuse {fuse}", target, f"mask {options['mask'] is not None}",
@@ -237,17 +234,19 @@ def test_random_cross_attention_layers_match_the_reference(options, batch, seq, 
                  layer.reference(x, w, context=c, kv_lens=lens))
 
 
-@pytest.mark.skipif(not mhagen.target.resolve("x86-avx512").runs_here(),
-                    reason="needs an AVX-512 host")
-@pytest.mark.xfail(strict=True, reason="unfused AVX-512 builds with seq_len=1 return wrong "
-                   "numbers (seen with shared K/V heads, and with batch 3 and kv_heads == "
-                   "num_heads); x86-avx2, fused, and seq_len >= 2 are right. Found by "
-                   "test_random_valid_layers_match_the_reference")
-def test_unfused_avx512_seq1_shared_kv_heads():
-    layer = mhagen.mha(16, 2, kv_heads=1, bias=False)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("d_model,heads,kv_heads", [(16, 2, 1), (32, 2, 2), (64, 4, 2),
+                                                     (48, 3, 3)])
+def test_unfused_seq1_multi_head(target, d_model, heads, kv_heads):
+    """Found by the fuzzers (the AVX-512 class first, then x86-avx2 with cross-attention):
+    unfused builds at seq_len 1 with several heads gave wrong numbers (up to 1e38). The
+    heads' concat, a Select between two heads' buffers, was vectorised; its vector form
+    loads both sides, past the end of a one-token buffer. The concat now keeps a scalar
+    loop (schedules/x86/elementwise.py)."""
+    layer = mhagen.mha(d_model, heads, kv_heads=kv_heads, bias=False)
     w = layer.init_weights(0)
-    x = np.random.default_rng(0).standard_normal((1, 1, 16)).astype(np.float32)
-    kernel = mhagen.build(layer, "x86-avx512", batch=1, seq_len=1, weights=w, fuse=False)
+    x = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
+    kernel = mhagen.build(layer, target, batch=1, seq_len=1, weights=w, fuse=False)
     assert_close(kernel(x), layer.reference(x, w))
 
 

@@ -328,7 +328,9 @@ def _lower_concat(ctx, n):
         return out
 
     c = te.compute(_shape(ctx, n), f, name=n.name)
-    ctx.stage(n.name, "elementwise", n.name, [n.name])
+    # scalar columns (see ElementwiseRule): a vectorised Select between two heads' buffers
+    # read past a small buffer's end and gave wrong numbers at seq_len 1
+    ctx.stage(n.name, "elementwise", n.name, [n.name], scalar=True)
     ctx.note(f"{n.name} = concat({', '.join(n.inputs)}, axis=-1)")
     return c
 

@@ -25,8 +25,13 @@ class ElementwiseRule:
             if outer is not None:
                 sch.parallel(outer)
             # a vector wider than the loop would compute lanes past its end (guarded lanes
-            # of a too-wide vector wrote out of bounds: wrong results at seq 1 on AVX-512)
+            # of a too-wide vector wrote out of bounds: wrong results at seq 1 on AVX-512).
+            # Stages marked scalar (the heads' concat: a Select whose vector form loads
+            # both sides, past the end of one head's buffer) keep a scalar loop that LLVM
+            # vectorises only where it is safe; wrong numbers at seq_len 1 otherwise.
             vector = fitting_vector(cfg.vector, int(sch.get(loops[-1]).extent))
+            if stage.workload.get("scalar"):
+                vector = 1
             if vector > 1:
                 sch.vectorize(sch.split(loops[-1], [None, vector])[1])
         return []
