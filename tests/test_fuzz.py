@@ -250,6 +250,26 @@ def test_unfused_seq1_multi_head(target, d_model, heads, kv_heads):
     assert_close(kernel(x), layer.reference(x, w))
 
 
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("options,seq,kv_seq", [
+    (dict(d_model=48, num_heads=3, kv_heads=1, rotary=True), 1, None),
+    (dict(d_model=8, num_heads=1, cross=True, kv_dim=4), 3, 1),
+    (dict(d_model=32, num_heads=2, cross=True, kv_dim=4), 3, 1),
+], ids=["rotary-seq1", "cross-3x1", "cross-3x1-2heads"])
+def test_unfused_small_shapes(target, options, seq, kv_seq):
+    """Also found by the fuzzers, unfused: RoPE at seq_len 1 (its Select vectorised, as the
+    concat's) and 3 queries over 1 key (the softmax's guarded row loop of 2 + 1 rows with a
+    column loop of extent 1, which LLVM vectorised wrongly; tasks now divide the rows)."""
+    layer = mhagen.mha(**options, bias=False)
+    w = layer.init_weights(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, seq, options["d_model"])).astype(np.float32)
+    context = rng.standard_normal((1, kv_seq, 4)).astype(np.float32) if kv_seq else None
+    kernel = mhagen.build(layer, target, batch=1, seq_len=seq, weights=w, fuse=False,
+                          **({"kv_seq_len": kv_seq} if kv_seq else {}))
+    assert_close(kernel(x, context=context), layer.reference(x, w, context=context))
+
+
 # -- invalid configurations ------------------------------------------------------------------
 def raised_by_mhagen(excinfo) -> bool:
     """The exception comes from a `raise` statement in mhagen's own code (not a Python

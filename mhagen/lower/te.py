@@ -226,8 +226,8 @@ def _lower_rotary(ctx, n):
     ctx.note(f"{n.name} = rope({n.inputs[0]}, base={n.attrs['base']:g}, rotary_dim={rd})")
     y = te.compute(shape, f, name=n.name)
     # elementwise, not an epilogue: it reads a neighbour column, so it cannot fold into the
-    # projection's register-tile write-back
-    ctx.stage(n.name, "elementwise", n.name, [n.name])
+    # projection's register-tile write-back; scalar columns, as the concat's (a Select)
+    ctx.stage(n.name, "elementwise", n.name, [n.name], scalar=True)
     return y
 
 
@@ -328,8 +328,8 @@ def _lower_concat(ctx, n):
         return out
 
     c = te.compute(_shape(ctx, n), f, name=n.name)
-    # scalar columns (see ElementwiseRule): a vectorised Select between two heads' buffers
-    # read past a small buffer's end and gave wrong numbers at seq_len 1
+    # scalar columns (see ElementwiseRule): vectorised, a Select between two heads' buffers
+    # loads both sides, past a small buffer's end, and gave wrong numbers at seq_len 1
     ctx.stage(n.name, "elementwise", n.name, [n.name], scalar=True)
     ctx.note(f"{n.name} = concat({', '.join(n.inputs)}, axis=-1)")
     return c

@@ -17,11 +17,14 @@ class SoftmaxRule:
         return stage.pattern == "softmax"
 
     def default_config(self, workload, target):
-        # never more rows per task than there are (a guarded row loop that LLVM vectorises
-        # when a column loop of extent 1 vanishes gave wrong results at seq 1)
+        # whole tasks only: rows per task divides the rows (a guarded row loop that LLVM
+        # vectorises when a column loop of extent 1 vanishes gave wrong results: seq 1, and
+        # cross-attention over one key with 3 queries)
         rows = workload.get("batch", 1) * workload.get("rows", 1)
-        return SoftmaxConfig(rows_per_task=fitting_vector(4 if workload["cols"] < 256 else 1,
-                                                          rows))
+        per_task = fitting_vector(4 if workload["cols"] < 256 else 1, rows)
+        while rows % per_task:
+            per_task //= 2
+        return SoftmaxConfig(rows_per_task=per_task)
 
     def apply(self, sch, stage, cfg, plan):
         mx, safe, e, total, inv, p = (sch.get_sblock(b) for b in stage.blocks)
