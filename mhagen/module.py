@@ -182,20 +182,10 @@ class Module:
             buffers.update(batch=batch, seq=seq, kv_seq=kv_seq)
             buffers.update((b.name, runtime.tensor(self._view(b, dims)))
                            for b in self.program.role("temp") if b.symbolic)
-        shape = self._input.call_shape(dims)
-        if not is_aligned(x):
-            staged = self._view(self._input, dims)
-            staged[...] = x.reshape(shape)
-            x = staged
-        buffers[self._input.name] = runtime.tensor(x.reshape(shape))
+        buffers[self._input.name] = self._input_tensor(self._input, x, dims)
         if context is not None:
             node = self.program.buffers[self.graph.context_input.name]
-            shape = node.call_shape(dims)
-            if not is_aligned(context):
-                staged = self._view(node, dims)
-                staged[...] = context.reshape(shape)
-                context = staged
-            buffers[node.name] = runtime.tensor(context.reshape(shape))
+            buffers[node.name] = self._input_tensor(node, context, dims)
         if lens is not None:
             staged = self._view(self.program.buffers[self.graph.lengths_input.name], dims)
             staged[...] = lens
@@ -207,6 +197,16 @@ class Module:
             buffers["k_cache"], buffers["v_cache"] = (runtime.tensor(cache.k),
                                                       runtime.tensor(cache.v))
         return buffers, dims
+
+    def _input_tensor(self, buffer, array, dims):
+        """A float input (x, a context) as the kernels take it: the caller's array when it
+        is 64-byte aligned, else a copy in the module's staging buffer."""
+        shape = buffer.call_shape(dims)
+        if not is_aligned(array):
+            staged = self._view(buffer, dims)
+            staged[...] = array.reshape(shape)
+            array = staged
+        return runtime.tensor(array.reshape(shape))
 
     def _resident(self, params) -> dict:
         """TVM tensors over the params and the temporaries, made once per set of params."""

@@ -33,20 +33,19 @@ class NotFusable(Exception):
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
-          scalars=(), max_rows=None):
+          scalars=(), max_rows=None, a_exact=False):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
     C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major.
     Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them,
-    at most max_rows."""
+    at most max_rows; a_exact: `a` has the call's exact rows (an input), not whole tiles."""
     k = te.reduce_axis((0, depth), name="k")
-    clamp = bool(scalars) and a.name != "att"   # inputs: batch*seq rows; att: whole tiles
     last = a.shape[0] - 1
 
     def a_row(m):
         if scalars:
-            return te.min(m, last) if clamp else m
+            return te.min(m, last) if a_exact else m
         return m if int(last) + 1 >= rows else te.min(m, last)
     out_rows = out_rows if out_rows is not None else rows
     if panel_major:
@@ -222,7 +221,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
-                    panel_major=True, scalars=scalars, max_rows=rows_qkv)
+                    panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -231,7 +230,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         c, wkv, bkv = ph(kv_node.inputs[0]), ph("w_kv"), ph("b_kv")
         kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
-                       panel_major=True, scalars=scalars, max_rows=rows_kv)
+                       panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True)
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"

@@ -385,11 +385,14 @@ class _Builder:
         if name == "kv_idx":
             return self.cached("kv_idx", lambda: self.op(
                 "Range", [self.const(0, np.int64), t, self.const(1, np.int64)], "kv_idx"))
-        if name == "q_idx":
-            return self.cached("q_idx", lambda: self.op(
-                "Unsqueeze", [self.op("Range", [self.const(0, np.int64), s,
-                                                self.const(1, np.int64)], "q_range"),
-                              self.i64(1)], "q_idx"))
+        if name == "q_idx":   # self-attention: the keys' range serves the queries too
+            def rows():
+                if self.context is None:
+                    return self.index_var("kv_idx", head, rank)
+                return self.op("Range", [self.const(0, np.int64), s, self.const(1, np.int64)],
+                               "q_range")
+            return self.cached("q_idx", lambda: self.op("Unsqueeze", [rows(), self.i64(1)],
+                                                        "q_idx"))
         if name == "batch":
             return self.cached(("batch_idx", rank), lambda: self.op(
                 "Reshape", [self.op("Range", [self.const(0, np.int64), self.dim(0),
