@@ -43,6 +43,36 @@ def test_both_presets_match_the_reference_or_refuse_clearly(preset, layer_args, 
             m(x)
 
 
+RUNNABLE = [p for p in PRESETS if resolve(p).runs_here()]
+
+
+def _attention_config(module):
+    return next(k.config for k in module.program.kernels if k.name == "attention")
+
+
+@pytest.mark.parametrize("preset", RUNNABLE)
+@pytest.mark.parametrize("head_dim", [40, 64])            # generic columns / whole K panels
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_blocks_cut_at_the_last_key(preset, head_dim, causal, tmp_path):
+    """Key blocks of two S^T tiles, and lengths whose last block holds a partial tile, one
+    whole tile, a whole tile and one key, one key: the cut block stops at the tile holding
+    the last key, only that tile clamps its key rows, P V stops at the last key."""
+    layer = mhagen.mha(4 * head_dim, 4, causal=causal)
+    w = layer.init_weights(2)
+    for seq in (2, 37, 42, 43, 49):
+        plain = mhagen.build(layer, preset, batch=2, seq_len=seq, tuning=None)
+        default = _attention_config(plain)
+        rows = default.tile_rows        # AVX2 6 (keys 37 = 3 blocks + 1), AVX-512 8
+        rec = {"key": plain.program.key("attention"), "kind": "config",
+               "config": {**vars(default), "kv_block": 2 * rows}}
+        Database(tmp_path / "db.json", [rec]).save()
+        m = mhagen.build(layer, preset, batch=2, seq_len=seq, weights=w,
+                         tuning=tmp_path / "db.json")
+        assert _attention_config(m).kv_block == 2 * rows
+        x = _input(2, seq, layer.inputs[0].attrs["shape"][2], seed=seq)
+        assert_close(m(x), layer.reference(x, w))
+
+
 def test_register_tiles_fit_each_class():
     avx2, avx512 = resolve("x86-avx2"), resolve("x86-avx512")
     assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)

@@ -11,6 +11,12 @@ table does not skip:
     P^T = 2^(S^T - m'), l = l 2^(m - m') + sum_keys P^T (lane-wise over queries);
     O = O 2^(m - m') + P V in register tiles of out_rows queries x out_cols head columns
         (the rescale happens when the tile is loaded), V rows read straight from qkv.
+Partial blocks differ from full ones only in the write-back's mask: their key rows stay
+affine (no clamp per row, which cost 4 integer instructions per broadcast: on an AVX2 Zen 3
+the masked S^T loop ran at 2/3 of the full one's speed). Only a block that runs past the last
+key is cut: its S^T tiles stop at the tile holding the last key (that tile alone clamps its
+rows) and P V stops at the last key, so seq 512 in key blocks of 132 pays for 2 padded keys,
+not 16.
 Both register tiles are sized from the target's vector registers (register_tiles): the
 accumulators, the vectors they multiply and one broadcast fit without spills.
 Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (kv_block +
