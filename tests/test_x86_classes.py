@@ -14,7 +14,7 @@ from mhagen.artifact.manifest import module_manifest
 from mhagen.host import runtime_features
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
-from mhagen.tuning.records import Database, Tuning
+from mhagen.tuning.records import Database, Tuning, workload_key
 
 PRESETS = ("x86-avx2", "x86-avx512")
 CLASSES = {"x86-avx2": "x86_64-v256-r16", "x86-avx512": "x86_64-v512-r32"}
@@ -55,20 +55,21 @@ def _attention_config(module):
 @pytest.mark.parametrize("causal", [False, True])
 def test_key_blocks_cut_at_the_last_key(preset, head_dim, causal, tmp_path):
     """Key blocks of two S^T tiles, and lengths whose last block holds a partial tile, one
-    whole tile, a whole tile and one key, one key: the cut block stops at the tile holding
-    the last key, only that tile clamps its key rows, P V stops at the last key."""
+    whole tile and one key, one key: the cut block stops at the tile holding the last key,
+    only that tile clamps its key rows, P V stops at the last key (AVX2: 6-key tiles, 37 =
+    3 blocks of 12 + 1; AVX-512: 8-key tiles, 37 = 2 blocks of 16 + 5)."""
     layer = mhagen.mha(4 * head_dim, 4, causal=causal)
     w = layer.init_weights(2)
-    for seq in (2, 37, 42, 43, 49):
-        plain = mhagen.build(layer, preset, batch=2, seq_len=seq, tuning=None)
-        default = _attention_config(plain)
-        rows = default.tile_rows        # AVX2 6 (keys 37 = 3 blocks + 1), AVX-512 8
-        rec = {"key": plain.program.key("attention"), "kind": "config",
-               "config": {**vars(default), "kv_block": 2 * rows}}
-        Database(tmp_path / "db.json", [rec]).save()
+    default = _attention_config(mhagen.build(layer, preset, batch=2, seq_len=8, tuning=None))
+    kv_block = 2 * default.tile_rows
+    lengths = (2, 37, 43, 49)
+    Database(tmp_path / "db.json", [
+        {"key": workload_key(layer, resolve(preset), 2, seq, "attention"), "kind": "config",
+         "config": {**vars(default), "kv_block": kv_block}} for seq in lengths]).save()
+    for seq in lengths:
         m = mhagen.build(layer, preset, batch=2, seq_len=seq, weights=w,
                          tuning=tmp_path / "db.json")
-        assert _attention_config(m).kv_block == 2 * rows
+        assert _attention_config(m).kv_block == kv_block
         x = _input(2, seq, layer.inputs[0].attrs["shape"][2], seed=seq)
         assert_close(m(x), layer.reference(x, w))
 
