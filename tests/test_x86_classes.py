@@ -92,15 +92,16 @@ def test_register_tiles_fit_each_class():
 
 def test_gemm_rows_are_padded_to_whole_register_tiles():
     layer = mhagen.mha(64, 4)
-    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=97, tuning=None)
-    qkv = m.program.buffers["qkv"]
-    # 97 rows -> 17 tiles of 6 -> two balanced row blocks of 9 tiles (at most 16 a block)
-    assert qkv.shape[1] == 108
-    assert m.program.buffers["out"].shape[0] == 97   # the output keeps batch*seq rows
-    if m.target.runs_here():
-        w = layer.init_weights(0)
-        x = _input(1, 97, 64)
-        assert_close(m(x, weights=w), layer.reference(x, w))
+    # 97 rows -> 17 tiles of 6 (one row block); 250 rows -> 42 tiles -> two balanced row
+    # blocks of 21 (at most 24 tiles a block; 126 + 126 rows, no partial block)
+    for seq, padded in ((97, 102), (250, 252)):
+        m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=seq, tuning=None)
+        assert m.program.buffers["qkv"].shape[1] == padded
+        assert m.program.buffers["out"].shape[0] == seq   # the output keeps batch*seq rows
+        if m.target.runs_here():
+            w = layer.init_weights(0)
+            x = _input(1, seq, 64)
+            assert_close(m(x, weights=w), layer.reference(x, w))
 
 
 def spills_in_fma_loops(asm: str) -> list:

@@ -40,21 +40,24 @@ def packed_tile(target):
 
 def packed_blocking(target, rows, depth):
     """(tile_rows, row_block, padded rows) of a packed GEMM with `rows` rows and depth K.
-    A row block of A (row_block tiles x K floats) takes at most a third of the L2 (at most 16
-    tiles: 8 rows x 16 tiles x K=768 is 384 KiB of a 1 MiB L2); the blocks are balanced and
-    the rows padded to whole blocks, since a partial tile or block puts a guard on every
-    multiply-add (AVX2, 6-row tiles: 1.4x slower). Waste: under one tile per block."""
+    A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
+    tiles), the rest holds a weight panel and the tile's output: every row block streams all
+    the weights once, so larger blocks halve that traffic (Zen 3, L2 512 KiB, the 2048 x
+    1024 x 3072 QKV GEMM: 9-tile blocks 7-10% faster than 6-tile ones; AVX-512 2048 x 768:
+    16 tiles 1.1x faster than 8). The blocks are balanced and the rows padded to whole
+    blocks, since a partial tile or block puts a guard on every multiply-add (AVX2, 6-row
+    tiles: 1.4x slower). Waste: under one tile per block."""
     tile_rows, _ = packed_tile(target)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
     tiles = -(-rows // tile_rows)
-    fit = target.l2_kib * 1024 // 3 // (tile_rows * max(1, depth) * 4)
-    most = max(1, min(16, fit))
+    fit = target.l2_kib * 1024 // 2 // (tile_rows * max(1, depth) * 4)
+    most = max(1, min(24, fit))
     if tiles <= most:
         return tile_rows, 1, tiles * tile_rows
     # the block count (blocks of at least half the most) with the fewest padded tiles, then
-    # the fewest blocks: 86 tiles of at most 14 -> 8 x 11 (88 tiles), not 7 x 13 (91: the
-    # 512-row AVX2 GEMM did 6.6% more work than its rows)
+    # the fewest blocks: 86 tiles of at most 21 -> 8 x 11 (88 tiles), not 5 x 18 (90; with
+    # blocks of at most 14, 7 x 13 = 91 made the 512-row AVX2 GEMM do 6.6% more work)
     fewest = -(-tiles // most)
     blocks = min(range(fewest, 2 * fewest + 1), key=lambda n: (n * -(-tiles // n), n))
     row_block = -(-tiles // blocks)
