@@ -65,6 +65,7 @@ class Backend:
     device_compile: Callable | None = None
     symbolic: bool = False       # its templates take the call's batch and seq (seq_len=None)
     cross: bool = False          # its attention template reads K/V from a second GEMM's output
+    gemm_packs_rows: Callable | None = None   # (target, depth) -> copy A into row-tile panels
 
 
 def family_of(target) -> Family:

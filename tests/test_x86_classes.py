@@ -104,6 +104,30 @@ def test_gemm_rows_are_padded_to_whole_register_tiles():
             assert_close(m(x, weights=w), layer.reference(x, w))
 
 
+def test_gemm_rows_4kib_apart_are_packed_first():
+    """A's rows 4 KiB apart (depth 1024) share one L1 set: such GEMMs copy A into row-tile
+    panels first (both projections here); depth 512 does not. Exact and any-length builds
+    against the reference."""
+    def packed(m):
+        return sorted(k.name for k in m.program.kernels
+                      if any(s.pattern == "pack" for s in k.stages))
+    layer, w = mhagen.mha(1024, 16, causal=True), None
+    w = layer.init_weights(3)
+    m = mhagen.build(layer, "x86-avx2", batch=2, seq_len=13, weights=w, tuning=None)
+    assert packed(m) == ["output_projection", "qkv_projection"]
+    assert packed(mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=8,
+                               tuning=None)) == []
+    any_len = mhagen.build(layer, "x86-avx2", batch=2, seq_len=None, max_seq_len=20,
+                           weights=w, tuning=None)
+    assert packed(any_len) == ["output_projection", "qkv_projection"]
+    if m.target.runs_here():
+        x = _input(2, 13, 1024, seed=4)
+        assert_close(m(x), layer.reference(x, w))
+        for seq in (1, 7, 20):
+            x = _input(2, seq, 1024, seed=seq)
+            assert_close(any_len(x), layer.reference(x, w))
+
+
 def spills_in_fma_loops(asm: str) -> list:
     """Stack slots that an innermost multiply-add loop both stores a vector register to and
     reads back: register spills (TVM prints assembly without LLVM's "Spill" comments). A loop

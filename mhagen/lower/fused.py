@@ -33,13 +33,16 @@ class NotFusable(Exception):
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
-          scalars=(), max_rows=None, a_exact=False):
+          scalars=(), max_rows=None, a_exact=False, pack_tile=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
     C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major.
     Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them,
-    at most max_rows; a_exact: `a` has the call's exact rows (an input), not whole tiles."""
+    at most max_rows; a_exact: `a` has the call's exact rows (an input), not whole tiles.
+    pack_tile: first copy `a` into panels of that many rows, k-major (a_p[m // t, k, m % t]),
+    so a register tile reads one stream (the backend asks for it where rows of `a` would
+    fall in one cache set)."""
     k = te.reduce_axis((0, depth), name="k")
     last = a.shape[0] - 1
 
@@ -47,16 +50,23 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         if scalars:
             return te.min(m, last) if a_exact else m
         return m if int(last) + 1 >= rows else te.min(m, last)
+    read, pack_stages = (lambda m, kk: a[a_row(m), kk]), []
+    if pack_tile and (scalars or int(rows) % pack_tile == 0):
+        t = pack_tile
+        packed = te.compute((rows // t, depth, t),
+                            lambda i, kk, r: a[a_row(i * t + r), kk], name=name + "_pack")
+        read = lambda m, kk: packed[m // t, kk, m % t]   # noqa: E731
+        pack_stages = [Stage(packed.op.name, "pack", node, (packed.op.name,))]
     out_rows = out_rows if out_rows is not None else rows
     if panel_major:
         mm = te.compute((cols // nr, rows, nr),
-                        lambda p, m, j: te.sum(a[a_row(m), k] * wp[p, k, j], axis=k),
+                        lambda p, m, j: te.sum(read(m, k) * wp[p, k, j], axis=k),
                         name=name + "_matmul")
         out = te.compute((cols // nr, out_rows, nr),
                          lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
     else:
         mm = te.compute((rows, cols),
-                        lambda m, n: te.sum(a[a_row(m), k] * wp[n // nr, k, n % nr], axis=k),
+                        lambda m, n: te.sum(read(m, k) * wp[n // nr, k, n % nr], axis=k),
                         name=name + "_matmul")
         out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
     work = {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
@@ -64,7 +74,7 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     if scalars:   # the rule sizes its row blocks for the largest call
         work.update(rows=max_rows, symbolic=True)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
-              Stage(name, "epilogue", node, (name,))]
+              Stage(name, "epilogue", node, (name,))] + pack_stages   # the GEMM rule packs
     return out, stages
 
 
@@ -127,6 +137,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         kv_rows = batch * kv_seq
         rows_kv = backend.gemm_rows(target, kv_rows, kv_dim)
     tile_rows = backend.gemm_tile(target)[0]
+
+    def pack(depth):   # the row tile, where the backend packs a GEMM's rows of that depth
+        return tile_rows if backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth) \
+            else None
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
         rows_kv = kv_rows and round_up(kv_rows, tile_rows)
@@ -221,7 +235,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     x, wqkv, bqkv = ph("x"), ph("w_qkv"), ph("b_qkv")
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
-                    panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True)
+                    panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
+                    pack_tile=pack(d_model))
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -230,7 +245,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         c, wkv, bkv = ph(kv_node.inputs[0]), ph("w_kv"), ph("b_kv")
         kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
-                       panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True)
+                       panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True,
+                       pack_tile=pack(kv_dim))
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
@@ -259,7 +275,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                     "blocks skipped")
     program = _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                           ph if symbolic else None)
+                           ph if symbolic else None, pack_tile=pack(hd))
     if symbolic:
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
                             "row_tile": tile_rows,
@@ -336,7 +352,7 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra):
 
 
 def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                 ph=None):
+                 ph=None, pack_tile=None):
     """The output projection kernel; returns the finished Program. ph: a symbolic build's
     placeholders (_placeholders)."""
     buf = {b.name: b for b in buffers}
@@ -349,7 +365,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
         ph = _placeholders(buf, (), 0)
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
-                  scalars=scalars, max_rows=max_rows)
+                  scalars=scalars, max_rows=max_rows, pack_tile=pack_tile)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
                           list(CROSS_SCALARS[:len(scalars)]),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))

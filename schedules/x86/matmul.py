@@ -90,6 +90,7 @@ class MatmulRule:
 
     def apply(self, sch, stage, cfg, plan):
         blk = sch.get_sblock(stage.blocks[0])
+        packs = self._pack_rows(sch, blk, plan)
         loops = sch.get_loops(blk)
         if stage.pattern == "packed_matmul":
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
@@ -143,4 +144,18 @@ class MatmulRule:
         sch.vectorize(ji)
         sch.decompose_reduction(blk, k)
         sch.vectorize(sch.get_loops(first)[-1])
-        return absorbed
+        return absorbed + packs
+
+    @staticmethod
+    def _pack_rows(sch, blk, plan):
+        """A's copy into row-tile panels (a "pack" stage the lowering put before the
+        GEMM): one task per panel, its rows unrolled. Returns the stages it scheduled."""
+        done = []
+        for producer in sch.get_producers(blk):
+            pack = plan.by_block.get(sch.get(producer).name_hint)
+            if pack is not None and pack.pattern == "pack":
+                panel, _, row = sch.get_loops(producer)
+                sch.parallel(panel)
+                sch.unroll(row)
+                done.append(pack.name)
+        return done
