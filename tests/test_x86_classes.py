@@ -111,7 +111,7 @@ def test_gemm_rows_4kib_apart_are_packed_first():
     def packed(m):
         return sorted(k.name for k in m.program.kernels
                       if any(s.pattern == "pack" for s in k.stages))
-    layer, w = mhagen.mha(1024, 16, causal=True), None
+    layer = mhagen.mha(1024, 16, causal=True)
     w = layer.init_weights(3)
     m = mhagen.build(layer, "x86-avx2", batch=2, seq_len=13, weights=w, tuning=None)
     assert packed(m) == ["output_projection", "qkv_projection"]

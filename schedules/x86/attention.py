@@ -190,6 +190,14 @@ def build_attention(w, cfg, lanes):
     # then walks panels and columns, with no division per column (62 -> 47 instructions per
     # 24 FMAs on AVX2)
     K_PANELS = K_BASE % PW == 0 and DP % PW == 0 and d % PW == 0
+    CW = PW if K_PANELS else d        # head columns per step of the S^T loop's outer loop
+
+    def k_at(kv, g, cp, ci, row):
+        """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
+        if K_PANELS:
+            return kv[(K_BASE + g * DP) // PW + cp, row, ci]
+        c = cp * CW + ci
+        return kv[(K_BASE + g * DP + c) // PW, row, (K_BASE + g * DP + c) % PW]
     KV_LEN = rules.kv_seq             # keys per batch row (the context's in cross-attention)
     NQ, NK = NQT, NKB                 # query tiles and key blocks a call runs
     if rules.symbolic:
@@ -208,23 +216,13 @@ def build_attention(w, cfg, lanes):
             for jj in T.unroll(MR):
                 for ii in T.vectorized(NR):
                     acc[jj, ii] = zero
-            if K_PANELS:   # the head's K columns fill whole panels: affine addresses
-                for cp in range(d // PW):
-                    for ci in range(PW):
-                        for jj in T.unroll(MR):
-                            for ii in T.vectorized(NR):
-                                acc[jj, ii] = acc[jj, ii] + kv[
-                                    (K_BASE + g * DP) // PW + cp,
-                                    key_row(b, k0 + jo * MR + jj, clamp),
-                                    ci] * q_t[cp * PW + ci, io * NR + ii]
-            else:
-                for c in range(d):
+            for cp in range(d // CW):
+                for ci in range(CW):
                     for jj in T.unroll(MR):
                         for ii in T.vectorized(NR):
-                            acc[jj, ii] = acc[jj, ii] + kv[
-                                (K_BASE + g * DP + c) // PW,
-                                key_row(b, k0 + jo * MR + jj, clamp),
-                                (K_BASE + g * DP + c) % PW] * q_t[c, io * NR + ii]
+                            acc[jj, ii] = acc[jj, ii] + k_at(
+                                kv, g, cp, ci, key_row(b, k0 + jo * MR + jj, clamp)
+                            ) * q_t[cp * CW + ci, io * NR + ii]
             for jj in T.unroll(MR):
                 for ii in T.vectorized(NR):
                     if masked:
