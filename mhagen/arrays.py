@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from mhagen.dtypes import numpy_dtype
+
 ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned vector stores)
 
 
 def aligned_empty(shape, dtype="float32") -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
-    dtype = np.dtype(dtype)
+    dtype = numpy_dtype(dtype)
     n = int(np.prod(shape))
     raw = np.empty(n + ALIGNMENT // dtype.itemsize, dtype)
     start = (-raw.ctypes.data % ALIGNMENT) // dtype.itemsize

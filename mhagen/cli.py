@@ -36,6 +36,8 @@ def _layer_options(p):
     g.add_argument("--kv-heads", type=int, help="K/V heads for grouped/multi-query attention")
     g.add_argument("--causal", action="store_true", help="causal mask")
     g.add_argument("--no-bias", action="store_true", help="projections without bias")
+    g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="storage of x, the output and the weights (compute is float32)")
     g.add_argument("--kv-cache", type=int, metavar="N",
                    help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
                         "new tokens per call; checked on a half-full cache, timed on a full "
@@ -72,7 +74,8 @@ def _layer(args):
     return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
                       causal=args.causal, bias=not args.no_bias,
                       kv_cache=getattr(args, "kv_cache", None),
-                      cross=getattr(args, "cross", False), kv_dim=getattr(args, "kv_dim", None))
+                      cross=getattr(args, "cross", False), kv_dim=getattr(args, "kv_dim", None),
+                      dtype=getattr(args, "dtype", "float32"))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,7 +199,7 @@ def _build_checked(args, layer):
     expected = layer.reference(x, weights, cache=reference_cache, context=context)
     args.x, args.context = x, context    # what latency and GFLOP/s are measured at
     return module, mhagen.max_error(module(x, cache=cache, context=context), expected), \
-        tolerance(expected)
+        tolerance(expected, layer.dtype)
 
 
 def _shape(args) -> dict:
@@ -244,6 +247,8 @@ def _cmd_build(args):
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
           f"  input {_input_text(module)} in {module.compile_seconds:.1f} s\n"
           f"  schedules: {_schedule_summary(module)}")
+    if module.precision:
+        print(f"  precision: {module.precision}")
     for record in module.tuning_records:
         print(f"  record {describe_record(record)}")
     if err is not None:

@@ -11,6 +11,7 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
+from mhagen.ir.kinds import SUPPORTED_DTYPES
 
 
 def _divisors(n):
@@ -21,7 +22,7 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
         score_mod=None, rotary=None, key_padding: bool = False, kv_cache: int | None = None,
         cross: bool = False, kv_dim: int | None = None, bias: bool = True,
-        name: str = "mha") -> Graph:
+        dtype: str = "float32", name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -61,6 +62,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             context. Not with rotary or kv_cache.
         kv_dim: the context's width (cross only); default d_model.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
+        dtype: storage dtype of x, the output and the weights: "float32", "float16" or
+            "bfloat16" (mhagen/dtypes.py: kernels compute in float32 and round the output).
+            A half-precision module takes arrays of its dtype (ml_dtypes.bfloat16 for
+            bfloat16) and returns that dtype; float32 arrays are rounded on the way in and
+            the result comes back as float32. Not with kv_cache yet (the cache is float32).
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d] (cross:
     [kv_heads, kv_dim, d]), w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d],
@@ -147,7 +153,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["kv_cache"] = kv_cache
     if cross:
         options.update(cross=True, kv_dim=kv_dim)
-    g = Graph(name, options=options)
+    if dtype not in SUPPORTED_DTYPES:
+        raise GraphError(f"dtype {dtype!r} is not supported; use one of {list(SUPPORTED_DTYPES)}")
+    if dtype != "float32":
+        options["dtype"] = dtype
+    g = Graph(name, dtype=dtype, options=options)
     x = g.input("x", d_model)
     context = g.input("context", kv_dim, seq="kv_seq") if cross else None
     lengths = g.lengths("kv_lens") if key_padding else None

@@ -16,6 +16,7 @@ from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
+from mhagen.dtypes import half_precision_path, name_of, numpy_dtype
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape
 from mhagen.maps import head_softmaxes, maps_graph
@@ -44,7 +45,9 @@ class Module:
     built with seq_len=None (batch=None), for every shape up to [batch, seq_len, d_model]
     (`symbolic`: then batch and seq_len are the maxima, and each call's x sets the shape).
 
-    `module(x)` runs it on a float32 numpy array x and returns a new float32 array;
+    `module(x)` runs it on a numpy array x of the layer's dtype (float32 by default; see
+    mhagen/dtypes.py: a half-precision layer also takes float32, rounded on the way in,
+    and then returns float32) and returns a new array;
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
     A Module owns its temporaries, so calls from several threads are serialised by a lock
@@ -68,6 +71,7 @@ class Module:
             graph.output])
         self._cache_spec = cache_shape(graph)     # a decoding layer's cache, else None
         self.symbolic = program.symbolic           # {"batch": bool, "seq": bool, ...} or None
+        self.dtype = numpy_dtype(graph.dtype)      # storage of x, out and the weights
         self._input = program.role("input")[0]
         self._output = program.role("output")[0]
         self._calls = None
@@ -88,6 +92,11 @@ class Module:
     compile_seconds = property(lambda self: self.info.compile_seconds)
 
     @property
+    def precision(self) -> str | None:
+        """How a half-precision module computes on its target (None: a float32 layer)."""
+        return half_precision_path(self.graph.dtype, self.target)
+
+    @property
     def bound_params(self) -> dict | None:
         """The bound weights repacked for the kernels (name -> array), None before bind."""
         return self._params
@@ -99,7 +108,7 @@ class Module:
     def bind(self, weights, *, params=None) -> "Module":
         """Bind weights: checked, repacked for the kernels once. `params` (a loaded
         artifact's params.bin) are taken as they are instead of repacking."""
-        self.weights = check_weights(self.graph, weights, dtype=np.float32)
+        self.weights = check_weights(self.graph, weights, dtype=self.dtype)
         self._params = params if params is not None else self._pack(self.weights)
         return self
 
@@ -119,9 +128,12 @@ class Module:
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len. context: the keys' and values' input of a
         cross-attention layer, [batch, kv_seq_len, kv_dim]."""
+        returns = self.dtype
+        if self.dtype != np.float32 and getattr(x, "dtype", None) == np.float32:
+            returns = np.dtype(np.float32)     # a half layer called on float32 answers so
         with self._lock:
             buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
-            result, target = self._output_array(out, dims)
+            result, target = self._output_array(out, dims, returns)
             buffers[self._output.name] = runtime.tensor(target)
             self._run(buffers)
             if cache is not None:
@@ -131,20 +143,21 @@ class Module:
                     ..., :self.out_shape[2]]
             return result
 
-    def _output_array(self, out, dims):
-        """(the array returned, the aligned [rows, columns] array the kernels write)."""
+    def _output_array(self, out, dims, returns):
+        """(the array returned, the aligned [rows, columns] array the kernels write);
+        returns: the dtype of the array returned."""
         full = self._output.call_shape(dims)
         out_shape = (dims["batch"], dims["seq"], self.out_shape[2])
-        direct = full[1] == self.out_shape[2]
+        direct = full[1] == self.out_shape[2] and returns == self.dtype
         if out is None:
             if direct:
                 a = aligned_empty(out_shape, self._output.dtype)
                 return a, a.reshape(full)
-            return np.empty(out_shape, np.float32), self._view(self._output, dims)
+            return np.empty(out_shape, returns), self._view(self._output, dims)
         if not isinstance(out, np.ndarray) or out.shape != out_shape \
-                or out.dtype != np.float32:
-            raise InputError(f"out= must be a float32 numpy array of shape {out_shape}, got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} "
+                or out.dtype != returns:
+            raise InputError(f"out= must be a {name_of(returns)} numpy array of shape "
+                             f"{out_shape}, got {getattr(out, 'dtype', type(out).__name__)} "
                              f"{getattr(out, 'shape', '')}")
         if direct and is_aligned(out):
             return out, out.reshape(full)
@@ -162,7 +175,7 @@ class Module:
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
-        if type(x) is not np.ndarray or x.dtype != np.float32 or x.shape != self.in_shape:
+        if type(x) is not np.ndarray or x.dtype != self.dtype or x.shape != self.in_shape:
             x = self._check_x(x)
         batch, seq = x.shape[:2]
         context = self._check_context(context, batch)
@@ -171,7 +184,7 @@ class Module:
         lens = check_lengths(self.graph, kv_lens, batch, kv_seq)
         cache = check_cache(self.graph, cache, batch, seq, np.float32, self._cache_spec)
         if weights is not None:
-            params = self._pack(check_weights(self.graph, weights, dtype=np.float32))
+            params = self._pack(check_weights(self.graph, weights, dtype=self.dtype))
         elif self._params is not None:
             params = self._params
         else:
@@ -245,7 +258,7 @@ class Module:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
-        return _float32("x", x)
+        return self._stored("x", x)
 
     def _check_context(self, context, batch):
         """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
@@ -263,7 +276,7 @@ class Module:
             raise InputError(f"context has shape {context.shape}, but this module was built "
                              f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "
                              f"mhagen.build(layer, ..., kv_seq_len={context.shape[1]})")
-        return np.ascontiguousarray(_float32("context", context))
+        return np.ascontiguousarray(self._stored("context", context))
 
     def _check_symbolic_x(self, x):
         names = ("batch", "seq_len")
@@ -278,7 +291,7 @@ class Module:
                                  f"max_{name}=N for any)")
         if x.shape[2] != self.d_model:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
-        return _float32("x", x)
+        return self._stored("x", x)
 
     def _run(self, buffers):
         if self._calls is None:
@@ -295,11 +308,12 @@ class Module:
         unless given)."""
         rng = np.random.default_rng(0)
         if x is None:
-            x = rng.standard_normal(self.in_shape).astype(np.float32)
+            x = rng.standard_normal(self.in_shape).astype(np.float32).astype(self.dtype)
         node = self.graph.context_input
         if context is None and node is not None:
             context = rng.standard_normal((x.shape[0], self.kv_seq_len,
-                                           node.attrs["shape"][2])).astype(np.float32)
+                                           node.attrs["shape"][2])).astype(np.float32
+                                                                           ).astype(self.dtype)
         if kv_lens is None and self.graph.lengths_input is not None:
             kv_lens = np.full(x.shape[0], x.shape[1] if node is None else self.kv_seq_len,
                               np.int32)
@@ -375,11 +389,19 @@ class Module:
                 f"{'bound' if self._params else 'not bound'}>")
 
 
-def _float32(name, a):
-    if a.dtype != np.float32:
-        raise InputError(f"{name} has dtype {a.dtype}; this module computes in float32: "
-                         f"pass {name}.astype(np.float32)")
-    return a
+    def _stored(self, name, a):
+        """x or a context in the layer's dtype: as given, or a float32 array rounded."""
+        if a.dtype == self.dtype:
+            return a
+        if self.dtype != np.float32 and a.dtype == np.float32:
+            return a.astype(self.dtype)
+        also = "" if self.dtype == np.float32 else " or float32"
+        raise InputError(f"{name} has dtype {a.dtype}; this module takes {name_of(self.dtype)}"
+                         f"{also}: pass {name}.astype({_spelling(self.dtype)})")
+
+
+def _spelling(dtype) -> str:
+    return "ml_dtypes.bfloat16" if name_of(dtype) == "bfloat16" else f"np.{name_of(dtype)}"
 
 
 def aligned_copy(arr, buffer) -> np.ndarray:

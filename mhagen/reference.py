@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mhagen.dtypes import is_float, numpy_dtype, to_storage
 from mhagen.errors import InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
@@ -73,7 +74,7 @@ def check_input(graph, x, dtype=None) -> np.ndarray:
     if x.ndim != 3 or x.shape[2] != d_model:
         raise InputError(f"x has shape {x.shape}; graph {graph.name!r} takes "
                          f"[batch, seq, {d_model}]")
-    if not np.issubdtype(x.dtype, np.floating):
+    if not is_float(x.dtype):
         raise InputError(f"x has dtype {x.dtype}; pass a floating-point array (float32)")
     return np.ascontiguousarray(x, dtype=dtype) if dtype else x
 
@@ -97,7 +98,7 @@ def check_context(graph, context, batch: int, dtype=None):
             or context.shape[1] < 1:
         raise InputError(f"context has shape {context.shape}; this layer takes [batch, "
                          f"kv_seq, {width}] with batch {batch} (x's) and kv_seq >= 1")
-    if not np.issubdtype(context.dtype, np.floating):
+    if not is_float(context.dtype):
         raise InputError(f"context has dtype {context.dtype}; pass a floating-point array "
                          "(float32)")
     return np.ascontiguousarray(context, dtype=dtype) if dtype else context
@@ -142,20 +143,29 @@ def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
 
 
 def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
-                  context=None):
+                  context=None, rounded_to: str | None = None):
     """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
     kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
     a decoding graph (its new K/V rows are written and lens advanced, as a module call does);
-    context: a cross-attention graph's second input (its keys and values)."""
+    context: a cross-attention graph's second input (its keys and values).
+    A half-precision graph (graph.dtype float16/bfloat16) is evaluated on x, context and
+    weights rounded to its dtype (what its module computes with), still in float64.
+    rounded_to ("float16", "bfloat16"): also round every node's value to that dtype, as a
+    framework computing in half precision would (the yardstick of half-precision
+    tolerances, mhagen/tolerances.py)."""
     if len(graph.inputs) > 2 or (len(graph.inputs) == 2 and graph.context_input is None):
         raise InputError("run_reference takes x (and a cross-attention layer's context); "
                          f"this graph has {len(graph.inputs)} inputs")
-    x = check_input(graph, x).astype(np.float64)
+    x = _stored(graph, check_input(graph, x))
     context = check_context(graph, context, x.shape[0])
+    context = None if context is None else _stored(graph, context)
     kv_seq = x.shape[1] if context is None else context.shape[1]
     lens = check_lengths(graph, kv_lens, x.shape[0], kv_seq)
     cache = check_cache(graph, cache, x.shape[0], x.shape[1])
-    w = {k: np.asarray(v, dtype=np.float64) for k, v in check_weights(graph, weights).items()}
+    w = {k: _stored(graph, v) for k, v in check_weights(graph, weights).items()}
+    rnd = (lambda v: v) if rounded_to is None else (
+        lambda v: v if isinstance(v, Positions) or not np.issubdtype(v.dtype, np.floating)
+        else v.astype(numpy_dtype(rounded_to)).astype(np.float64))
     graph.shapes(**graph.dims(*x.shape[:2], kv_seq))
     vals = {}
     for n in graph.nodes:
@@ -170,9 +180,18 @@ def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cac
             vals[n.name] = _EVAL[n.kind](n, a, w, cache)
         else:
             vals[n.name] = _EVAL[n.kind](n, a, w, x)
+        vals[n.name] = rnd(vals[n.name])
     if cache is not None:
         cache.lens += x.shape[1]
     return vals if return_all else vals[graph.output]
+
+
+def _stored(graph, a) -> np.ndarray:
+    """A float input or weight as the graph's module holds it (rounded to a half-precision
+    graph's dtype), in float64."""
+    if graph.dtype != "float32":
+        a = to_storage("an input", a, graph.dtype)
+    return np.asarray(a, dtype=np.float64)
 
 
 def _append(cache, name, head, new, offsets):

@@ -17,7 +17,10 @@ import os
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+import numpy as np
+
 from mhagen.checks import positive_int
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import ArtifactError
 from mhagen.host import host_cores
 
@@ -65,7 +68,28 @@ def load_library(path):
 
 def tensor(array):
     """A TVM tensor sharing a numpy array's memory (DLPack; no copy)."""
+    if array.dtype == _BFLOAT16:
+        return ffi().from_dlpack(_bfloat16_capsule(array))
     return ffi().from_dlpack(array)
+
+
+_BFLOAT16 = numpy_dtype("bfloat16")
+_DL_BFLOAT = 4          # DLPack's kDLBfloat type code
+_DTYPE_OFFSET = 20      # DLTensor: data (8), device (8), ndim (4), then dtype {code, bits, lanes}
+
+
+def _bfloat16_capsule(array):
+    """numpy cannot export ml_dtypes.bfloat16 through DLPack: export the same memory as
+    uint16 and relabel the DLTensor's type code bfloat16 (same bits, same size)."""
+    capsule = array.view(np.uint16).__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = get(capsule, b"dltensor")
+    code = ctypes.c_uint8.from_address(managed + _DTYPE_OFFSET)
+    if code.value != 1:    # kDLUInt, as numpy exports uint16
+        raise RuntimeError(f"unexpected DLPack type code {code.value} for a uint16 view")
+    code.value = _DL_BFLOAT
+    return capsule
 
 
 def set_num_threads(n: int) -> None:

@@ -7,23 +7,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from mhagen.dtypes import is_float, numpy_dtype
 from mhagen.errors import InputError
 
 
 def init_weights(graph, seed: int = 0) -> dict:
+    """Random weights (Glorot-uniform; biases uniform in +-0.1) in the graph's dtype."""
     rng = np.random.default_rng(seed)
     out = {}
     for spec in graph.weight_specs():
         if spec.role == "weight":
             a = np.sqrt(6.0 / (spec.fan_in + spec.fan_out))
-            out[spec.name] = rng.uniform(-a, a, spec.shape).astype(np.float32)
+            w = rng.uniform(-a, a, spec.shape).astype(np.float32)
         else:
-            out[spec.name] = rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
+            w = rng.uniform(-0.1, 0.1, spec.shape).astype(np.float32)
+        out[spec.name] = w.astype(numpy_dtype(graph.dtype))
     return out
 
 
 def check_weights(graph, weights, dtype=None) -> dict:
-    """Check names and shapes against the graph; return the arrays (cast to dtype if given)."""
+    """Check names and shapes against the graph; return the arrays (cast to dtype if given;
+    a half-precision graph's weights are always rounded to its dtype first: that is what its
+    kernels hold)."""
     if not isinstance(weights, dict):
         raise InputError(f"weights must be a dict of name -> array, got {type(weights).__name__}; "
                          "use layer.init_weights() or mhagen.weights_from_torch()")
@@ -41,10 +46,15 @@ def check_weights(graph, weights, dtype=None) -> dict:
             raise InputError(f"weight {s.name!r} has shape {arr.shape}, expected {tuple(s.shape)} "
                              f"({'heads x ' if len(s.shape) == 3 else ''}in x out for a "
                              f"{s.role})")
-        if not np.issubdtype(arr.dtype, np.floating):
+        if not is_float(arr.dtype):
             raise InputError(f"weight {s.name!r} has dtype {arr.dtype}; pass floating-point arrays")
+        if graph.dtype != "float32":
+            arr = arr.astype(numpy_dtype(graph.dtype), copy=False)
         if not np.all(np.isfinite(arr)):
-            raise InputError(f"weight {s.name!r} contains NaN or inf")
+            raise InputError(f"weight {s.name!r} contains NaN or inf"
+                             + ("" if graph.dtype == "float32" else
+                                f" (as {graph.dtype}: its largest finite value is "
+                                f"{float(np.finfo(numpy_dtype(graph.dtype)).max):.4g})"))
         out[s.name] = np.ascontiguousarray(arr, dtype=dtype) if dtype else arr
     return out
 

@@ -379,7 +379,7 @@ ERRORS = [
     ("input-bool-dim-json", lambda: mhagen.verify(Graph.from_json(_good_json(nodes=[
         {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", True]}}],
         output="x"))), ["dim True", "positive int"]),
-    ("dtype-unsupported", _verify(dtype="float16"), ["'float16'", "not supported", "float32"]),
+    ("dtype-unsupported", _verify(dtype="float64"), ["'float64'", "not supported", "float32"]),
     ("json-wrong-format", _from_json(_good_json(format="onnx")),
      ["not an mhagen graph", '"format": "mhagen.graph"']),
     ("json-not-an-object", _from_json([1, 2]), ["not an mhagen graph"]),

@@ -18,6 +18,9 @@
 
 #include "mha.h"
 
+static_assert(sizeof(mha_value) == sizeof(float) && MHA_FLOAT16 == 0 && MHA_BFLOAT16 == 0,
+              "this example runs float32 artifacts; mha_app.c runs float16 and bfloat16 ones");
+
 namespace {
 
 // Owns one handle; throws std::runtime_error with the library's message on any error.

@@ -7,6 +7,7 @@ import hashlib
 
 import numpy as np
 
+from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError
 
 LITTLE_ENDIAN = {"float32": "<f4", "int32": "<i4", "float16": "<f2", "bfloat16": "<u2"}
@@ -26,9 +27,12 @@ def write_tensors(path, arrays: dict) -> list:
     table, offset = [], 0
     with open(path, "wb") as f:
         for name, arr in arrays.items():
-            data = np.ascontiguousarray(arr, dtype=LITTLE_ENDIAN[str(arr.dtype)]).tobytes()
+            dtype_name = name_of(arr.dtype)
+            if dtype_name == "bfloat16":   # its bits, as uint16 (numpy would convert)
+                arr = np.ascontiguousarray(arr).view(np.uint16)
+            data = np.ascontiguousarray(arr, dtype=LITTLE_ENDIAN[dtype_name]).tobytes()
             f.write(data)
-            table.append({"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype),
+            table.append({"name": name, "shape": list(arr.shape), "dtype": dtype_name,
                           "offset": offset, "nbytes": len(data),
                           "sha256": hashlib.sha256(data).hexdigest()})
             offset += len(data)
@@ -47,5 +51,6 @@ def read_tensors(path, table: list) -> dict:
         dtype = LITTLE_ENDIAN.get(e["dtype"])
         if dtype is None:
             raise ArtifactError(f"{path}: tensor {e['name']!r} has unknown dtype {e['dtype']!r}")
-        out[e["name"]] = np.frombuffer(chunk, dtype=dtype).reshape(e["shape"]).copy()
+        arr = np.frombuffer(chunk, dtype=dtype).reshape(e["shape"]).copy()
+        out[e["name"]] = arr.view(numpy_dtype("bfloat16")) if e["dtype"] == "bfloat16" else arr
     return out

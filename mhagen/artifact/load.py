@@ -11,6 +11,7 @@ from mhagen.errors import ArtifactError
 from mhagen.host import RUNTIME_FEATURES
 from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
+from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.module import BuildInfo, Module, aligned_copy
 from mhagen.program import Program
 from mhagen.target import Target
@@ -37,9 +38,10 @@ def _check_program(program: Program, params: dict, path) -> None:
             raise ArtifactError(f"{path}: params.bin does not hold {b.name!r} as the program "
                                 f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
     inputs = program.role("input")
-    floats = [b for b in inputs if b.dtype == "float32"]
-    if not inputs or inputs[0].dtype != "float32" or len(program.role("output")) != 1 or \
-            len(floats) > 2 or any(b.dtype not in ("int32", "float32") for b in inputs):
+    storage = inputs[0].dtype if inputs else None    # the layer's dtype (mhagen/dtypes.py)
+    floats = [b for b in inputs if b.dtype == storage]
+    if storage not in SUPPORTED_DTYPES or len(program.role("output")) != 1 or \
+            len(floats) > 2 or any(b.dtype not in ("int32", storage) for b in inputs):
         raise ArtifactError(f"{path}: the program needs the input x (then a context and key "
                             "lengths, if any) "
                             "and one output buffer")

@@ -58,7 +58,7 @@ def module_manifest(module, weight_table=None, files=None, params=None) -> dict:
         "graph": json.loads(module.graph.to_json()),
         "shapes": {"batch": module.batch, "seq_len": module.seq_len,
                    "input": list(module.in_shape), "output": list(module.out_shape),
-                   "dtype": "float32",
+                   "dtype": module.graph.dtype,
                    **({"kv_seq_len": module.kv_seq_len} if module.kv_seq_len else {})},
         "fuse": info.fuse,
         "tuning": info.tuning_records,

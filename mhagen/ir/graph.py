@@ -205,12 +205,14 @@ class Graph:
         return init_weights(self, seed)
 
     def reference(self, x, weights, kv_lens=None, cache=None,
-                  context=None) -> "numpy.ndarray":  # noqa: F821
+                  context=None, rounded_to=None) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
         the per-batch key lengths of a layer with key padding; cache: a decoding layer's
         mhagen.KVCache, written and advanced in place as a module call does; context: the
-        second input of a cross-attention layer)."""
-        return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache, context=context)
+        second input of a cross-attention layer; rounded_to: a half-precision yardstick,
+        every value rounded to that dtype: mhagen.reference.run_reference)."""
+        return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache, context=context,
+                             rounded_to=rounded_to)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

@@ -86,4 +86,4 @@ KINDS = {
 
 FUSED_KINDS = ("qkv_projection", "attention")
 
-SUPPORTED_DTYPES = ("float32",)
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")   # storage; compute is float32

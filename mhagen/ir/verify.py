@@ -100,6 +100,10 @@ def verify(graph, **dims) -> dict:
     if graph.dtype not in SUPPORTED_DTYPES:
         raise GraphError(f"dtype {graph.dtype!r} is not supported yet; use one of "
                          f"{list(SUPPORTED_DTYPES)}")
+    if graph.dtype != "float32" and any(n.attrs.get("cache") for n in graph.nodes):
+        raise GraphError(f"decoding layers (kv_cache=) keep a float32 cache and compute in "
+                         f"float32 only so far; build dtype={graph.dtype!r} layers without "
+                         "kv_cache, or dtype='float32'")
     shapes = infer_shapes(graph)
     if graph.output is None:
         raise GraphError("the graph has no output; call graph.set_output(name)")

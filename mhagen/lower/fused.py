@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from mhagen.dtypes import COMPUTE
 from mhagen.blockmask import block_table, split_lengths
 from mhagen.errors import GraphError, TargetError
-from mhagen.lower.te import call_scalars, rope_table
+from mhagen.lower.te import call_scalars, cast, rope_table
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import CROSS_SCALARS, Buffer, Kernel, Program, Stage, round_up
 
@@ -33,7 +34,7 @@ class NotFusable(Exception):
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
-          scalars=(), max_rows=None, a_exact=False, pack_tile=None):
+          scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
@@ -42,33 +43,38 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     at most max_rows; a_exact: `a` has the call's exact rows (an input), not whole tiles.
     pack_tile: first copy `a` into panels of that many rows, k-major (a_p[m // t, k, m % t]),
     so a register tile reads one stream (the backend asks for it where rows of `a` would
-    fall in one cache set)."""
+    fall in one cache set). Half-precision a or W (a layer's storage dtype) are converted to
+    float32 where they are loaded (the pack stage converts as it copies); products accumulate
+    in float32; out_dtype: C's dtype (default float32; rounded after the bias)."""
     k = te.reduce_axis((0, depth), name="k")
     last = a.shape[0] - 1
+    out_dtype = out_dtype or COMPUTE
 
     def a_row(m):
         if scalars:
             return te.min(m, last) if a_exact else m
         return m if int(last) + 1 >= rows else te.min(m, last)
-    read, pack_stages = (lambda m, kk: a[a_row(m), kk]), []
+    read, pack_stages = (lambda m, kk: _f32(a[a_row(m), kk])), []
     if pack_tile and (scalars or int(rows) % pack_tile == 0):
         t = pack_tile
         packed = te.compute((rows // t, depth, t),
-                            lambda i, kk, r: a[a_row(i * t + r), kk], name=name + "_pack")
+                            lambda i, kk, r: _f32(a[a_row(i * t + r), kk]), name=name + "_pack")
         read = lambda m, kk: packed[m // t, kk, m % t]   # noqa: E731
         pack_stages = [Stage(packed.op.name, "pack", node, (packed.op.name,))]
     out_rows = out_rows if out_rows is not None else rows
     if panel_major:
         mm = te.compute((cols // nr, rows, nr),
-                        lambda p, m, j: te.sum(read(m, k) * wp[p, k, j], axis=k),
+                        lambda p, m, j: te.sum(read(m, k) * _f32(wp[p, k, j]), axis=k),
                         name=name + "_matmul")
         out = te.compute((cols // nr, out_rows, nr),
-                         lambda p, m, j: mm[p, m, j] + bias[p * nr + j], name=name)
+                         lambda p, m, j: cast(mm[p, m, j] + bias[p * nr + j], out_dtype),
+                         name=name)
     else:
         mm = te.compute((rows, cols),
-                        lambda m, n: te.sum(read(m, k) * wp[n // nr, k, n % nr], axis=k),
+                        lambda m, n: te.sum(read(m, k) * _f32(wp[n // nr, k, n % nr]), axis=k),
                         name=name + "_matmul")
-        out = te.compute((out_rows, cols), lambda m, n: mm[m, n] + bias[n], name=name)
+        out = te.compute((out_rows, cols), lambda m, n: cast(mm[m, n] + bias[n], out_dtype),
+                         name=name)
     work = {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
             "panel_major": panel_major}
     if scalars:   # the rule sizes its row blocks for the largest call
@@ -76,6 +82,10 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
               Stage(name, "epilogue", node, (name,))] + pack_stages   # the GEMM rule packs
     return out, stages
+
+
+def _f32(v):
+    return cast(v, COMPUTE)
 
 
 def lower_fused(graph, batch, seq, target, backend, attention_config=None,
@@ -108,6 +118,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         raise TargetError(f"symbolic lengths (seq_len=None) do not compile for "
                           f"{target.name} yet ({backend.family}); build one module per length")
     d_model = x_node.attrs["shape"][2]
+    dtype = graph.dtype      # storage of x, the weights and out; the kernels compute in float32
     rows = batch * seq
     # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
     # guard on every multiply-add and keep the accumulators in memory (AVX2: 1.4-4x slower)
@@ -138,9 +149,12 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         rows_kv = backend.gemm_rows(target, kv_rows, kv_dim)
     tile_rows = backend.gemm_tile(target)[0]
 
-    def pack(depth):   # the row tile, where the backend packs a GEMM's rows of that depth
-        return tile_rows if backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth) \
-            else None
+    def pack(depth, half=False):
+        """The row tile where a GEMM's rows are packed first: where the backend asks for
+        that depth, and for half-precision rows (converted to float32 once, by the copy, not
+        six times per tile step)."""
+        asks = backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth)
+        return tile_rows if asks or (half and backend.gemm_packs_rows) else None
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
         rows_kv = kv_rows and round_up(kv_rows, tile_rows)
@@ -200,19 +214,19 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     lengths_doc = ("tokens already cached per batch row, given at call time" if cache else
                    "key lengths per batch row, given at call time")
     buffers = [
-        Buffer("x", (rows, d_model), "input", doc="x [batch*seq, d_model]",
+        Buffer("x", (rows, d_model), "input", dtype=dtype, doc="x [batch*seq, d_model]",
                symbolic={0: "rows"} if symbolic else None),
         *([Buffer(att_node.inputs[-1], (batch,), "input", "int32",
                   doc=lengths_doc, symbolic={0: "batch"} if symbolic else None)]
           if has_lengths else []),
-        Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", pack=w_qkv,
+        Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", dtype=dtype, pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
-                        nr, dp, bool(symbolic)) if cross else []) + attention_buffers + ([
+                        nr, dp, bool(symbolic), dtype) if cross else []) + attention_buffers + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
@@ -221,9 +235,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)",
                symbolic={0: "padded_rows"} if symbolic else None),
-        Buffer("w_o", (d_out_p // nr, hd, nr), "param", pack=w_o),
+        Buffer("w_o", (d_out_p // nr, hd, nr), "param", dtype=dtype, pack=w_o),
         Buffer("b_o", (d_out_p,), "param", pack=b_o),
-        Buffer("out", (rows, d_out_p), "output", symbolic={0: "rows"} if symbolic else None),
+        Buffer("out", (rows, d_out_p), "output", dtype=dtype,
+               symbolic={0: "rows"} if symbolic else None),
     ]
     buf = {b.name: b for b in buffers}
     scalars = call_scalars(cross) if symbolic else ()
@@ -236,7 +251,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
-                    pack_tile=pack(d_model))
+                    pack_tile=pack(d_model, dtype != COMPUTE))
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -246,7 +261,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
                        panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True,
-                       pack_tile=pack(kv_dim))
+                       pack_tile=pack(kv_dim, dtype != COMPUTE))
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
@@ -295,14 +310,14 @@ def _packed(segments, depth, width, nr, dp):
     return w, b
 
 
-def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic):
+def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic, dtype):
     """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
     (symbolic: their rows follow the call's batch * kv_seq)."""
     w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp)
-    return [Buffer(context, (rows, kv_dim), "input",
+    return [Buffer(context, (rows, kv_dim), "input", dtype=dtype,
                    doc="context [batch*kv_seq, kv_dim]: what K and V project",
                    symbolic={0: "kv_rows"} if symbolic else None),
-            Buffer("w_kv", (width // nr, kv_dim, nr), "param", pack=w_kv,
+            Buffer("w_kv", (width // nr, kv_dim, nr), "param", dtype=dtype, pack=w_kv,
                    doc="every K/V weight side by side, in column panels"),
             Buffer("b_kv", (width,), "param", pack=b_kv),
             Buffer("kv", (width // nr, rows_kv, nr), "temp",
@@ -365,7 +380,8 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
         ph = _placeholders(buf, (), 0)
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
-                  scalars=scalars, max_rows=max_rows, pack_tile=pack_tile)
+                  scalars=scalars, max_rows=max_rows, pack_tile=pack_tile,
+                  out_dtype=buf["out"].dtype)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
                           list(CROSS_SCALARS[:len(scalars)]),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))

@@ -33,11 +33,17 @@ LN2 = 0.6931471805599453
 
 
 def _dtype(x) -> str:
-    return str(x.ty)   # this TVM's PrimExprs name their dtype `ty`
+    # this TVM's PrimExprs name their dtype `ty`; a TensorSlice (t[i, j]) has its tensor's
+    return str(x.ty) if hasattr(x, "ty") else str(x.dtype)
+
+
+def cast(x, dtype: str):
+    """x as dtype (no cast when it is one already)."""
+    return x if _dtype(x) == dtype else x.astype(dtype)
 
 
 def _f32(x):
-    return x if _dtype(x) == "float32" else x.astype("float32")
+    return cast(x, "float32")
 
 
 def _numeric(op):
@@ -102,26 +108,32 @@ def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int
 def lower_unfused(graph, batch: int, seq_len: int, kv_seq_len: int | None = None) -> Program:
     """Every node as TE stages of one kernel, `main` (any graph verify accepts)."""
     shapes = graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
-    dtype = graph.dtype
+    storage = graph.dtype      # x, the weights and out (mhagen/dtypes.py); compute: float32
     specs = graph.weight_specs()
-    weights = {s.name: te.placeholder(tuple(s.shape), dtype, name=s.name) for s in specs}
-    ctx = _Ctx(graph, shapes, weights, dtype)
+    weights = {s.name: te.placeholder(tuple(s.shape), storage, name=s.name) for s in specs}
+    ctx = _Ctx(graph, shapes, weights, "float32")
+    ctx.storage, ctx.placeholders = storage, {}
     for n in graph.nodes:
         ctx.vals[n.name] = _LOWER[n.kind](ctx, n)
     out = ctx.vals[graph.output]
+    if storage != "float32":   # rounded once, where it is stored
+        out = _epilogue(ctx, graph.nodes[-1], "out_" + storage,
+                        lambda *i: cast(out[i], storage),
+                        tuple(int(v) for v in out.shape))
+        ctx.note(f"out = {graph.output} rounded to {storage}")
     lengths = [graph.lengths_input] if graph.lengths_input is not None else []
-    inputs = [ctx.vals[n.name] for n in graph.inputs + lengths]
+    inputs = [ctx.placeholders.get(n.name, ctx.vals[n.name]) for n in graph.inputs + lengths]
     tables = list(ctx.tables.values())
     args = inputs + [weights[s.name] for s in specs] + [t for t, _ in tables] + [out]
     func = te.create_prim_func(args)
-    buffers = [Buffer(n.name, _shape(ctx, n), "input") for n in graph.inputs]
+    buffers = [Buffer(n.name, _shape(ctx, n), "input", storage) for n in graph.inputs]
     buffers += [Buffer(n.name, _shape(ctx, n), "input", "int32",
                        doc="key lengths per batch row, given at call time") for n in lengths]
-    buffers += [Buffer(s.name, tuple(s.shape), "param",
+    buffers += [Buffer(s.name, tuple(s.shape), "param", storage,
                        pack={"kind": "weight", "weight": s.name})
                 for s in specs]
     buffers += [b for _, b in tables]
-    buffers.append(Buffer("out", tuple(int(v) for v in out.shape), "output"))
+    buffers.append(Buffer("out", tuple(int(v) for v in out.shape), "output", storage))
     kernel = Kernel("main", [b.name for b in buffers], func, ctx.stages)
     return Program({b.name: b for b in buffers}, [kernel], "\n".join(ctx.text))
 
@@ -172,8 +184,14 @@ def _epilogue(ctx, n, name, fcompute, shape):
 
 def _lower_input(ctx, n):
     shape = _shape(ctx, n)
-    ctx.note(f"{n.name} = placeholder{list(shape)}")
-    return te.placeholder(shape, ctx.dtype, name=n.name)
+    ctx.note(f"{n.name} = placeholder{list(shape)}"
+             + ("" if ctx.storage == "float32" else f" {ctx.storage}"))
+    x = te.placeholder(shape, ctx.storage, name=n.name)
+    if ctx.storage == "float32":
+        return x
+    ctx.placeholders[n.name] = x      # half precision: converted to float32 once
+    ctx.note(f"{n.name}_f32 = float32({n.name})")
+    return _epilogue(ctx, n, n.name + "_f32", lambda *i: _f32(x[i]), shape)
 
 
 def _lower_lengths(ctx, n):
@@ -188,9 +206,9 @@ def _lower_projection(ctx, n):
     head = n.attrs.get("head")
     depth = int(x.shape[2])
     if n.kind == "head_projection":
-        def w_at(bb, k, j): return w[head, k, j]
+        def w_at(bb, k, j): return _f32(w[head, k, j])
     else:
-        def w_at(bb, k, j): return w[k, j]
+        def w_at(bb, k, j): return _f32(w[k, j])
     bias = n.attrs.get("bias")
     mm_name = n.name + "_matmul" if bias else n.name
     c = _matmul(ctx, n, mm_name, x, w_at, depth, shape)
@@ -200,9 +218,9 @@ def _lower_projection(ctx, n):
         return c
     b = ctx.weights[bias]
     if head is not None:
-        def fb(bb, i, j): return c[bb, i, j] + b[head, j]
+        def fb(bb, i, j): return c[bb, i, j] + _f32(b[head, j])
     else:
-        def fb(bb, i, j): return c[bb, i, j] + b[j]
+        def fb(bb, i, j): return c[bb, i, j] + _f32(b[j])
     ctx.note(f"{n.name}[b,i,j] = {mm_name}[b,i,j] + {bias}{f'[{head}]' if head is not None else ''}[j]")
     return _epilogue(ctx, n, n.name, fb, shape)
 

@@ -69,6 +69,7 @@ import numpy as np
 
 from mhagen.version import __version__ as mhagen_version
 from mhagen.checks import positive_int
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
@@ -113,8 +114,10 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         kv_seq_len: cross-attention layers: the context's static length (with dynamic_seq,
             a symbolic ``kv_seq`` instead); decomposed form only.
 
-    The model's input is ``x`` [batch, seq, d_model] float32 (cross-attention: and
-    ``context`` [batch, kv_seq, kv_dim]), its output ``y``.
+    The model's input is ``x`` [batch, seq, d_model] of the layer's dtype (cross-attention:
+    and ``context`` [batch, kv_seq, kv_dim]), its output ``y``. A float16/bfloat16 layer
+    keeps its weights in that dtype and computes as mhagen does: Cast to float32 after the
+    inputs and the weights, float32 throughout, ``y`` Cast back.
     """
     onnx = need_onnx()
     if not isinstance(layer, Graph):
@@ -152,7 +155,7 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     if weights is None:
         raise InputError("export_onnx() needs weights: pass weights=layer.init_weights(seed) "
                          "(random) or trained weights, e.g. mhagen.weights_from_torch(module)")
-    w = check_weights(layer, weights, dtype=np.float32)
+    w = check_weights(layer, weights, dtype=np.float32)   # half layers: rounded first
     opset = MIN_OPSET[form] if opset is None else opset
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET[form]:
         hint = (" (the Attention operator is opset 23); or use form='decomposed'"
@@ -218,6 +221,9 @@ class _Builder:
         self.kv_lens = self.fresh(lengths.name) if lengths is not None else None  # int32 [B]
         self.used.add("y")
         self.extra_inputs, self.extra_outputs = [], []   # decoding: past / present K and V
+        # a half-precision layer: x, a context and y in its dtype, Cast to/from float32
+        self.storage = {"float16": onnx.TensorProto.FLOAT16,
+                        "bfloat16": onnx.TensorProto.BFLOAT16}.get(layer.dtype)
 
     # names, constants, ops
     def fresh(self, base):
@@ -232,6 +238,15 @@ class _Builder:
         name = self.fresh(base)
         self.inits.append(self.nh.from_array(np.array(array, copy=True, order="C"), name))
         return name
+
+    def weight(self, base, array):
+        """A weight initializer: float32, or a half-precision layer's dtype followed by a Cast
+        to float32 (the file holds the rounded weights at their size; compute is float32,
+        as in mhagen's kernels)."""
+        if self.storage is None:
+            return self.init(base, array)
+        stored = self.init(base, np.asarray(array).astype(numpy_dtype(self.layer.dtype)))
+        return self.op("Cast", [stored], f"{stored}_f32", to=self.onnx.TensorProto.FLOAT)
 
     def const(self, value, dtype):
         arr = np.asarray(value, dtype=dtype)
@@ -274,6 +289,16 @@ class _Builder:
                 self.const(min(axis, 1), np.int64)], ("batch", "seq", "kv_seq")[axis] + "_len",
             axis=0))
 
+    def _cast_inputs(self, names):
+        """Every node reading one of these half-precision inputs reads its float32 Cast."""
+        casts = {}
+        for name in names:
+            casts[name] = self.fresh(name + "_f32")
+        for node in self.nodes:
+            node.input[:] = [casts.get(i, i) for i in node.input]
+        self.nodes[:0] = [self.h.make_node("Cast", [n], [c], name=c, to=self.onnx.TensorProto.FLOAT)
+                          for n, c in casts.items()]
+
     def reduce_max_last(self, t, base):
         if self.opset >= 18:
             return self.op("ReduceMax", [t, self.i64(-1)], base, keepdims=1)
@@ -282,10 +307,12 @@ class _Builder:
     def model(self, out, form):
         h, onnx = self.h, self.onnx
         d_out = self.layer.shapes()[self.layer.output][-1]
-        x_info = h.make_tensor_value_info(self.x, onnx.TensorProto.FLOAT,
-                                          [self.batch, self.seq, self.d_model])
-        y_info = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
-                                          [self.batch, self.seq, d_out])
+        io = self.storage or onnx.TensorProto.FLOAT
+        x_info = h.make_tensor_value_info(self.x, io, [self.batch, self.seq, self.d_model])
+        y_info = h.make_tensor_value_info("y", io, [self.batch, self.seq, d_out])
+        if self.storage is not None:
+            self._cast_inputs([self.x] + ([self.context] if self.context else []))
+            out = self.op("Cast", [out], "y_rounded", to=self.storage)
         if not any(out in node.output for node in self.nodes):   # the output is x itself
             self.nodes.append(h.make_node("Identity", [out], ["y"], name="y"))
         for node in self.nodes:   # the output tensor is called y ("y" is reserved)
@@ -293,7 +320,7 @@ class _Builder:
             node.output[:] = ["y" if o == out else o for o in node.output]
         inputs, outputs = [x_info], [y_info]
         if self.context is not None:
-            inputs.append(h.make_tensor_value_info(self.context, onnx.TensorProto.FLOAT,
+            inputs.append(h.make_tensor_value_info(self.context, io,
                                                    [self.batch, self.kv_seq, self.kv_dim]))
         if self.kv_lens is not None:
             inputs.append(h.make_tensor_value_info(self.kv_lens, onnx.TensorProto.INT32,
@@ -510,17 +537,17 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
             vals[n.name] = b.kv_lens
         elif k == "head_projection":
             head = n.attrs["head"]
-            wt = b.init(f"{n.attrs['weight']}.{head}", w[n.attrs["weight"]][head])
+            wt = b.weight(f"{n.attrs['weight']}.{head}", w[n.attrs["weight"]][head])
             y = b.op("MatMul", [a[0], wt], n.name + "_matmul" if n.attrs.get("bias") else n.name)
             if n.attrs.get("bias"):
-                bt = b.init(f"{n.attrs['bias']}.{head}", w[n.attrs["bias"]][head])
+                bt = b.weight(f"{n.attrs['bias']}.{head}", w[n.attrs["bias"]][head])
                 y = b.op("Add", [y, bt], n.name)
             vals[n.name] = y
         elif k == "output_projection":
-            wt = b.init(n.attrs["weight"], w[n.attrs["weight"]])
+            wt = b.weight(n.attrs["weight"], w[n.attrs["weight"]])
             y = b.op("MatMul", [a[0], wt], n.name + "_matmul" if n.attrs.get("bias") else n.name)
             if n.attrs.get("bias"):
-                y = b.op("Add", [y, b.init(n.attrs["bias"], w[n.attrs["bias"]])], n.name)
+                y = b.op("Add", [y, b.weight(n.attrs["bias"], w[n.attrs["bias"]])], n.name)
             vals[n.name] = y
         elif k == "rotary":
             head_dim = layer.shapes()[n.name][-1]
@@ -560,10 +587,10 @@ def _decomposed(b: _Builder, layer: Graph, w: dict) -> str:
             cols = []
             for i, seg in enumerate(n.attrs["segments"]):
                 head, wname = seg["head"], seg["weight"]
-                wt = b.init(f"{wname}.{head}", w[wname][head])
+                wt = b.weight(f"{wname}.{head}", w[wname][head])
                 y = b.op("MatMul", [a[0], wt], f"{n.name}_{wname}{head}")
                 if seg.get("bias"):
-                    y = b.op("Add", [y, b.init(f"{seg['bias']}.{head}", w[seg["bias"]][head])],
+                    y = b.op("Add", [y, b.weight(f"{seg['bias']}.{head}", w[seg["bias"]][head])],
                              f"{n.name}_{wname}{head}_bias")
                 cols.append(y)
             vals[n.name] = b.op("Concat", cols, n.name, axis=-1)
@@ -676,12 +703,12 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
 
     def packed(offsets, role):
         ws = [w[segs[o]["weight"]][segs[o]["head"]] for o in offsets]
-        y = b.op("MatMul", [b.x, b.init(f"w_{role}", np.concatenate(ws, axis=1))],
+        y = b.op("MatMul", [b.x, b.weight(f"w_{role}", np.concatenate(ws, axis=1))],
                  f"{role}_matmul" if has_bias else role)
         if has_bias:
             bs = [w[segs[o]["bias"]][segs[o]["head"]] if segs[o].get("bias")
                   else np.zeros(d, np.float32) for o in offsets]
-            y = b.op("Add", [y, b.init(f"b_{role}", np.concatenate(bs))], role)
+            y = b.op("Add", [y, b.weight(f"b_{role}", np.concatenate(bs))], role)
         return y
 
     q = packed(q_off, "q")
@@ -716,10 +743,10 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
         y = _attention_with_past(b, inputs, attrs, kv_heads, d)
     else:
         y = b.op("Attention", inputs, "attention", **attrs)
-    wt = b.init(out.attrs["weight"], w[out.attrs["weight"]])
+    wt = b.weight(out.attrs["weight"], w[out.attrs["weight"]])
     y = b.op("MatMul", [y, wt], "out_matmul" if out.attrs.get("bias") else "out")
     if out.attrs.get("bias"):
-        y = b.op("Add", [y, b.init(out.attrs["bias"], w[out.attrs["bias"]])], "out")
+        y = b.op("Add", [y, b.weight(out.attrs["bias"], w[out.attrs["bias"]])], "out")
     return y
 
 

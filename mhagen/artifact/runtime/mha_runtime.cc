@@ -494,7 +494,7 @@ struct Extras {
   const int32_t *lengths;      // key lengths, or the tokens already cached
   float *k_cache;
   float *v_cache;
-  const float *context = nullptr;   // cross-attention: keys' and values' input
+  const mha_value *context = nullptr;   // cross-attention: keys' and values' input
   int kv_seq_len = 0;
 };
 
@@ -568,7 +568,7 @@ int check_extras(const Extras &e, int kind_given, int64_t batch, int64_t seq_len
   return MHA_OK;
 }
 
-int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const Extras &e,
+int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y, const Extras &e,
         int kind_given) {
   clear_error();
   const std::string fn = e.fn;
@@ -591,7 +591,7 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
                 fn + ": got batch=" + std::to_string(batch) + ", seq_len=" +
                     std::to_string(seq_len) + ", but this artifact is compiled for batch=" +
                     std::to_string(kBatch) + ", seq_len=" + std::to_string(kSeqLen) +
-                    " only (x is float32 [" + std::to_string(kBatch) + ", " +
+                    " only (x is " MHA_DTYPE " [" + std::to_string(kBatch) + ", " +
                     std::to_string(kSeqLen) + ", " + std::to_string(kDModel) +
                     "]); build another artifact: mhagen build --batch " +
                     std::to_string(batch) + " --seq-len " + std::to_string(seq_len) + " ...");
@@ -605,19 +605,19 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
   DLTensor &in = h->tensors[size_t(kInputIndex)];
   DLTensor &out = h->tensors[size_t(kOutputIndex)];
   if (usable_in_place(x)) {
-    in.data = const_cast<float *>(x);   // the kernels only read their input
+    in.data = const_cast<mha_value *>(x);   // the kernels only read their input
   } else {
-    copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(float));
+    copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(mha_value));
   }
   if (kLengthsIndex >= 0)
     copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths, size_t(batch) * sizeof(int32_t));
   DLTensor *context = kContextIndex >= 0 ? &h->tensors[size_t(kContextIndex)] : nullptr;
   if (context != nullptr) {
     if (usable_in_place(e.context))
-      context->data = const_cast<float *>(e.context);   // only read
+      context->data = const_cast<mha_value *>(e.context);   // only read
     else
       copy_to_device(context->data, e.context,
-                     size_t(int64_t(batch) * e.kv_seq_len * kKvDim) * sizeof(float));
+                     size_t(int64_t(batch) * e.kv_seq_len * kKvDim) * sizeof(mha_value));
   }
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
@@ -642,9 +642,10 @@ int run(mha_handle *h, const float *x, int batch, int seq_len, float *y, const E
     h->tensors[size_t(kVCacheIndex)].data = nullptr;
   }
   if (rc == MHA_OK && !direct) {
-    const float *src = static_cast<const float *>(out_scratch);
+    const mha_value *src = static_cast<const mha_value *>(out_scratch);
     for (int64_t r = 0; r < rows; ++r)
-      copy_to_host(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(float));
+      copy_to_host(y + r * kOutDModel, src + r * kOutCols,
+                   size_t(kOutDModel) * sizeof(mha_value));
   }
   if (rc == MHA_OK && kLengthsKind == 2) {
     int32_t *lens = const_cast<int32_t *>(e.lengths);
@@ -685,31 +686,33 @@ MHA_API mha_handle *mha_create(const char *artifact_dir) {
   return nullptr;
 }
 
-MHA_API int mha_run(mha_handle *handle, const float *x, int batch, int seq_len, float *y) {
+MHA_API int mha_run(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                    mha_value *y) {
   return mha::guarded("mha_run", [&] {
     return mha::run(handle, x, batch, seq_len, y, {"mha_run", nullptr, nullptr, nullptr}, 0);
   });
 }
 
-MHA_API int mha_run_padded(mha_handle *handle, const float *x, int batch, int seq_len,
-                           const int32_t *kv_lens, float *y) {
+MHA_API int mha_run_padded(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                           const int32_t *kv_lens, mha_value *y) {
   return mha::guarded("mha_run_padded", [&] {
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_padded", kv_lens, nullptr, nullptr}, 1);
   });
 }
 
-MHA_API int mha_run_cached(mha_handle *handle, const float *x, int batch, int seq_len,
-                           float *k_cache, float *v_cache, int32_t *cache_lens, float *y) {
+MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                           float *k_cache, float *v_cache, int32_t *cache_lens,
+                           mha_value *y) {
   return mha::guarded("mha_run_cached", [&] {
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
   });
 }
 
-MHA_API int mha_run_cross(mha_handle *handle, const float *x, int batch, int seq_len,
-                          const float *context, int kv_seq_len, const int32_t *kv_lens,
-                          float *y) {
+MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                          const mha_value *context, int kv_seq_len, const int32_t *kv_lens,
+                          mha_value *y) {
   return mha::guarded("mha_run_cross", [&] {
     mha::Extras e{"mha_run_cross", kv_lens, nullptr, nullptr};
     e.context = context;

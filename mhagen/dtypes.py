@@ -1,0 +1,78 @@
+"""Storage dtypes: what a layer's inputs, outputs and weights are kept in.
+
+A layer's dtype (Graph.dtype, `mhagen.mha(..., dtype=)`) is its storage: float32, float16 or
+bfloat16. Every kernel computes in float32: products accumulate in float32, the softmax runs
+in float32, and the temporaries between kernels (qkv, att) are float32. Half-precision
+values are converted to float32 where a kernel loads them and the output is rounded to the
+layer's dtype where it is stored (the "convert on load" path: F16C's vcvtph2ps for float16
+on x86, a 16-bit shift for bfloat16; aarch64's fcvtl). Half precision thus halves the
+weights' and activations' memory and bandwidth; it does not use half-precision arithmetic
+(AVX-512 BF16/FP16, AMX, NEON fp16 FMAs), and the build says so (`half_precision_path`).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from mhagen.errors import InputError
+
+NUMPY = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+         "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+COMPUTE = "float32"
+
+
+def numpy_dtype(name) -> np.dtype:
+    """The numpy dtype of a storage dtype's name (bfloat16: ml_dtypes.bfloat16)."""
+    if isinstance(name, np.dtype):
+        return name
+    if name in NUMPY:
+        return NUMPY[name]
+    return np.dtype(name)
+
+
+def name_of(dtype) -> str:
+    """The storage name of a numpy dtype, e.g. 'bfloat16'."""
+    dtype = np.dtype(dtype)
+    for name, d in NUMPY.items():
+        if d == dtype:
+            return name
+    return str(dtype)
+
+
+def is_float(dtype) -> bool:
+    """A floating-point numpy dtype, bfloat16 included (numpy does not count it)."""
+    d = np.dtype(dtype)
+    return bool(np.issubdtype(d, np.floating)) or d == NUMPY["bfloat16"]
+
+
+def is_half(name: str) -> bool:
+    return name in ("float16", "bfloat16")
+
+
+def accepts(name: str, array_dtype) -> bool:
+    """Arrays a layer of storage dtype `name` takes: its own dtype, or float32 (rounded to
+    the layer's dtype on the way in; the result then comes back as float32)."""
+    d = np.dtype(array_dtype)
+    return d == NUMPY[name] or d == NUMPY["float32"]
+
+
+def to_storage(what: str, a, name: str) -> np.ndarray:
+    """`a` in the storage dtype `name` (round to nearest even), refusing non-float arrays."""
+    a = np.asarray(a)
+    if not is_float(a.dtype):
+        raise InputError(f"{what} has dtype {a.dtype}; pass a floating-point array "
+                         f"({name}, or float32 to be rounded to {name})")
+    return a.astype(NUMPY[name], copy=False)
+
+
+def half_precision_path(name: str, target) -> str | None:
+    """What a half-precision build does on `target`, for the build's output (None: float32)."""
+    if not is_half(name):
+        return None
+    features = set(getattr(target, "features", ()) or ())
+    native = {"float16": ("avx512fp16", "fullfp16"), "bfloat16": ("avx512bf16", "bf16")}[name]
+    have = [f for f in native if f in features]
+    note = (f"; {have[0]} is present but not used yet" if have else "")
+    how = {"float16": "vcvtph2ps (F16C) / fcvtl", "bfloat16": "a 16-bit shift"}[name]
+    return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
+            f"accumulation and softmax; output rounded to {name}{note}")

@@ -1,0 +1,188 @@
+"""Half-precision layers (float16, bfloat16 storage; float32 compute: mhagen/dtypes.py) against
+the float64 reference of the same rounded inputs and weights, on every runnable x86 preset,
+fused, unfused and symbolic; the tolerance table's row and FlashAttention's criterion (error
+within 2x a half-precision reference's own); Python and C entry points, artifacts, bad input."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mhagen
+from mhagen.errors import GraphError, InputError
+from mhagen.target import resolve
+from mhagen.tolerances import assert_close, tolerance, within_half_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512") if resolve(p).runs_here()]
+
+
+def _x(shape, dtype, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(
+        DTYPES[dtype])
+
+
+def _check(layer, m, x, w, dtype, **call):
+    y = m(x, **call)
+    assert y.dtype == DTYPES[dtype]
+    expected = layer.reference(x, w, **call)
+    assert_close(y, expected, dtype)
+    err, bound = within_half_reference(y, expected,
+                                       layer.reference(x, w, rounded_to=dtype, **call))
+    assert err <= bound, f"error {err:.3g} > 2x the half-precision reference's ({bound:.3g})"
+    return y
+
+
+@pytest.mark.parametrize("preset", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("build", ["fused", "unfused", "any-length"])
+def test_half_layers_match_the_reference(preset, dtype, build):
+    """seq 97, head_dim 40, grouped K/V, causal: the awkward shapes, in half precision."""
+    layer = mhagen.mha(80, 4, head_dim=40, kv_heads=2, causal=True, dtype=dtype)
+    w = layer.init_weights(2)
+    assert all(v.dtype == DTYPES[dtype] for v in w.values())
+    kw = {"fused": {}, "unfused": dict(fuse=False),
+          "any-length": dict(seq_len=None, max_seq_len=128)}[build]
+    m = mhagen.build(layer, preset, **{"batch": 2, "seq_len": 97, **kw}, weights=w)
+    assert m.precision.startswith(f"{dtype} storage, converted to float32 on load")
+    _check(layer, m, _x((2, 97, 80), dtype), w, dtype)
+    if build == "any-length":      # other lengths from the same module
+        for seq in (1, 17):
+            _check(layer, m, _x((2, seq, 80), dtype, seed=seq), w, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_layers_with_modifiers_rotary_and_key_padding(dtype):
+    layer = mhagen.mha(64, 4, kv_heads=1, rotary=True, key_padding=True,
+                       score_mod=[mhagen.alibi(4), mhagen.softcap(20.0)], dtype=dtype)
+    w = layer.init_weights(4)
+    m = mhagen.build(layer, RUNNABLE[-1], batch=2, seq_len=33, weights=w)
+    _check(layer, m, _x((2, 33, 64), dtype), w, dtype, kv_lens=np.array([33, 5], np.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_cross_attention(dtype):
+    layer = mhagen.mha(64, 2, cross=True, kv_dim=48, dtype=dtype)
+    w = layer.init_weights(5)
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=9, kv_seq_len=13, weights=w)
+    _check(layer, m, _x((1, 9, 64), dtype), w, dtype, context=_x((1, 13, 48), dtype, seed=7))
+
+
+def test_float32_arrays_are_rounded_in_and_answered_in_float32():
+    layer = mhagen.mha(64, 2, dtype="bfloat16")
+    w32 = {k: v.astype(np.float32) for k, v in layer.init_weights(1).items()}
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=20, weights=w32)
+    x32 = np.random.default_rng(3).standard_normal((1, 20, 64)).astype(np.float32)
+    y32 = m(x32)
+    assert y32.dtype == np.float32
+    yh = m(x32.astype(ml_dtypes.bfloat16))
+    assert yh.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(y32, yh.astype(np.float32))
+    out = np.empty((1, 20, 64), np.float32)
+    assert m(x32, out=out) is out
+    with pytest.raises(InputError, match="out= must be a float32"):
+        m(x32, out=np.empty((1, 20, 64), ml_dtypes.bfloat16))
+    with pytest.raises(InputError, match=r"x has dtype float64.*bfloat16 or float32"):
+        m(x32.astype(np.float64))
+    with pytest.raises(InputError, match="floating-point"):
+        m(np.zeros((1, 20, 64), np.int32))
+
+
+def test_half_against_torch():
+    """torch.nn.MultiheadAttention in float32 with the rounded weights and input, rounded
+    to float16 at the end: what the float16 module computes."""
+    torch = pytest.importorskip("torch")
+    ref = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.half().float())
+    layer = mhagen.mha(64, 4, dtype="float16")
+    w = mhagen.weights_from_torch(ref)
+    m = mhagen.build(layer, "x86-avx2", batch=2, seq_len=31, weights=w)
+    x = _x((2, 31, 64), "float16")
+    with torch.no_grad():
+        want = ref(*[torch.from_numpy(x.astype(np.float32))] * 3, need_weights=False)[0]
+    got = m(x).astype(np.float32)
+    assert np.abs(got - want.numpy()).max() <= tolerance(want.numpy(), "float16")
+
+
+def test_kv_cache_layers_refuse_half_precision():
+    with pytest.raises(GraphError, match="float32 cache"):
+        mhagen.build(mhagen.mha(64, 2, kv_cache=32, dtype="float16"), "x86-avx2", seq_len=1)
+    with pytest.raises(GraphError, match="dtype 'float64' is not supported"):
+        mhagen.mha(64, 2, dtype="float64")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_artifacts_in_python_and_c(dtype, tmp_path):
+    cc = shutil.which("gcc") or shutil.which("cc")
+    layer = mhagen.mha(64, 4, causal=True, dtype=dtype)
+    w = layer.init_weights(6)
+    m = mhagen.build(layer, "x86-avx2", batch=2, seq_len=17, weights=w)
+    x = _x((2, 17, 64), dtype)
+    y = m(x)
+    art = m.save(tmp_path / "m")
+    loaded = mhagen.load(art)
+    np.testing.assert_array_equal(loaded(x).view(np.uint16), y.view(np.uint16))
+    header = (art / "mha.h").read_text()
+    assert "typedef uint16_t mha_value;" in header and f'#define MHA_DTYPE "{dtype}"' in header
+    if cc is None:
+        pytest.skip("needs a C compiler for the C half")   # the Python half has run
+    exe = tmp_path / "app"
+    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Werror",
+                        str(ROOT / "examples" / "c_app" / "mha_app.c"), f"-I{art}", f"-L{art}",
+                        "-lmha", f"-Wl,-rpath,{art}", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    x.tofile(tmp_path / "x.bin")
+    r = subprocess.run([str(exe), str(art), str(tmp_path / "x.bin"), str(tmp_path / "y.bin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"] {dtype}, mean" in r.stdout
+    got = np.fromfile(tmp_path / "y.bin", DTYPES[dtype]).reshape(y.shape)
+    np.testing.assert_array_equal(got.view(np.uint16), y.view(np.uint16))
+    first = float(y[0, 0, 0].astype(np.float64))
+    assert f"y[0, 0, :4] = {first:.6f}" in r.stdout    # the app's own half decoding
+
+
+def _ort_run(path, feeds):
+    """Run an exported model in ONNX Runtime; bfloat16 goes in as OrtValues (onnxruntime's
+    numpy bridge has no bfloat16) and y comes out through an appended Cast to float32."""
+    import onnx
+    ort = pytest.importorskip("onnxruntime")
+    model = onnx.load(str(path))
+    model.graph.node.append(onnx.helper.make_node("Cast", ["y"], ["y_f32"],
+                                                  to=onnx.TensorProto.FLOAT))
+    del model.graph.output[:]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(
+        "y_f32", onnx.TensorProto.FLOAT, None))
+    s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    types = {np.dtype(ml_dtypes.bfloat16): onnx.TensorProto.BFLOAT16,
+             np.dtype(np.float16): onnx.TensorProto.FLOAT16}
+    values = {k: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(np.uint16),
+                                                                  types[v.dtype])
+              for k, v in feeds.items()}
+    return s.run_with_ort_values(None, values)[0].numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["decomposed", "fused"])
+def test_half_onnx_export_runs_in_onnxruntime(dtype, form, tmp_path):
+    import onnx
+    layer = mhagen.mha(64, 4, kv_heads=2, causal=True, dtype=dtype)
+    w = layer.init_weights(8)
+    path = mhagen.export_onnx(layer, tmp_path / "m.onnx", w, form=form, batch=2, seq_len=17)
+    model = onnx.load(str(path))
+    want = {"float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}[dtype]
+    assert model.graph.input[0].type.tensor_type.elem_type == want
+    assert model.graph.output[0].type.tensor_type.elem_type == want
+    assert {t.data_type for t in model.graph.initializer if t.name.startswith("w_")} == {want}
+    x = _x((2, 17, 64), dtype)
+    y = _ort_run(path, {"x": x})
+    m = mhagen.build(layer, "x86-avx2", batch=2, seq_len=17, weights=w)
+    assert_close(y, layer.reference(x, w), dtype)
+    # the same rounding of the same float32 numbers: at most one ulp apart
+    assert np.abs(y - m(x).astype(np.float32)).max() <= 2 * tolerance(y, dtype)
