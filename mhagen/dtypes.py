@@ -73,6 +73,8 @@ def half_precision_path(name: str, target) -> str | None:
     native = {"float16": ("avx512fp16", "fullfp16"), "bfloat16": ("avx512bf16", "bf16")}[name]
     have = [f for f in native if f in features]
     note = (f"; {have[0]} is present but not used yet" if have else "")
-    how = {"float16": "vcvtph2ps (F16C) / fcvtl", "bfloat16": "a 16-bit shift"}[name]
+    arm = getattr(target, "arch", "") == "aarch64"
+    how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
+           "bfloat16": "a 16-bit shift"}[name]
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

@@ -47,7 +47,10 @@ def maps_graph(graph, batch: int, seq_len: int) -> Graph:
         if name not in need:
             need.add(name)
             stack.extend(nodes[name].inputs)
-    g = Graph(f"{graph.name}_maps", graph.dtype, dict(graph.options, attention_maps=True))
+    # float32 storage: probabilities are not rounded (a half layer's x and weights are
+    # rounded before they reach it: Module.attention_maps)
+    options = {k: v for k, v in graph.options.items() if k != "dtype"}
+    g = Graph(f"{graph.name}_maps", "float32", dict(options, attention_maps=True))
     dims = graph.dims(batch, seq_len)
     for n in graph.nodes:
         if n.name in need:

@@ -359,6 +359,8 @@ class Module:
             self._maps.bind({k: v for k, v in self.weights.items() if k in names})
             self._maps_for = self.weights
         heads = len(head_softmaxes(self.graph))
+        if self.dtype != np.float32:   # the half layer's own rounded x, in float32
+            x = self._stored("x", check_input(self.graph, x)).astype(np.float32)
         p = self._maps(x, kv_lens=kv_lens)
         b, s, _ = p.shape
         return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))

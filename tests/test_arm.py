@@ -33,6 +33,10 @@ LAYERS = {
     # id: (mha kwargs, batch, seq_len)
     "default-512x8": (dict(d_model=512, num_heads=8), 1, 32),
     "causal-gqa-256x8-kv2": (dict(d_model=256, num_heads=8, kv_heads=2, causal=True), 1, 32),
+    # half-precision storage (float32 compute): fcvtl/fcvtn conversions, bfloat16 shifts
+    "f16-causal-gqa-128x4-kv2": (dict(d_model=128, num_heads=4, kv_heads=2, causal=True,
+                                      dtype="float16"), 1, 32),
+    "bf16-causal-128x4": (dict(d_model=128, num_heads=4, causal=True, dtype="bfloat16"), 1, 32),
 }
 RUN_TARGETS = ("arm-neon", "arm-sve")
 
@@ -85,9 +89,10 @@ class Artifact:
                                    weights=self.w)
         self.dir = self.module.save(root / f"{target}-{key}")
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
-        self.x = random_input(self.layer, self.batch, self.seq_len, seed=5)
+        self.dtype = self.module.dtype
+        self.x = random_input(self.layer, self.batch, self.seq_len, seed=5).astype(self.dtype)
         self.expected = self.layer.reference(self.x, self.w)
-        self.xfile = root / f"{target}-{key}.x.f32"
+        self.xfile = root / f"{target}-{key}.x.bin"
         self.x.tofile(self.xfile)
         self._app = None
 
@@ -103,11 +108,11 @@ class Artifact:
 
     def run(self, cpu=None):
         """Run the app under qemu; returns (completed process, y or None)."""
-        out = self.dir.parent / f"{self.dir.name}.y.f32"
+        out = self.dir.parent / f"{self.dir.name}.y.bin"
         if out.exists():
             out.unlink()
         r = cross.run([self.app, self.dir, self.xfile, out], cpu=cpu or self.cpu(), timeout=600)
-        y = np.fromfile(out, np.float32).reshape(self.expected.shape) if out.exists() else None
+        y = np.fromfile(out, self.dtype).reshape(self.expected.shape) if out.exists() else None
         return r, y
 
 
@@ -240,9 +245,9 @@ def test_runs_under_qemu_and_matches_the_reference(artifacts, qemu, target, key)
     r, y = art.run()
     assert r.returncode == 0, f"qemu -cpu {art.cpu()}: {r.stderr}"
     assert "y: [" in r.stdout
-    err = max_error(y, art.expected)
-    assert err < 1e-4, err
-    assert_close(y, art.expected)
+    if art.layer.dtype == "float32":
+        assert max_error(y, art.expected) < 1e-4
+    assert_close(y, art.expected, art.layer.dtype)
 
 
 def test_sve_code_runs_on_wider_sve_vectors(artifacts, qemu):

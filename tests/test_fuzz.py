@@ -6,7 +6,8 @@
    batch / head / q_len / kv_len, sliding windows, score modifiers, RoPE), a shape (batch
    1-4, seq 1-300, mostly < 64, with 1, 2, 97 and 257) and fuse on/off, builds it for
    "x86-avx2" (or "x86" when that preset runs here and differs), runs it on random input
-   and compares with `assert_close` against `layer.reference`. Nothing is cached across
+   and compares with `assert_close` against `layer.reference` (2 in 5 cases in float16 or
+   bfloat16 storage, with that dtype's tolerance). Nothing is cached across
    cases: every case builds its own module from its own graph. The same layers also run
    as decoding layers (two calls on a random cache), as symbolic-length builds (one build,
    1-3 calls at random shapes up to its maximum, some with key padding) and as
@@ -147,22 +148,25 @@ SEQS = st.one_of(st.integers(1, 16), st.integers(1, 63), st.integers(1, 63),
 
 @FUZZ
 @given(options=layers(), batch=st.integers(1, 4), seq=SEQS, fuse=st.sampled_from([True, True, False]),
-       target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
-def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, target, seed):
-    layer = mhagen.mha(**options)
+       target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from(["float32", "float32", "float32", "float16", "bfloat16"]))
+def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, target, seed,
+                                                  dtype):
+    layer = mhagen.mha(**options, dtype=dtype)
     num_heads, kv_heads = options["num_heads"], options.get("kv_heads", options["num_heads"])
     for what in (f"seq {seq}" if seq in (1, 2, 97, 257) else f"seq {'<64' if seq < 64 else '>=64'}",
                  f"fuse {fuse}", target, f"mask {options['mask'] is not None}",
                  f"score_mod {options['score_mod'] is not None}",
-                 f"rotary {options['rotary'] is not None}", f"gqa {kv_heads < num_heads}"):
+                 f"rotary {options['rotary'] is not None}", f"gqa {kv_heads < num_heads}",
+                 dtype):
         event(what)     # --hypothesis-show-statistics lists what the profile covered
     w = layer.init_weights(seed)
     x = np.random.default_rng(seed).standard_normal(
         (batch, seq, options["d_model"])).astype(np.float32)
     kernel = mhagen.build(layer, target, batch=batch, seq_len=seq, weights=w, fuse=fuse)
-    expected = layer.reference(x, w)
-    assert_close(kernel(x), expected)
-    assert_close(kernel(x, weights=w), expected)     # weights per call: the packing path
+    expected = layer.reference(x, w)     # half layers: of x and w rounded to the dtype
+    assert_close(kernel(x), expected, dtype)
+    assert_close(kernel(x, weights=w), expected, dtype)   # weights per call: the packing path
 
 
 @settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
@@ -268,6 +272,24 @@ def test_unfused_small_shapes(target, options, seq, kv_seq):
     kernel = mhagen.build(layer, target, batch=1, seq_len=seq, weights=w, fuse=False,
                           **({"kv_seq_len": kv_seq} if kv_seq else {}))
     assert_close(kernel(x, context=context), layer.reference(x, w, context=context))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("heads,kv_heads,rotary", [(1, 1, None), (8, 1, "partial")])
+def test_unfused_seq1_batch_dependent_mask(target, heads, kv_heads, rotary):
+    """Found by the fuzzers (8 heads, 1 K/V head, partial RoPE, a mask of q_len and batch,
+    batch 2, seq_len 1: off by 2.84); the smallest case is 1 head, mask batch < 1. One key
+    per row: compute_at dropped the softmax's column loop of extent 1, so its exp block's
+    last loop became the row loop, and vectorising that loop (its body holds the row
+    reductions) gave batch 0 the masked batch 1's zeros. The rule now vectorises only a
+    column loop (schedules/x86/softmax.py)."""
+    rot = mhagen.rotary(rotary_dim=4) if rotary else None
+    layer = mhagen.mha(8 * heads, heads, kv_heads=kv_heads, rotary=rot,
+                       mask=(ex.q_idx < ex.q_len) & (ex.batch < 1))
+    w = layer.init_weights(0)
+    x = np.random.default_rng(0).standard_normal((2, 1, 8 * heads)).astype(np.float32)
+    kernel = mhagen.build(layer, target, batch=2, seq_len=1, weights=w, fuse=False)
+    assert_close(kernel(x), layer.reference(x, w))
 
 
 # -- invalid configurations ------------------------------------------------------------------

@@ -71,6 +71,24 @@ def test_half_cross_attention(dtype):
     _check(layer, m, _x((1, 9, 64), dtype), w, dtype, context=_x((1, 13, 48), dtype, seed=7))
 
 
+def test_attention_maps_of_a_half_layer():
+    """float32 probabilities of the layer's rounded x and weights."""
+    layer = mhagen.mha(32, 2, causal=True, dtype="float16")
+    w = layer.init_weights(9)
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=7, weights=w)
+    x = _x((1, 7, 32), "float16")
+    p = m.attention_maps(x)
+    assert p.dtype == np.float32 and p.shape == (1, 2, 7, 7)
+    xs = x.astype(np.float64)
+    for h in range(2):
+        q = xs[0] @ w["w_q"][h].astype(np.float64) + w["b_q"][h].astype(np.float64)
+        k = xs[0] @ w["w_k"][h].astype(np.float64) + w["b_k"][h].astype(np.float64)
+        s = np.where(np.tril(np.ones((7, 7), bool)), q @ k.T / 4.0, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        assert_close(p[0, h], e / e.sum(-1, keepdims=True))
+    np.testing.assert_array_equal(m.attention_maps(x.astype(np.float32)), p)
+
+
 def test_float32_arrays_are_rounded_in_and_answered_in_float32():
     layer = mhagen.mha(64, 2, dtype="bfloat16")
     w32 = {k: v.astype(np.float32) for k, v in layer.init_weights(1).items()}
@@ -186,3 +204,26 @@ def test_half_onnx_export_runs_in_onnxruntime(dtype, form, tmp_path):
     assert_close(y, layer.reference(x, w), dtype)
     # the same rounding of the same float32 numbers: at most one ulp apart
     assert np.abs(y - m(x).astype(np.float32)).max() <= 2 * tolerance(y, dtype)
+
+
+def test_cli_builds_a_half_layer_and_says_how_it_computes(tmp_path, capsys):
+    from mhagen.cli import main
+    assert main(["build", "--dtype", "float16", "--d-model", "64", "--heads", "4",
+                 "--seq-len", "19", "--target", "x86-avx2", "--repeat", "1",
+                 "--out", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "precision: float16 storage, converted to float32 on load" in out
+    assert "(tolerance" in out and ") ok" in out
+    assert mhagen.load(tmp_path / "m").dtype == np.float16
+
+
+def test_float16_weights_are_converted_with_f16c():
+    """The GEMMs' half-precision loads become vcvtph2ps (F16C), not calls to a soft-float
+    conversion routine."""
+    layer = mhagen.mha(64, 4, dtype="float16")
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=12, weights=layer.init_weights(0))
+    asm = m.inspect("source")
+    assert "vcvtph2ps" in asm and "vcvtps2ph" in asm
+    calls = [ln for ln in asm.splitlines() if ln.strip().startswith(("call", "jmp"))]
+    # TVM defines weak soft-float helpers in every module; none may be called
+    assert not [c for c in calls if "hfsf2" in c or "sfhf2" in c], calls

@@ -35,5 +35,9 @@ class SoftmaxRule:
         for blk in (inv, total, e, safe, mx):
             sch.compute_at(blk, inner)
         sch.vectorize(sch.get_loops(p)[-1])
-        sch.vectorize(sch.get_loops(e)[-1])
+        # compute_at drops a column loop of extent 1 (one key): then exp's last loop is the
+        # row loop, whose body holds the reductions; vectorising it gave wrong rows
+        e_loops = sch.get_loops(e)
+        if len(e_loops) > 2:
+            sch.vectorize(e_loops[-1])
         return []
