@@ -162,3 +162,18 @@ def test_quick_run_of_the_avx2_class(tmp_path):
     assert "mhagen target **x86-avx2** (class x86_64-v256-r16" in md
     if "avx512f" in data["meta"]["host"]["simd_features"]:
         assert data["meta"]["env"]["OPENBLAS_CORETYPE"] == "Haswell"
+
+
+def test_half_precision_benchmark_quick_run(tmp_path):
+    """benchmarks/bench_half.py end to end on a small layer: every dtype checked, then timed."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_half.py"), "--shapes", "1x16x32x2",
+         "--threads", "1", "--rounds", "1", "--target", "x86-avx2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    impls = {r["impl"] for r in data["rows"]}
+    assert {"mhagen_float32", "mhagen_float16", "mhagen_bfloat16"} <= impls
+    assert all(r["ms"] > 0 and r["gflops"] > 0 for r in data["rows"])
+    assert "converted to float32 on load" in data["meta"]["precision"]["bfloat16"]
