@@ -176,3 +176,41 @@ def test_token_id_model_with_readable_weights_needs_one_sample(no_onnxruntime):
     for r in "qkv":
         assert np.array_equal(found.weights[f"w_{r}"][0], w[r])
     assert np.array_equal(found.weights["w_o"], w["o"])
+
+
+def test_torch_sdpa_export_with_its_nan_guard_imports_exactly(monkeypatch):
+    """torch.onnx.export of F.scaled_dot_product_attention with a boolean mask writes
+    Where(IsNaN(P), 0, P) after the Softmax (fully masked rows give zeros, as in mhagen);
+    the importer reads through it, weights from the initializers."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    d, heads = 32, 4
+
+    class SDPA(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            mask = torch.ones(s, s, dtype=torch.bool).tril()
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.o(o.transpose(1, 2).reshape(b, s, d))
+
+    m = SDPA().eval()
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.zeros(B, S, d),), buf, dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["y"])
+    model = onnx.load_from_string(buf.getvalue())
+    assert "IsNaN" in {n.op_type for n in model.graph.node}
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    (found,) = import_onnx(model)
+    assert found.weight_source == "initializers" and found.graph.options["causal"]
+    x = rand_x(d)
+    with torch.no_grad():
+        want = m(torch.from_numpy(x)).numpy()
+    assert_close(found.graph.reference(x, found.weights), want)

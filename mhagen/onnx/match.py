@@ -150,6 +150,7 @@ class Core:
     bool_masks: list = field(default_factory=list)      # attn_mask: bool keep or float add
     causal: bool = False
     zero_rows: list = field(default_factory=list)       # [(cond, zeros, zero_when_true)]
+    nan_guards: list = field(default_factory=list)      # Where(IsNaN(P), zeros, P): zeros
     qkv_bias: str | None = None
     paths: dict = field(default_factory=dict)           # "q"/"k"/"v" -> ProjectionPath
     out: OutputPath | None = None
@@ -162,7 +163,7 @@ class Core:
             names += p.candidates + [t for t, _ in p.factors]
         names += [t for t, _ in self.score_factors] + [t for t, _ in self.adds]
         names += self.bool_masks + [t for w in self.wheres for t in w[:2]]
-        names += [t for z in self.zero_rows for t in z[:2]]
+        names += [t for z in self.zero_rows for t in z[:2]] + self.nan_guards
         return names + ([self.qkv_bias] if self.qkv_bias else [])
 
 
@@ -278,9 +279,10 @@ def core_softmax(m, sm):
         m, sm.input[0], lambda n: n.op_type == "MatMul" and all(i in m.dep for i in n.input))
     if scores is None:
         raise NotAttention(f"{label}: no MatMul of two computed tensors (Q @ K^T) before it")
-    pv, post = _probabilities_to_pv(m, sm, label)
+    pv, post, guards = _probabilities_to_pv(m, sm, label)
     core = Core("MatMul-Softmax-MatMul", sm, label, scores.input[0], scores.input[1],
                 pv.input[1], pv.output[0], "lead")
+    core.nan_guards = guards
     core.softmax_axis = node_attrs(sm).get("axis", -1 if m.opset.get("", 13) >= 13 else 1)
     t = scores.output[0]
     for n in chain:       # from the scores MatMul to the Softmax
@@ -293,10 +295,17 @@ def core_softmax(m, sm):
 
 
 def _probabilities_to_pv(m, sm, label):
-    """The P @ V MatMul after Softmax `sm` and the [(node, its input)] between them."""
-    pv, post, t = None, [], sm.output[0]
+    """The P @ V MatMul after Softmax `sm`, the [(node, its input)] between them, and the
+    replacement values of NaN guards among them (PyTorch's exporter writes
+    Where(IsNaN(P), 0, P) after the Softmax: fully masked rows give zeros, as in mhagen)."""
+    pv, post, guards, t = None, [], [], sm.output[0]
     for _ in range(6):
         users = m.users(t)
+        guard = _nan_guard(m, users, t)
+        if guard is not None:
+            guards.append(guard.input[1])
+            t = guard.output[0]
+            continue
         if len(users) != 1:
             break
         if users[0].op_type == "MatMul":
@@ -311,7 +320,23 @@ def _probabilities_to_pv(m, sm, label):
                         "expected P @ V")
     if pv.input[1] not in m.dep:
         raise NotAttention(f"{label}: {m.label(pv)} multiplies by a constant, not by V")
-    return pv, post
+    return pv, post, guards
+
+
+def _nan_guard(m, users, t):
+    """The Where node of Where(IsNaN(t), zeros, t), when `users` (t's users) are exactly
+    that IsNaN and that Where with constant zeros; else None."""
+    if len(users) != 2:
+        return None
+    isnan = next((n for n in users if n.op_type == "IsNaN"), None)
+    where = next((n for n in users if n.op_type == "Where"), None)
+    if isnan is None or where is None or list(isnan.input) != [t]:
+        return None
+    if list(where.input) != [isnan.output[0], where.input[1], t] or where.input[1] in m.dep:
+        return None
+    if m.users(isnan.output[0]) != [where]:
+        return None
+    return where
 
 
 def _read_score_op(m, core, n, t, what):

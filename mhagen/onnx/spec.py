@@ -152,9 +152,13 @@ def read_core(c, vals, batch, notes):
     if not np.all(keep == keep[:1]):
         raise OnnxError(f"{c.label}: the mask differs between batch elements (a padding "
                         "mask?); mhagen masks are functions of positions only")
+    for zeros in c.nan_guards:
+        if np.any(np.asarray(vals[zeros], np.float64) != 0):
+            raise OnnxError(f"{c.label}: the probabilities' NaN guard (Where(IsNaN(P), z, P)) "
+                            "replaces NaN by a non-zero value; mhagen gives zeros there")
     if (~keep[0].any(axis=-1)).any():
         notes.append("some queries see no key (fully masked rows); mhagen gives zeros there"
-                     + ("" if c.zero_rows or c.source == "Attention" else
+                     + ("" if c.zero_rows or c.nan_guards or c.source == "Attention" else
                         " (this ONNX model gives NaN)"))
     return CoreSpec(n_heads, d, scale, factors, [_head_band(c, keep[0, h], h)
                                                 for h in range(n_heads)], lead, k, v)
