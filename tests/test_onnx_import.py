@@ -214,3 +214,65 @@ def test_torch_sdpa_export_with_its_nan_guard_imports_exactly(monkeypatch):
     with torch.no_grad():
         want = m(torch.from_numpy(x)).numpy()
     assert_close(found.graph.reference(x, found.weights), want)
+
+
+# -- score modifiers -----------------------------------------------------------------------
+@pytest.mark.parametrize("score_mod", [
+    mhagen.alibi(4), mhagen.softcap(5.0), [mhagen.softcap(5.0), mhagen.alibi(4)]],
+    ids=["alibi", "softcap", "softcap-then-alibi"])
+def test_score_modifiers_import_as_the_layer_that_was_exported(score_mod, tmp_path,
+                                                                no_onnxruntime):
+    layer = mhagen.mha(32, 4, causal=True, score_mod=score_mod)
+    w = layer.init_weights(0)
+    (found,) = import_onnx(export_onnx(layer, tmp_path / "m.onnx", w, batch=B, seq_len=S))
+    assert found.graph == layer and found.weight_source == "initializers"
+    assert_same_weights(found, w)
+    x = rand_x(32, seq=11)      # another length than the probes'
+    assert_close(found.graph.reference(x, found.weights), layer.reference(x, w))
+
+
+def bias_model(bias, d=8, heads=2, seq=5):
+    """Scores scaled then plus a constant additive bias [1, H, seq, seq] (one head's
+    projection per head by hand), as BLOOM-like exports write ALiBi."""
+    rng = np.random.default_rng(0)
+    w = {r: rng.standard_normal((heads, d, d)).astype(np.float32) for r in "qkv"}
+    w_o = rng.standard_normal((heads * d, d)).astype(np.float32)
+    inits = [nh.from_array(w[r][h], f"W{r}{h}") for r in "qkv" for h in range(heads)]
+    inits += [nh.from_array(w_o, "Wo"), nh.from_array(np.float32(d ** -0.5), "scale"),
+              nh.from_array(bias.astype(np.float32), "bias")]
+    nodes, outs = [], []
+    for h in range(heads):
+        nodes += [oh.make_node("MatMul", ["x", f"W{r}{h}"], [f"{r}{h}"]) for r in "qkv"]
+        nodes += [oh.make_node("Transpose", [f"k{h}"], [f"kT{h}"], perm=[0, 2, 1]),
+                  oh.make_node("MatMul", [f"q{h}", f"kT{h}"], [f"s{h}"]),
+                  oh.make_node("Mul", [f"s{h}", "scale"], [f"t{h}"]),
+                  oh.make_node("Gather", ["bias", f"h{h}"], [f"b{h}"], axis=1),
+                  oh.make_node("Add", [f"t{h}", f"b{h}"], [f"u{h}"]),
+                  oh.make_node("Softmax", [f"u{h}"], [f"p{h}"], axis=-1),
+                  oh.make_node("MatMul", [f"p{h}", f"v{h}"], [f"o{h}"])]
+        inits.append(nh.from_array(np.int64(h), f"h{h}"))
+        outs.append(f"o{h}")
+    nodes += [oh.make_node("Concat", outs, ["o"], axis=-1),
+              oh.make_node("MatMul", ["o", "Wo"], ["y"])]
+    g = oh.make_graph(nodes, "biased", [oh.make_tensor_value_info("x", TP.FLOAT, [1, seq, d])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def test_bloom_form_alibi_imports_as_a_distance_bias(no_onnxruntime):
+    """slope_h * kv_idx (BLOOM's form: a row constant away from slope_h * (kv_idx - q_idx))
+    with slopes that are not ALiBi's: a per-head table times the distance."""
+    slopes = np.array([0.3, -0.125])
+    bias = (slopes[:, None, None] * np.arange(5)[None, None, :]).repeat(5, axis=1)[None]
+    model = bias_model(bias)
+    (found,) = import_onnx(model)
+    assert "table[2][head] * (kv_idx - q_idx)" in found.graph.options["score_mod"]
+    x = rand_x(8, batch=1, seq=5)
+    assert_close(found.graph.reference(x, found.weights),
+                 run_reference_evaluator(model, {"x": x}))
+
+
+def test_a_learned_relative_bias_is_refused_clearly(no_onnxruntime):
+    bias = np.random.default_rng(3).standard_normal((1, 2, 5, 5))
+    with pytest.raises(OnnxError, match="not a linear distance bias"):
+        import_onnx(bias_model(bias))

@@ -40,17 +40,37 @@ def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
     d = widths.pop()
     scales = [s.scale for s in specs for _ in range(s.n_heads)]
     bands = [b for s in specs for b in s.bands]
+    score_mod = _score_mod(specs, len(scales))
     if _is_standard(scales, bands, d) and d_out == d_model:
         causal, mask = bands[0]
         return mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
-                          mask=mask, bias=bias, name=name)
+                   mask=mask, bias=bias, score_mod=score_mod, name=name)
     g = Graph(name, options={"d_model": d_model, "num_heads": len(scales), "head_dim": d,
                              "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})
     x = g.input("x", d_model)
     masks = [_mask_expr(causal, other) for causal, other in bands]
-    g.set_output(add_heads(g, x, scales, masks, kv_heads, d, d_out, bias))
+    g.set_output(add_heads(g, x, scales, masks, kv_heads, d, d_out, bias, score_mod=score_mod))
     g.shapes()
     return g
+
+
+def _score_mod(specs, heads):
+    """The layer's score modifiers from its cores: a softcap (the same for every core), then
+    a linear distance bias per head (mhagen.alibi when the slopes are ALiBi's); or None."""
+    caps = {s.cap for s in specs}
+    if len(caps) > 1:
+        raise OnnxError(f"the attention cores have different softcaps {sorted(map(str, caps))}; "
+                        "mhagen layers have one")
+    cap = caps.pop()
+    slopes = [v for s in specs for v in (s.slopes or [0.0] * s.n_heads)]
+    mods = [] if cap is None else [ex.softcap(cap)]
+    if any(slopes):
+        alibi = ex.alibi_slopes(heads)
+        if np.allclose(slopes, alibi, rtol=1e-5, atol=1e-7):
+            mods.append(ex.alibi(heads))
+        else:
+            mods.append(ex.score + ex.table(slopes, ex.head) * (ex.kv_idx - ex.q_idx))
+    return None if not mods else mods[0] if len(mods) == 1 else mods
 
 
 def _is_standard(scales, bands, d):

@@ -16,7 +16,7 @@ SHAPE_OPS = {"Shape", "Size"}
 LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast"}
 PATH_OPS = LAYOUT_OPS | {"Gather", "Slice", "Split", "Expand", "Tile", "Mul", "Div", "Add",
                          "Sub", "Neg"}
-SCORE_OPS = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity"}
+SCORE_OPS = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh"}
 PROB_OPS = {"Identity", "Cast", "Dropout", "Where"}
 UNSUPPORTED = {
     "Attention": "com.microsoft.Attention packs the QKV projection weights into the operator",
@@ -145,7 +145,9 @@ class Core:
     kv_heads: int | None = None
     scale: float | None = None
     score_factors: list = field(default_factory=list)   # [(tensor, exponent)]
-    adds: list = field(default_factory=list)            # [(tensor, sign)]
+    adds: list = field(default_factory=list)            # [(tensor, sign, at)]: added when
+    #   `at` score factors had been applied (the later ones scale it: a finite bias)
+    tanh_at: int | None = None   # softcap: Tanh after this many score factors
     wheres: list = field(default_factory=list)          # [(cond, other, keep_when_true)]
     bool_masks: list = field(default_factory=list)      # attn_mask: bool keep or float add
     causal: bool = False
@@ -161,7 +163,7 @@ class Core:
         names = [self.q, self.k, self.v, self.o] + self.out.candidates
         for p in self.paths.values():
             names += p.candidates + [t for t, _ in p.factors]
-        names += [t for t, _ in self.score_factors] + [t for t, _ in self.adds]
+        names += [t for t, _ in self.score_factors] + [a[0] for a in self.adds]
         names += self.bool_masks + [t for w in self.wheres for t in w[:2]]
         names += [t for z in self.zero_rows for t in z[:2]] + self.nan_guards
         return names + ([self.qkv_bias] if self.qkv_bias else [])
@@ -234,7 +236,7 @@ def core_ms_mha(m, n):
         core.qkv_bias = bias
     if attn_bias:
         need_constant(m, attn_bias, "attention_bias", label)
-        core.adds.append((attn_bias, 1.0))
+        core.adds.append((attn_bias, 1.0, 0))
     return core
 
 
@@ -343,9 +345,17 @@ def _read_score_op(m, core, n, t, what):
     """Record one op between the scores and the Softmax: a scale factor or a mask."""
     if n.op_type not in SCORE_OPS:
         raise OnnxError(f"{what} is not supported: only scaling by a constant, additive "
-                        "masks and Where masks are (softcapping? a learned bias?)")
+                        "masks, linear distance biases (ALiBi), Where masks and softcapping "
+                        "(Div, Tanh, Mul) are (a learned bias?)")
     if t not in n.input:
         raise OnnxError(f"{what}: unexpected wiring")
+    if n.op_type == "Tanh":      # softcap: c * tanh(s / c), before any mask or bias
+        if core.tanh_at is not None:
+            raise OnnxError(f"{what}: a second Tanh; only one softcap is supported")
+        if core.adds or core.wheres:
+            raise OnnxError(f"{what}: a mask or bias before the softcap's Tanh; mhagen caps "
+                            "the scaled score, then masks it")
+        core.tanh_at = len(core.score_factors)
     if n.op_type in ("Mul", "Div", "Add", "Sub"):
         others = [i for i in n.input if i and i != t]
         other = others[0] if others else t
@@ -356,7 +366,8 @@ def _read_score_op(m, core, n, t, what):
         if n.op_type in ("Mul", "Div"):
             core.score_factors.append((other, 1 if n.op_type == "Mul" else -1))
         else:
-            core.adds.append((other, 1.0 if n.op_type == "Add" else -1.0))
+            core.adds.append((other, 1.0 if n.op_type == "Add" else -1.0,
+                              len(core.score_factors)))
     elif n.op_type == "Where":
         need_constant(m, n.input[0], "mask condition", what)
         keep_when_true = n.input[1] == t

@@ -3,7 +3,10 @@ head), its scale and its masks (a band ``lo <= kv_idx - q_idx <= hi`` per head).
 
 Masks are read from the constant (input-independent) tensors that feed the scores --
 additive (0 / -inf, or values <= -1e4 taken as -inf) or boolean -- the same for every batch
-element.
+element. Score modifiers read too: the finite part of the additive tensors when it is a
+linear distance bias per head, slope_h * (kv_idx - q_idx) plus anything constant along a row
+(ALiBi, in the form BLOOM writes it, slope_h * kv_idx, as well), and softcapping,
+c * tanh(s / c) (Div, Tanh, Mul in the score chain).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ class CoreSpec:
     lead: tuple                  # leading dims of the scores ("lead" layout), else ()
     k: np.ndarray                # [B, H, T, d] K per query head (probe values)
     v: np.ndarray
+    cap: float | None = None     # softcap c: c * tanh(scaled score / c)
+    slopes: list | None = None   # per query head: bias slope_h * (kv_idx - q_idx)
 
 
 @dataclass
@@ -114,15 +119,22 @@ def core_heads(c, vals, batch):
 
 # -- scale ---------------------------------------------------------------------------------
 def core_scale(c, vals, head_dim):
-    """(the layer's scale, {role: constant factor on Q/K}) for core c."""
+    """(the layer's scale, {role: constant factor on Q/K}, the softcap or None) for core c.
+    A softcap post * tanh(pre * s) is c * tanh(scale * s / c) with c = post and
+    scale = pre * post."""
+    cap = None
     if c.layout == "lead":
         scale = 1.0
-        for t, e in c.score_factors:
-            f = np.asarray(vals[t], np.float64)
-            if f.size != 1:
-                raise OnnxError(f"{c.label}: the scores are multiplied by {t!r} of shape "
-                                f"{f.shape}; only a scalar scale is supported")
-            scale *= float(f.reshape(())) ** e
+        for i, f in enumerate(score_factor_values(c, vals)):
+            if i == c.tanh_at:
+                cap = 1.0
+            scale *= f
+            cap = cap * f if cap is not None else None
+        if c.tanh_at is not None and cap is None:   # Tanh after the last factor
+            cap = 1.0
+        if cap is not None and not cap > 0:
+            raise OnnxError(f"{c.label}: the softcap's Tanh is multiplied by {cap:.4g}, not "
+                            "a positive cap")
     else:
         scale = float(c.scale) if c.scale else 1.0 / math.sqrt(head_dim)
     factors = {}
@@ -133,7 +145,19 @@ def core_scale(c, vals, head_dim):
             if val.size == 1:
                 f *= float(val.reshape(())) ** e
         factors[role] = f
-    return scale * factors["q"] * factors["k"], factors
+    return scale * factors["q"] * factors["k"], factors, cap
+
+
+def score_factor_values(c, vals) -> list:
+    """The scalar factors of the score chain, in order (Div as its inverse)."""
+    out = []
+    for t, e in c.score_factors:
+        f = np.asarray(vals[t], np.float64)
+        if f.size != 1:
+            raise OnnxError(f"{c.label}: the scores are multiplied by {t!r} of shape "
+                            f"{f.shape}; only a scalar scale is supported")
+        out.append(float(f.reshape(())) ** e)
+    return out
 
 
 # -- the whole core ------------------------------------------------------------------------
@@ -147,11 +171,12 @@ def read_core(c, vals, batch, notes):
     if c.softmax_axis is not None and c.softmax_axis not in (-1, len(lead) + 1):
         raise OnnxError(f"{c.label}: Softmax over axis {c.softmax_axis}, not the key "
                         "axis; not supported")
-    scale, factors = core_scale(c, vals, d)
-    keep = keep_mask(c, vals, lead, (batch, n_heads, q.shape[2], k.shape[2]), notes)
-    if not np.all(keep == keep[:1]):
+    scale, factors, cap = core_scale(c, vals, d)
+    keep, bias = keep_mask(c, vals, lead, (batch, n_heads, q.shape[2], k.shape[2]), notes)
+    if not np.all(keep == keep[:1]) or not np.allclose(bias, bias[:1]):
         raise OnnxError(f"{c.label}: the mask differs between batch elements (a padding "
                         "mask?); mhagen masks are functions of positions only")
+    slopes = distance_slopes(c, bias[0], keep[0])
     for zeros in c.nan_guards:
         if np.any(np.asarray(vals[zeros], np.float64) != 0):
             raise OnnxError(f"{c.label}: the probabilities' NaN guard (Where(IsNaN(P), z, P)) "
@@ -161,7 +186,33 @@ def read_core(c, vals, batch, notes):
                      + ("" if c.zero_rows or c.nan_guards or c.source == "Attention" else
                         " (this ONNX model gives NaN)"))
     return CoreSpec(n_heads, d, scale, factors, [_head_band(c, keep[0, h], h)
-                                                for h in range(n_heads)], lead, k, v)
+                                                for h in range(n_heads)], lead, k, v,
+                    cap=cap, slopes=slopes)
+
+
+def distance_slopes(c, bias, keep):
+    """Per head h, the slope of a finite additive bias slope_h * (kv_idx - q_idx) + a
+    constant per row (which the softmax ignores), read where keys are kept; None for no
+    bias; OnnxError for any other bias."""
+    if not np.any(bias[keep]):
+        return None
+    slopes = []
+    heads, rows, cols = bias.shape
+    j = np.arange(cols)[None, :] - np.arange(rows)[:, None]
+    for h in range(heads):
+        b, k = bias[h], keep[h]
+        pairs = k[:, 1:] & k[:, :-1]
+        steps = (b[:, 1:] - b[:, :-1])[pairs]
+        slope = float(np.median(steps)) if steps.size else 0.0
+        seen = k.any(axis=1)
+        rest = np.where(k, b - slope * j, np.nan)[seen]
+        spread = np.nanmax(rest, axis=1) - np.nanmin(rest, axis=1) if rest.size else [0.0]
+        if np.max(spread) > 1e-4 * (1.0 + np.abs(b[k]).max()):
+            raise OnnxError(f"{c.label}: head {h}'s additive bias is not a linear distance "
+                            "bias (slope * (kv_idx - q_idx), as ALiBi): learned relative "
+                            "position biases are not supported by the importer")
+        slopes.append(slope)
+    return slopes
 
 
 def _head_band(c, grid, h):
@@ -186,10 +237,13 @@ def keep_mask(c, vals, lead, full, notes):
             raise OnnxError(f"{c.label}: {what} of shape {a.shape} does not broadcast to the "
                             f"scores") from None
 
-    keep = np.ones(full, bool)
-    for tensor, sign in c.adds:
-        keep &= spread(_additive_keep(c, tensor, sign * np.asarray(vals[tensor], np.float64),
-                                      notes), f"mask {tensor!r}")
+    keep, bias = np.ones(full, bool), np.zeros(full)
+    factors = score_factor_values(c, vals) if c.layout == "lead" else []
+    for tensor, sign, at in c.adds:
+        a = sign * np.asarray(vals[tensor], np.float64) * float(np.prod(factors[at:]))
+        kept, finite = _additive_keep(c, tensor, a, notes)
+        keep &= spread(kept, f"mask {tensor!r}")
+        bias = bias + spread(finite, f"bias {tensor!r}")
     for cond, other, keep_when_true in c.wheres:
         o = np.asarray(vals[other], np.float64)
         if np.any(o > NEG_LIMIT):
@@ -203,19 +257,19 @@ def keep_mask(c, vals, lead, full, notes):
         keep &= np.tril(np.ones(full[2:], bool))
     for cond, zeros, zero_when_true in c.zero_rows:
         _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true)
-    return keep
+    return keep, np.where(keep, bias, 0.0)
 
 
 def _additive_keep(c, tensor, a, notes):
-    bad = np.isfinite(a) & (a != 0) & (a > NEG_LIMIT) | (a == np.inf)
-    if bad.any():
-        raise OnnxError(f"{c.label}: additive mask {tensor!r} has values other than 0 and "
-                        f"-inf (e.g. {a[bad].flat[0]:.4g}): attention biases such as ALiBi "
-                        "or relative positions are not supported")
+    """(keep, the finite bias where kept) of an additive tensor (-inf or <= NEG_LIMIT:
+    masked)."""
+    if np.any(a == np.inf) or np.any(np.isnan(a)):
+        raise OnnxError(f"{c.label}: additive mask {tensor!r} holds +inf or NaN")
     if np.any(np.isfinite(a) & (a <= NEG_LIMIT)):
         notes.append(f"additive mask {tensor!r}: finite values <= {NEG_LIMIT:g} taken as "
                      "-inf (a fully masked row then averages in ONNX, is zero in mhagen)")
-    return ~(a <= NEG_LIMIT)
+    keep = ~(a <= NEG_LIMIT)
+    return keep, np.where(keep, a, 0.0)
 
 
 def _attn_mask_keep(c, mask, a):
