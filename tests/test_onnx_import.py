@@ -276,3 +276,76 @@ def test_a_learned_relative_bias_is_refused_clearly(no_onnxruntime):
     bias = np.random.default_rng(3).standard_normal((1, 2, 5, 5))
     with pytest.raises(OnnxError, match="not a linear distance bias"):
         import_onnx(bias_model(bias))
+
+
+# -- real exports of Hugging Face models -----------------------------------------------------
+def _hf_import(model, torch):
+    """A transformers model (random config) exported with token ids as its only input, as a
+    user would; the one imported layer."""
+    class Ids(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).last_hidden_state
+
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # eval() on the wrapper: export restores its mode, and that of every child
+        torch.onnx.export(Ids().eval(), (ids,), buf, dynamo=False, opset_version=17,
+                          input_names=["ids"], output_names=["y"])
+    assert not model.training
+    (found,) = import_onnx(onnx.load_from_string(buf.getvalue()),
+                           sample_inputs={"ids": ids.numpy()})
+    assert found.weight_source == "initializers"
+    return found
+
+
+def _around(model, torch, enter, leave, take_output=lambda out: out):
+    """(input of module `enter`, output of module `leave`) on token ids the import never
+    saw (batch 2)."""
+    seen = {}
+    hooks = [enter.register_forward_pre_hook(
+                 lambda mod, args, kw: seen.update(x=(args or (kw["hidden_states"],))[0]),
+                 with_kwargs=True),
+             leave.register_forward_hook(lambda mod, args, out: seen.update(y=take_output(out)))]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 100, (2, 8),
+                                          generator=torch.Generator().manual_seed(5)))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen["x"].numpy(), seen["y"].numpy()
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_hugging_face_models_import_exactly_and_match_on_unseen_tokens(arch):
+    """Issue 16's silent wrong import: a 1-layer transformers model (random config) with
+    token ids as its only input. Its attention must come out exact: weights read from the
+    initializers, and the layer equal to the model's own attention block (BERT:
+    self-attention + the output dense, before the residual and LayerNorm; GPT-2: causal
+    attention + c_proj) on token ids the import never saw."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    if arch == "bert":
+        model = transformers.BertModel(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=64,
+            attn_implementation="eager")).eval()
+        att = model.encoder.layer[0].attention
+        ends = (att.self, att.output.dense, lambda out: out)
+    else:
+        model = transformers.GPT2Model(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+            bos_token_id=0, eos_token_id=0, attn_implementation="eager")).eval()
+        att = model.h[0].attn
+        ends = (att, att, lambda out: out[0])
+    found = _hf_import(model, torch)
+    assert found.graph.options["causal"] == (arch == "gpt2")
+    x, want = _around(model, torch, *ends)
+    assert_close(found.graph.reference(x, found.weights), want)

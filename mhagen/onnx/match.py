@@ -15,7 +15,7 @@ from mhagen.onnx._common import OnnxError, node_attrs
 SHAPE_OPS = {"Shape", "Size"}
 LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast"}
 PATH_OPS = LAYOUT_OPS | {"Gather", "Slice", "Split", "Expand", "Tile", "Mul", "Div", "Add",
-                         "Sub", "Neg"}
+                         "Sub", "Neg", "Concat"}
 SCORE_OPS = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh"}
 PROB_OPS = {"Identity", "Cast", "Dropout", "Where"}
 UNSUPPORTED = {
@@ -448,6 +448,9 @@ def _check_path_op(n, dep_in, what):
     if len(dep_in) != 1:
         raise OnnxError(f"{what} combines several tensors computed from the model input "
                         "(rotary embeddings? cross-attention?); not supported")
+    if n.op_type == "Concat" and len([i for i in n.input if i]) != 1:
+        raise OnnxError(f"{what} joins the projection with other tensors (a KV cache's past "
+                        "keys?); only a Concat of one tensor (GPT-2's empty cache) is read")
     if n.op_type == "Div" and n.input[0] != dep_in[0]:
         raise OnnxError(f"{what} divides by the projection; not affine")
     if n.op_type not in ("Mul", "Div", "Add", "Sub", "Neg") and dep_in[0] != n.input[0]:
