@@ -349,3 +349,20 @@ def test_hugging_face_models_import_exactly_and_match_on_unseen_tokens(arch):
     assert found.graph.options["causal"] == (arch == "gpt2")
     x, want = _around(model, torch, *ends)
     assert_close(found.graph.reference(x, found.weights), want)
+
+
+def test_hugging_face_mistral_with_rope_is_refused_naming_the_node():
+    """A sliding-window grouped-K/V model (Mistral, random config): its rotary embeddings on
+    Q and K are not read by the importer yet; it refuses, naming the node, rather than
+    importing something else."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    model = transformers.MistralModel(transformers.MistralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager")).eval()
+    with pytest.raises(OnnxError, match=r"self_attn/Add' on the Q path combines several "
+                                        r"tensors.*rotary embeddings"):
+        _hf_import(model, torch)
