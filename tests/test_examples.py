@@ -166,3 +166,15 @@ def test_decode_example_fails_loudly_on_a_mismatch(monkeypatch, capsys):
     monkeypatch.setattr(Module, "__call__", corrupt)
     assert dec.main(["--prompt", "13", "--steps", "4", "--max-len", "32"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+# -- half_precision --------------------------------------------------------------------------
+def test_half_precision_example_checks_every_dtype():
+    r = run_script("half_precision")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    for name in ("float32", "float16", "bfloat16"):
+        (line,) = [ln for ln in lines if ln.strip().startswith(f"{name}: weights")]
+        assert f"output {name}" in line and "MISMATCH" not in line
+    assert r.stdout.count("half-precision reference bound") == 2
+    assert "converted to float32 on load" in r.stdout
