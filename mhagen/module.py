@@ -396,7 +396,13 @@ class Module:
         if a.dtype == self.dtype:
             return a
         if self.dtype != np.float32 and a.dtype == np.float32:
-            return a.astype(self.dtype)
+            with np.errstate(over="ignore"):
+                rounded = a.astype(self.dtype)
+            if not np.array_equal(np.isfinite(rounded), np.isfinite(a)):
+                raise InputError(f"{name} has values beyond {name_of(self.dtype)}'s range "
+                                 f"(largest finite {float(np.finfo(self.dtype).max):.6g}); "
+                                 "scale the input, or build the layer in float32")
+            return rounded
         also = "" if self.dtype == np.float32 else " or float32"
         raise InputError(f"{name} has dtype {a.dtype}; this module takes {name_of(self.dtype)}"
                          f"{also}: pass {name}.astype({_spelling(self.dtype)})")

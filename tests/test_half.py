@@ -110,6 +110,12 @@ def test_float32_arrays_are_rounded_in_and_answered_in_float32():
         m(x32.astype(np.float64))
     with pytest.raises(InputError, match="floating-point"):
         m(np.zeros((1, 20, 64), np.int32))
+    f16 = mhagen.build(mhagen.mha(64, 2, dtype="float16"), "x86-avx2", batch=1, seq_len=20,
+                       weights=mhagen.mha(64, 2, dtype="float16").init_weights(1))
+    big = x32.copy()
+    big[0, 3, 5] = 1e5           # finite in float32, inf in float16: refused, not inf out
+    with pytest.raises(InputError, match="beyond float16's range .largest finite 65504"):
+        f16(big)
 
 
 def test_half_against_torch():
