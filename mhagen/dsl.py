@@ -11,7 +11,6 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
-from mhagen.ir.kinds import SUPPORTED_DTYPES
 
 
 def _divisors(n):
@@ -153,8 +152,6 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["kv_cache"] = kv_cache
     if cross:
         options.update(cross=True, kv_dim=kv_dim)
-    if dtype not in SUPPORTED_DTYPES:
-        raise GraphError(f"dtype {dtype!r} is not supported; use one of {list(SUPPORTED_DTYPES)}")
     if dtype != "float32":
         options["dtype"] = dtype
     g = Graph(name, dtype=dtype, options=options)

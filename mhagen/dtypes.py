@@ -49,20 +49,20 @@ def is_half(name: str) -> bool:
     return name in ("float16", "bfloat16")
 
 
-def accepts(name: str, array_dtype) -> bool:
-    """Arrays a layer of storage dtype `name` takes: its own dtype, or float32 (rounded to
-    the layer's dtype on the way in; the result then comes back as float32)."""
-    d = np.dtype(array_dtype)
-    return d == NUMPY[name] or d == NUMPY["float32"]
-
-
 def to_storage(what: str, a, name: str) -> np.ndarray:
-    """`a` in the storage dtype `name` (round to nearest even), refusing non-float arrays."""
+    """`a` in the storage dtype `name` (round to nearest even), refusing non-float arrays and
+    finite values the dtype cannot hold (they would become inf)."""
     a = np.asarray(a)
     if not is_float(a.dtype):
         raise InputError(f"{what} has dtype {a.dtype}; pass a floating-point array "
                          f"({name}, or float32 to be rounded to {name})")
-    return a.astype(NUMPY[name], copy=False)
+    with np.errstate(over="ignore"):
+        rounded = a.astype(NUMPY[name], copy=False)
+    if rounded is not a and not np.array_equal(np.isfinite(rounded), np.isfinite(a)):
+        raise InputError(f"{what} has values beyond {name}'s range (largest finite "
+                         f"{float(np.finfo(NUMPY[name]).max):.6g}); scale the input, or build "
+                         "the layer in float32")
+    return rounded
 
 
 def half_precision_path(name: str, target) -> str | None:

@@ -16,7 +16,7 @@ from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
-from mhagen.dtypes import half_precision_path, name_of, numpy_dtype
+from mhagen.dtypes import half_precision_path, name_of, numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape
 from mhagen.maps import head_softmaxes, maps_graph
@@ -396,13 +396,7 @@ class Module:
         if a.dtype == self.dtype:
             return a
         if self.dtype != np.float32 and a.dtype == np.float32:
-            with np.errstate(over="ignore"):
-                rounded = a.astype(self.dtype)
-            if not np.array_equal(np.isfinite(rounded), np.isfinite(a)):
-                raise InputError(f"{name} has values beyond {name_of(self.dtype)}'s range "
-                                 f"(largest finite {float(np.finfo(self.dtype).max):.6g}); "
-                                 "scale the input, or build the layer in float32")
-            return rounded
+            return to_storage(name, a, name_of(self.dtype))
         also = "" if self.dtype == np.float32 else " or float32"
         raise InputError(f"{name} has dtype {a.dtype}; this module takes {name_of(self.dtype)}"
                          f"{also}: pass {name}.astype({_spelling(self.dtype)})")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.kinds import KINDS, WeightSpec
-from mhagen.ir.verify import infer_shapes, verify, weight_specs
+from mhagen.ir.verify import check_dtype, infer_shapes, verify, weight_specs
 from mhagen.reference import run_reference
 from mhagen.weights import init_weights
 
@@ -60,6 +60,7 @@ class Graph:
     """
 
     def __init__(self, name: str = "graph", dtype: str = "float32", options: dict | None = None):
+        check_dtype(dtype)
         self.name = name
         self.dtype = dtype
         self.options = dict(options or {})

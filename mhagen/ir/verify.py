@@ -95,11 +95,16 @@ def _collect_weights(graph, shapes) -> list:
     return specs
 
 
+def check_dtype(dtype) -> None:
+    """A graph's storage dtype must be one mhagen compiles (Graph() and verify ask)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise GraphError(f"dtype {dtype!r} is not supported; use one of "
+                         f"{list(SUPPORTED_DTYPES)}")
+
+
 def verify(graph, **dims) -> dict:
     """Check `graph`; return {node name: shape}. Raises GraphError saying how to fix problems."""
-    if graph.dtype not in SUPPORTED_DTYPES:
-        raise GraphError(f"dtype {graph.dtype!r} is not supported yet; use one of "
-                         f"{list(SUPPORTED_DTYPES)}")
+    check_dtype(graph.dtype)
     if graph.dtype != "float32" and any(n.attrs.get("cache") for n in graph.nodes):
         raise GraphError(f"decoding layers (kv_cache=) keep a float32 cache and compute in "
                          f"float32 only so far; build dtype={graph.dtype!r} layers without "

@@ -124,14 +124,10 @@ def core_scale(c, vals, head_dim):
     scale = pre * post."""
     cap = None
     if c.layout == "lead":
-        scale = 1.0
-        for i, f in enumerate(score_factor_values(c, vals)):
-            if i == c.tanh_at:
-                cap = 1.0
-            scale *= f
-            cap = cap * f if cap is not None else None
-        if c.tanh_at is not None and cap is None:   # Tanh after the last factor
-            cap = 1.0
+        chain = score_factor_values(c, vals)
+        scale = float(np.prod(chain))
+        if c.tanh_at is not None:      # the factors after the Tanh multiply the cap
+            cap = float(np.prod(chain[c.tanh_at:]))
         if cap is not None and not cap > 0:
             raise OnnxError(f"{c.label}: the softcap's Tanh is multiplied by {cap:.4g}, not "
                             "a positive cap")
