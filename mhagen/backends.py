@@ -23,6 +23,9 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
                    second input, mhagen.mha(..., cross=True)) fused
   device_compile   (optional) (executable, target) -> DeviceCode: the device code compiled at
                    build time (CUDA: nvcc's fatbin, its PTX and ptxas' resource report)
+  gemm_pairs       (optional) (target, dtype, depth) -> bool: the packed GEMM multiplies
+                   pairs of its depth in one instruction (x86 AVX-512 BF16 vdpbf16ps):
+                   weights packed [N / nr, K / 2, nr, 2], A's rows packed likewise
 
 A family is a folder of schedules/ (installed as mhagen.schedules.<folder>) whose __init__
 defines BACKEND. The table below is all that is known of a family without importing it
@@ -66,6 +69,7 @@ class Backend:
     symbolic: bool = False       # its templates take the call's batch and seq (seq_len=None)
     cross: bool = False          # its attention template reads K/V from a second GEMM's output
     gemm_packs_rows: Callable | None = None   # (target, depth) -> copy A into row-tile panels
+    gemm_pairs: Callable | None = None        # (target, dtype, depth) -> depth pairs (bf16)
 
 
 def family_of(target) -> Family:

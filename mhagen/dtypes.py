@@ -6,8 +6,11 @@ in float32, and the temporaries between kernels (qkv, att) are float32. Half-pre
 values are converted to float32 where a kernel loads them and the output is rounded to the
 layer's dtype where it is stored (the "convert on load" path: F16C's vcvtph2ps for float16
 on x86, a 16-bit shift for bfloat16; aarch64's fcvtl). Half precision thus halves the
-weights' and activations' memory and bandwidth; it does not use half-precision arithmetic
-(AVX-512 BF16/FP16, AMX, NEON fp16 FMAs), and the build says so (`half_precision_path`).
+weights' and activations' memory and bandwidth. One native path: on x86 targets with
+AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
+(schedules/x86/bf16_dot.py; float32 accumulation, the attention output rounded to bfloat16
+before the output projection). AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used;
+the build says which path was taken (`half_precision_path`).
 """
 from __future__ import annotations
 
@@ -65,16 +68,23 @@ def to_storage(what: str, a, name: str) -> np.ndarray:
     return rounded
 
 
-def half_precision_path(name: str, target) -> str | None:
-    """What a half-precision build does on `target`, for the build's output (None: float32)."""
+def half_precision_path(name: str, target, paired=()) -> str | None:
+    """What a half-precision build does on `target`, for the build's output (None: float32).
+    paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)."""
     if not is_half(name):
         return None
     features = set(getattr(target, "features", ()) or ())
     native = {"float16": ("avx512fp16", "fullfp16"), "bfloat16": ("avx512bf16", "bf16")}[name]
     have = [f for f in native if f in features]
-    note = (f"; {have[0]} is present but not used yet" if have else "")
     arm = getattr(target, "arch", "") == "aarch64"
     how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
            "bfloat16": "a 16-bit shift"}[name]
+    if paired:
+        return (f"{name} storage; the GEMMs of {', '.join(paired)} multiply bfloat16 pairs "
+                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation; the attention output is "
+                f"rounded to bfloat16 before the output projection); the attention converts "
+                f"to float32 on load ({how}): float32 FMAs and softmax; output rounded to "
+                f"{name}")
+    note = (f"; {have[0]} is present but not used yet" if have else "")
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

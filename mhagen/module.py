@@ -94,7 +94,9 @@ class Module:
     @property
     def precision(self) -> str | None:
         """How a half-precision module computes on its target (None: a float32 layer)."""
-        return half_precision_path(self.graph.dtype, self.target)
+        paired = [b.name for b in self.program.buffers.values()
+                  if (b.pack or {}).get("pairs")]
+        return half_precision_path(self.graph.dtype, self.target, paired)
 
     @property
     def bound_params(self) -> dict | None:

@@ -6,7 +6,8 @@ keeps, so a loaded artifact repacks new weights exactly as its build did:
   {"kind": "panels", "depth": K, "width": N, "panel": nr,
    "columns": [{"weight": "w_q", "head": 0, "at": 0}, ...]}
                     the weights' columns placed side by side in a zero [K, N] matrix, then
-                    split into column panels [N / nr, K, nr] (one GEMM panel contiguous)
+                    split into column panels [N / nr, K, nr] (one GEMM panel contiguous);
+                    with "pairs": true, [N / nr, K / 2, nr, 2] (see pack_panels)
   {"kind": "vector", "length": N, "pieces": [{"weight": "b_q", "head": 0, "at": 0}, ...]}
                     biases placed in a zero vector
   {"kind": "constant"}  fixed at build time (block tables): kept in params.bin, not derived
@@ -18,9 +19,13 @@ import numpy as np
 from mhagen.errors import ArtifactError
 
 
-def pack_panels(w: np.ndarray, nr: int) -> np.ndarray:
-    """[K, N] -> [N / nr, K, nr] (N a multiple of nr): each GEMM column panel contiguous."""
+def pack_panels(w: np.ndarray, nr: int, pairs: bool = False) -> np.ndarray:
+    """[K, N] -> [N / nr, K, nr] (N a multiple of nr): each GEMM column panel contiguous.
+    pairs: [N / nr, K / 2, nr, 2] (K even), rows 2 * k2 and 2 * k2 + 1 of a column side by
+    side, for GEMMs that multiply pairs of the depth in one instruction."""
     k, n = w.shape
+    if pairs:
+        return np.ascontiguousarray(w.reshape(k // 2, 2, n // nr, nr).transpose(2, 0, 3, 1))
     return np.ascontiguousarray(w.reshape(k, n // nr, nr).transpose(1, 0, 2))
 
 
@@ -39,7 +44,7 @@ def pack_param(recipe: dict, weights: dict) -> np.ndarray:
         for p in recipe["columns"]:
             w = _piece(weights, p)
             cols[:, p["at"]:p["at"] + w.shape[1]] = w
-        return pack_panels(cols, recipe["panel"])
+        return pack_panels(cols, recipe["panel"], bool(recipe.get("pairs")))
     if kind == "vector":
         v = np.zeros(recipe["length"], np.float32)
         for p in recipe["pieces"]:

@@ -14,10 +14,13 @@ import mhagen
 from mhagen.errors import GraphError, InputError
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
+from test_x86_classes import spills_in_fma_loops
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512") if resolve(p).runs_here()]
+RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16")
+            if resolve(p).runs_here()]
+NATIVE = "x86-avx512-bf16"    # bfloat16 GEMMs on vdpbf16ps (schedules/x86/bf16_dot.py)
 
 
 def _x(shape, dtype, seed=1):
@@ -50,7 +53,10 @@ def test_half_layers_match_the_reference(preset, dtype, build):
     kw = {"fused": {}, "unfused": dict(fuse=False),
           "any-length": dict(seq_len=None, max_seq_len=128)}[build]
     m = mhagen.build(layer, preset, **{"batch": 2, "seq_len": 97, **kw}, weights=w)
-    assert m.precision.startswith(f"{dtype} storage, converted to float32 on load")
+    if dtype == "bfloat16" and "avx512bf16" in resolve(preset).features:
+        assert "w_qkv, w_o multiply bfloat16 pairs" in m.precision
+    else:
+        assert m.precision.startswith(f"{dtype} storage, converted to float32 on load")
     _check(layer, m, _x((2, 97, 80), dtype), w, dtype)
     if build == "any-length":      # other lengths from the same module
         for seq in (1, 17):
@@ -236,3 +242,62 @@ def test_float16_weights_are_converted_with_f16c():
     calls = [ln for ln in asm.splitlines() if ln.strip().startswith(("call", "jmp"))]
     # TVM defines weak soft-float helpers in every module; none may be called
     assert not [c for c in calls if "hfsf2" in c or "sfhf2" in c], calls
+
+
+def _paired_layer(**kw):
+    return mhagen.mha(80, 4, head_dim=40, kv_heads=2, causal=True, dtype="bfloat16", **kw)
+
+
+def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
+    """Compile-only (any host): a bfloat16 layer for an AVX-512 BF16 target multiplies
+    bfloat16 pairs in its GEMMs, register tile clean (no stack traffic in the pair loop);
+    the same layer for plain AVX-512 converts on load, and odd depths fall back."""
+    layer = _paired_layer()
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, NATIVE, batch=1, seq_len=16, weights=w)
+    asm = m.inspect("source")
+    assert asm.count("vdpbf16ps") >= 2 * 16, "two GEMMs of 8 x 32 tiles: 16 per pair step"
+    assert not spills_in_fma_loops(asm, "vdpbf16ps"), "the pair loop spills"
+    assert {b.name for b in m.program.buffers.values() if (b.pack or {}).get("pairs")} == {
+        "w_qkv", "w_o"}
+    assert m.program.buffers["w_qkv"].shape[-1] == 2
+    plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=w)
+    assert "vdpbf16ps" not in plain.inspect("source")
+    assert plain.precision.startswith("bfloat16 storage, converted to float32 on load")
+    odd = mhagen.mha(45, 3, dtype="bfloat16")     # depth 45: no pairs, converts on load
+    m = mhagen.build(odd, NATIVE, batch=1, seq_len=5, weights=odd.init_weights(0))
+    assert "vdpbf16ps" not in m.inspect("source")
+    for f16 in (mhagen.mha(64, 4, dtype="float16"), mhagen.mha(64, 4)):
+        m = mhagen.build(f16, NATIVE, batch=1, seq_len=5, weights=f16.init_weights(0))
+        assert "vdpbf16ps" not in m.inspect("source")
+
+
+@pytest.mark.skipif(not resolve(NATIVE).runs_here(),
+                    reason="needs a CPU with AVX-512 BF16 (Zen 4+, Cooper Lake, Sapphire "
+                           "Rapids); compiled on every host by the test above")
+@pytest.mark.parametrize("build", ["any-length", "cross", "odd rows", "artifact"])
+def test_bfloat16_pair_gemms_match_the_reference(build, tmp_path):
+    """The vdpbf16ps GEMMs run: any-length builds, cross-attention (the K/V GEMM too), rows
+    that are not whole tiles, and a saved artifact (weights repacked in pairs on load)."""
+    if build == "cross":
+        layer = mhagen.mha(64, 4, cross=True, dtype="bfloat16")
+        w = layer.init_weights(3)
+        m = mhagen.build(layer, NATIVE, batch=2, seq_len=11, kv_seq_len=9, weights=w)
+        assert "w_kv" in m.precision
+        _check(layer, m, _x((2, 11, 64), "bfloat16"), w, "bfloat16",
+               context=_x((2, 9, 64), "bfloat16", seed=7))
+        return
+    layer = _paired_layer()
+    w = layer.init_weights(4)
+    if build == "any-length":
+        m = mhagen.build(layer, NATIVE, batch=2, seq_len=None, max_seq_len=64, weights=w)
+        for seq in (1, 13, 64):
+            _check(layer, m, _x((2, seq, 80), "bfloat16", seed=seq), w, "bfloat16")
+        return
+    m = mhagen.build(layer, NATIVE, batch=3, seq_len=7, weights=w)   # 21 rows: 3 tiles
+    if build == "artifact":
+        m.save(tmp_path / "m")
+        m = mhagen.load(tmp_path / "m")
+        assert "multiply bfloat16 pairs" in m.precision
+        m.bind(w)      # new weights are repacked by the manifest's recipe
+    _check(layer, m, _x((3, 7, 80), "bfloat16"), w, "bfloat16")

@@ -128,11 +128,12 @@ def test_gemm_rows_4kib_apart_are_packed_first():
             assert_close(any_len(x), layer.reference(x, w))
 
 
-def spills_in_fma_loops(asm: str) -> list:
-    """Stack slots that an innermost multiply-add loop both stores a vector register to and
-    reads back: register spills (TVM prints assembly without LLVM's "Spill" comments). A loop
-    is a label's instructions up to the jump back to it; the task buffers that live on the
-    stack (scores, Q^T) are only read in those loops, never stored and reloaded."""
+def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
+    """Stack slots that an innermost multiply-add loop (4 or more `op` instructions) both
+    stores a vector register to and reads back: register spills (TVM prints assembly without
+    LLVM's "Spill" comments). A loop is a label's instructions up to the jump back to it; the
+    task buffers that live on the stack (scores, Q^T) are only read in those loops, never
+    stored and reloaded."""
     blocks, name = {}, None
     for line in asm.splitlines():
         label = re.match(r"^(\.?[\w$.]+):", line)
@@ -148,7 +149,7 @@ def spills_in_fma_loops(asm: str) -> list:
         if not back:
             continue
         body = ins[:back[-1] + 1]
-        if sum("vfmadd" in i for i in body) < 4:
+        if sum(op in i for i in body) < 4:
             continue
         stored = {m.group(1) for m in map(store.match, body) if m}
         loaded = {slot for i in body if not store.match(i)

@@ -34,7 +34,8 @@ class NotFusable(Exception):
 
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
-          scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None):
+          scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None,
+          pairs=False):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows, a multiple of the register tile's height
     (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
@@ -45,8 +46,10 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     so a register tile reads one stream (the backend asks for it where rows of `a` would
     fall in one cache set). Half-precision a or W (a layer's storage dtype) are converted to
     float32 where they are loaded (the pack stage converts as it copies); products accumulate
-    in float32; out_dtype: C's dtype (default float32; rounded after the bias)."""
-    k = te.reduce_axis((0, depth), name="k")
+    in float32; out_dtype: C's dtype (default float32; rounded after the bias).
+    pairs: the depth runs in pairs k = 2 * k2 + p (the backend's gemm_pairs: one bfloat16
+    dot-product instruction per pair): W is wp[n // nr, k2, n % nr, p] and `a` is always
+    packed (pack_tile rows), as a_p[m // t, k2, m % t, p]."""
     last = a.shape[0] - 1
     out_dtype = out_dtype or COMPUTE
 
@@ -54,29 +57,50 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         if scalars:
             return te.min(m, last) if a_exact else m
         return m if int(last) + 1 >= rows else te.min(m, last)
-    read, pack_stages = (lambda m, kk: _f32(a[a_row(m), kk])), []
-    if pack_tile and (scalars or int(rows) % pack_tile == 0):
-        t = pack_tile
-        packed = te.compute((rows // t, depth, t),
-                            lambda i, kk, r: _f32(a[a_row(i * t + r), kk]), name=name + "_pack")
-        read = lambda m, kk: packed[m // t, kk, m % t]   # noqa: E731
+    t, pack_stages = pack_tile, []
+    if pairs:
+        packed = te.compute((rows // t, depth // 2, t, 2),
+                            lambda i, k2, r, p: _f32(a[a_row(i * t + r), 2 * k2 + p]),
+                            name=name + "_pack")
+        k2, kp = te.reduce_axis((0, depth // 2), name="k2"), te.reduce_axis((0, 2), name="kp")
+        axes = [k2, kp]
+
+        def term(m, panel, j):
+            return packed[m // t, k2, m % t, kp] * _f32(wp[panel, k2, j, kp])
+    else:
+        k = te.reduce_axis((0, depth), name="k")
+        axes = [k]
+        read = lambda m, kk: _f32(a[a_row(m), kk])   # noqa: E731
+        if t and (scalars or int(rows) % t == 0):
+            packed = te.compute((rows // t, depth, t),
+                                lambda i, kk, r: _f32(a[a_row(i * t + r), kk]),
+                                name=name + "_pack")
+            read = lambda m, kk: packed[m // t, kk, m % t]   # noqa: E731
+        else:
+            packed = None
+
+        def term(m, panel, j):
+            return read(m, k) * _f32(wp[panel, k, j])
+    if packed is not None:
         pack_stages = [Stage(packed.op.name, "pack", node, (packed.op.name,))]
     out_rows = out_rows if out_rows is not None else rows
     if panel_major:
         mm = te.compute((cols // nr, rows, nr),
-                        lambda p, m, j: te.sum(read(m, k) * _f32(wp[p, k, j]), axis=k),
+                        lambda p, m, j: te.sum(term(m, p, j), axis=axes),
                         name=name + "_matmul")
         out = te.compute((cols // nr, out_rows, nr),
                          lambda p, m, j: cast(mm[p, m, j] + bias[p * nr + j], out_dtype),
                          name=name)
     else:
         mm = te.compute((rows, cols),
-                        lambda m, n: te.sum(read(m, k) * _f32(wp[n // nr, k, n % nr]), axis=k),
+                        lambda m, n: te.sum(term(m, n // nr, n % nr), axis=axes),
                         name=name + "_matmul")
         out = te.compute((out_rows, cols), lambda m, n: cast(mm[m, n] + bias[n], out_dtype),
                          name=name)
     work = {"rows": rows, "cols": cols, "depth": depth, "panel": nr,
             "panel_major": panel_major}
+    if pairs:
+        work["pairs"] = True
     if scalars:   # the rule sizes its row blocks for the largest call
         work.update(rows=max_rows, symbolic=True)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
@@ -149,12 +173,23 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         rows_kv = backend.gemm_rows(target, kv_rows, kv_dim)
     tile_rows = backend.gemm_tile(target)[0]
 
+    def pairs(depth):
+        """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
+        return bool(backend.gemm_pairs and backend.gemm_pairs(target, dtype, depth))
+
     def pack(depth, half=False):
         """The row tile where a GEMM's rows are packed first: where the backend asks for
-        that depth, and for half-precision rows (converted to float32 once, by the copy, not
-        six times per tile step)."""
+        that depth, for half-precision rows (converted to float32 once, by the copy, not
+        six times per tile step), and for GEMMs over pairs of the depth."""
         asks = backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth)
-        return tile_rows if asks or (half and backend.gemm_packs_rows) else None
+        return tile_rows if asks or pairs(depth) or (half and backend.gemm_packs_rows) else None
+
+    def panels(width, depth):
+        """A packed weight's shape: [width / nr, depth, nr], or [width / nr, depth / 2, nr, 2]
+        for a GEMM over pairs of its depth."""
+        if pairs(depth):
+            return (width // nr, depth // 2, nr, 2)
+        return (width // nr, depth, nr)
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
         rows_kv = kv_rows and round_up(kv_rows, tile_rows)
@@ -185,9 +220,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         cfg = attention_config or backend.attention.default_config(work, target)
 
     # param recipes (mhagen.params): every head's d columns at i * dp
-    w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp)
+    w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp, pairs(d_model))
     w_o = {"kind": "panels", "depth": hd, "width": d_out_p, "panel": nr,
-           "columns": [{"weight": out_node.attrs["weight"], "at": 0}]}
+           "columns": [{"weight": out_node.attrs["weight"], "at": 0}],
+           **({"pairs": True} if pairs(hd) else {})}
     bias_o = out_node.attrs.get("bias")
     b_o = {"kind": "vector", "length": d_out_p,
            "pieces": [{"weight": bias_o, "at": 0}] if bias_o else []}
@@ -219,14 +255,15 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         *([Buffer(att_node.inputs[-1], (batch,), "input", "int32",
                   doc=lengths_doc, symbolic={0: "batch"} if symbolic else None)]
           if has_lengths else []),
-        Buffer("w_qkv", (n_qkv_p // nr, d_model, nr), "param", dtype=dtype, pack=w_qkv,
+        Buffer("w_qkv", panels(n_qkv_p, d_model), "param", dtype=dtype, pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
-                        nr, dp, bool(symbolic), dtype) if cross else []) + attention_buffers + ([
+                        nr, dp, bool(symbolic), dtype, panels, pairs(kv_dim))
+         if cross else []) + attention_buffers + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
@@ -235,7 +272,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)",
                symbolic={0: "padded_rows"} if symbolic else None),
-        Buffer("w_o", (d_out_p // nr, hd, nr), "param", dtype=dtype, pack=w_o),
+        Buffer("w_o", panels(d_out_p, hd), "param", dtype=dtype, pack=w_o),
         Buffer("b_o", (d_out_p,), "param", pack=b_o),
         Buffer("out", (rows, d_out_p), "output", dtype=dtype,
                symbolic={0: "rows"} if symbolic else None),
@@ -251,7 +288,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
-                    pack_tile=pack(d_model, dtype != COMPUTE))
+                    pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model))
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -261,7 +298,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
                        panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True,
-                       pack_tile=pack(kv_dim, dtype != COMPUTE))
+                       pack_tile=pack(kv_dim, dtype != COMPUTE), pairs=pairs(kv_dim))
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
@@ -290,7 +327,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                     "blocks skipped")
     program = _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                           ph if symbolic else None, pack_tile=pack(hd))
+                           ph if symbolic else None, pack_tile=pack(hd), pairs=pairs(hd))
     if symbolic:
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
                             "row_tile": tile_rows,
@@ -298,26 +335,29 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     return program
 
 
-def _packed(segments, depth, width, nr, dp):
+def _packed(segments, depth, width, nr, dp, pairs=False):
     """The param recipes (mhagen.params) of a packed GEMM's weights and bias: segment i's
-    d columns at i * dp (each head padded to what the attention template reads)."""
+    d columns at i * dp (each head padded to what the attention template reads); pairs:
+    the GEMM runs over pairs of its depth."""
     w = {"kind": "panels", "depth": depth, "width": width, "panel": nr,
          "columns": [{"weight": s["weight"], "head": s["head"], "at": i * dp}
-                     for i, s in enumerate(segments)]}
+                     for i, s in enumerate(segments)], **({"pairs": True} if pairs else {})}
     b = {"kind": "vector", "length": width,
          "pieces": [{"weight": s["bias"], "head": s["head"], "at": i * dp}
                     for i, s in enumerate(segments) if s.get("bias")]}
     return w, b
 
 
-def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic, dtype):
+def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic, dtype,
+                   panels, pairs):
     """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
-    (symbolic: their rows follow the call's batch * kv_seq)."""
-    w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp)
+    (symbolic: their rows follow the call's batch * kv_seq); panels: the packed weight's
+    shape (width, depth) -> shape; pairs: its GEMM runs over pairs of the depth."""
+    w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp, pairs)
     return [Buffer(context, (rows, kv_dim), "input", dtype=dtype,
                    doc="context [batch*kv_seq, kv_dim]: what K and V project",
                    symbolic={0: "kv_rows"} if symbolic else None),
-            Buffer("w_kv", (width // nr, kv_dim, nr), "param", dtype=dtype, pack=w_kv,
+            Buffer("w_kv", panels(width, kv_dim), "param", dtype=dtype, pack=w_kv,
                    doc="every K/V weight side by side, in column panels"),
             Buffer("b_kv", (width,), "param", pack=b_kv),
             Buffer("kv", (width // nr, rows_kv, nr), "temp",
@@ -367,7 +407,7 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra):
 
 
 def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                 ph=None, pack_tile=None):
+                 ph=None, pack_tile=None, pairs=False):
     """The output projection kernel; returns the finished Program. ph: a symbolic build's
     placeholders (_placeholders)."""
     buf = {b.name: b for b in buffers}
@@ -381,7 +421,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
                   scalars=scalars, max_rows=max_rows, pack_tile=pack_tile,
-                  out_dtype=buf["out"].dtype)
+                  out_dtype=buf["out"].dtype, pairs=pairs)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
                           list(CROSS_SCALARS[:len(scalars)]),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))

@@ -2,6 +2,7 @@
 and the cpu-x86 backend (mhagen/backends.py)."""
 from mhagen.backends import Backend
 from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
+from mhagen.schedules.x86.bf16_dot import bf16_pairs
 from mhagen.schedules.x86.decode import CacheAppendRule, DecodeRule
 from mhagen.schedules.x86.elementwise import ElementwiseRule, Fallback
 from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
@@ -21,7 +22,7 @@ def cpu_backend(family: str) -> Backend:
                    gemm_rows=lambda target, rows, depth: packed_blocking(target, rows, depth)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
                    gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True,
-                   gemm_packs_rows=rows_alias_in_l1)
+                   gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs)
 
 
 def rows_alias_in_l1(target, depth) -> bool:

@@ -13,6 +13,8 @@ Measured here (1 thread, AVX-512, 512x512x1536): 8x32 tiles ~150-160 GFLOP/s, 12
 """
 from dataclasses import dataclass
 
+from mhagen.schedules.x86.bf16_dot import INTRIN as BF16_DOT, LANES as BF16_LANES
+
 
 @dataclass(frozen=True)
 class MatmulConfig:
@@ -92,7 +94,10 @@ class MatmulRule:
         blk = sch.get_sblock(stage.blocks[0])
         packs = self._pack_rows(sch, blk, plan)
         loops = sch.get_loops(blk)
+        pairs = stage.workload.get("pairs")   # reduction (k2, kp): bf16 dot products
         if stage.pattern == "packed_matmul":
+            if pairs:
+                *loops, kp = loops
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
@@ -100,14 +105,18 @@ class MatmulRule:
                 i, j, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
                 jo, ji = sch.split(j, [None, cfg.tile_cols])
+            inner = [ii, ji]
+            if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
+                jv, jl = sch.split(ji, [None, BF16_LANES])
+                inner = [ii, jv, jl, kp]
             if cfg.row_block > 1:
                 # (row block, panel, row tile): a panel is reused by the block's row tiles,
                 # the block's rows of A stay in L2 across panels
                 ib, io = sch.split(io, [None, cfg.row_block])
-                sch.reorder(ib, jo, io, k, ii, ji)
+                sch.reorder(ib, jo, io, k, *inner)
                 outer = sch.fuse(ib, jo, io)
             else:
-                sch.reorder(jo, io, k, ii, ji)   # a weight panel stays in cache across rows
+                sch.reorder(jo, io, k, *inner)   # a weight panel stays in cache across rows
                 outer = sch.fuse(jo, io)
         else:
             # Row tiles stay inside one batch entry: fusing b into the rows before splitting
@@ -141,8 +150,14 @@ class MatmulRule:
             sch.set_scope(blk, 0, "local")
         sch.reverse_compute_at(first, outer, preserve_unit_loops=True)
         sch.unroll(ii)
-        sch.vectorize(ji)
-        sch.decompose_reduction(blk, k)
+        if pairs:
+            init = sch.decompose_reduction(blk, k)
+            sch.tensorize(jl, BF16_DOT)
+            sch.unroll(jv)
+            sch.vectorize(sch.get_loops(init)[-1])
+        else:
+            sch.vectorize(ji)
+            sch.decompose_reduction(blk, k)
         sch.vectorize(sch.get_loops(first)[-1])
         return absorbed + packs
 
@@ -154,8 +169,10 @@ class MatmulRule:
         for producer in sch.get_producers(blk):
             pack = plan.by_block.get(sch.get(producer).name_hint)
             if pack is not None and pack.pattern == "pack":
-                panel, _, row = sch.get_loops(producer)
+                panel, _, row, *pair = sch.get_loops(producer)   # pair: a_p[i, k2, r, p]
                 sch.parallel(panel)
                 sch.unroll(row)
+                if pair:
+                    sch.unroll(pair[0])
                 done.append(pack.name)
         return done
