@@ -9,7 +9,7 @@ on x86, a 16-bit shift for bfloat16; aarch64's fcvtl). Half precision thus halve
 weights' and activations' memory and bandwidth. One native path: on x86 targets with
 AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
 (schedules/x86/bf16_dot.py; float32 accumulation, the attention output rounded to bfloat16
-before the output projection). AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used;
+before the output projection; those GEMMs' weights are kept in float32, bfloat16 values). AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used;
 the build says which path was taken (`half_precision_path`).
 """
 from __future__ import annotations
@@ -81,8 +81,9 @@ def half_precision_path(name: str, target, paired=()) -> str | None:
            "bfloat16": "a 16-bit shift"}[name]
     if paired:
         return (f"{name} storage; the GEMMs of {', '.join(paired)} multiply bfloat16 pairs "
-                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation; the attention output is "
-                f"rounded to bfloat16 before the output projection); the attention converts "
+                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation, their weights kept in "
+                f"float32; the attention output is rounded to bfloat16 before the output "
+                f"projection); the attention converts "
                 f"to float32 on load ({how}): float32 FMAs and softmax; output rounded to "
                 f"{name}")
     note = (f"; {have[0]} is present but not used yet" if have else "")

@@ -260,7 +260,8 @@ def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
     assert not spills_in_fma_loops(asm, "vdpbf16ps"), "the pair loop spills"
     assert {b.name for b in m.program.buffers.values() if (b.pack or {}).get("pairs")} == {
         "w_qkv", "w_o"}
-    assert m.program.buffers["w_qkv"].shape[-1] == 2
+    paired = m.program.buffers["w_qkv"]     # bfloat16 values, kept in float32 (bf16_dot.py)
+    assert paired.shape[-1] == 2 and paired.dtype == "float32"
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=w)
     assert "vdpbf16ps" not in plain.inspect("source")
     assert plain.precision.startswith("bfloat16 storage, converted to float32 on load")

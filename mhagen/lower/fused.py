@@ -185,11 +185,12 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         return tile_rows if asks or pairs(depth) or (half and backend.gemm_packs_rows) else None
 
     def panels(width, depth):
-        """A packed weight's shape: [width / nr, depth, nr], or [width / nr, depth / 2, nr, 2]
-        for a GEMM over pairs of its depth."""
+        """A packed weight's shape and dtype: [width / nr, depth, nr] in the layer's dtype,
+        or for a GEMM over pairs of its depth [width / nr, depth / 2, nr, 2] in float32
+        (the layer's rounded values: see schedules/x86/bf16_dot.py for why)."""
         if pairs(depth):
-            return (width // nr, depth // 2, nr, 2)
-        return (width // nr, depth, nr)
+            return dict(shape=(width // nr, depth // 2, nr, 2), dtype=COMPUTE)
+        return dict(shape=(width // nr, depth, nr), dtype=dtype)
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
         rows_kv = kv_rows and round_up(kv_rows, tile_rows)
@@ -255,7 +256,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         *([Buffer(att_node.inputs[-1], (batch,), "input", "int32",
                   doc=lengths_doc, symbolic={0: "batch"} if symbolic else None)]
           if has_lengths else []),
-        Buffer("w_qkv", panels(n_qkv_p, d_model), "param", dtype=dtype, pack=w_qkv,
+        Buffer("w_qkv", role="param", **panels(n_qkv_p, d_model), pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
         Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
@@ -272,7 +273,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)",
                symbolic={0: "padded_rows"} if symbolic else None),
-        Buffer("w_o", panels(d_out_p, hd), "param", dtype=dtype, pack=w_o),
+        Buffer("w_o", role="param", **panels(d_out_p, hd), pack=w_o),
         Buffer("b_o", (d_out_p,), "param", pack=b_o),
         Buffer("out", (rows, d_out_p), "output", dtype=dtype,
                symbolic={0: "rows"} if symbolic else None),
@@ -352,12 +353,12 @@ def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symb
                    panels, pairs):
     """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
     (symbolic: their rows follow the call's batch * kv_seq); panels: the packed weight's
-    shape (width, depth) -> shape; pairs: its GEMM runs over pairs of the depth."""
+    shape and dtype (width, depth) -> dict; pairs: its GEMM runs over pairs of the depth."""
     w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp, pairs)
     return [Buffer(context, (rows, kv_dim), "input", dtype=dtype,
                    doc="context [batch*kv_seq, kv_dim]: what K and V project",
                    symbolic={0: "kv_rows"} if symbolic else None),
-            Buffer("w_kv", panels(width, kv_dim), "param", dtype=dtype, pack=w_kv,
+            Buffer("w_kv", role="param", **panels(width, kv_dim), pack=w_kv,
                    doc="every K/V weight side by side, in column panels"),
             Buffer("b_kv", (width,), "param", pack=b_kv),
             Buffer("kv", (width // nr, rows_kv, nr), "temp",
