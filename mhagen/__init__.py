@@ -11,8 +11,8 @@ prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS be
 from mhagen.artifact.load import load as _load
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
-from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, rotary, score,
-                       sliding_window, softcap, table, tanh, verify, where)
+from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, relative_bias,
+                       rotary, score, sliding_window, softcap, table, tanh, verify, where)
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
 from mhagen.onnx import export_onnx, import_onnx
@@ -45,5 +45,5 @@ __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", 
            "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "build", "causal", "combine",
            "export_onnx", "head", "import_onnx", "kv_idx", "load", "max_error", "mha", "q_idx",
-           "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
+           "relative_bias", "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
            "weights_from_torch", "where"]

@@ -7,6 +7,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL, SKIP
+from mhagen.ir.expr import large_tables
 from mhagen.lower.te import LN2, LOG2E, call_scalars, mask_to_tir, score_to_tir
 
 
@@ -29,6 +30,10 @@ class ScoreRules:
         if self.symbolic and w.get("cross"):
             self.kv_seq = self.scalars[2]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
+        # the modifier's large tables: constant params score_table0.. (lowering's names),
+        # free buffers while the template is parsed, parameters after with_scalars
+        self.tables = [(v, tirx.decl_buffer((len(v),), "float32", name=f"score_table{i}"))
+                       for i, v in enumerate(large_tables(self.score_mod))]
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
         self.lengths = bool(w.get("lengths"))   # key lengths per batch row, given per call
@@ -69,9 +74,10 @@ class ScoreRules:
         if self.score_mod is None:
             return x
         S = self.seq
+        loads = {v: (lambda buf: lambda i: buf[i])(buf) for v, buf in self.tables}
         return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S,
                             self.kv_seq if kv_len is None else kv_len,
-                            self.math) * T.float32(LOG2E)
+                            self.math, loads) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
         """Key t of batch row b (rows b * kv_seq + t): full blocks hold keys < kv_seq only;
@@ -86,14 +92,15 @@ class ScoreRules:
         return h if self.table_heads > 1 else 0
 
 
-def with_scalars(func, scalars):
-    """A template's PrimFunc with `scalars` (the call's batch and seq vars of a
-    symbolic-length build, or ()) appended as parameters; the template was parsed with them
-    as free variables (check_well_formed=False; tvm.compile checks the result)."""
-    if not scalars:
+def with_scalars(func, scalars, tables=()):
+    """A template's PrimFunc with `tables` (ScoreRules.tables: the score modifier's large
+    tables, buffers) and then `scalars` (the call's batch and seq vars of a symbolic-length
+    build, or ()) appended as parameters; the template was parsed with them free
+    (check_well_formed=False; tvm.compile checks the result)."""
+    if not scalars and not tables:
         return func
-    return tirx.PrimFunc(list(func.params) + list(scalars), func.body, func.ret_type,
-                         func.attrs)
+    return tirx.PrimFunc(list(func.params) + [buf for _, buf in tables] + list(scalars),
+                         func.body, func.ret_type, func.attrs)
 
 
 def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_shape=None):
@@ -111,7 +118,7 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_sh
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars)
+        return with_scalars(attention, rules.scalars, rules.tables)
     if kv_shape is not None:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, "float32"), kv: T.Buffer(kv_shape, "float32"),
@@ -119,7 +126,7 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_sh
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
-        return with_scalars(attention, rules.scalars)
+        return with_scalars(attention, rules.scalars, rules.tables)
     if rules.lengths:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, "float32"),
@@ -128,7 +135,7 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_sh
                       out: T.Buffer(out_shape, "float32")):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars)
+        return with_scalars(attention, rules.scalars, rules.tables)
 
     @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, "float32"),
@@ -136,4 +143,4 @@ def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_sh
                   out: T.Buffer(out_shape, "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, qkv, blocks, None, out)
-    return with_scalars(attention, rules.scalars)
+    return with_scalars(attention, rules.scalars, rules.tables)

@@ -149,3 +149,109 @@ def test_onnx_export_decomposes_modifiers(tmp_path, masks):
         assert_close(y, layer.reference(x, w))
     with pytest.raises(mhagen.onnx.OnnxError, match="score modifier.*form='decomposed'"):
         mhagen.export_onnx(layer, tmp_path / "f.onnx", weights=w, seq_len=11, form="fused")
+
+
+def _t5_table(heads, buckets, seed=0):
+    return np.random.default_rng(seed).standard_normal((heads, buckets)).round(3)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("buckets,max_distance", [(32, 128), (8, 20), (16, 9)])
+def test_t5_buckets_are_hugging_faces(bidirectional, buckets, max_distance):
+    """mhagen's bucket function against transformers' own T5Attention."""
+    torch = pytest.importorskip("torch")
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    if max_distance <= (buckets // 2 if bidirectional else buckets) // 2:
+        pytest.skip("max_distance within the exact buckets (refused by relative_bias)")
+    distances = np.arange(-3 * max_distance, 3 * max_distance + 1)
+    theirs = t5.T5Attention._relative_position_bucket(
+        torch.tensor(distances), bidirectional=bidirectional, num_buckets=buckets,
+        max_distance=max_distance).numpy()
+    ours = [ex.t5_bucket(int(d), buckets, max_distance, bidirectional) for d in distances]
+    assert ours == theirs.tolist()
+
+
+def _t5_by_hand(table, max_distance, bidirectional):
+    buckets = table.shape[1]
+
+    def modify(s, h, i, j):
+        b = np.vectorize(lambda d: ex.t5_bucket(int(d), buckets, max_distance,
+                                                bidirectional))(j - i)
+        return s + table[h][b]
+    return modify
+
+
+@pytest.mark.parametrize("bidirectional,causal", [(True, False), (False, True)])
+def test_relative_bias_reference_semantics(bidirectional, causal):
+    table = _t5_table(6, 16)
+    layer = mhagen.mha(48, 6, kv_heads=3, causal=causal,
+                       score_mod=mhagen.relative_bias(table, max_distance=9,
+                                                      bidirectional=bidirectional))
+    w, x = layer.init_weights(1), random_input(layer, 2, 31)     # distances past 9 too
+    np.testing.assert_allclose(
+        layer.reference(x, w),
+        mha_by_hand(w, x, 6, causal=causal, modify=_t5_by_hand(table, 9, bidirectional)),
+        rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("target", ["x86", "x86-avx2"])
+@pytest.mark.parametrize("build", ["fused", "unfused", "any-length"])
+def test_relative_bias_kernels_match_the_reference(target, build):
+    """Seq 97 and 193 (distances past max_distance 40 both ways), head_dim 40, grouped K/V,
+    causal; the table is a constant param (2 x 81 distances per head), read in the kernels."""
+    t = resolve(target)
+    if not t.runs_here():
+        pytest.skip(f"{target} code cannot run on this CPU: {t.cannot_run()}")
+    table = _t5_table(8, 32, seed=3)
+    layer = mhagen.mha(320, 8, head_dim=40, kv_heads=2, causal=True,
+                       score_mod=mhagen.relative_bias(table, max_distance=40))
+    w = layer.init_weights(2)
+    kw = {"fused": {}, "unfused": dict(fuse=False),
+          "any-length": dict(seq_len=None, max_seq_len=200)}[build]
+    m = mhagen.build(layer, target, **{"batch": 2, "seq_len": 97, **kw}, weights=w)
+    params = m.program.role("param")
+    assert [p.shape for p in params if p.name.startswith("score_table")] == [(8 * 81,)]
+    assert m.program.fusion.startswith("not fused" if build == "unfused" else "fused")
+    for seq in ((97, 1, 193) if build == "any-length" else (97,)):
+        x = random_input(layer, 2, seq, seed=seq)
+        assert_close(m(x), layer.reference(x, w))
+
+
+def test_relative_bias_decoding_and_attention_maps():
+    """The decode template reads the table too; attention maps (the unfused path) as well."""
+    t = "x86" if resolve("x86").runs_here() else "x86-avx2"
+    table = _t5_table(4, 16, seed=5)
+    mod = mhagen.relative_bias(table, max_distance=12, bidirectional=False)
+    prefill = mhagen.mha(64, 4, causal=True, score_mod=mod)
+    w = prefill.init_weights(4)
+    x = random_input(prefill, 1, 30, seed=1)
+    expected = prefill.reference(x, w)
+    step = mhagen.mha(64, 4, causal=True, score_mod=mod, kv_cache=32)
+    m = mhagen.build(step, t, batch=1, seq_len=1, weights=w)
+    cache = m.new_cache()
+    got = np.concatenate([m(x[:, i:i + 1], cache=cache) for i in range(30)], axis=1)
+    assert_close(got, expected)
+    maps = mhagen.build(prefill, t, batch=1, seq_len=30, weights=w).attention_maps(x)
+    assert maps.shape == (1, 4, 30, 30)
+    np.testing.assert_allclose(maps.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_per_head_tables_must_cover_the_heads():
+    with pytest.raises(GraphError, match="per-head table of the score modifier has 2 values"):
+        mhagen.mha(32, 4, score_mod=mhagen.alibi(2))
+    with pytest.raises(GraphError, match="per-head table"):
+        mhagen.mha(32, 4, score_mod=mhagen.relative_bias(_t5_table(3, 8), max_distance=8))
+    with pytest.raises(ValueError, match="table \\[num_heads, num_buckets\\]"):
+        mhagen.relative_bias([[1.0, 2.0], [3.0]])
+    with pytest.raises(ValueError, match="must exceed the exact buckets"):
+        mhagen.relative_bias(_t5_table(2, 32), max_distance=8)
+
+
+def test_relative_bias_exports_to_onnx(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    layer = mhagen.mha(48, 6, kv_heads=2, causal=True,
+                       score_mod=mhagen.relative_bias(_t5_table(6, 8), max_distance=6))
+    w, x = layer.init_weights(0), random_input(layer, 2, 11)
+    path = mhagen.export_onnx(layer, tmp_path / "m.onnx", weights=w, seq_len=11, batch=2)
+    y = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    assert_close(y, layer.reference(x, w))

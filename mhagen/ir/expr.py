@@ -216,6 +216,31 @@ def children(expr: Expr) -> tuple:
     return ()
 
 
+LARGE_TABLE = 32
+"""Tables with more values than this are read from a constant buffer by the kernels; smaller
+ones (a value per head or bucket) become a chain of selects that LLVM hoists out of loops."""
+
+
+def large_tables(expr) -> list:
+    """The values of expr's large tables (tuples, first-seen order, each once): the constant
+    buffers score_table0, score_table1, ... of the kernels that evaluate expr."""
+    if expr is None:
+        return []
+    found = [expr.values] if isinstance(expr, Table) and len(expr.values) > LARGE_TABLE else []
+    for c in children(expr):
+        found += [v for v in large_tables(c) if v not in found]
+    return found
+
+
+def head_tables(expr: Expr) -> list:
+    """The tables of expr indexed by the head alone (one value per head: ALiBi's slopes,
+    relative_bias's far buckets): their length must be the layer's head count."""
+    found = [expr] if isinstance(expr, Table) and expr.index == head else []
+    for c in children(expr):
+        found += head_tables(c)
+    return found
+
+
 def variables(expr: Expr) -> set:
     if isinstance(expr, Var):
         return {expr.name}
@@ -343,3 +368,55 @@ def softcap(cap: float) -> Expr:
         raise ValueError(f"softcap needs a positive cap (a finite number), got {cap!r}")
     cap = float(cap)
     return cap * tanh(score / cap)
+
+
+def t5_bucket(distance: int, num_buckets: int, max_distance: int, bidirectional: bool) -> int:
+    """T5's relative position bucket of distance = kv_idx - q_idx (Raffel et al. 2020; Hugging
+    Face's T5Attention._relative_position_bucket): exact buckets for small distances,
+    logarithmic ones up to max_distance, the last bucket beyond; bidirectional tables give
+    keys after the query the upper half of the buckets."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        bucket += num_buckets if distance > 0 else 0
+        n = abs(distance)
+    else:
+        n = -min(distance, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return bucket + n
+    large = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact)
+                            * (num_buckets - max_exact))
+    return bucket + min(large, num_buckets - 1)
+
+
+def relative_bias(table, *, max_distance: int = 128, bidirectional: bool = True) -> Expr:
+    """score + table[head, bucket(kv_idx - q_idx)]: T5's learned relative position bias,
+    table [num_heads, num_buckets] (T5's `relative_attention_bias` weight transposed), added
+    to the scaled score; buckets as `t5_bucket`. Distances past max_distance share the last
+    bucket, so the modifier is a table over the distances -max_distance..max_distance per
+    head (what the kernels read; beyond them, a per-head constant)."""
+    rows = [[float(v) for v in row] for row in table] if hasattr(table, "__iter__") else None
+    if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError("relative_bias takes a table [num_heads, num_buckets] of numbers")
+    heads, buckets = len(rows), len(rows[0])
+    if buckets < (4 if bidirectional else 2):
+        raise ValueError(f"relative_bias needs at least {4 if bidirectional else 2} buckets "
+                         f"(bidirectional={bidirectional}), got {buckets}")
+    max_distance = _positive_int("relative_bias's max_distance", max_distance)
+    half = buckets // 2 if bidirectional else buckets
+    if max_distance <= half // 2:
+        raise ValueError(f"relative_bias's max_distance ({max_distance}) must exceed the "
+                         f"exact buckets ({half // 2})")
+    width = 2 * max_distance + 1
+
+    def bias(h, d):
+        return rows[h][t5_bucket(d, buckets, max_distance, bidirectional)]
+    near = Table([bias(h, d) for h in range(heads)
+                  for d in range(-max_distance, max_distance + 1)],
+                 head * width + (kv_idx - q_idx) + max_distance)
+    far_after = Table([bias(h, max_distance) for h in range(heads)], head)
+    far_before = Table([bias(h, -max_distance) for h in range(heads)], head)
+    d = kv_idx - q_idx
+    return score + where(d >= max_distance, far_after,
+                         where(d <= -max_distance, far_before, near))

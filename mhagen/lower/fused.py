@@ -24,7 +24,8 @@ from tvm import te, tirx
 from mhagen.dtypes import COMPUTE
 from mhagen.blockmask import block_table, split_lengths
 from mhagen.errors import GraphError, TargetError
-from mhagen.lower.te import call_scalars, cast, rope_table
+from mhagen.ir.expr import large_tables
+from mhagen.lower.te import call_scalars, cast, rope_table, score_table_buffer
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import CROSS_SCALARS, Buffer, Kernel, Program, Stage, round_up
 
@@ -247,6 +248,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             Buffer("v_cache", cache_shape, "state", doc="values, as k_cache"),
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
+    # the score modifier's large tables (relative_bias): constant params the template reads
+    score_tables = [score_table_buffer(i, v)
+                    for i, v in enumerate(large_tables(a.get("score_mod")))]
+    tables = [b.name for b in score_tables]
     positions = cache["max_len"] if cache else seq
     lengths_doc = ("tokens already cached per batch row, given at call time" if cache else
                    "key lengths per batch row, given at call time")
@@ -264,7 +269,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
                         nr, dp, bool(symbolic), dtype, panels, pairs(kv_dim))
-         if cross else []) + attention_buffers + ([
+         if cross else []) + attention_buffers + score_tables + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
@@ -315,10 +320,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table "
                     f"[2, {positions}, {r['rotary_dim'] // 2}]")
     if cache is not None:
-        _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra)
+        _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables)
     else:   # 3. attention template
         kernels.append(Kernel("attention", ["qkv"] + (["kv"] if cross else []) + ["blocks"] +
-                              lengths + ["att"] + extra,
+                              lengths + ["att"] + tables + extra,
                               stages=[Stage("attention", "attention_template", att_node.name,
                                             (), work)],
                               template="attention", workload=work, config=cfg,
@@ -388,9 +393,10 @@ def _placeholders(buf, scalars, tile_rows):
     return ph
 
 
-def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra):
+def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables=()):
     """A decoding layer's cache append and split-KV attention (templates of the backend);
-    extra: the scalar arguments of a symbolic-length build."""
+    extra: the scalar arguments of a symbolic-length build; tables: the score modifier's
+    large tables (params)."""
     kernels.append(Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"] + extra,
                           stages=[Stage("cache_append", "cache_append_template",
                                         att_node.name, (), work)],
@@ -398,7 +404,8 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra):
     text.append("k_cache[b, g, cache_lens[b] + t], v_cache[...] = K, V of qkv row b*seq + t"
                 "  # in place")
     kernels.append(Kernel("attention", ["qkv"] + lengths + ["k_cache", "v_cache", "part_o",
-                                                            "part_ml", "att"] + extra,
+                                                            "part_ml", "att"] + list(tables)
+                          + extra,
                           stages=[Stage("attention", "decode_template", att_node.name, (),
                                         work)],
                           template="decode", workload=work, config=cfg))

@@ -91,10 +91,12 @@ def mask_to_tir(mask, batch, head, q_idx, kv_idx, q_len: int, kv_len: int):
 
 
 def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int,
-                 math: dict | None = None):
+                 math: dict | None = None, tables: dict | None = None):
     """A score modifier as a float32 TIR expression of a score and loop variables. `math`
     replaces the one-argument functions ("tanh", "exp") by the caller's TIR versions (a CPU
-    template's vectorisable ones; TVM's own call scalar libm on CPUs)."""
+    template's vectorisable ones; TVM's own call scalar libm on CPUs). `tables`: the large
+    tables' loads (values tuple -> index -> a load from its constant buffer, see
+    expr.large_tables), read at the clamped index; smaller tables become selects."""
     def value(v):
         return tvm.tirx.const(v, "int32") if isinstance(v, int) else v
     env = {"batch": value(batch), "head": value(head), "q_idx": value(q_idx),
@@ -102,7 +104,20 @@ def score_to_tir(mod, score, batch, head, q_idx, kv_idx, q_len: int, kv_len: int
            "score": score}
     ops = _TIR_OPS if not math else dict(
         _TIR_OPS, **{name: (lambda f: lambda a: f(_f32(a)))(f) for name, f in math.items()})
+    if tables:
+        def table(values, index):
+            if values not in tables:
+                return _table(values, index)
+            return tables[values](tvm.tirx.max(tvm.tirx.min(index, len(values) - 1), 0))
+        ops = dict(ops, table=table)
     return _f32(ex.evaluate(mod, env, ops))
+
+
+def score_table_buffer(i: int, values) -> Buffer:
+    """The constant param holding large table i of a score modifier (expr.large_tables)."""
+    return Buffer(f"score_table{i}", (len(values),), "param", pack={"kind": "constant"},
+                  value=np.asarray(values, np.float32),
+                  doc="a score modifier's table (e.g. relative_bias by head and distance)")
 
 
 def lower_unfused(graph, batch: int, seq_len: int, kv_seq_len: int | None = None) -> Program:
@@ -123,7 +138,7 @@ def lower_unfused(graph, batch: int, seq_len: int, kv_seq_len: int | None = None
         ctx.note(f"out = {graph.output} rounded to {storage}")
     lengths = [graph.lengths_input] if graph.lengths_input is not None else []
     inputs = [ctx.placeholders.get(n.name, ctx.vals[n.name]) for n in graph.inputs + lengths]
-    tables = list(ctx.tables.values())
+    tables = list(ctx.tables.values()) + list(ctx.score_tables.values())
     args = inputs + [weights[s.name] for s in specs] + [t for t, _ in tables] + [out]
     func = te.create_prim_func(args)
     buffers = [Buffer(n.name, _shape(ctx, n), "input", storage) for n in graph.inputs]
@@ -144,6 +159,7 @@ class _Ctx:
         self.vals, self.stages, self.text = {}, [], []
         self.transposed = {}
         self.tables = {}   # (seq, rotary_dim, base) -> (placeholder, constant param Buffer)
+        self.score_tables = {}  # a large score-modifier table's values -> (placeholder, Buffer)
 
     def rope_table(self, seq, rotary_dim, base):
         """The [2, seq, rotary_dim / 2] cos/sin table (a constant param, float64 math)."""
@@ -155,6 +171,13 @@ class _Ctx:
                                 Buffer(name, value.shape, "param", pack={"kind": "constant"},
                                        value=value, doc="RoPE cos [0] and sin [1] by position"))
         return self.tables[key][0]
+
+    def score_table(self, values):
+        """The placeholder of a large score-modifier table (a constant param)."""
+        if values not in self.score_tables:
+            b = score_table_buffer(len(self.score_tables), values)
+            self.score_tables[values] = (te.placeholder(b.shape, "float32", name=b.name), b)
+        return self.score_tables[values][0]
 
     def stage(self, name, pattern, node, blocks, **workload):
         self.stages.append(Stage(name, pattern, node, tuple(blocks), workload))
@@ -293,7 +316,8 @@ def _lower_score_mod(ctx, n):
 
     def f(bb, i, j):
         return score_to_tir(n.attrs["expr"], s[bb, i, j].asobject(), bb, n.attrs["head"], i, j,
-                            shape[1], shape[2])
+                            shape[1], shape[2], tables=tables)
+    tables = {v: ctx.score_table(v) for v in ex.large_tables(n.attrs["expr"])}   # TE tensors
 
     ctx.note(f"{n.name} = {n.attrs['expr']!r} of {n.inputs[0]} (head {n.attrs['head']})")
     return _epilogue(ctx, n, n.name, f, shape)

@@ -338,4 +338,4 @@ def build_decode(w, cfg):
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
 
-    return with_scalars(attention, rules.scalars)
+    return with_scalars(attention, rules.scalars, rules.tables)
