@@ -179,6 +179,22 @@ def test_score_modifiers_compile_into_the_attention_kernel():
 
 
 @needs_nvcc
+def test_relative_bias_table_is_an_attention_argument():
+    """T5's bias table reaches the GPU attention kernel as a constant param it reads."""
+    table = np.random.default_rng(0).standard_normal((8, 32))
+    layer = mhagen.mha(512, 8, causal=True, score_mod=mhagen.relative_bias(table))
+    m = mhagen.build(layer, "cuda-sm90", batch=1, seq_len=128, tuning=None)
+    attention = next(k for k in m.program.kernels if k.name == "attention")
+    assert attention.args == ["qkv", "blocks", "att", "score_table0"]
+    assert m.program.buffers["score_table0"].shape == (8 * 257,)
+    kernels = re.split(r'extern "C" __global__', m.info.device_code.source)
+    body = next(k for k in kernels if re.search(r"\battention_kernel\(", k) and "{" in k)
+    assert "score_table0" in body
+    for entry, r in m.info.device_code.resources.items():
+        assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)
+
+
+@needs_nvcc
 def test_key_padding_compiles_with_the_lengths_argument():
     layer = mhagen.mha(512, 8, kv_heads=2, causal=True, key_padding=True)
     m = mhagen.build(layer, "cuda-sm90", batch=2, seq_len=128, tuning=None)
