@@ -11,6 +11,7 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
+from mhagen.ir.verify import check_head_tables
 
 
 def _divisors(n):
@@ -105,6 +106,8 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if score_mod is not None and not ex.is_score_mod(score_mod):
         raise GraphError("score_mod= takes a numeric expression of mhagen.score (e.g. "
                          "mhagen.softcap(30.0), mhagen.alibi(num_heads)) or a list of them")
+    if score_mod is not None:
+        check_head_tables(score_mod, num_heads, "score_mod=")
     if rotary is True:
         rotary = rope.Rotary()
     if rotary is not None and rotary is not False and not isinstance(rotary, rope.Rotary):

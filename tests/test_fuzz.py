@@ -98,7 +98,8 @@ def masks(draw):
 @st.composite
 def score_mods(draw, num_heads):
     def one():
-        kind = draw(st.sampled_from(["alibi", "softcap", "where", "affine", "clip", "table"]))
+        kind = draw(st.sampled_from(["alibi", "softcap", "where", "affine", "clip", "table",
+                                     "relative_bias"]))
         if kind == "alibi":
             return ex.alibi(num_heads)
         if kind == "softcap":
@@ -110,8 +111,20 @@ def score_mods(draw, num_heads):
         if kind == "clip":
             return ex.minimum(ex.maximum(ex.score, -draw(st.floats(0.5, 4))),
                               draw(st.floats(0.5, 4)))
-        values = draw(st.lists(st.floats(-1, 1), min_size=1, max_size=10))
-        return ex.score + ex.table(values, draw(st.sampled_from([ex.head, ex.kv_idx - ex.q_idx])))
+        if kind == "relative_bias":     # T5: tables past LARGE_TABLE read from a param
+            buckets = draw(st.sampled_from([4, 8, 32]))
+            bidirectional = draw(st.booleans())
+            exact = (buckets // 2 if bidirectional else buckets) // 2
+            table = draw(st.lists(st.lists(st.floats(-2, 2), min_size=buckets,
+                                           max_size=buckets),
+                                  min_size=num_heads, max_size=num_heads))
+            return ex.relative_bias(table, max_distance=draw(st.integers(exact + 1, 40)),
+                                    bidirectional=bidirectional)
+        if draw(st.booleans()):      # one value per head (a per-head table must cover them)
+            return ex.score + ex.table(draw(st.lists(st.floats(-1, 1), min_size=num_heads,
+                                                     max_size=num_heads)), ex.head)
+        values = draw(st.lists(st.floats(-1, 1), min_size=1, max_size=40))
+        return ex.score + ex.table(values, ex.kv_idx - ex.q_idx)
     n = draw(st.sampled_from([0, 0, 1, 1, 2]))
     mods = [one() for _ in range(n)]
     if n == 2 and draw(st.booleans()):
@@ -337,7 +350,10 @@ def bad_layer_options(draw):
         base["score_mod"] = draw(st.sampled_from([
             ex.score > 0, ex.causal(), 2.0, 1, "softcap", lambda s: s,
             [ex.alibi(heads), ex.q_idx < 3], [ex.score, "x"], (ex.score > 1,),
-            [None], {"softcap": 3.0}]))
+            [None], {"softcap": 3.0}, ex.alibi(heads + 1),
+            ex.score + ex.table([0.5] * (heads + 2), ex.head),
+            ex.relative_bias([[0.0] * 8] * (heads + 1), max_distance=9)]
+            + ([ex.alibi(heads - 1)] if heads > 1 else [])))
     else:
         base["head_dim"] = hd = draw(st.sampled_from(HEAD_DIMS))
         base["d_model"] = heads * hd

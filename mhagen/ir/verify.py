@@ -265,8 +265,8 @@ def _infer(n, ins, graph):
             raise GraphError(f"{k} {n.name!r}: head must be an int >= 0, got {n.attrs['head']!r}")
         if k == "score_mod":
             _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
-            _check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
-                               at_least=True)
+            check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
+                              at_least=True)
         if k == "scale" and (isinstance(n.attrs["factor"], bool)
                              or not isinstance(n.attrs["factor"], (int, float))):
             raise GraphError(f"scale {n.name!r}: factor must be a number")
@@ -312,7 +312,7 @@ def _infer(n, ins, graph):
             _check_mask(n.attrs["mask"], f"attention {n.name!r}")
         if n.attrs.get("score_mod") is not None:
             _check_score_mod(n.attrs["score_mod"], f"attention {n.name!r}")
-            _check_head_tables(n.attrs["score_mod"], len(offs[0]), f"attention {n.name!r}")
+            check_head_tables(n.attrs["score_mod"], len(offs[0]), f"attention {n.name!r}")
         if n.attrs.get("rotary") is not None:
             rope.check_attrs(n.attrs["rotary"], d, f"attention {n.name!r}")
         return qkv[:-1] + [d * len(offs[0])]
@@ -344,7 +344,7 @@ def _check_score_mod(m, where):
                          f"head, q_idx, kv_idx (e.g. mhagen.softcap(30.0)), got {m!r}")
 
 
-def _check_head_tables(m, heads, where, at_least=False):
+def check_head_tables(m, heads, where, at_least=False):
     """Per-head tables (alibi(H), relative_bias) hold one value per head of the layer: a
     shorter one would give the last heads the last head's value (tables clamp their index).
     at_least: a one-head node (head heads - 1) of a graph whose head count it does not know."""
