@@ -302,3 +302,20 @@ def test_bfloat16_pair_gemms_match_the_reference(build, tmp_path):
         assert "multiply bfloat16 pairs" in m.precision
         m.bind(w)      # new weights are repacked by the manifest's recipe
     _check(layer, m, _x((3, 7, 80), "bfloat16"), w, "bfloat16")
+
+
+@pytest.mark.skipif(not resolve(NATIVE).runs_here(),
+                    reason="needs a CPU with AVX-512 BF16 (tuning measures on this host)")
+def test_tuning_a_bfloat16_layer_keeps_the_pair_gemms_on_their_template(tmp_path):
+    """MetaSchedule's generic space cannot express the vdpbf16ps intrinsic (it crashed
+    inside TVM): tuning reports those GEMMs as not tunable and tunes the attention."""
+    layer = mhagen.mha(64, 4, dtype="bfloat16")
+    report = mhagen.tune(layer, NATIVE, shapes=[(1, 16)], trials=2, progress=False,
+                         database=tmp_path / "db.json")
+    kept = {r.kernel: (r.method, r.kept) for r in report.results}
+    assert kept["qkv_projection"] == ("vdpbf16ps", "default (not tunable)")
+    assert kept["output_projection"] == ("vdpbf16ps", "default (not tunable)")
+    assert kept["attention"][0] == "config sweep"
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, NATIVE, batch=1, seq_len=16, weights=w, tuning=tmp_path / "db.json")
+    _check(layer, m, _x((1, 16, 64), "bfloat16"), w, "bfloat16")

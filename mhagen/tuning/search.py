@@ -342,19 +342,28 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     deadline = start + time_budget if time_budget else None
     runner = _runner(rpc, ms)
 
-    plans, known = [], set()
+    plans, known, fixed = [], set(), []
     for batch, seq in shapes:
         program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
         for k in program.kernels:
-            if k.template == "attention" or any(s.pattern in ("matmul", "packed_matmul") for s in k.stages):
+            gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
+            if any(s.workload.get("pairs") for s in gemms):
+                # vdpbf16ps GEMMs (schedules/x86/bf16_dot.py): MetaSchedule's generic space
+                # cannot express their tensor intrinsic, so they keep the template's schedule
+                if kernels is None or k.name in kernels:
+                    fixed.append(KernelResult((batch, seq), k.name, "vdpbf16ps", 0, None, None,
+                                              "default (not tunable)"))
+                continue
+            if k.template == "attention" or gemms:
                 known.add(k.name)
                 if kernels is None or k.name in kernels:
                     plans.append(((batch, seq), program, k))
     if kernels is not None:
-        unknown = sorted(set(kernels) - known)
+        unknown = sorted(set(kernels) - known - {r.kernel for r in fixed})
         if unknown:
             raise MhagenError(f"no tunable kernel named {unknown}; this layer has "
                               f"{sorted(known)}")
+    report.results.extend(fixed)
     bar = _Progress(progress, len(plans), deadline)
     try:
         for i, (shape, program, kernel) in enumerate(plans, 1):
