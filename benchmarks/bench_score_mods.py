@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark layers with score modifiers (ALiBi, softcap) against the same layer without one
+"""Benchmark layers with score modifiers (ALiBi, softcap, T5's relative bias) against the same layer without one
 and against PyTorch's CPU paths for them, in one process.
 
 Every implementation computes the whole layer in float32 (QKV projections, attention with the
@@ -9,7 +9,8 @@ reference (layer.reference) before timing:
   mhagen          the layer with the modifier (applied in the fused kernel's score tile)
   mhagen_plain    the same layer without a modifier (the cost of the modifier is the ratio)
   torch_sdpa      Linear(QKV) -> F.scaled_dot_product_attention with an explicit float bias
-                  mask (ALiBi's slope * (j - i), -inf above the diagonal when causal) ->
+                  mask (ALiBi's slope * (j - i), or T5's table[h, bucket(j - i)]; -inf
+                  above the diagonal when causal) ->
                   Linear; SDPA cannot express softcap (a function of the score), so no row
   torch_eager     Linear(QKV) -> Q K^T * scale -> modifier (ALiBi bias add, or
                   cap * tanh(s / cap)) -> mask -> softmax -> @ V -> Linear, in torch ops
@@ -19,7 +20,8 @@ reference (layer.reference) before timing:
 Timing interleaves the implementations in rounds (medians), as benchmarks/bench_mha.py.
 
 Run: python benchmarks/bench_score_mods.py [--shape 1x2048x1024x16] [--threads 1,2]
-                                           [--mods alibi,softcap] [--causal] [--out DIR]
+                                           [--mods alibi,softcap,relative_bias] [--causal]
+                                           [--out DIR]
 """
 from __future__ import annotations
 
@@ -34,14 +36,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402
 
 import mhagen  # noqa: E402
-from mhagen.ir.expr import alibi_slopes  # noqa: E402
+from mhagen.ir.expr import alibi_slopes, t5_bucket  # noqa: E402
 from mhagen.tolerances import max_error, tolerance  # noqa: E402
 
 SOFTCAP = 30.0      # Gemma 2's attention softcap
+T5_BUCKETS, T5_MAX_DISTANCE = 32, 128     # T5's defaults
+
+
+def t5_table(heads):
+    return np.random.default_rng(7).standard_normal((heads, T5_BUCKETS)).astype(np.float32)
 
 
 def modifier(kind, heads):
+    if kind == "relative_bias":
+        return mhagen.relative_bias(t5_table(heads), max_distance=T5_MAX_DISTANCE)
     return {"alibi": mhagen.alibi(heads), "softcap": mhagen.softcap(SOFTCAP)}[kind]
+
+
+def t5_buckets(seq):
+    """bucket(d) for d = kv_idx - q_idx in [-(seq-1), seq-1], at index d + seq - 1."""
+    return np.array([t5_bucket(d, T5_BUCKETS, T5_MAX_DISTANCE, True)
+                     for d in range(1 - seq, seq)])
 
 
 class TorchLayer:
@@ -63,6 +78,10 @@ class TorchLayer:
             slopes = torch.tensor(alibi_slopes(self.heads), dtype=torch.float32)
             bias = slopes[:, None, None] * (i[None, :] - i[:, None]).float()[None]
             self.bias = bias.masked_fill(hidden[None], float("-inf"))       # [H, S, S]
+        elif kind == "relative_bias":
+            table = torch.from_numpy(t5_table(self.heads))
+            buckets = torch.from_numpy(t5_buckets(seq))[i[None, :] - i[:, None] + seq - 1]
+            self.bias = table[:, buckets].masked_fill(hidden[None], float("-inf"))
         elif sdpa:
             raise ValueError("SDPA cannot carry softcap (a function of the score)")
 
@@ -72,7 +91,7 @@ class TorchLayer:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v,
                                                                     attn_mask=self.bias)
         s = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.d))
-        if self.kind == "alibi":
+        if self.kind in ("alibi", "relative_bias"):
             s = s + self.bias
         else:
             s = SOFTCAP * torch.tanh(s / SOFTCAP)
@@ -97,10 +116,14 @@ class FlexLayer(TorchLayer):
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         slopes = torch.tensor(alibi_slopes(self.heads), dtype=torch.float32)
+        table = torch.from_numpy(t5_table(self.heads))
+        buckets = torch.from_numpy(t5_buckets(seq))
 
         def score_mod(score, b, h, q_idx, kv_idx):
             if kind == "alibi":
                 return score + slopes[h] * (kv_idx - q_idx)
+            if kind == "relative_bias":
+                return score + table[h, buckets[kv_idx - q_idx + seq - 1]]
             return SOFTCAP * torch.tanh(score / SOFTCAP)
         self.block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, seq, seq,
                                             device="cpu") if causal else None
@@ -116,7 +139,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="x86")
     p.add_argument("--shape", type=bm.parse_shape, default=bm.parse_shape("1x2048x1024x16"))
-    p.add_argument("--mods", default="alibi,softcap")
+    p.add_argument("--mods", default="alibi,softcap,relative_bias")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=7)

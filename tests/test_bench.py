@@ -177,3 +177,21 @@ def test_half_precision_benchmark_quick_run(tmp_path):
     assert {"mhagen_float32", "mhagen_float16", "mhagen_bfloat16"} <= impls
     assert all(r["ms"] > 0 and r["gflops"] > 0 for r in data["rows"])
     assert "converted to float32 on load" in data["meta"]["precision"]["bfloat16"]
+
+
+def test_score_mods_benchmark_quick_run(tmp_path):
+    """benchmarks/bench_score_mods.py on a small causal layer: every modifier (T5's relative
+    bias included) checked against the reference for mhagen and the torch peers, then timed."""
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_score_mods.py"), "--shape",
+         "1x40x32x4", "--threads", "1", "--rounds", "1", "--causal", "--peers",
+         "torch_sdpa,torch_eager", "--target", "x86-avx2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    timed = {(r["mod"], r["impl"]) for r in data["rows"]}
+    for mod in ("alibi", "softcap", "relative_bias"):
+        assert {(mod, "mhagen"), (mod, "mhagen_plain"), (mod, "torch_eager")} <= timed
+    assert ("relative_bias", "torch_sdpa") in timed     # a float bias mask carries it
+    assert not [k for k, v in data["status"].items() if "excluded" in v], data["status"]
