@@ -37,6 +37,9 @@ LAYERS = {
     "f16-causal-gqa-128x4-kv2": (dict(d_model=128, num_heads=4, kv_heads=2, causal=True,
                                       dtype="float16"), 1, 32),
     "bf16-causal-128x4": (dict(d_model=128, num_heads=4, causal=True, dtype="bfloat16"), 1, 32),
+    # T5's relative bias: its table reaches the kernel as a param (params.bin, the C API)
+    "t5-bias-128x4": (dict(d_model=128, num_heads=4, causal=True, score_mod=mhagen.relative_bias(
+        np.linspace(-1.0, 1.0, 4 * 8).reshape(4, 8), max_distance=12)), 1, 32),
 }
 RUN_TARGETS = ("arm-neon", "arm-sve")
 
