@@ -241,8 +241,11 @@ def test_per_head_tables_must_cover_the_heads():
         mhagen.mha(32, 4, score_mod=mhagen.alibi(2))
     with pytest.raises(GraphError, match="per-head table"):
         mhagen.mha(32, 4, score_mod=mhagen.relative_bias(_t5_table(3, 8), max_distance=8))
-    with pytest.raises(ValueError, match="table \\[num_heads, num_buckets\\]"):
-        mhagen.relative_bias([[1.0, 2.0], [3.0]])
+    for bad in ([[1.0, 2.0], [3.0]], np.ones(8), [["a", "b"]], 3.0, [], [[]]):
+        with pytest.raises(ValueError, match="table \\[num_heads, num_buckets\\]"):
+            mhagen.relative_bias(bad)
+    with pytest.raises(ValueError, match="NaN"):
+        mhagen.relative_bias([[float("nan")] * 8] * 4, max_distance=8)
     with pytest.raises(ValueError, match="must exceed the exact buckets"):
         mhagen.relative_bias(_t5_table(2, 32), max_distance=8)
 

@@ -396,9 +396,13 @@ def relative_bias(table, *, max_distance: int = 128, bidirectional: bool = True)
     to the scaled score; buckets as `t5_bucket`. Distances past max_distance share the last
     bucket, so the modifier is a table over the distances -max_distance..max_distance per
     head (what the kernels read; beyond them, a per-head constant)."""
-    rows = [[float(v) for v in row] for row in table] if hasattr(table, "__iter__") else None
+    try:
+        rows = [[float(v) for v in row] for row in table]
+    except (TypeError, ValueError):
+        rows = None
     if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
-        raise ValueError("relative_bias takes a table [num_heads, num_buckets] of numbers")
+        raise ValueError(f"relative_bias takes a table [num_heads, num_buckets] of numbers "
+                         f"(T5's relative_attention_bias.weight transposed), got {table!r:.80}")
     heads, buckets = len(rows), len(rows[0])
     if buckets < (4 if bidirectional else 2):
         raise ValueError(f"relative_bias needs at least {4 if bidirectional else 2} buckets "
