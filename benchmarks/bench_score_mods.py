@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark layers with score modifiers (ALiBi, softcap, T5's relative bias) against the same layer without one
-and against PyTorch's CPU paths for them, in one process.
+"""Benchmark layers with score modifiers (ALiBi, softcap, T5's relative bias) against the same
+layer without one and against PyTorch's CPU paths for them, in one process.
 
 Every implementation computes the whole layer in float32 (QKV projections, attention with the
 modifier, output projection) with the same weights, and is checked against the float64

@@ -45,5 +45,5 @@ __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", 
            "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "build", "causal", "combine",
            "export_onnx", "head", "import_onnx", "kv_idx", "load", "max_error", "mha", "q_idx",
-           "relative_bias", "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
-           "weights_from_torch", "where"]
+           "relative_bias", "rotary", "score", "sliding_window", "softcap", "table", "tanh",
+           "tune", "verify", "weights_from_torch", "where"]

@@ -9,8 +9,9 @@ on x86, a 16-bit shift for bfloat16; aarch64's fcvtl). Half precision thus halve
 weights' and activations' memory and bandwidth. One native path: on x86 targets with
 AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
 (schedules/x86/bf16_dot.py; float32 accumulation, the attention output rounded to bfloat16
-before the output projection; those GEMMs' weights are kept in float32, bfloat16 values). AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used;
-the build says which path was taken (`half_precision_path`).
+before the output projection; those GEMMs' weights are kept in float32, bfloat16 values).
+AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used; the build says which path was
+taken (`half_precision_path`).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL, SKIP
-from mhagen.ir.expr import large_tables
-from mhagen.lower.te import LN2, LOG2E, call_scalars, mask_to_tir, score_to_tir
+from mhagen.lower.te import (LN2, LOG2E, call_scalars, mask_to_tir, score_table_buffers,
+                             score_to_tir)
 
 
 class ScoreRules:
@@ -30,10 +30,10 @@ class ScoreRules:
         if self.symbolic and w.get("cross"):
             self.kv_seq = self.scalars[2]
         self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
-        # the modifier's large tables: constant params score_table0.. (lowering's names),
-        # free buffers while the template is parsed, parameters after with_scalars
-        self.tables = [(v, tirx.decl_buffer((len(v),), "float32", name=f"score_table{i}"))
-                       for i, v in enumerate(large_tables(self.score_mod))]
+        # the modifier's large tables: the lowering's params (same names and shapes), free
+        # buffers while the template is parsed, parameters after with_scalars
+        self.tables = [(v, tirx.decl_buffer(b.shape, "float32", name=b.name))
+                       for v, b in score_table_buffers(self.score_mod)]
         # block-table extents (templates without a table, as the decode one: 1)
         self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
         self.lengths = bool(w.get("lengths"))   # key lengths per batch row, given per call

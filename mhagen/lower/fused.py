@@ -24,8 +24,7 @@ from tvm import te, tirx
 from mhagen.dtypes import COMPUTE
 from mhagen.blockmask import block_table, split_lengths
 from mhagen.errors import GraphError, TargetError
-from mhagen.ir.expr import large_tables
-from mhagen.lower.te import call_scalars, cast, rope_table, score_table_buffer
+from mhagen.lower.te import call_scalars, cast, rope_table, score_table_buffers
 from mhagen.ir.heads import kv_head_map
 from mhagen.program import CROSS_SCALARS, Buffer, Kernel, Program, Stage, round_up
 
@@ -249,8 +248,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
     # the score modifier's large tables (relative_bias): constant params the template reads
-    score_tables = [score_table_buffer(i, v)
-                    for i, v in enumerate(large_tables(a.get("score_mod")))]
+    score_tables = [b for _, b in score_table_buffers(a.get("score_mod"))]
     tables = [b.name for b in score_tables]
     positions = cache["max_len"] if cache else seq
     lengths_doc = ("tokens already cached per batch row, given at call time" if cache else

@@ -120,6 +120,13 @@ def score_table_buffer(i: int, values) -> Buffer:
                   doc="a score modifier's table (e.g. relative_bias by head and distance)")
 
 
+def score_table_buffers(mod) -> list:
+    """(values, constant param) for each large table of a score modifier, in
+    expr.large_tables' order: the fused kernels' params, and the names and shapes their
+    templates declare (schedules/attention_common.ScoreRules)."""
+    return [(v, score_table_buffer(i, v)) for i, v in enumerate(ex.large_tables(mod))]
+
+
 def lower_unfused(graph, batch: int, seq_len: int, kv_seq_len: int | None = None) -> Program:
     """Every node as TE stages of one kernel, `main` (any graph verify accepts)."""
     shapes = graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
@@ -314,10 +321,11 @@ def _lower_score_mod(ctx, n):
     s = ctx.vals[n.inputs[0]]
     shape = _shape(ctx, n)
 
+    tables = {v: ctx.score_table(v) for v in ex.large_tables(n.attrs["expr"])}   # TE tensors
+
     def f(bb, i, j):
         return score_to_tir(n.attrs["expr"], s[bb, i, j].asobject(), bb, n.attrs["head"], i, j,
                             shape[1], shape[2], tables=tables)
-    tables = {v: ctx.score_table(v) for v in ex.large_tables(n.attrs["expr"])}   # TE tensors
 
     ctx.note(f"{n.name} = {n.attrs['expr']!r} of {n.inputs[0]} (head {n.attrs['head']})")
     return _epilogue(ctx, n, n.name, f, shape)
