@@ -25,6 +25,10 @@ class MatmulConfig:
     row_block: int = 1
     """packed form: row tiles per row block; a block of A stays in L2 while every weight
     panel passes over it (1: no blocking)."""
+    panel_groups: int = 1
+    """packed form, symbolic lengths: the weight panels in this many groups, outermost in
+    the parallel loop (one a core), so each thread's share holds real rows whatever the
+    call's length."""
 
 
 def rows_that_fit(vectors, registers):
@@ -82,7 +86,20 @@ class MatmulRule:
             assert tile_cols == workload["panel"], (tile_cols, workload)
             tile_rows, row_block, _ = packed_blocking(target, workload.get("rows", 0),
                                                       workload.get("depth", 1))
-            return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block)
+            # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
+            # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
+            # second, and the two threads' halves of the parallel loop did 86% and 14% of the
+            # work (Zen 3, 2 threads: QKV GEMM 1.8x, output GEMM 1.6x the exact build's time).
+            # The panel-major GEMM splits the panels into a group per core, outermost (A then
+            # streams once a group); the row-major one (its write-back ran 1.6x slower with
+            # groups, not explained) gives each block every n-th tile instead (apply). Both
+            # now within 1.05x of the exact build at 128 rows and 1.1x at 2048.
+            groups = (target.cores if workload.get("symbolic") and row_block > 1
+                      and workload.get("panel_major") else 1)
+            if groups < 2 or (workload["cols"] // tile_cols) % groups:
+                groups = 1
+            return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
+                                panel_groups=groups)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
         while tile_cols > 1 and tile_cols > cols:   # never wider than the output
@@ -112,9 +129,19 @@ class MatmulRule:
             if cfg.row_block > 1:
                 # (row block, panel, row tile): a panel is reused by the block's row tiles,
                 # the block's rows of A stay in L2 across panels
-                ib, io = sch.split(io, [None, cfg.row_block])
-                sch.reorder(ib, jo, io, k, *inner)
-                outer = sch.fuse(ib, jo, io)
+                if stage.workload.get("symbolic") and cfg.panel_groups == 1:
+                    # each of the n blocks takes every n-th tile of the call's, so every
+                    # block holds real rows whatever the call's length (see default_config)
+                    io, ib = sch.split(io, [cfg.row_block, None])
+                else:
+                    ib, io = sch.split(io, [None, cfg.row_block])
+                if cfg.panel_groups > 1:
+                    jg, jo = sch.split(jo, [cfg.panel_groups, None])
+                    sch.reorder(jg, ib, jo, io, k, *inner)
+                    outer = sch.fuse(jg, ib, jo, io)
+                else:
+                    sch.reorder(ib, jo, io, k, *inner)
+                    outer = sch.fuse(ib, jo, io)
             else:
                 sch.reorder(jo, io, k, *inner)   # a weight panel stays in cache across rows
                 outer = sch.fuse(jo, io)
