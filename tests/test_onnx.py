@@ -399,15 +399,14 @@ def _no_attention():
     return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
 
 
-alibi = -np.abs(np.arange(4)[None, :] - np.arange(4)[:, None]).astype(np.float32) * 0.5
+position_bias = (np.arange(4)[None, :] * np.arange(4)[:, None]).astype(np.float32) * 0.5
 ERROR_MODELS = {
     "no-attention": (_no_attention, "no attention found in ONNX model 'mlp'"),
     "padding-mask-input": (lambda: hand_model(scores_hook=_pad_mask, extra_inputs=[
         ("pad", [1, 1, 4])]), "Add node 'add_padding'.*model input.*'pad'.*padding mask"),
-    # -0.5 |kv_idx - q_idx| is no slope * (kv_idx - q_idx) (+ a row constant)
-    "symmetric-distance-bias": (lambda: hand_model(scores_hook=_add("alibi", alibi)),
-                                "softmax.*head 0's additive bias is not a linear distance "
-                                "bias"),
+    # a bias that depends on the positions, not their distance alone
+    "position-bias": (lambda: hand_model(scores_hook=_add("pos", position_bias)),
+                      "softmax.*head 0's additive bias is neither a linear distance bias"),
     "cross-attention": (lambda: hand_model(kv_input="mem", extra_inputs=[("mem", [1, 4, 8])]),
                         "Softmax node 'softmax': Q projects 'x' but K projects 'mem' "
                         r"\(cross-attention\)"),

@@ -272,9 +272,39 @@ def test_bloom_form_alibi_imports_as_a_distance_bias(no_onnxruntime):
                  run_reference_evaluator(model, {"x": x}))
 
 
-def test_a_learned_relative_bias_is_refused_clearly(no_onnxruntime):
+def test_a_bias_of_the_distance_alone_imports_as_a_distance_table(no_onnxruntime):
+    """-|kv_idx - q_idx| / 2 per head (a learned relative bias's form: a function of the
+    distance, not linear in it) imports as a table per head and distance."""
+    d = np.arange(5)[None, :] - np.arange(5)[:, None]
+    bias = np.stack([-0.5 * np.abs(d), 0.25 * np.minimum(d, 2)])[None]
+    model = bias_model(bias)
+    (found,) = import_onnx(model)
+    assert "table[18][(((head * 9) + (kv_idx - q_idx)) + 4)]" in found.graph.options["score_mod"]
+    assert any("learned relative position bias" in n for n in found.notes)
+    x = rand_x(8, batch=1, seq=5)
+    assert_close(found.graph.reference(x, found.weights),
+                 run_reference_evaluator(model, {"x": x}))
+
+
+def test_relative_bias_layers_import_as_the_layer_that_was_exported(tmp_path, no_onnxruntime):
+    """mhagen.relative_bias (T5 buckets, max_distance 6) exported at seq 12 and imported:
+    the per-distance table read at the probe covers every distinct distance, so the layer
+    matches the exported one at another length too."""
+    table = np.random.default_rng(1).standard_normal((4, 8))
+    layer = mhagen.mha(32, 4, score_mod=mhagen.relative_bias(table, max_distance=6))
+    w = layer.init_weights(0)
+    (found,) = import_onnx(export_onnx(layer, tmp_path / "m.onnx", w, batch=B, seq_len=12))
+    assert found.weight_source == "initializers"
+    x = rand_x(32, seq=40)
+    assert_close(found.graph.reference(x, found.weights), layer.reference(x, w))
+    kernel = mhagen.build(found.graph, batch=x.shape[0], seq_len=40, weights=found.weights)
+    assert_close(kernel(x), layer.reference(x, w))
+
+
+def test_a_bias_of_the_positions_is_refused_clearly(no_onnxruntime):
     bias = np.random.default_rng(3).standard_normal((1, 2, 5, 5))
-    with pytest.raises(OnnxError, match="not a linear distance bias"):
+    with pytest.raises(OnnxError, match="neither a linear distance bias.*nor a function of "
+                                        "kv_idx - q_idx alone"):
         import_onnx(bias_model(bias))
 
 
@@ -349,6 +379,36 @@ def test_hugging_face_models_import_exactly_and_match_on_unseen_tokens(arch):
     assert found.graph.options["causal"] == (arch == "gpt2")
     x, want = _around(model, torch, *ends)
     assert_close(found.graph.reference(x, found.weights), want)
+
+
+def test_hugging_face_t5_relative_bias_imports_exactly():
+    """A 1-layer T5 encoder (random config, 8 buckets, max_distance 6): its learned relative
+    position bias imports as a table per head and distance (no 1/sqrt(d) scale, no
+    projection biases), equal to T5's own attention block on tokens the import never saw,
+    at the export length and at a longer one (max_distance < the probe length)."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=6,
+        attn_implementation="eager")).eval()
+    found = _hf_import(model, torch)
+    assert any("learned relative position bias" in n for n in found.notes)
+    assert found.graph.options["bias"] is False
+    att = model.encoder.block[0].layer[0].SelfAttention
+    x, want = _around(model, torch, att, att, lambda out: out[0])
+    assert_close(found.graph.reference(x, found.weights), want)
+    seen = {}
+    hooks = [att.register_forward_pre_hook(
+                 lambda mod, args, kw: seen.update(x=(args or (kw["hidden_states"],))[0]),
+                 with_kwargs=True),
+             att.register_forward_hook(lambda mod, args, out: seen.update(y=out[0]))]
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 20), generator=torch.Generator().manual_seed(7)))
+    for h in hooks:
+        h.remove()
+    assert_close(found.graph.reference(seen["x"].numpy(), found.weights), seen["y"].numpy())
 
 
 def test_hugging_face_mistral_with_rope_is_refused_naming_the_node():

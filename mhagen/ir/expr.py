@@ -412,15 +412,23 @@ def relative_bias(table, *, max_distance: int = 128, bidirectional: bool = True)
     if max_distance <= half // 2:
         raise ValueError(f"relative_bias's max_distance ({max_distance}) must exceed the "
                          f"exact buckets ({half // 2})")
-    width = 2 * max_distance + 1
+    return distance_bias([[row[t5_bucket(d, buckets, max_distance, bidirectional)]
+                           for d in range(-max_distance, max_distance + 1)] for row in rows],
+                         max_distance)
 
-    def bias(h, d):
-        return rows[h][t5_bucket(d, buckets, max_distance, bidirectional)]
-    near = Table([bias(h, d) for h in range(heads)
-                  for d in range(-max_distance, max_distance + 1)],
+
+def distance_bias(values, max_distance: int) -> Expr:
+    """score + values[head][kv_idx - q_idx + max_distance]: a learned bias per head and
+    distance, values [num_heads, 2 max_distance + 1] over the distances -max_distance ..
+    max_distance; farther distances take the nearest end's value (as T5's buckets do)."""
+    width = 2 * max_distance + 1
+    if any(len(row) != width for row in values):
+        raise ValueError(f"distance_bias takes {width} values per head "
+                         f"(-{max_distance}..{max_distance})")
+    near = Table([float(v) for row in values for v in row],
                  head * width + (kv_idx - q_idx) + max_distance)
-    far_after = Table([bias(h, max_distance) for h in range(heads)], head)
-    far_before = Table([bias(h, -max_distance) for h in range(heads)], head)
+    far_after = Table([float(row[-1]) for row in values], head)
+    far_before = Table([float(row[0]) for row in values], head)
     d = kv_idx - q_idx
     return score + where(d >= max_distance, far_after,
                          where(d <= -max_distance, far_before, near))

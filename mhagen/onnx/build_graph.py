@@ -56,7 +56,8 @@ def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
 
 def _score_mod(specs, heads):
     """The layer's score modifiers from its cores: a softcap (the same for every core), then
-    a linear distance bias per head (mhagen.alibi when the slopes are ALiBi's); or None."""
+    a linear distance bias per head (mhagen.alibi when the slopes are ALiBi's) or a learned
+    bias per head and distance; or None."""
     caps = {s.cap for s in specs}
     if len(caps) > 1:
         raise OnnxError(f"the attention cores have different softcaps {sorted(map(str, caps))}; "
@@ -64,7 +65,14 @@ def _score_mod(specs, heads):
     cap = caps.pop()
     slopes = [v for s in specs for v in (s.slopes or [0.0] * s.n_heads)]
     mods = [] if cap is None else [ex.softcap(cap)]
-    if any(slopes):
+    spans = {len(s.distances[0]) // 2 for s in specs if s.distances}
+    if spans:   # a learned bias per distance (T5): every head's as values over distances
+        span = spans.pop()
+        d = np.arange(-span, span + 1)
+        values = [row for s in specs for row in (
+            s.distances or [list(slope * d) for slope in (s.slopes or [0.0] * s.n_heads)])]
+        mods.append(ex.distance_bias(values, span))
+    elif any(slopes):
         alibi = ex.alibi_slopes(heads)
         if np.allclose(slopes, alibi, rtol=1e-5, atol=1e-7):
             mods.append(ex.alibi(heads))

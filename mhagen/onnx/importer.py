@@ -31,9 +31,16 @@ applied to Q and K (PyTorch scales both by sqrt(scale)) go into the layer's scal
 the imported layer's reference is compared with the ONNX model on a fresh input (at another
 sequence length when that axis is dynamic; never one the fit saw); a mismatch is an error.
 
+Additive biases: a linear distance bias per head (ALiBi, BLOOM's form) becomes
+``mhagen.alibi`` or a slope table; a bias that depends on ``kv_idx - q_idx`` alone (a learned
+relative position bias, as T5's) becomes a table per head and distance, read up to the probe
+length (``seq_len=``): farther distances take the last value, exact when the probe is longer
+than the model's farthest distinct distance (T5: ``max_distance``); a softcap (``Tanh``
+between two constant factors) becomes ``mhagen.softcap``.
+
 Limits (each an ``OnnxError`` naming the node and the reason): cross-attention, KV caches
-(``past_key``...), padding masks computed from model inputs, additive biases other than
-0/-inf (ALiBi, relative positions), softcap, rotary embeddings, heads of different widths, and
+(``past_key``...), padding masks computed from model inputs, other additive biases, rotary
+embeddings, heads of different widths, and
 the packed ``com.microsoft`` operators (``Attention``, ``GroupQueryAttention``...). Masks are
 read at the probe length (``seq_len=``, default 32, for a dynamic sequence axis): a window
 wider than that reads as no window there, which the verification at another length catches.
@@ -200,7 +207,16 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
         c.qkv_bias or c.out.has_bias for c in blk.cores)
     weights = layer_weights(rec, kv_heads, bias)
     graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
-    err = _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes)
+    try:
+        err = _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes)
+    except OnnxError as e:
+        span = max((len(s.distances[0]) // 2 for s in specs if s.distances), default=None)
+        if span is None:
+            raise
+        raise OnnxError(f"{e}; its learned relative position bias was read per distance up "
+                        f"to {span} (the probe length less one): import with a seq_len longer than "
+                        "the model's farthest distinct distance (T5: max_distance 128, so "
+                        "seq_len=160)") from None
     return ImportedAttention(graph, weights, blk.cores[0].source, blk.x, blk.y, blk.layout,
                              tuple(_block_nodes(m, blk.x, blk.y)), tuple(dict.fromkeys(notes)),
                              err, rec.source)

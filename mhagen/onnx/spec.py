@@ -35,6 +35,8 @@ class CoreSpec:
     v: np.ndarray
     cap: float | None = None     # softcap c: c * tanh(scaled score / c)
     slopes: list | None = None   # per query head: bias slope_h * (kv_idx - q_idx)
+    distances: list | None = None  # per query head: a learned bias per distance, values over
+    #                                -(T-1)..T-1 at the probe's T keys (T5-style relative bias)
 
 
 @dataclass
@@ -172,7 +174,14 @@ def read_core(c, vals, batch, notes):
     if not np.all(keep == keep[:1]) or not np.allclose(bias, bias[:1]):
         raise OnnxError(f"{c.label}: the mask differs between batch elements (a padding "
                         "mask?); mhagen masks are functions of positions only")
-    slopes = distance_slopes(c, bias[0], keep[0])
+    try:
+        slopes, distances = distance_slopes(c, bias[0], keep[0]), None
+    except OnnxError as linear:
+        slopes, distances = None, distance_values(c, bias[0], keep[0], linear)
+        notes.append(f"a learned relative position bias, read per distance up to "
+                     f"{bias.shape[-1] - 1} (the probe length less one); farther distances "
+                     "take the last one's value, exact for T5 buckets when the probe is "
+                     "longer than the model's max_distance (T5: 128)")
     for zeros in c.nan_guards:
         if np.any(np.asarray(vals[zeros], np.float64) != 0):
             raise OnnxError(f"{c.label}: the probabilities' NaN guard (Where(IsNaN(P), z, P)) "
@@ -183,7 +192,7 @@ def read_core(c, vals, batch, notes):
                         " (this ONNX model gives NaN)"))
     return CoreSpec(n_heads, d, scale, factors, [_head_band(c, keep[0, h], h)
                                                 for h in range(n_heads)], lead, k, v,
-                    cap=cap, slopes=slopes)
+                    cap=cap, slopes=slopes, distances=distances)
 
 
 def distance_slopes(c, bias, keep):
@@ -209,6 +218,33 @@ def distance_slopes(c, bias, keep):
                             "position biases are not supported by the importer")
         slopes.append(slope)
     return slopes
+
+
+def distance_values(c, bias, keep, linear):
+    """Per head, the bias as a function of kv_idx - q_idx alone (a learned relative
+    position bias, as T5's): values over the distances -(T-1)..T-1, 0 where no kept score
+    has that distance; `linear` (the linear fit's error) when some head's bias also depends
+    on the position."""
+    heads, rows, cols = bias.shape
+    span = cols - 1
+    if rows != cols:
+        raise linear
+    j = (np.arange(cols)[None, :] - np.arange(rows)[:, None]).ravel() + span
+    out = []
+    for h in range(heads):
+        b, k = bias[h].ravel(), keep[h].ravel()
+        hi = np.full(2 * span + 1, -np.inf)
+        lo = np.full(2 * span + 1, np.inf)
+        np.maximum.at(hi, j[k], b[k])
+        np.minimum.at(lo, j[k], b[k])
+        seen = np.isfinite(hi)
+        if np.any(hi[seen] - lo[seen] > 1e-4 * (1.0 + np.abs(b[k]).max(initial=0.0))):
+            raise OnnxError(f"{c.label}: head {h}'s additive bias is neither a linear distance "
+                            "bias (slope * (kv_idx - q_idx), as ALiBi) nor a function of "
+                            "kv_idx - q_idx alone (a learned relative position bias, as T5); "
+                            "mhagen cannot express it") from None
+        out.append(np.where(seen, (hi + lo) / 2, 0.0).tolist())
+    return out
 
 
 def _head_band(c, grid, h):
