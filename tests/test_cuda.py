@@ -96,6 +96,20 @@ def test_ptxas_no_spills_and_shared_memory_within_limit(built, preset, layer):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("preset", PRESETS)
+def test_half_qkv_gemm_runs_on_tensor_cores(preset):
+    """A float16 causal grouped-K/V layer: dlight tensorizes the QKV GEMM (fp16 x fp16,
+    fp32 accumulation) into mma.sync. The output GEMM (its A, the attention output, is
+    float32) and the attention template do not use tensor cores yet (issue 13)."""
+    m = mhagen.build(mhagen.mha(512, 8, dtype="float16", **LAYERS["causal_gqa"]), preset,
+                     batch=1, seq_len=128, tuning=None)
+    entries = dict(e.split("(", 1) for e in re.split(r"\.visible \.entry ",
+                                                      m.info.device_code.ptx)[1:])
+    assert "mma.sync.aligned" in entries["qkv_projection_kernel"]
+    assert m.info.device_code.resources["qkv_projection_kernel"].spill_store_bytes == 0
+
+
+@needs_nvcc
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_attention_kernel_uses_shared_memory(built, layer):
     code = built("cuda-sm90", layer).info.device_code
