@@ -70,6 +70,8 @@ class Backend:
     cross: bool = False          # its attention template reads K/V from a second GEMM's output
     gemm_packs_rows: Callable | None = None   # (target, depth) -> copy A into row-tile panels
     gemm_pairs: Callable | None = None        # (target, dtype, depth) -> depth pairs (bf16)
+    half_temps: bool = False     # qkv and att in a half layer's dtype (tensor-core GEMMs read
+    #                              them); else float32, converted once by the QKV GEMM
 
 
 def family_of(target) -> Family:

@@ -103,44 +103,46 @@ def with_scalars(func, scalars, tables=()):
                          func.body, func.ret_type, func.attrs)
 
 
-def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_shape=None):
+def attention_entry(body, rules, qkv_shape, table_shape, batch, out_shape, kv_shape=None,
+                    dtype="float32"):
     """The attention PrimFunc around a template's body macro body(qkv, kv, blocks, lens, out):
     (qkv, [kv,] blocks, [kv_lens,] out [, batch, seq]), with kv (the keys' and values'
     buffer, kv_shape) only for cross-attention (else the body reads them from qkv too),
     kv_lens only for layers that take key lengths per call and the scalars only in
     symbolic-length builds. Parsed without the well-formedness check (the scalars are free
-    until with_scalars); tvm.compile checks the finished function."""
+    until with_scalars); tvm.compile checks the finished function. dtype: qkv's, kv's and
+    out's (float32, or a half layer's on GPUs)."""
     if kv_shape is not None and rules.lengths:
         @T.prim_func(check_well_formed=False)
-        def attention(qkv: T.Buffer(qkv_shape, "float32"), kv: T.Buffer(kv_shape, "float32"),
+        def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
                       kv_lens: T.Buffer((batch,), "int32"),
-                      out: T.Buffer(out_shape, "float32")):
+                      out: T.Buffer(out_shape, dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
         return with_scalars(attention, rules.scalars, rules.tables)
     if kv_shape is not None:
         @T.prim_func(check_well_formed=False)
-        def attention(qkv: T.Buffer(qkv_shape, "float32"), kv: T.Buffer(kv_shape, "float32"),
+        def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      out: T.Buffer(out_shape, "float32")):
+                      out: T.Buffer(out_shape, dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
         return with_scalars(attention, rules.scalars, rules.tables)
     if rules.lengths:
         @T.prim_func(check_well_formed=False)
-        def attention(qkv: T.Buffer(qkv_shape, "float32"),
+        def attention(qkv: T.Buffer(qkv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
                       kv_lens: T.Buffer((batch,), "int32"),
-                      out: T.Buffer(out_shape, "float32")):
+                      out: T.Buffer(out_shape, dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)
         return with_scalars(attention, rules.scalars, rules.tables)
 
     @T.prim_func(check_well_formed=False)
-    def attention(qkv: T.Buffer(qkv_shape, "float32"),
+    def attention(qkv: T.Buffer(qkv_shape, dtype),
                   blocks: T.Buffer(table_shape, "int32"),
-                  out: T.Buffer(out_shape, "float32")):
+                  out: T.Buffer(out_shape, dtype)):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, qkv, blocks, None, out)
     return with_scalars(attention, rules.scalars, rules.tables)

@@ -97,16 +97,23 @@ def test_ptxas_no_spills_and_shared_memory_within_limit(built, preset, layer):
 
 @needs_nvcc
 @pytest.mark.parametrize("preset", PRESETS)
-def test_half_qkv_gemm_runs_on_tensor_cores(preset):
-    """A float16 causal grouped-K/V layer: dlight tensorizes the QKV GEMM (fp16 x fp16,
-    fp32 accumulation) into mma.sync. The output GEMM (its A, the attention output, is
-    float32) and the attention template do not use tensor cores yet (issue 13)."""
+def test_half_gemms_run_on_tensor_cores(preset):
+    """A float16 causal grouped-K/V layer: its qkv and att temporaries are float16 on GPUs,
+    so dlight tensorizes both GEMMs (fp16 x fp16, fp32 accumulation) into mma.sync; the
+    attention template reads and writes float16 and computes in float32 (no tensor cores
+    yet: issue 13). A bfloat16 layer compiles too."""
     m = mhagen.build(mhagen.mha(512, 8, dtype="float16", **LAYERS["causal_gqa"]), preset,
                      batch=1, seq_len=128, tuning=None)
+    assert m.program.buffers["qkv"].dtype == m.program.buffers["att"].dtype == "float16"
     entries = dict(e.split("(", 1) for e in re.split(r"\.visible \.entry ",
                                                       m.info.device_code.ptx)[1:])
-    assert "mma.sync.aligned" in entries["qkv_projection_kernel"]
-    assert m.info.device_code.resources["qkv_projection_kernel"].spill_store_bytes == 0
+    for gemm in ("qkv_projection_kernel", "output_projection_kernel"):
+        assert "mma.sync.aligned" in entries[gemm], gemm
+        assert m.info.device_code.resources[gemm].spill_store_bytes == 0, gemm
+    assert "cvt.f32.f16" in entries["attention_kernel"]
+    b = mhagen.build(mhagen.mha(512, 8, dtype="bfloat16"), preset, batch=1, seq_len=128,
+                     tuning=None)
+    assert b.program.buffers["att"].dtype == "bfloat16"
 
 
 @needs_nvcc

@@ -195,6 +195,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         rows_qkv = rows_att = round_up(rows, tile_rows)
         rows_kv = kv_rows and round_up(kv_rows, tile_rows)
 
+    # the temporaries' dtype: float32, or on GPUs a half layer's own (its GEMMs' tensor cores)
+    temp = dtype if backend.half_temps else COMPUTE
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
@@ -205,7 +207,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
             "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
-            "lengths": has_lengths}
+            "lengths": has_lengths, "temp_dtype": temp}
     if symbolic:
         work.update(symbolic=True, row_tile=tile_rows)
     if cross:   # keys and values: kv [n_kv_p / nr, rows_kv, nr], kv_seq rows per batch row
@@ -262,7 +264,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("w_qkv", role="param", **panels(n_qkv_p, d_model), pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
-        Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp",
+        Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp", dtype=temp,
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
@@ -273,7 +275,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
                doc="RoPE cos [0] and sin [1] by position (float64 math, stored float32)"),
     ] if a.get("rotary") else []) + [
-        Buffer("att", (rows_att, hd), "temp", doc="attention output, heads side by side "
+        Buffer("att", (rows_att, hd), "temp", dtype=temp, doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)",
                symbolic={0: "padded_rows"} if symbolic else None),
         Buffer("w_o", role="param", **panels(d_out_p, hd), pack=w_o),
@@ -292,7 +294,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     qkv, st = _gemm("qkv", qkv_node.name, x, wqkv, bqkv,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
-                    pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model))
+                    pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model),
+                    out_dtype=temp)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"

@@ -22,7 +22,7 @@ ROW_TILE = 64   # GEMM rows are padded to whole row tiles (dlight's block tiles 
 ATTENTION, GEMM = CudaAttentionRule(), DlightKernelRule()
 RULES = [ATTENTION, CudaRotaryRule(), GEMM]
 
-BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=ATTENTION,
+BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=ATTENTION, half_temps=True,
                   gemm_tile=lambda target: (ROW_TILE, PANEL),
                   gemm_rows=lambda target, rows, depth: round_up(rows, ROW_TILE),
                   head_dim_padded=lambda d, target: padded_head_dim(d),

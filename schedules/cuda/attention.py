@@ -124,6 +124,7 @@ def build_attention(w, cfg):
     neg_inf = T.float32(float("-inf"))
     zero = T.float32(0.0)
     HAS_MOD = w.get("score_mod") is not None
+    TEMP = w.get("temp_dtype", "float32")   # qkv's and out's dtype (a half layer's: fp16/bf16)
 
     rules = ScoreRules(w)
     visible, modified, key_row = rules.visible, rules.modified, rules.key_row
@@ -134,14 +135,14 @@ def build_attention(w, cfg):
                   b, h, g, q0, k0, tid, row_group, lane_col):
         for it in range(KV_LOADS):
             if it * NT + tid < KB * DP:
-                k_s[(it * NT + tid) % DP, (it * NT + tid) // DP] = qkv[
+                k_s[(it * NT + tid) % DP, (it * NT + tid) // DP] = T.Cast("float32", qkv[
                     (K_BASE + g * DP + (it * NT + tid) % DP) // PW,
                     key_row(b, k0 + (it * NT + tid) // DP, masked),
-                    (K_BASE + g * DP + (it * NT + tid) % DP) % PW]
-                v_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = qkv[
+                    (K_BASE + g * DP + (it * NT + tid) % DP) % PW])
+                v_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = T.Cast("float32", qkv[
                     (V_BASE + g * DP + (it * NT + tid) % DP) // PW,
                     key_row(b, k0 + (it * NT + tid) // DP, masked),
-                    (V_BASE + g * DP + (it * NT + tid) % DP) % PW]
+                    (V_BASE + g * DP + (it * NT + tid) % DP) % PW])
         T.tvm_storage_sync("shared")
         # S = Q K^T in log2 units (a partial block masks it); each thread's max per row
         for i in T.unroll(RT):
@@ -225,10 +226,10 @@ def build_attention(w, cfg):
         lane_col = T.meta_var(tid % CT)
         for it in range(Q_LOADS):
             if it * NT + tid < MQ * DP:
-                q_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = qkv[
+                q_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = T.Cast("float32", qkv[
                     (Q_BASE + h * DP + (it * NT + tid) % DP) // PW,
                     b * S + T.min(q0 + (it * NT + tid) // DP, S - 1),
-                    (Q_BASE + h * DP + (it * NT + tid) % DP) % PW] * c_log2e
+                    (Q_BASE + h * DP + (it * NT + tid) % DP) % PW]) * c_log2e
         for i in T.unroll(RT):
             st[0, i] = neg_inf
             st[1, i] = zero
@@ -249,6 +250,8 @@ def build_attention(w, cfg):
                 red[0] = T.Select(st[1, i] > zero, T.float32(1) / st[1, i], zero)
                 for j in T.unroll(OC):
                     if lane_col + CT * j < d:
-                        out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = acc_o[i, j] * red[0]
+                        out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = (
+                            T.Cast(TEMP, acc_o[i, j] * red[0]))
 
-    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD))
+    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
+                           dtype=TEMP)

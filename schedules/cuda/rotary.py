@@ -42,9 +42,10 @@ def build_rotary(w, cfg):
     NT = cfg.threads
     PAIRS = SLOTS * HALF
     LOOPS = -(-PAIRS // NT)
+    TEMP = w.get("temp_dtype", "float32")   # qkv's dtype (a half layer's: fp16/bf16)
 
     @T.prim_func
-    def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+    def rotary(qkv: T.Buffer((NP, M, PW), TEMP),
                rope: T.Buffer((2, S, HALF), "float32")):
         T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
         row = T.launch_thread("blockIdx.x", B * S)
@@ -53,21 +54,21 @@ def build_rotary(w, cfg):
         for it in range(LOOPS):
             if it * NT + tid < PAIRS:
                 # pair p: head slot p // HALF, column i = p % HALF and its partner i + HALF
-                pair[0] = qkv[(BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) // PW,
-                              row,
-                              (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) % PW]
-                pair[1] = qkv[(BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF
-                               + HALF) // PW, row,
-                              (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF
-                               + HALF) % PW]
+                pair[0] = T.Cast("float32", qkv[
+                    (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) // PW, row,
+                    (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) % PW])
+                pair[1] = T.Cast("float32", qkv[
+                    (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF + HALF) // PW,
+                    row,
+                    (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF + HALF) % PW])
                 qkv[(BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) // PW, row,
                     (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF) % PW] = (
-                    pair[0] * rope[0, row % S, (it * NT + tid) % HALF]
-                    - pair[1] * rope[1, row % S, (it * NT + tid) % HALF])
+                    T.Cast(TEMP, pair[0] * rope[0, row % S, (it * NT + tid) % HALF]
+                           - pair[1] * rope[1, row % S, (it * NT + tid) % HALF]))
                 qkv[(BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF + HALF) // PW,
                     row,
                     (BASE + (it * NT + tid) // HALF * DP + (it * NT + tid) % HALF + HALF) % PW] = (
-                    pair[1] * rope[0, row % S, (it * NT + tid) % HALF]
-                    + pair[0] * rope[1, row % S, (it * NT + tid) % HALF])
+                    T.Cast(TEMP, pair[1] * rope[0, row % S, (it * NT + tid) % HALF]
+                           + pair[0] * rope[1, row % S, (it * NT + tid) % HALF]))
 
     return rotary
