@@ -275,7 +275,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                value=rope_table(positions, a["rotary"]["rotary_dim"], a["rotary"]["base"]),
                doc="RoPE cos [0] and sin [1] by position (float64 math, stored float32)"),
     ] if a.get("rotary") else []) + [
-        Buffer("att", (rows_att, hd), "temp", dtype=temp, doc="attention output, heads side by side "
+        Buffer("att", (rows_att, hd), "temp", dtype=temp,
+               doc="attention output, heads side by side "
                "(rows past batch*seq: GEMM padding, never read into the output)",
                symbolic={0: "padded_rows"} if symbolic else None),
         Buffer("w_o", role="param", **panels(d_out_p, hd), pack=w_o),
