@@ -140,6 +140,7 @@ def _import_tensor_intrinsics():
     finally:
         inspect.stack = original
 
+
 def _search_strategy(budget):
     """MetaSchedule's evolutionary search with a population scaled to the trial budget: its
     default population (512 schedules sampled and mutated before the first measurement) is
@@ -149,6 +150,7 @@ def _search_strategy(budget):
     population = min(512, max(32, 8 * budget))
     return ms.search_strategy.EvolutionarySearch(
         population_size=population, init_min_unmeasured=min(50, population // 4))
+
 
 def _local_builder(target, **kwargs):
     """MetaSchedule's LocalBuilder with fast_build. Its default export is a .tar of objects
