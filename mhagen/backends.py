@@ -21,8 +21,9 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
                    for every length; mhagen.build(..., seq_len=None))
   cross            whether its attention template takes cross-attention (K/V projected from a
                    second input, mhagen.mha(..., cross=True)) fused
-  device_compile   (optional) (executable, target) -> DeviceCode: the device code compiled at
-                   build time (CUDA: nvcc's fatbin, its PTX and ptxas' resource report)
+  device_compile   (optional) (executable, target, scheduled IRModule, program) -> DeviceCode:
+                   the device code compiled at build time (CUDA: nvcc's fatbin, its PTX,
+                   ptxas' resource report and the launch table the C API runs)
   gemm_pairs       (optional) (target, dtype, depth) -> bool: the packed GEMM multiplies
                    pairs of its depth in one instruction (x86 AVX-512 BF16 vdpbf16ps):
                    weights packed [N / nr, K / 2, nr, 2], A's rows packed likewise

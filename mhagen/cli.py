@@ -260,10 +260,11 @@ def _cmd_build(args):
             return 1
     if args.out:
         out = module.save(args.out)
-        c_api = "mha.h + libmha.so (C API), lib/ (TVM runtime), " if (out / "mha.h").exists() \
-            else ""
-        print(f"wrote {out}/ (kernel.so, manifest.json, weights.bin, params.bin, {c_api}"
-              "te/tir/source text)")
+        gpu = module.target.device != "cpu"
+        c_api = ("mha.h + libmha.so (C API" + (", CUDA driver" if gpu else "") + "), " +
+                 ("" if gpu else "lib/ (TVM runtime), ")) if (out / "mha.h").exists() else ""
+        print(f"wrote {out}/ ({'kernels.fatbin' if gpu else 'kernel.so'}, manifest.json, "
+              f"weights.bin, params.bin, {c_api}te/tir/source text)")
     if err is None:
         print(f"not run: {module.cannot_run}")
         return 0

@@ -37,7 +37,7 @@ def compile_program(program, target, tuning=None):
     device_compile = backend_for(target).device_compile
     device = None
     if device_compile is not None:
-        device = device_compile(executable, target)
+        device = device_compile(executable, target, mod, program)
         texts["source"] = "\n".join([device.source, device.ptx, device.ptxas_report])
     return executable, texts, decisions, device
 

@@ -50,7 +50,29 @@ def _lint(cxx, directory):
 def test_runtime_compiles_without_warnings(artifact):
     d, man = artifact
     assert capi.write_sources(d, man) == ["mha.h", "mha_config.h", "mha_runtime.h",
-                                          "mha_runtime.cc"]
+                                          "mha_runtime.cc", "mha_cuda_driver.h"]
+    assert "#define MHA_DEVICE_CUDA 0" in (d / capi.CONFIG).read_text()
+    _lint("g++", d)
+
+
+def test_cuda_runtime_compiles_without_warnings(artifact):
+    """The CUDA branch (the driver opened at run time, kernels.fatbin, the launch table), with
+    the same program turned into a CUDA artifact's manifest."""
+    d, man = artifact
+    man["target"]["device"] = "cuda"
+    (d / "kernels.fatbin").write_bytes(bytes.fromhex("50ed55ba") + bytes(60))
+    man["files"]["kernels.fatbin"] = man["files"].pop("kernel.so")
+    man["device_code"] = {"arch": "sm_90", "launches": [
+        {"kernel": k["name"], "entry": f"{k['name']}_kernel", "grid": [4, 2, 1],
+         "block": [128, 1, 1], "dynamic_shared": 65536 * i, "args": k["args"]}
+        for i, k in enumerate(man["program"]["kernels"])]}
+    capi.write_sources(d, man)
+    config = (d / capi.CONFIG).read_text()
+    assert "#define MHA_DEVICE_CUDA 1" in config and "kDLCUDA" in config
+    assert "constexpr int kComputeCapability = 90;" in config
+    assert re.search(r'\{"attention_kernel", \{4, 2, 1\}, \{128, 1, 1\}, 65536, 3, ', config)
+    header = (d / capi.HEADER).read_text()
+    assert "MHA_API int mha_run_device(" in header and "libcuda.so.1" in header
     _lint("g++", d)
 
 
@@ -109,16 +131,18 @@ def test_generated_config_is_data_and_hashes_only_what_the_runtime_reads(artifac
 
 def test_runtime_never_reads_a_checked_file_whole():
     """kernel.so and params.bin are hashed in chunks (params copied into their buffers on the
-    way); only manifest.json, bounded, is read whole."""
+    way); only manifest.json and a CUDA artifact's kernels.fatbin (checked first, then handed
+    to the driver from memory), both bounded, are read whole."""
     code = (capi.RUNTIME_DIR / "mha_runtime.cc").read_text()
     assert "std::vector<uint8_t> chunk(size_t(1) << 20)" in code
-    assert code.count("read_small_file(") == 2          # its definition and the manifest
+    # its definition, the manifest, the fatbin
+    assert code.count("read_small_file(") == 3
 
 
-def test_a_device_other_than_cpu_is_refused(artifact):
+def test_an_unknown_device_is_refused(artifact):
     d, man = artifact
-    man["target"]["device"] = "cuda"
-    with pytest.raises(ArtifactError, match="'cuda'"):
+    man["target"]["device"] = "metal"
+    with pytest.raises(ArtifactError, match="'metal'"):
         capi.generate_config(man, capi._file_table(d, man))
 
 

@@ -129,18 +129,19 @@ def test_attention_kernel_uses_shared_memory(built, layer):
 
 
 @needs_nvcc
-def test_built_module_refuses_calls_and_saving(built, tmp_path):
+def test_built_module_refuses_calls_and_loading(built, tmp_path):
     m = built("cuda-sm90", "default")
     assert m.cannot_run is not None
     m.bind(init_weights(m.graph, seed=0))   # weights bind (repacked on the host)
     with pytest.raises(TargetError, match="cannot call this module"):
         m(random_input(m.graph, 1, 128))
-    with pytest.raises(ArtifactError, match="not implemented"):
-        m.save(tmp_path / "art")
+    m.save(tmp_path / "art")       # an artifact for the C API (tests/test_cuda_capi.py)
+    with pytest.raises(ArtifactError, match="C API"):
+        mhagen.load(tmp_path / "art")
 
 
 @needs_nvcc
-def test_unfused_graph_compiles_with_dlight_fallback():
+def test_unfused_graph_compiles_with_dlight_fallback(tmp_path):
     m = mhagen.build(mhagen.mha(64, 2), "cuda-sm90", batch=1, seq_len=16, fuse=False,
                      tuning=None)
     code = m.info.device_code
@@ -149,6 +150,11 @@ def test_unfused_graph_compiles_with_dlight_fallback():
     assert {d["config"]["rule"] for d in m.info.decisions} == {"dlight.Fallback"}
     for entry, r in code.resources.items():
         assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)
+    # its intermediates live inside the program kernel: no launch table, so no artifact
+    assert code.launches == [] and "no program buffer" in code.launch_problem
+    m.bind(init_weights(m.graph, seed=0))
+    with pytest.raises(ArtifactError, match="build it fused"):
+        m.save(tmp_path / "art")
 
 
 def test_unbound_stage_is_refused_by_name():

@@ -5,10 +5,12 @@
                   their arguments), weight/param tables with sha256, file sha256s, schedule
                   decisions, tuning (records used), content_hash, c_api
   kernel.so       the kernels (TVM library); weights.bin (user layout); params.bin (kernel-ready)
+  kernels.fatbin  GPU artifacts, in place of kernel.so: the device code compiled at build time;
+                  the manifest's device_code holds the launch table libmha.so runs (no TVM)
   mha.h           the generated C header (shapes, status codes, the API, documented)
   libmha.so       the C API (rpath $ORIGIN/lib), built from mha_runtime.h/.cc (the runtime,
                   package data) and mha_config.h (this artifact's constants, generated)
-  lib/            libtvm_ffi.so and libtvm_runtime.so (about 6 MB), what libmha.so links
+  lib/            libtvm_ffi.so and libtvm_runtime.so (about 6 MB), what libmha.so links (CPU)
   te.txt, tir.txt, source.txt   inspection texts
 
 The manifest describes everything a loader needs (mhagen.load reads manifest, kernel.so and

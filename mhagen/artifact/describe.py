@@ -48,6 +48,12 @@ def describe(manifest_or_dir) -> str:
             lines.append(f"  kernel  {k['name']}({', '.join(k['args'])})")
         for b in prog.get("buffers", []):
             lines.append(f"  {b['role']:<7} {b['name']:<10} {str(b['shape']):<22} {b['dtype']}")
+    code = man.get("device_code")
+    if code:
+        lines.append(f"device code   {code.get('file')} for {code.get('arch')}, launched in order:")
+        for la in code.get("launches", []):
+            lines.append(f"  launch  {la['entry']} grid {la['grid']} block {la['block']} "
+                         f"dynamic shared {la['dynamic_shared']} B ({', '.join(la['args'])})")
     for key, fname in (("weights", "weights.bin"), ("params", "params.bin")):
         table = man.get(key)
         if table:
@@ -70,8 +76,9 @@ def describe(manifest_or_dir) -> str:
     if c.get("skipped"):
         lines.append(f"C API         none: {c['skipped']}")
     elif c:
-        lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ "
-                     f"{', '.join(c.get('runtime_libs', []))}), by {c.get('compiler')}")
+        extra = ", ".join(c.get("runtime_libs", [])) or "the CUDA driver at run time"
+        lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ {extra}), by "
+                     f"{c.get('compiler')}")
         lines.append("  build   cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR")
     return "\n".join(lines)
 

@@ -51,6 +51,12 @@ def load(path) -> Module:
     """Load a directory written by Module.save(); checks format, target and checksums."""
     path = Path(path)
     man = read_manifest(path)
+    device = man["target"].get("device", "cpu") if isinstance(man["target"], dict) else "cpu"
+    if device != "cpu":
+        raise ArtifactError(f"{path} holds {device} kernels: mhagen.load runs CPU kernels; run "
+                            "these through the artifact's C API, libmha.so (mha.h; from "
+                            "Python: scripts/gpu_check.py shows how, with torch), on a machine "
+                            "with an NVIDIA GPU and its driver")
     _check_files(path, man["files"])
     try:
         target = Target.from_dict(man["target"])

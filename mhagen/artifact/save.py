@@ -15,23 +15,33 @@ from mhagen.errors import ArtifactError
 from mhagen.host import host_arch
 from mhagen.inspection import TEXT_FILES, source_text
 
-HASHED_FILES = ("kernel.so", "weights.bin", "params.bin") + tuple(f"{w}.txt" for w in TEXT_FILES)
+DEVICE_FILE = "kernels.fatbin"     # GPU artifacts: the device code, in place of kernel.so
+HASHED_FILES = ("kernel.so", DEVICE_FILE, "weights.bin", "params.bin") + tuple(
+    f"{w}.txt" for w in TEXT_FILES)
 
 
 def save_module(module, path) -> Path:
-    """Write `module` to directory `path` (created): kernel.so, weights and params, texts,
-    manifest.json, and the C API when a compiler is at hand. Returns the path."""
-    if module.target.device != "cpu":
-        # TVM's export_library would store the CUDA source, not the fatbin compiled at build
-        # time, and mhagen.load and the C API run CPU kernels only
-        raise ArtifactError(f"saving {module.target.device} modules ({module.target.name}) is "
-                            "not implemented yet; module.info.device_code holds the compiled "
-                            "fatbin and PTX")
-    # the cross compiler first: nothing is written when it is missing
-    options = export_options(module.target) if module.info.executable is not None else {}
+    """Write `module` to directory `path` (created): kernel.so (GPU targets: kernels.fatbin
+    and the launch table in the manifest), weights and params, texts, manifest.json, and the
+    C API when a compiler is at hand. Returns the path."""
+    device = module.target.device
+    if device == "cpu":
+        # the cross compiler first: nothing is written when it is missing
+        options = export_options(module.target) if module.info.executable is not None else {}
+    elif module.info.device_code is None:
+        raise ArtifactError(f"this {device} module has no device code to save (a loaded "
+                            "one: copy its directory instead)")
+    elif not module.info.device_code.launches:
+        raise ArtifactError(f"this {device} module cannot be saved: its C API could not launch "
+                            f"it ({module.info.device_code.launch_problem}); build it fused")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _write_library(module, path, options)
+    if device == "cpu":
+        _write_library(module, path, options)
+    else:
+        # GPU code: the fatbin compiled at build time (TVM's export_library would store CUDA
+        # source) and the launch table; the C API launches them through the CUDA driver
+        (path / DEVICE_FILE).write_bytes(module.info.device_code.fatbin)
     module.info.texts["source"] = source_text(module)
     for what in TEXT_FILES:
         (path / f"{what}.txt").write_text(module.info.texts.get(what, ""))
@@ -45,7 +55,14 @@ def save_module(module, path) -> Path:
             if (path / name).exists():
                 os.remove(path / name)
     files = {n: sha256_file(path / n) for n in HASHED_FILES if (path / n).exists()}
-    manifest = finish(path, module_manifest(module, table, files, params))
+    manifest = module_manifest(module, table, files, params)
+    if device != "cpu":
+        code = module.info.device_code
+        manifest["device_code"] = {
+            "file": DEVICE_FILE, "arch": code.arch,
+            "launches": [la.to_dict() for la in code.launches],
+            "resources": {e: r.__dict__ for e, r in sorted(code.resources.items())}}
+    manifest = finish(path, manifest)
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return path
 
@@ -74,8 +91,10 @@ def finish(path, manifest: dict, *, toolchain=None) -> dict:
         reason = "no weights bound (bind weights, then save: the C API runs params.bin)"
     elif toolchain is None:
         arch = manifest["target"]["arch"]
-        # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross)
-        toolchain = capi.Toolchain.cross(arch) if arch != host_arch() else capi.Toolchain.host()
+        # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross);
+        # a GPU's C API runs on this machine's architecture (the host of the GPU)
+        cross = arch != host_arch() and manifest["target"].get("device", "cpu") == "cpu"
+        toolchain = capi.Toolchain.cross(arch) if cross else capi.Toolchain.host()
         if isinstance(toolchain, str):
             reason = toolchain
     if reason is None:

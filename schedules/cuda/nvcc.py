@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhagen.errors import ScheduleError, TargetError
+from mhagen.schedules.cuda.launch import launch_table
 
 TOOLS = ("nvcc", "ptxas", "fatbinary")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
@@ -43,6 +44,8 @@ class DeviceCode:
     ptx: str
     ptxas_report: str
     resources: dict = field(default_factory=dict)   # entry name -> KernelResources
+    launches: list = field(default_factory=list)    # KernelLaunch per kernel, in run order
+    launch_problem: str = ""     # why there is no launch table (no artifact can be saved)
 
     def entries(self) -> list:
         return re.findall(r"^\.(?:visible )?\.entry (\w+)\(", self.ptx, re.M)
@@ -102,9 +105,9 @@ def compile_source(source: str, arch: str) -> DeviceCode:
                           resources=parse_ptxas_report(report))
 
 
-def compile_device(executable, target) -> DeviceCode:
+def compile_device(executable, target, mod, program) -> DeviceCode:
     """The device code of a CUDA build, compiled now; checked against the program's kernels
-    and the target's shared memory."""
+    and the target's shared memory. `mod`: the scheduled kernels (for the launch table)."""
     cuda = [m for m in executable.mod.imports if m.kind == "cuda"]
     if len(cuda) != 1:
         raise ScheduleError(f"a CUDA build for {target.name} holds {len(cuda)} CUDA modules "
@@ -116,4 +119,11 @@ def compile_device(executable, target) -> DeviceCode:
         if limit and r.shared_bytes > limit:
             raise ScheduleError(f"GPU kernel {entry} uses {r.shared_bytes} bytes of shared "
                                 f"memory; {target.name} allows {limit} per block")
+    try:   # what an artifact launches; a program that cannot be launched still compiles
+        code.launches = launch_table(mod, target, program)
+    except ScheduleError as err:
+        code.launch_problem = str(err)
+    missing = {la.entry for la in code.launches} - set(code.entries())
+    if missing:
+        raise ScheduleError(f"the PTX lacks the GPU kernels {sorted(missing)}")
     return code

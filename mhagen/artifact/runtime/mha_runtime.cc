@@ -8,14 +8,20 @@
 // manifest.json c_api.build_command has the exact line):
 //   c++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -I. -I<tvm-ffi include>
 //       mha_runtime.cc -o libmha.so -Llib -ltvm_ffi -ltvm_runtime -Wl,-rpath,'$ORIGIN/lib'
+// CUDA artifacts (MHA_DEVICE_CUDA) use no TVM at all: kernels.fatbin is launched through the
+// CUDA driver (mha_cuda_driver.h, loaded at run time); they link -ldl only.
 #include "mha.h"
 #include "mha_config.h"
 #include "mha_runtime.h"
 
 #include <dlpack/dlpack.h>
+#if MHA_DEVICE_CUDA
+#include "mha_cuda_driver.h"
+#else
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
+#endif
 
 #include <sched.h>
 #include <sys/stat.h>
@@ -58,10 +64,50 @@ void clear_error() {
 
 // ---- the device the kernels' buffers live on ------------------------------------------------
 // The one place that knows where buffers live. mha_config.h's kDeviceType comes from the
-// manifest's target device; this runtime implements the CPU (buffers from posix_memalign,
-// copies with memcpy, the caller's arrays used in place when aligned). Another device (CUDA)
-// adds its allocator, copies and DLDevice here.
-static_assert(kDeviceType == kDLCPU, "mha_runtime.cc implements the CPU device only");
+// manifest's target device: the CPU (buffers from posix_memalign, copies with memcpy, the
+// caller's arrays used in place when aligned) or CUDA (cuMemAlloc, synchronous copies on
+// the legacy default stream; host arrays always go through the device buffers).
+#if MHA_DEVICE_CUDA
+static_assert(kDeviceType == kDLCUDA, "a CUDA artifact's buffers live on the GPU");
+
+const cu::Driver *g_driver = nullptr;   // set by open_device before any allocation
+
+DLDevice device() { return DLDevice{kDeviceType, 0}; }
+
+cu::DevicePtr dptr(const void *p) { return cu::DevicePtr(reinterpret_cast<uintptr_t>(p)); }
+
+// `bytes` of zeroed device memory in the current context; nullptr when out of memory.
+void *device_alloc(size_t bytes) {
+  cu::DevicePtr p = 0;
+  if (g_driver->MemAlloc(&p, bytes ? bytes : 1) != cu::kSuccess) return nullptr;
+  if (g_driver->MemsetD8(p, 0, bytes) != cu::kSuccess) {
+    g_driver->MemFree(p);
+    return nullptr;
+  }
+  return reinterpret_cast<void *>(uintptr_t(p));
+}
+
+void device_free(void *p) {
+  if (p != nullptr && g_driver != nullptr) g_driver->MemFree(dptr(p));
+}
+
+bool copy_to_device(void *dst, const void *src, size_t n) {
+  return g_driver->MemcpyHtoD(dptr(dst), src, n) == cu::kSuccess;
+}
+
+bool copy_to_host(void *dst, const void *src, size_t n) {
+  return g_driver->MemcpyDtoH(dst, dptr(src), n) == cu::kSuccess;
+}
+
+bool usable_in_place(const void *) { return false; }   // host pointers: never
+
+// Waits for the GPU; " (CUDA error ...)" when a kernel failed, else "".
+std::string device_error() {
+  const cu::Result rc = g_driver->CtxSynchronize();
+  return rc == cu::kSuccess ? std::string() : " (" + cu::error_text(*g_driver, rc) + ")";
+}
+#else
+static_assert(kDeviceType == kDLCPU, "a CPU artifact's buffers live in host memory");
 
 constexpr size_t kAlign = 64;       // the kernels use aligned vector loads
 
@@ -78,12 +124,21 @@ void *device_alloc(size_t bytes) {
 
 void device_free(void *p) { std::free(p); }
 
-void copy_to_device(void *dst, const void *src, size_t n) { std::memcpy(dst, src, n); }
+bool copy_to_device(void *dst, const void *src, size_t n) {
+  std::memcpy(dst, src, n);
+  return true;
+}
 
-void copy_to_host(void *dst, const void *src, size_t n) { std::memcpy(dst, src, n); }
+bool copy_to_host(void *dst, const void *src, size_t n) {
+  std::memcpy(dst, src, n);
+  return true;
+}
 
 // Whether the kernels may use a caller's array in place instead of a staging copy.
 bool usable_in_place(const void *p) { return reinterpret_cast<uintptr_t>(p) % kAlign == 0; }
+
+std::string device_error() { return std::string(); }
+#endif
 
 // ---- SHA-256 (FIPS 180-4) -------------------------------------------------------------------
 class Sha256 {
@@ -312,6 +367,7 @@ std::string missing_cpu_features() {
   return missing;
 }
 
+#if !MHA_DEVICE_CUDA
 // ---- threads: size TVM's pool to the usable CPUs unless TVM_NUM_THREADS is set --------------
 void prepare_threads() {
   static std::once_flag once;
@@ -325,6 +381,7 @@ void prepare_threads() {
 #endif
   });
 }
+#endif
 
 }  // namespace
 }  // namespace mha
@@ -332,18 +389,34 @@ void prepare_threads() {
 // ---- the handle ------------------------------------------------------------------------------
 struct mha_handle {
   std::mutex mutex;                 // one run at a time: temps and staging buffers are shared
+#if MHA_DEVICE_CUDA
+  mha::cu::Device gpu = 0;
+  mha::cu::Context context = nullptr;   // the GPU's primary context (shared with the CUDA
+                                        // runtime, so cudaMalloc'ed pointers work here)
+  mha::cu::ModuleHandle module = nullptr;
+  std::vector<mha::cu::Function> functions;   // one per kLaunches entry
+#else
   tvm::ffi::Optional<tvm::ffi::Module> module;
   std::vector<tvm::ffi::Function> kernels;
   std::vector<std::vector<tvm::ffi::AnyView>> args;   // views of `tensors`
+#endif
   std::vector<DLTensor> tensors;    // one per buffer; never resized after mha_create
   std::vector<int64_t> shapes;      // their shapes, kMaxDims per buffer (symbolic axes: the
                                     // current call's)
   std::vector<void *> data;         // device memory; input/output: staging copies
   ~mha_handle() {
+#if MHA_DEVICE_CUDA
+    if (context == nullptr) return;   // nothing was allocated
+    mha::g_driver->CtxSetCurrent(context);
+    for (void *p : data) mha::device_free(p);
+    if (module != nullptr) mha::g_driver->ModuleUnload(module);
+    mha::g_driver->PrimaryCtxRelease(gpu);
+#else
     args.clear();
     kernels.clear();
     module = tvm::ffi::Optional<tvm::ffi::Module>();
     for (void *p : data) mha::device_free(p);
+#endif
   }
 };
 
@@ -409,15 +482,16 @@ int verify_files(const std::string &dir, mha_handle *h) {
   for (int i = 0; i < kNumFiles; ++i)   // sizes first: a truncated copy fails before any read
     if (check_size(dir + "/" + kFiles[i].name, kFiles[i].size) != MHA_OK) return g_code;
   auto ignore = [](int64_t, const uint8_t *, size_t) {};
-  auto load_params = [h](int64_t at, const uint8_t *bytes, size_t n) {
+  bool copied = true;
+  auto load_params = [h, &copied](int64_t at, const uint8_t *bytes, size_t n) {
     const int64_t end = at + int64_t(n);
     for (int i = 0; i < kNumBuffers; ++i) {
       const BufferSpec &b = kBuffers[i];
       const int64_t lo = b.offset > at ? b.offset : at;
       const int64_t hi = b.offset + b.nbytes < end ? b.offset + b.nbytes : end;
       if (b.role == kParam && lo < hi)
-        copy_to_device(static_cast<uint8_t *>(h->data[size_t(i)]) + (lo - b.offset),
-                       bytes + (lo - at), size_t(hi - lo));
+        copied &= copy_to_device(static_cast<uint8_t *>(h->data[size_t(i)]) + (lo - b.offset),
+                                 bytes + (lo - at), size_t(hi - lo));
     }
   };
   for (int i = 0; i < kNumFiles; ++i) {
@@ -427,9 +501,102 @@ int verify_files(const std::string &dir, mha_handle *h) {
                                     : verify_file(path, kFiles[i], ignore);
     if (rc != MHA_OK) return rc;
   }
+  if (!copied) return fail(MHA_ERR_RUNTIME, "mha_create: copying the parameters to the device "
+                                            "failed");
   return MHA_OK;
 }
 
+#if MHA_DEVICE_CUDA
+// Opens the GPU (MHA_CUDA_DEVICE, default 0): the driver, its compute capability against the
+// kernels' architecture, the primary context made current.
+int open_device(mha_handle *h) {
+  std::string why;
+  const cu::Driver &d = cu::driver(&why);
+  if (!why.empty()) return fail(MHA_ERR_DEVICE, "mha_create: " + why);
+  g_driver = &d;
+  int count = 0;
+  const char *env = std::getenv("MHA_CUDA_DEVICE");
+  const int ordinal = env && *env ? std::atoi(env) : 0;
+  if (d.DeviceGetCount(&count) != cu::kSuccess || count < 1)
+    return fail(MHA_ERR_DEVICE, "mha_create: the CUDA driver sees no GPU");
+  if (ordinal < 0 || ordinal >= count)
+    return fail(MHA_ERR_DEVICE, "mha_create: MHA_CUDA_DEVICE=" + std::string(env) +
+                                    " but this machine has GPUs 0.." + std::to_string(count - 1));
+  int major = 0, minor = 0, optin = 0;
+  if (d.DeviceGet(&h->gpu, ordinal) != cu::kSuccess ||
+      d.DeviceGetAttribute(&major, cu::kAttrComputeCapabilityMajor, h->gpu) != cu::kSuccess ||
+      d.DeviceGetAttribute(&minor, cu::kAttrComputeCapabilityMinor, h->gpu) != cu::kSuccess ||
+      d.DeviceGetAttribute(&optin, cu::kAttrMaxSharedPerBlockOptin, h->gpu) != cu::kSuccess)
+    return fail(MHA_ERR_DEVICE, "mha_create: cannot query GPU " + std::to_string(ordinal));
+  if (major * 10 + minor < kComputeCapability)
+    return fail(MHA_ERR_DEVICE,
+                "mha_create: GPU " + std::to_string(ordinal) + " has compute capability " +
+                    std::to_string(major) + "." + std::to_string(minor) +
+                    ", older than the kernels' sm_" + std::to_string(kComputeCapability) +
+                    ": rebuild the artifact for it (mhagen build --target cuda-sm80 ...)");
+  for (int k = 0; k < kNumLaunches; ++k)
+    if (kLaunches[k].dynamic_shared > unsigned(optin))
+      return fail(MHA_ERR_DEVICE, "mha_create: kernel " + std::string(kLaunches[k].entry) +
+                                      " needs " + std::to_string(kLaunches[k].dynamic_shared) +
+                                      " bytes of shared memory; this GPU allows " +
+                                      std::to_string(optin));
+  cu::Context context = nullptr;
+  if (d.PrimaryCtxRetain(&context, h->gpu) != cu::kSuccess)
+    return fail(MHA_ERR_DEVICE, "mha_create: cannot open a context on GPU " +
+                                    std::to_string(ordinal));
+  h->context = context;
+  if (d.CtxSetCurrent(context) != cu::kSuccess)
+    return fail(MHA_ERR_DEVICE, "mha_create: cannot make GPU " + std::to_string(ordinal) +
+                                    "'s context current");
+  return MHA_OK;
+}
+
+// Loads kernels.fatbin (checked by verify_files) and finds each launch's function.
+int load_kernels(const std::string &dir, mha_handle *h) {
+  const std::string fpath = dir + "/" + kFiles[kDeviceFileIndex].name;
+  std::string image;
+  if (read_small_file(fpath, &image) != MHA_OK) return g_code;
+  const cu::Result rc = g_driver->ModuleLoadData(&h->module, image.data());
+  if (rc != cu::kSuccess)
+    return fail(MHA_ERR_RUNTIME, "mha_create: the CUDA driver cannot load " + fpath + " (" +
+                                     cu::error_text(*g_driver, rc) + "); a driver older than " +
+                                     "the CUDA toolkit that built it?");
+  for (int k = 0; k < kNumLaunches; ++k) {
+    cu::Function f = nullptr;
+    if (g_driver->ModuleGetFunction(&f, h->module, kLaunches[k].entry) != cu::kSuccess)
+      return fail(MHA_ERR_CORRUPT, "mha_create: " + fpath + " has no kernel '" +
+                                       kLaunches[k].entry + "'; rebuild the artifact");
+    if (kLaunches[k].dynamic_shared > cu::kStaticSharedLimit &&
+        g_driver->FuncSetAttribute(f, cu::kFuncAttrMaxDynamicShared,
+                                   int(kLaunches[k].dynamic_shared)) != cu::kSuccess)
+      return fail(MHA_ERR_DEVICE, "mha_create: kernel " + std::string(kLaunches[k].entry) +
+                                      " cannot have its shared memory on this GPU");
+    h->functions.push_back(f);
+  }
+  return MHA_OK;
+}
+
+// Launches kLaunches[first, last) on `stream` (asynchronous).
+int launch(mha_handle *h, int first, int last, cu::Stream stream, const std::string &fn) {
+  for (int k = first; k < last; ++k) {
+    const LaunchSpec &l = kLaunches[k];
+    cu::DevicePtr pointers[kMaxLaunchArgs];
+    void *params[kMaxLaunchArgs + 1];   // NULL after the last (the driver reads l.nargs)
+    for (int a = 0; a < l.nargs; ++a) {
+      pointers[a] = dptr(h->tensors[size_t(l.args[a])].data);
+      params[a] = &pointers[a];
+    }
+    params[l.nargs] = nullptr;
+    const cu::Result rc = g_driver->LaunchKernel(
+        h->functions[size_t(k)], l.grid[0], l.grid[1], l.grid[2], l.block[0], l.block[1],
+        l.block[2], l.dynamic_shared, stream, params, nullptr);
+    if (rc != cu::kSuccess)
+      return fail(MHA_ERR_RUNTIME, fn + ": launching " + l.entry + " failed (" +
+                                       cu::error_text(*g_driver, rc) + ")");
+  }
+  return MHA_OK;
+}
+#else
 // Loads kernel.so and binds each kernel's arguments.
 int load_kernels(const std::string &dir, mha_handle *h) {
   const std::string kpath = dir + "/kernel.so";
@@ -454,6 +621,7 @@ int load_kernels(const std::string &dir, mha_handle *h) {
   }
   return MHA_OK;
 }
+#endif
 
 mha_handle *create(const char *dir_c) {
   clear_error();
@@ -481,8 +649,12 @@ mha_handle *create(const char *dir_c) {
     fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory");
     return nullptr;
   }
-  if (allocate(h.get()) != MHA_OK || verify_files(dir, h.get()) != MHA_OK) return nullptr;
+#if MHA_DEVICE_CUDA
+  if (open_device(h.get()) != MHA_OK) return nullptr;
+#else
   prepare_threads();
+#endif
+  if (allocate(h.get()) != MHA_OK || verify_files(dir, h.get()) != MHA_OK) return nullptr;
   if (load_kernels(dir, h.get()) != MHA_OK) return nullptr;
   return h.release();
 }
@@ -513,6 +685,7 @@ void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_se
     if (kBuffers[i].sym_kind != kFixed)
       h->shapes[size_t(i) * kMaxDims + size_t(kBuffers[i].sym_axis)] =
           values[kBuffers[i].sym_kind];
+#if !MHA_DEVICE_CUDA   // (CUDA artifacts have fixed shapes)
   for (int k = 0; k < kNumKernels; ++k)
     for (int a = 0; a < kKernels[k].nargs; ++a)
       if (kKernels[k].args[a] < 0)
@@ -520,6 +693,7 @@ void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_se
             kKernels[k].args[a] == kArgBatch ? batch
             : kKernels[k].args[a] == kArgSeq ? seq_len
                                              : kv_seq_len);
+#endif
 }
 
 // Checks the lengths (and caches) a call of batch x seq_len passes against what this
@@ -597,7 +771,12 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
                     std::to_string(batch) + " --seq-len " + std::to_string(seq_len) + " ...");
   if (check_extras(e, kind_given, batch, seq_len) != MHA_OK) return g_code;
   std::lock_guard<std::mutex> lock(h->mutex);
+#if MHA_DEVICE_CUDA
+  if (g_driver->CtxSetCurrent(h->context) != cu::kSuccess)
+    return fail(MHA_ERR_DEVICE, fn + ": cannot make the GPU's context current");
+#endif
   const int64_t rows = int64_t(batch) * seq_len;
+  bool copied = true;
   if (kSymbolicBatch || kSymbolicSeq || kSymbolicKvSeq)
     set_call_shape(h, batch, seq_len, e.kv_seq_len);
   void *in_scratch = h->data[size_t(kInputIndex)];
@@ -607,17 +786,19 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
   if (usable_in_place(x)) {
     in.data = const_cast<mha_value *>(x);   // the kernels only read their input
   } else {
-    copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(mha_value));
+    copied &= copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(mha_value));
   }
   if (kLengthsIndex >= 0)
-    copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths, size_t(batch) * sizeof(int32_t));
+    copied &= copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths,
+                             size_t(batch) * sizeof(int32_t));
   DLTensor *context = kContextIndex >= 0 ? &h->tensors[size_t(kContextIndex)] : nullptr;
   if (context != nullptr) {
     if (usable_in_place(e.context))
       context->data = const_cast<mha_value *>(e.context);   // only read
     else
-      copy_to_device(context->data, e.context,
-                     size_t(int64_t(batch) * e.kv_seq_len * kKvDim) * sizeof(mha_value));
+      copied &= copy_to_device(context->data, e.context,
+                               size_t(int64_t(batch) * e.kv_seq_len * kKvDim) *
+                                   sizeof(mha_value));
   }
   if (kKCacheIndex >= 0) {
     h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
@@ -625,15 +806,20 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
   }
   const bool direct = kOutCols == kOutDModel && usable_in_place(y);
   if (direct) out.data = y;
-  int rc = MHA_OK;
+  int rc = copied ? MHA_OK : fail(MHA_ERR_RUNTIME, fn + ": copying the input to the device "
+                                                        "failed");
+#if MHA_DEVICE_CUDA
+  if (rc == MHA_OK) rc = launch(h, 0, kNumLaunches, nullptr, fn);   // the legacy stream
+#else
   try {
-    for (size_t k = 0; k < h->kernels.size(); ++k) {
+    for (size_t k = 0; rc == MHA_OK && k < h->kernels.size(); ++k) {
       tvm::ffi::Any result;
       h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
     }
   } catch (const std::exception &ex) {
     rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
   }
+#endif
   in.data = in_scratch;
   out.data = out_scratch;
   if (context != nullptr) context->data = h->data[size_t(kContextIndex)];
@@ -641,11 +827,16 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
     h->tensors[size_t(kKCacheIndex)].data = nullptr;
     h->tensors[size_t(kVCacheIndex)].data = nullptr;
   }
-  if (rc == MHA_OK && !direct) {
+  if (rc == MHA_OK && !direct) {   // (CUDA: waits for the kernels, reports their errors)
     const mha_value *src = static_cast<const mha_value *>(out_scratch);
-    for (int64_t r = 0; r < rows; ++r)
-      copy_to_host(y + r * kOutDModel, src + r * kOutCols,
-                   size_t(kOutDModel) * sizeof(mha_value));
+    if (kOutCols == kOutDModel)
+      copied = copy_to_host(y, src, size_t(rows * kOutDModel) * sizeof(mha_value));
+    for (int64_t r = 0; kOutCols != kOutDModel && r < rows; ++r)
+      copied &= copy_to_host(y + r * kOutDModel, src + r * kOutCols,
+                             size_t(kOutDModel) * sizeof(mha_value));
+    if (!copied)
+      rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel or copying the output back failed" +
+                                     device_error());
   }
   if (rc == MHA_OK && kLengthsKind == 2) {
     int32_t *lens = const_cast<int32_t *>(e.lengths);
@@ -653,6 +844,39 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
   }
   return rc;
 }
+
+#if MHA_DEVICE_CUDA
+static_assert(kOutCols == kOutDModel, "a CUDA artifact's output buffer is the caller's y");
+
+// mha_run_device / mha_run_kernel_device: the caller's device arrays x and y, kernels
+// [first, last) launched on `stream` (asynchronous: no copy, no wait).
+int run_device(mha_handle *h, const mha_value *x, mha_value *y, void *stream, int first,
+               int last, const std::string &fn) {
+  clear_error();
+  if (h == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT,
+                fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr || y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x or y is NULL");
+  if (kEntry != 0)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this layer takes lengths or a context: run it with "
+                                       "mha_run_padded / mha_run_cross (host arrays)");
+  if (first < 0 || last > kNumLaunches || first >= last)
+    return fail(MHA_ERR_ARGUMENT, fn + ": kernel " + std::to_string(first) + " is not one of "
+                                       "0.." + std::to_string(kNumLaunches - 1) +
+                                       " (mha_num_kernels())");
+  std::lock_guard<std::mutex> lock(h->mutex);
+  if (g_driver->CtxSetCurrent(h->context) != cu::kSuccess)
+    return fail(MHA_ERR_DEVICE, fn + ": cannot make the GPU's context current");
+  DLTensor &in = h->tensors[size_t(kInputIndex)];
+  DLTensor &out = h->tensors[size_t(kOutputIndex)];
+  in.data = const_cast<mha_value *>(x);   // only read
+  out.data = y;
+  const int rc = launch(h, first, last, static_cast<cu::Stream>(stream), fn);
+  in.data = h->data[size_t(kInputIndex)];
+  out.data = h->data[size_t(kOutputIndex)];
+  return rc;
+}
+#endif
 
 // The C entry points' shared exception guard.
 template <typename F>
@@ -719,6 +943,30 @@ MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int
     e.kv_seq_len = kv_seq_len;
     return mha::run(handle, x, batch, seq_len, y, e, 3);
   });
+}
+
+#if MHA_DEVICE_CUDA
+MHA_API int mha_run_device(mha_handle *handle, const mha_value *x, mha_value *y,
+                           void *stream) {
+  return mha::guarded("mha_run_device", [&] {
+    return mha::run_device(handle, x, y, stream, 0, mha::config::kNumLaunches,
+                           "mha_run_device");
+  });
+}
+
+MHA_API int mha_run_kernel_device(mha_handle *handle, int kernel, const mha_value *x,
+                                  mha_value *y, void *stream) {
+  return mha::guarded("mha_run_kernel_device", [&] {
+    return mha::run_device(handle, x, y, stream, kernel, kernel + 1, "mha_run_kernel_device");
+  });
+}
+#endif
+
+MHA_API int mha_num_kernels(void) { return mha::config::kNumKernels; }
+
+MHA_API const char *mha_kernel_name(int kernel) {
+  return kernel >= 0 && kernel < mha::config::kNumKernels ? mha::config::kKernels[kernel].name
+                                                          : nullptr;
 }
 
 MHA_API void mha_destroy(mha_handle *handle) {

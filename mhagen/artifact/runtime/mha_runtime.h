@@ -17,6 +17,10 @@
 //   kNumKernels, kKernels[]                   the kernels of kernel.so, called in order
 //   kNumFiles, kFiles[], kParamsFile          the files mha_create checks (FileSpec)
 //   kDeviceType                               where the buffers live (DLPack device type)
+//   MHA_DEVICE_CUDA                           1: a CUDA artifact (kernels.fatbin launched
+//                                             through the CUDA driver, mha_cuda_driver.h)
+//   kComputeCapability, kDeviceFileIndex      CUDA: the architecture (90: sm_90), the fatbin
+//   kNumLaunches, kLaunches[]                 CUDA: the GPU kernels, in run order (LaunchSpec)
 //   kSveVectorBits                            aarch64: SVE vector length the kernels need, or 0
 // and the lists (X-macros: each expands X once per entry)
 //   MHA_STATUS_LIST(X)        X(name) per status code of mha.h, in order
@@ -64,6 +68,17 @@ struct KernelSpec {
   int nargs;
   const int *args;          // indices into kBuffers, or a ScalarArg
 };
+
+struct LaunchSpec {
+  const char *entry;        // the GPU function in kernels.fatbin
+  unsigned grid[3];         // blocks (x, y, z)
+  unsigned block[3];        // threads (x, y, z)
+  unsigned dynamic_shared;  // bytes of dynamic shared memory
+  int nargs;
+  const int *args;          // indices into kBuffers, in the function's parameter order
+};
+
+constexpr int kMaxLaunchArgs = 16;
 
 struct FileSpec {
   const char *name;         // relative to the artifact directory

@@ -1,0 +1,343 @@
+"""Check mhagen's CUDA artifacts on a GPU machine: correctness against the float64 reference and
+the fused attention's speed against PyTorch's scaled_dot_product_attention (flash backend).
+
+Two steps, on two machines (scripts/gpu_check.sh wraps them):
+
+  prepare  here, where mhagen, TVM and nvcc are: builds the CUDA artifacts into a bundle (at
+           most 64 MiB): check cases (the default layer, an awkward fp32 one with seq 97 and
+           head_dim 40, a causal grouped-K/V fp16 one) with their inputs and float64
+           reference outputs, and bench cases (fp16, seq 1024-8192, head_dim 64 and 128).
+           Each artifact is kernels.fatbin + libmha.so: no TVM is needed to run it.
+  run      on the GPU machine (Python with torch and the NVIDIA driver; no mhagen, no TVM,
+           no numpy): loads each libmha.so with ctypes, runs the check cases through mha_run
+           (host arrays) and mha_run_device (torch CUDA tensors, torch's stream) and compares
+           with the reference, within the tolerance of mhagen's table for the dtype; times
+           the attention kernel alone (mha_run_kernel_device) and SDPA on the same shapes;
+           writes results.md and results.json into the bundle.
+
+Exit codes of run: 0 all checks pass, 1 a check failed, 2 no GPU (or torch without CUDA).
+`run --host-only` skips what needs torch's GPU (device-pointer runs, the benchmark): with a
+stand-in driver (MHA_CUDA_DRIVER) it tests everything up to the GPU, which is how
+tests/test_gpu_check.py exercises this file.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BUNDLE_LIMIT = 64 << 20          # what the GPU machine accepts
+FORMAT = "mhagen.gpu_bundle"
+KEEP = ("manifest.json", "kernels.fatbin", "params.bin", "weights.bin", "libmha.so", "mha.h")
+TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+# ---- prepare (mhagen, TVM, nvcc) ---------------------------------------------------------------
+
+def check_cases(quick: bool) -> list:
+    """(name, mha kwargs, batch, seq) of the layers run against the reference."""
+    if quick:
+        return [("small_fp32", dict(d_model=64, num_heads=2), 1, 40)]
+    return [("default_fp32", dict(d_model=512, num_heads=8), 1, 128),
+            ("awkward_fp32", dict(d_model=320, num_heads=8), 2, 97),          # head_dim 40
+            ("causal_gqa_fp16", dict(d_model=512, num_heads=8, kv_heads=2, causal=True,
+                                     dtype="float16"), 2, 97)]
+
+
+def bench_cases(quick: bool) -> list:
+    """(name, mha kwargs, batch, seq) of the attention benchmark (random weights)."""
+    if quick:
+        return [("bench_s128_d64", dict(d_model=128, num_heads=2), 1, 128)]
+    heads, batch = 4, 4
+    out = [(f"bench_s{s}_d{d}", dict(d_model=heads * d, num_heads=heads, dtype="float16"),
+            batch, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
+    return out + [("bench_s4096_d128_causal", dict(d_model=heads * 128, num_heads=heads,
+                                                   causal=True, dtype="float16"), batch, 4096)]
+
+
+def _save_case(out: Path, name: str, kwargs: dict, batch: int, seq: int, preset: str,
+               kind: str) -> dict:
+    import numpy as np
+
+    import mhagen
+    from mhagen.tolerances import TOLERANCES
+    from mhagen.weights import init_weights
+    layer = mhagen.mha(**kwargs)
+    weights = init_weights(layer, seed=1)
+    start = time.perf_counter()
+    module = mhagen.build(layer, preset, batch=batch, seq_len=seq, weights=weights)
+    seconds = time.perf_counter() - start
+    art = module.save(out / name)
+    if not (art / "libmha.so").is_file():
+        c_api = json.loads((art / "manifest.json").read_text())["c_api"]
+        raise SystemExit(f"{name}: no C API was built ({c_api})")
+    for f in art.iterdir():            # what the GPU machine needs, nothing else
+        if f.name not in KEEP:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    dtype = layer.dtype
+    case = {"name": name, "kind": kind, "dtype": dtype, "batch": batch, "seq_len": seq,
+            "d_model": kwargs["d_model"], "heads": kwargs["num_heads"],
+            "head_dim": kwargs["d_model"] // kwargs["num_heads"],
+            "causal": bool(kwargs.get("causal")), "build_seconds": round(seconds, 1),
+            "tolerance": TOLERANCES[dtype]}
+    if kind == "check":
+        x = np.random.default_rng(2).standard_normal((batch, seq, kwargs["d_model"]))
+        from mhagen.dtypes import numpy_dtype
+        from mhagen.reference import run_reference
+        x = x.astype(numpy_dtype(dtype))
+        expected = run_reference(layer, x, weights)
+        (art / "x.bin").write_bytes(np.ascontiguousarray(x).tobytes())
+        (art / "expected.bin").write_bytes(np.asarray(expected, np.float64).tobytes())
+        case["expected_shape"] = list(np.shape(expected))
+    return case
+
+
+def prepare(out: Path, preset: str, quick: bool) -> int:
+    import platform
+
+    import mhagen
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cases = []
+    plan = [(c, "check") for c in check_cases(quick)] + [(c, "bench") for c in bench_cases(quick)]
+    for (name, kwargs, batch, seq), kind in plan:
+        print(f"building {name} ({kind}) ...", flush=True)
+        cases.append(_save_case(out, name, kwargs, batch, seq, preset, kind))
+    for script in ("gpu_check.py", "gpu_check.sh"):
+        shutil.copy(Path(__file__).with_name(script), out / script)
+    (out / "cases.json").write_text(json.dumps({
+        "format": FORMAT, "preset": preset, "mhagen_version": mhagen.__version__,
+        "built_on": f"{platform.node()} ({platform.machine()})", "cases": cases}, indent=1))
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"bundle {out}: {len(cases)} artifacts, {size / 2**20:.1f} MiB")
+    if size > BUNDLE_LIMIT:
+        print(f"error: the bundle is larger than {BUNDLE_LIMIT >> 20} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- run (torch, the CUDA driver; no mhagen) ---------------------------------------------------
+
+class Artifact:
+    """One artifact's libmha.so through ctypes."""
+
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path / "libmha.so"))
+        lib.mha_create.restype = ctypes.c_void_p
+        lib.mha_create.argtypes = [ctypes.c_char_p]
+        lib.mha_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_void_p]
+        lib.mha_run_device.argtypes = [ctypes.c_void_p] * 4
+        lib.mha_run_kernel_device.argtypes = [ctypes.c_void_p, ctypes.c_int] + \
+            [ctypes.c_void_p] * 3
+        lib.mha_kernel_name.restype = ctypes.c_char_p
+        lib.mha_last_error.restype = ctypes.c_char_p
+        lib.mha_destroy.argtypes = [ctypes.c_void_p]
+        self.lib = lib
+        self.handle = lib.mha_create(str(path).encode())
+        if not self.handle:
+            raise RuntimeError(f"mha_create({path}): {self.error()}")
+        self.kernels = [lib.mha_kernel_name(k).decode() for k in range(lib.mha_num_kernels())]
+
+    def error(self) -> str:
+        return self.lib.mha_last_error().decode()
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: status {rc}: {self.error()}")
+
+    def run_host(self, x, y, batch, seq):
+        self.check(self.lib.mha_run(self.handle, x.data_ptr(), batch, seq, y.data_ptr()),
+                   "mha_run")
+
+    def run_device(self, x, y, stream):
+        self.check(self.lib.mha_run_device(self.handle, x.data_ptr(), y.data_ptr(), stream),
+                   "mha_run_device")
+
+    def run_kernel(self, k, x, y, stream):
+        self.check(self.lib.mha_run_kernel_device(self.handle, k, x.data_ptr(), y.data_ptr(),
+                                                  stream), "mha_run_kernel_device")
+
+    def close(self):
+        if self.handle:
+            self.lib.mha_destroy(self.handle)
+            self.handle = None
+
+
+def _compare(torch, y, expected, tol) -> tuple:
+    """(max error, allowed): max|y - expected| <= atol + rtol * max|expected| (mhagen's
+    tolerance table, mhagen/tolerances.py)."""
+    y = y.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(y).all()):
+        return float("inf"), 0.0
+    allowed = tol["atol"] + tol["rtol"] * float(expected.abs().max())
+    return float((y - expected).abs().max()), allowed
+
+
+def run_checks(torch, bundle: Path, cases: list, host_only: bool) -> list:
+    rows = []
+    for case in (c for c in cases if c["kind"] == "check"):
+        art = bundle / case["name"]
+        dt = getattr(torch, TORCH_DTYPES[case["dtype"]])
+        b, s, d = case["batch"], case["seq_len"], case["d_model"]
+        x = torch.frombuffer(bytearray((art / "x.bin").read_bytes()), dtype=dt).reshape(b, s, d)
+        expected = torch.frombuffer(bytearray((art / "expected.bin").read_bytes()),
+                                    dtype=torch.float64).reshape(case["expected_shape"])
+        row = {"case": case["name"], "dtype": case["dtype"], "shape": [b, s, d]}
+        try:
+            a = Artifact(art)
+            try:
+                y = torch.empty(case["expected_shape"], dtype=dt)
+                a.run_host(x, y, b, s)
+                row["host"] = _compare(torch, y, expected, case["tolerance"])
+                if not host_only:
+                    xd, yd = x.cuda(), torch.empty(case["expected_shape"], dtype=dt,
+                                                   device="cuda")
+                    a.run_device(xd, yd, torch.cuda.current_stream().cuda_stream)
+                    torch.cuda.synchronize()
+                    row["device"] = _compare(torch, yd, expected, case["tolerance"])
+            finally:
+                a.close()
+        except RuntimeError as err:
+            row["error"] = str(err)
+        row["ok"] = "error" not in row and all(
+            err <= allowed for key in ("host", "device") if key in row
+            for err, allowed in [row[key]])
+        rows.append(row)
+        print(f"{'PASS' if row['ok'] else 'FAIL'} {case['name']}: "
+              + (row.get("error") or ", ".join(f"{k} max error {row[k][0]:.3g} (allowed "
+                                                f"{row[k][1]:.3g})" for k in ("host", "device")
+                                                if k in row)), flush=True)
+    return rows
+
+
+def _time_ms(torch, fn, repeats: int) -> float:
+    """Median of `repeats` timings of fn() with CUDA events, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_bench(torch, bundle: Path, cases: list, repeats: int) -> list:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rows = []
+    for case in (c for c in cases if c["kind"] == "bench"):
+        b, s, d, h = case["batch"], case["seq_len"], case["d_model"], case["heads"]
+        hd, dt = case["head_dim"], getattr(torch, TORCH_DTYPES[case["dtype"]])
+        flops = 4 * b * h * s * s * hd * (0.5 if case["causal"] else 1.0)
+        a = Artifact(bundle / case["name"])
+        try:
+            stream = torch.cuda.current_stream().cuda_stream
+            x = torch.randn(b, s, d, dtype=dt, device="cuda")
+            y = torch.empty(b, s, d, dtype=dt, device="cuda")
+            a.run_device(x, y, stream)        # fills qkv for the attention kernel
+            k = a.kernels.index("attention")
+            ours = _time_ms(torch, lambda: a.run_kernel(k, x, y, stream), repeats)
+            layer = _time_ms(torch, lambda: a.run_device(x, y, stream), repeats)
+        finally:
+            a.close()
+        q, kk, v = (torch.randn(b, h, s, hd, dtype=dt, device="cuda") for _ in range(3))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa = _time_ms(torch, lambda: F.scaled_dot_product_attention(
+                q, kk, v, is_causal=case["causal"]), repeats)
+        row = {"case": case["name"], "batch": b, "heads": h, "seq_len": s, "head_dim": hd,
+               "causal": case["causal"], "mhagen_attention_ms": ours, "mhagen_layer_ms": layer,
+               "sdpa_ms": sdpa, "mhagen_tflops": flops / ours / 1e9,
+               "sdpa_tflops": flops / sdpa / 1e9, "ratio": sdpa / ours}
+        rows.append(row)
+        print(f"{case['name']}: mhagen {row['mhagen_tflops']:.1f} TFLOP/s, SDPA "
+              f"{row['sdpa_tflops']:.1f}, mhagen/SDPA throughput {row['ratio']:.2f}", flush=True)
+    return rows
+
+
+def write_results(bundle: Path, meta: dict, checks: list, bench: list) -> None:
+    lines = [f"# mhagen CUDA artifacts on {meta['device']}", "",
+             f"Built with mhagen {meta['mhagen_version']} for `{meta['preset']}` on "
+             f"{meta['built_on']}; run with torch {meta['torch']}, CUDA {meta['cuda']}.", "",
+             "| check | dtype | shape | host arrays: max error (allowed) | device arrays | ok |",
+             "|---|---|---|---|---|---|"]
+    for r in checks:
+        cells = [f"{r[k][0]:.3g} ({r[k][1]:.3g})" if k in r else r.get("error", "-")
+                 for k in ("host", "device")]
+        lines.append(f"| {r['case']} | {r['dtype']} | {r['shape']} | {cells[0]} | {cells[1]} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
+    if bench:
+        lines += ["", "Fused attention alone (mha_run_kernel_device) vs "
+                  "`scaled_dot_product_attention` (flash backend), same shapes, fp16, medians "
+                  "of CUDA-event timings:", "",
+                  "| batch x heads | seq | head_dim | causal | mhagen ms | TFLOP/s | SDPA ms | "
+                  "TFLOP/s | mhagen / SDPA throughput | whole layer ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in bench:
+            lines.append(f"| {r['batch']}x{r['heads']} | {r['seq_len']} | {r['head_dim']} | "
+                         f"{r['causal']} | {r['mhagen_attention_ms']:.3f} | "
+                         f"{r['mhagen_tflops']:.1f} | {r['sdpa_ms']:.3f} | "
+                         f"{r['sdpa_tflops']:.1f} | {r['ratio']:.2f} | "
+                         f"{r['mhagen_layer_ms']:.3f} |")
+    (bundle / "results.md").write_text("\n".join(lines) + "\n")
+    (bundle / "results.json").write_text(json.dumps({**meta, "checks": checks, "bench": bench},
+                                                    indent=1))
+
+
+def run(bundle: Path, host_only: bool, repeats: int) -> int:
+    meta = json.loads((bundle / "cases.json").read_text())
+    if meta.get("format") != FORMAT:
+        print(f"error: {bundle}/cases.json is not a gpu_check bundle", file=sys.stderr)
+        return 1
+    try:
+        import torch
+    except ImportError:
+        print("error: the run step needs PyTorch", file=sys.stderr)
+        return 2
+    if not host_only and not torch.cuda.is_available():
+        print("error: torch sees no CUDA GPU (torch.cuda.is_available() is False); run this "
+              "on the GPU machine, or pass --host-only to test up to the GPU", file=sys.stderr)
+        return 2
+    device = "no GPU (--host-only)" if host_only else torch.cuda.get_device_name()
+    info = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "driver_override": os.environ.get("MHA_CUDA_DRIVER", "")}
+    checks = run_checks(torch, bundle, meta["cases"], host_only)
+    bench = [] if host_only else run_bench(torch, bundle, meta["cases"], repeats)
+    write_results(bundle, {**{k: meta[k] for k in ("preset", "mhagen_version", "built_on")},
+                           **info}, checks, bench)
+    print(f"wrote {bundle}/results.md")
+    return 0 if all(r["ok"] for r in checks) else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="step", required=True)
+    pp = sub.add_parser("prepare", help="build the bundle (needs mhagen, TVM, nvcc)")
+    pp.add_argument("--out", type=Path, default=Path("gpu_bundle"))
+    pp.add_argument("--target", default="cuda-sm90")
+    pp.add_argument("--quick", action="store_true", help="one small case of each kind (tests)")
+    pr = sub.add_parser("run", help="run the bundle (needs torch and an NVIDIA GPU)")
+    pr.add_argument("bundle", type=Path, nargs="?", default=Path(__file__).resolve().parent)
+    pr.add_argument("--host-only", action="store_true",
+                    help="no torch GPU: host-array checks only (with a stand-in driver)")
+    pr.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if args.step == "prepare":
+        return prepare(args.out, args.target, args.quick)
+    return run(args.bundle, args.host_only, args.repeats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
