@@ -70,7 +70,7 @@ def test_cuda_runtime_compiles_without_warnings(artifact):
     config = (d / capi.CONFIG).read_text()
     assert "#define MHA_DEVICE_CUDA 1" in config and "kDLCUDA" in config
     assert "constexpr int kComputeCapability = 90;" in config
-    assert re.search(r'\{"attention_kernel", \{4, 2, 1\}, \{128, 1, 1\}, 65536, 3, ', config)
+    assert re.search(r'\{"attention_kernel", \{4, 2, 1\}, \{128, 1, 1\}, 65536, 0, 3, ', config)
     header = (d / capi.HEADER).read_text()
     assert "MHA_API int mha_run_device(" in header and "libcuda.so.1" in header
     _lint("g++", d)

@@ -17,7 +17,7 @@ from mhagen.target import resolve
 from mhagen.weights import init_weights
 from tests.conftest import random_input
 
-from mhagen.schedules.cuda.nvcc import missing_tools, parse_ptxas_report
+from mhagen.schedules.cuda.nvcc import missing_tools, parse_ptxas_report, sass
 
 MISSING = missing_tools()
 needs_nvcc = pytest.mark.skipif(bool(MISSING), reason="the CUDA toolkit's "
@@ -99,9 +99,10 @@ def test_ptxas_no_spills_and_shared_memory_within_limit(built, preset, layer):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_half_gemms_run_on_tensor_cores(preset):
     """A float16 causal grouped-K/V layer: its qkv and att temporaries are float16 on GPUs,
-    so dlight tensorizes both GEMMs (fp16 x fp16, fp32 accumulation) into mma.sync; the
-    attention template reads and writes float16 and computes in float32 (no tensor cores
-    yet: issue 13). A bfloat16 layer compiles too."""
+    so dlight tensorizes both GEMMs (fp16 x fp16, fp32 accumulation) into mma.sync and the
+    attention runs its tensor-core template (WMMA): every kernel has HMMA instructions in
+    its machine code (SASS, by cuobjdump) and spills nothing. A bfloat16 layer compiles too
+    (its attention on the float32 template)."""
     m = mhagen.build(mhagen.mha(512, 8, dtype="float16", **LAYERS["causal_gqa"]), preset,
                      batch=1, seq_len=128, tuning=None)
     assert m.program.buffers["qkv"].dtype == m.program.buffers["att"].dtype == "float16"
@@ -109,8 +110,15 @@ def test_half_gemms_run_on_tensor_cores(preset):
                                                       m.info.device_code.ptx)[1:])
     for gemm in ("qkv_projection_kernel", "output_projection_kernel"):
         assert "mma.sync.aligned" in entries[gemm], gemm
-        assert m.info.device_code.resources[gemm].spill_store_bytes == 0, gemm
-    assert "cvt.f32.f16" in entries["attention_kernel"]
+    assert "wmma.mma.sync.aligned" in entries["attention_kernel"]
+    machine = sass(m.info.device_code.fatbin)
+    assert sorted(machine) == sorted(entries)
+    for entry, code in machine.items():
+        assert "HMMA" in code, entry
+        r = m.info.device_code.resources[entry]
+        assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (entry, r)
+    [att] = [d["config"] for d in m.info.decisions if d["kernel"] == "attention"]
+    assert att["q_tile"] % 16 == 0 and att["kv_block"] % 16 == 0
     b = mhagen.build(mhagen.mha(512, 8, dtype="bfloat16"), preset, batch=1, seq_len=128,
                      tuning=None)
     assert b.program.buffers["att"].dtype == "bfloat16"

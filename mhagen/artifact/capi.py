@@ -573,7 +573,8 @@ def _launch_tables(manifest, index: dict, file_names: list) -> list:
                     f"{{{', '.join(str(index[a]) for a in la['args'])}}};")
         grid, block = (", ".join(str(int(v)) for v in la[w]) for w in ("grid", "block"))
         rows.append(f"    {{{_c_string(la['entry'])}, {{{grid}}}, {{{block}}}, "
-                    f"{int(la['dynamic_shared'])}, {len(la['args'])}, kLaunchArgs{k}}},")
+                    f"{int(la['dynamic_shared'])}, {int(la.get('static_shared', 0))}, "
+                    f"{len(la['args'])}, kLaunchArgs{k}}},")
     device_file = DEVICE_FILES["cuda"]
     return [f"// CUDA: kernels for {arch} (runs on compute capability >= "
             f"{arch[3:-1]}.{arch[-1]}), launched in this order",

@@ -1,6 +1,7 @@
 """The cuda backend (mhagen/backends.py): NVIDIA GPUs, compile-only for now.
 
-  attention  a CUDA flash-style template (schedules/cuda/attention.py)
+  attention  a CUDA flash-style template (schedules/cuda/attention.py); float16 layers on
+             tensor cores (schedules/cuda/attention_tc.py, WMMA)
   rotary     RoPE in place on qkv's Q/K columns, one block per token (schedules/cuda/rotary.py)
   GEMMs      TVM's dlight GPU rules on the whole TE kernel (schedules/cuda/dlight_rule.py);
              weights in panels of 64 columns (each a 256-byte row per k: coalesced loads),

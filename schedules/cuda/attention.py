@@ -28,6 +28,7 @@ from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
+from mhagen.schedules.cuda import attention_tc
 
 ROWS_PER_THREAD = 4   # query rows a thread owns
 COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
@@ -55,8 +56,9 @@ def shared_bytes(cfg, head_dim_padded) -> int:
 
 
 def padded_head_dim(head_dim) -> int:
-    """Columns per head in qkv: whole groups of COL_THREADS columns (the padding is zeros)."""
-    return round_up(head_dim, COL_THREADS)
+    """Columns per head in qkv: whole 16-column tensor-core fragments (the padding is zeros;
+    a multiple of COL_THREADS too)."""
+    return round_up(head_dim, 16)
 
 
 # (q_tile, kv_block), most work per block first
@@ -69,7 +71,14 @@ class CudaAttentionRule:
     def applies(self, stage, target):
         return stage.pattern == "attention_template"
 
+    @staticmethod
+    def tensor_cores(workload) -> bool:
+        """float16 layers run schedules/cuda/attention_tc.py (WMMA)."""
+        return workload.get("temp_dtype") == "float16"
+
     def _fits(self, cfg, workload, target) -> bool:
+        if self.tensor_cores(workload):
+            return attention_tc.fits(cfg, workload, target)
         t = target.tvm_target_dict()
         return (shared_bytes(cfg, workload["head_dim_padded"])
                 <= t["max_shared_memory_per_block"]
@@ -78,7 +87,8 @@ class CudaAttentionRule:
     def candidates(self, workload, target) -> list:
         """Configs that fit the target's shared memory and threads, largest tiles first;
         tiles much longer than the sequence are left out (unless nothing else fits)."""
-        fit = [CudaAttentionConfig(q, k) for q, k in TILES
+        tiles = attention_tc.TILES if self.tensor_cores(workload) else TILES
+        fit = [CudaAttentionConfig(q, k) for q, k in tiles
                if self._fits(CudaAttentionConfig(q, k), workload, target)]
         short = [c for c in fit if c.q_tile <= round_up(workload["seq"], 16)]
         return short or fit
@@ -99,6 +109,11 @@ class CudaAttentionRule:
         return cfg
 
     def build(self, w, cfg, target):
+        if self.tensor_cores(w):
+            if not attention_tc.fits(cfg, w, target):
+                raise ValueError(f"{cfg} does not tile the tensor-core template (multiples of "
+                                 "16) or does not fit the shared memory")
+            return attention_tc.build_attention_tc(w, cfg)
         return build_attention(w, cfg)
 
 

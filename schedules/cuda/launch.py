@@ -29,8 +29,10 @@ class KernelLaunch:
     entry: str             # the GPU function in the fatbin ("attention_kernel")
     grid: tuple            # (x, y, z) blocks
     block: tuple           # (x, y, z) threads
-    dynamic_shared: int    # bytes of dynamic shared memory (above 48 KiB: the driver opt-in)
+    dynamic_shared: int    # bytes of dynamic shared memory
     args: tuple            # program buffer names, in the entry's parameter order
+    static_shared: int = 0   # bytes of static shared memory (ptxas; with the dynamic ones
+    #                          above 48 KiB, the kernel must opt in)
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -38,7 +40,8 @@ class KernelLaunch:
     @staticmethod
     def from_dict(d: dict) -> "KernelLaunch":
         return KernelLaunch(d["kernel"], d["entry"], tuple(d["grid"]), tuple(d["block"]),
-                            int(d["dynamic_shared"]), tuple(d["args"]))
+                            int(d["dynamic_shared"]), tuple(d["args"]),
+                            int(d.get("static_shared", 0)))
 
 
 def _dynamic_shared_bytes(buffer) -> int:

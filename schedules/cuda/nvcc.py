@@ -15,13 +15,23 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mhagen.errors import ScheduleError, TargetError
 from mhagen.schedules.cuda.launch import launch_table
 
 TOOLS = ("nvcc", "ptxas", "fatbinary")
+# shared memory per block (static + dynamic) a kernel may opt into, by architecture; without
+# opting in, 48 KiB
+OPT_IN_SHARED = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_87": 163 * 1024,
+                 "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+
+
+def shared_limit(target) -> int:
+    """The most shared memory one block of `target` can have (opting in above 48 KiB)."""
+    t = target.tvm_target_dict()
+    return OPT_IN_SHARED.get(t.get("arch"), t["max_shared_memory_per_block"])
 NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr")
 
 
@@ -49,6 +59,34 @@ class DeviceCode:
 
     def entries(self) -> list:
         return re.findall(r"^\.(?:visible )?\.entry (\w+)\(", self.ptx, re.M)
+
+
+def find_tool(name: str) -> str | None:
+    """A CUDA tool on the PATH, or from NVIDIA's PyPI wheels (nvidia-cuda-cuobjdump puts
+    cuobjdump in site-packages/nvidia/cu13/bin)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        for path in sorted(Path(root).glob(f"cu*/bin/{name}")):
+            return str(path)
+    return None
+
+
+def sass(fatbin: bytes) -> dict:
+    """GPU function name -> its SASS (the machine code of the fatbin's cubin), by cuobjdump."""
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        raise TargetError("disassembling needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.TemporaryDirectory(prefix="mhagen-sass-") as tmp:
+        Path(tmp, "k.fatbin").write_bytes(fatbin)
+        text = _run([tool, "-sass", "k.fatbin"], tmp, "cuobjdump")
+    parts = re.split(r"^\s*Function : (\w+)\s*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def missing_tools() -> list:
@@ -120,9 +158,15 @@ def compile_device(executable, target, mod, program) -> DeviceCode:
             raise ScheduleError(f"GPU kernel {entry} uses {r.shared_bytes} bytes of shared "
                                 f"memory; {target.name} allows {limit} per block")
     try:   # what an artifact launches; a program that cannot be launched still compiles
-        code.launches = launch_table(mod, target, program)
+        code.launches = [replace(la, static_shared=code.resources[la.entry].shared_bytes)
+                         for la in launch_table(mod, target, program)]
     except ScheduleError as err:
         code.launch_problem = str(err)
+    for la in code.launches:
+        if la.static_shared + la.dynamic_shared > shared_limit(target):
+            raise ScheduleError(f"GPU kernel {la.entry} needs {la.static_shared} + "
+                                f"{la.dynamic_shared} bytes of shared memory; {target.name} "
+                                f"allows {shared_limit(target)} per block")
     missing = {la.entry for la in code.launches} - set(code.entries())
     if missing:
         raise ScheduleError(f"the PTX lacks the GPU kernels {sorted(missing)}")

@@ -29,7 +29,8 @@ constexpr int kAttrComputeCapabilityMajor = 75;         // CU_DEVICE_ATTRIBUTE_C
 constexpr int kAttrComputeCapabilityMinor = 76;         // ..._MINOR
 constexpr int kAttrMaxSharedPerBlockOptin = 97;         // ..._MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 constexpr int kFuncAttrMaxDynamicShared = 8;            // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-constexpr unsigned kStaticSharedLimit = 48 * 1024;      // above it a kernel must opt in
+constexpr unsigned kStaticSharedLimit = 48 * 1024;      // above it (static + dynamic) a
+                                                        // kernel must opt in
 
 // X(field, exported symbol, function type)
 #define MHA_CUDA_DRIVER_FUNCTIONS(X)                                                         \

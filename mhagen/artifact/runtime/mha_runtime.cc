@@ -535,11 +535,11 @@ int open_device(mha_handle *h) {
                     ", older than the kernels' sm_" + std::to_string(kComputeCapability) +
                     ": rebuild the artifact for it (mhagen build --target cuda-sm80 ...)");
   for (int k = 0; k < kNumLaunches; ++k)
-    if (kLaunches[k].dynamic_shared > unsigned(optin))
-      return fail(MHA_ERR_DEVICE, "mha_create: kernel " + std::string(kLaunches[k].entry) +
-                                      " needs " + std::to_string(kLaunches[k].dynamic_shared) +
-                                      " bytes of shared memory; this GPU allows " +
-                                      std::to_string(optin));
+    if (kLaunches[k].static_shared + kLaunches[k].dynamic_shared > unsigned(optin))
+      return fail(MHA_ERR_DEVICE,
+                  "mha_create: kernel " + std::string(kLaunches[k].entry) + " needs " +
+                      std::to_string(kLaunches[k].static_shared + kLaunches[k].dynamic_shared) +
+                      " bytes of shared memory; this GPU allows " + std::to_string(optin));
   cu::Context context = nullptr;
   if (d.PrimaryCtxRetain(&context, h->gpu) != cu::kSuccess)
     return fail(MHA_ERR_DEVICE, "mha_create: cannot open a context on GPU " +
@@ -566,7 +566,7 @@ int load_kernels(const std::string &dir, mha_handle *h) {
     if (g_driver->ModuleGetFunction(&f, h->module, kLaunches[k].entry) != cu::kSuccess)
       return fail(MHA_ERR_CORRUPT, "mha_create: " + fpath + " has no kernel '" +
                                        kLaunches[k].entry + "'; rebuild the artifact");
-    if (kLaunches[k].dynamic_shared > cu::kStaticSharedLimit &&
+    if (kLaunches[k].static_shared + kLaunches[k].dynamic_shared > cu::kStaticSharedLimit &&
         g_driver->FuncSetAttribute(f, cu::kFuncAttrMaxDynamicShared,
                                    int(kLaunches[k].dynamic_shared)) != cu::kSuccess)
       return fail(MHA_ERR_DEVICE, "mha_create: kernel " + std::string(kLaunches[k].entry) +

@@ -74,6 +74,7 @@ struct LaunchSpec {
   unsigned grid[3];         // blocks (x, y, z)
   unsigned block[3];        // threads (x, y, z)
   unsigned dynamic_shared;  // bytes of dynamic shared memory
+  unsigned static_shared;   // bytes of static shared memory (opt in when both exceed 48 KiB)
   int nargs;
   const int *args;          // indices into kBuffers, in the function's parameter order
 };
