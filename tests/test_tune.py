@@ -1,5 +1,6 @@
 """Tuning: a small MetaSchedule run writes records; builds replay them in a fresh process;
 corrupt or stale records fall back with a warning; distributed tuning over loopback RPC."""
+import contextlib
 import json
 import os
 import signal
@@ -144,8 +145,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_distributed_tuning_over_loopback_rpc(tmp_path):
+@contextlib.contextmanager
+def loopback_rpc(key):
+    """A TVM RPC tracker and one server (this machine's CPU) on 127.0.0.1; yields the
+    tracker's port. Afterwards no process of theirs is left."""
     port, server_port = _free_port(), _free_port()
     tracker = subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host",
                                 "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)],
@@ -156,17 +159,11 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
         time.sleep(2)
         server = subprocess.Popen(
             [sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
-             "--key", "mhagen-test", "--host", "127.0.0.1", "--port", str(server_port),
+             "--key", key, "--host", "127.0.0.1", "--port", str(server_port),
              "--port-end", str(server_port + 1)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(3)
-        report = tune(mhagen.mha(32, 2), shapes=[(1, 16)], trials=2,
-                      database=tmp_path / "x86.json", kernels=["output_projection"],
-                      rpc=("127.0.0.1", port, "mhagen-test"), progress=False)
-        (result,) = report.results
-        assert result.kernel == "output_projection" and result.default_us > 0
-        assert result.trials == 2
-        assert Database.load(tmp_path / "x86.json").records
+        yield port
     finally:
         # tracker and server each run their loop in a TVM popen_worker child: signal the
         # whole process group (each was started in its own session), or the children
@@ -178,6 +175,37 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
     time.sleep(0.5)
     left = [pid for p in (server, tracker) if p is not None for pid in _group_members(p.pid)]
     assert not left, f"RPC processes left running: {left}"
+
+
+@pytest.mark.slow
+def test_distributed_tuning_over_loopback_rpc(tmp_path):
+    with loopback_rpc("mhagen-test") as port:
+        report = tune(mhagen.mha(32, 2), shapes=[(1, 16)], trials=2,
+                      database=tmp_path / "x86.json", kernels=["output_projection"],
+                      rpc=("127.0.0.1", port, "mhagen-test"), progress=False)
+    (result,) = report.results
+    assert result.kernel == "output_projection" and result.default_us > 0
+    assert result.trials == 2 and not result.note
+    assert Database.load(tmp_path / "x86.json").records
+
+
+@pytest.mark.slow
+def test_cuda_tuning_reaches_the_remote_runner(tmp_path):
+    """CUDA tuning builds its candidates here (MetaSchedule's GPU space for a GEMM, the
+    attention template's configs) and runs them on the RPC device. The loopback server has
+    no GPU: each kernel then reports the device's own error, and no record is written (a
+    GPU box runs `python -m tvm.exec.rpc_server` with a CUDA-enabled TVM instead)."""
+    with loopback_rpc("gpu") as port:
+        report = tune(mhagen.mha(64, 2), "cuda-sm90", shapes=[(1, 64)], trials=2,
+                      database=tmp_path / "cuda.json",
+                      kernels=["output_projection", "attention"],
+                      rpc=("127.0.0.1", port, "gpu"), progress=False)
+    assert [r.kernel for r in report.results] == ["attention", "output_projection"]
+    for r in report.results:
+        assert r.default_us is None and r.kept == "default"
+        assert "at run on the device" in r.note and "cuda" in r.note, r.note
+    assert "not measured" in report.table()
+    assert not Database.load(tmp_path / "cuda.json").records
 
 
 def _group_members(pgid):

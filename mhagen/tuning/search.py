@@ -55,6 +55,7 @@ class KernelResult:
     default_us: float | None
     tuned_us: float | None
     kept: str                     # "tuned" or "default"
+    note: str = ""                # why nothing was measured (the device's first error)
 
 
 @dataclass
@@ -74,6 +75,8 @@ class TuneReport:
                 r.default_us and r.tuned_us) else "-"
             rows.append(f"{'x'.join(map(str, r.shape)):>10} {r.kernel:<18} {r.method:<12} "
                         f"{r.trials:>6} {d:>11} {t:>9} {sp:>7} {r.kept}")
+            if r.note:
+                rows.append(f"{'':>10} {r.note}")
         return "\n".join(rows)
 
 
@@ -227,11 +230,12 @@ def _measured_on(t, rpc) -> dict:
     return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name}
 
 
-def _measure(funcs, target, runner, fixed=None, repeat=5):
-    """Median seconds of each PrimFunc. Here: the steady-state timing the benchmark uses
-    (compiled in this process, interleaved rounds of back-to-back calls, median); on a
-    remote device: MetaSchedule's builder and RPC runner.
-    fixed: {argument index: numpy array} for arguments that must hold real data."""
+def _measure(funcs, target, runner, fixed=None, repeat=5, errors=None):
+    """Median seconds of each PrimFunc (None: it did not build or run). Here: the
+    steady-state timing the benchmark uses (compiled in this process, interleaved rounds of
+    back-to-back calls, median); on a remote device: MetaSchedule's builder and RPC runner.
+    fixed: {argument index: numpy array} for arguments that must hold real data; errors: a
+    list that gets the build and run errors."""
     if runner is None:
         return _measure_steady(funcs, target, fixed)
     import tvm.s_tir.meta_schedule as ms
@@ -249,6 +253,8 @@ def _measure(funcs, target, runner, fixed=None, repeat=5):
                                      f_alloc_argument=_alloc_with(fixed, remote=True))
     inputs, index = [], []
     for i, (f, b) in enumerate(zip(funcs, built)):
+        if b.error_msg is not None and errors is not None:
+            errors.append(f"build: {b.error_msg}")
         if b.error_msg is None:
             device = "cpu" if target.kind.name == "llvm" else target.kind.name
             inputs.append(ms.runner.RunnerInput(b.artifact_path, device,
@@ -259,7 +265,20 @@ def _measure(funcs, target, runner, fixed=None, repeat=5):
         res = fut.result()
         if res.error_msg is None:
             out[i] = float(np.median([float(s) for s in res.run_secs]))
+        elif errors is not None:
+            errors.append(f"run on the device: {res.error_msg}")
     return out
+
+
+def _failure_note(errors) -> str:
+    """The first error of a measurement that produced nothing, in one line: where it failed
+    (build, run on the device) and the error's last line (TVM puts the cause there)."""
+    if not errors:
+        return ""
+    lines = [ln.strip() for ln in errors[0].splitlines() if ln.strip()]
+    where = lines[0].split(":", 1)[0]
+    return (f"not measured ({len(errors)} failure(s)); first, at {where}: "
+            f"{lines[-1][:300]}")
 
 
 def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
@@ -415,10 +434,11 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
                 res = _tune_metaschedule(kernel, t, runner, bar, i, key, trials, work_dir,
                                          seed)
             report.results.append(res[0])
-            res[1].update(versions())
-            res[1]["measured_on"] = _measured_on(t, rpc)
-            db.put(res[1])
-            db.save()
+            if not res[0].note:   # a kernel nothing was measured of gets no record
+                res[1].update(versions())
+                res[1]["measured_on"] = _measured_on(t, rpc)
+                db.put(res[1])
+                db.save()
             bar.show(final=True)
     except (KeyboardInterrupt, _Stop):
         report.interrupted = True
@@ -437,8 +457,6 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
 def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed):
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
-
-
 
     mod = tvm.IRModule({"main": kernel.prim_func})
     work = work_dir / f"{key['graph']}-{key['batch']}x{key['seq']}-{kernel.name}"
@@ -470,7 +488,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
     _import_tensor_intrinsics()
     phases = []
-    if done == 0:
+    if done == 0 and hasattr(rule, "apply"):   # a template rule (CPUs); GPUs: dlight's
         phases.append((ms.space_generator.ScheduleFn(template), min(len(rows_space), trials)))
     phases.append(("post-order-apply", trials - done - sum(n for _, n in phases)))
     for space, budget in phases:
@@ -495,7 +513,8 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
         best[0].trace.apply_to_schedule(sch, remove_postproc=False)
         funcs.append(sch.mod["main"])
         trace_json = plain_json(best[0].trace.as_json())
-    times = _measure(funcs, t.tvm, runner)
+    errors = []
+    times = _measure(funcs, t.tvm, runner, errors=errors)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
     keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
     wrong = _wrong_result(funcs, t) if keep and t.runs_here() else None
@@ -508,7 +527,8 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
     if wrong:
         record["rejected"] = f"the fastest schedule was not kept: {wrong}"
     return (KernelResult((key["batch"], key["seq"]), kernel.name, "metaschedule", done,
-                         _us(default_s), _us(tuned_s), "tuned" if keep else "default"), record)
+                         _us(default_s), _us(tuned_s), "tuned" if keep else "default",
+                         _failure_note(errors) if default_s is None else ""), record)
 
 
 def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trials):
@@ -528,6 +548,7 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trial
     lengths = {i: np.full(shape[0], shape[1], np.int32) for i, a in enumerate(kernel.args)
                if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32"}
     fixed = [{slot: table, **lengths} for table in tables]
+    errors = []
     if runner is None:   # here: interleaved steady-state timing
         times = _measure_steady(funcs, t.tvm, fixed=fixed)
         for s in times:
@@ -535,7 +556,7 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trial
     else:
         times = []
         for f, args in zip(funcs, fixed):  # one at a time: each has its own block table
-            s = _measure([f], t.tvm, runner, fixed=args)[0]
+            s = _measure([f], t.tvm, runner, fixed=args, errors=errors)[0]
             times.append(s)
             bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
@@ -553,7 +574,8 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trial
     if wrong:
         record["rejected"] = f"the fastest config was not kept: {wrong}"
     return (KernelResult(shape, kernel.name, "config sweep", len(candidates), _us(default_s),
-                         _us(tuned_s), "tuned" if keep else "default"), record)
+                         _us(tuned_s), "tuned" if keep else "default",
+                         _failure_note(errors) if default_s is None else ""), record)
 
 
 class _Fixed:
