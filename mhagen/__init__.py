@@ -35,9 +35,11 @@ def tune(layer, target="x86", **options):
 
 def load(path):
     """Load a module saved with Module.save(path): needs the TVM runtime only, not the
-    compiler (see mhagen/artifact/load.py); attention_maps() then compiles with build()."""
+    compiler (see mhagen/artifact/load.py); attention_maps() then compiles with build().
+    A CUDA artifact runs through its own C API (no TVM; needs an NVIDIA GPU)."""
     module = _load(path)
-    module.info.builder = build
+    if hasattr(module, "info"):   # (a CUDA artifact's module has no derived programs)
+        module.info.builder = build
     return module
 
 

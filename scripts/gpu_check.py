@@ -42,28 +42,36 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # ---- prepare (mhagen, TVM, nvcc) ---------------------------------------------------------------
 
 def check_cases(quick: bool) -> list:
-    """(name, mha kwargs, batch, seq) of the layers run against the reference."""
+    """(name, mha kwargs, batch, seq, key lengths or None) of the layers run against the
+    reference."""
+    padded = ("small_padded_fp32", dict(d_model=64, num_heads=2, key_padding=True), 2, 40,
+              [40, 7])
     if quick:
-        return [("small_fp32", dict(d_model=64, num_heads=2), 1, 40)]
-    return [("default_fp32", dict(d_model=512, num_heads=8), 1, 128),
-            ("awkward_fp32", dict(d_model=320, num_heads=8), 2, 97),          # head_dim 40
+        return [("small_fp32", dict(d_model=64, num_heads=2), 1, 40, None), padded]
+    return [("default_fp32", dict(d_model=512, num_heads=8), 1, 128, None),
+            ("awkward_fp32", dict(d_model=320, num_heads=8), 2, 97, None),    # head_dim 40
             ("causal_gqa_fp16", dict(d_model=512, num_heads=8, kv_heads=2, causal=True,
-                                     dtype="float16"), 2, 97)]
+                                     dtype="float16"), 2, 97, None),
+            ("default_bf16", dict(d_model=512, num_heads=8, dtype="bfloat16"), 1, 128, None),
+            ("padded_fp16", dict(d_model=256, num_heads=4, key_padding=True,
+                                 dtype="float16"), 3, 97, [97, 40, 0]),
+            padded]
 
 
 def bench_cases(quick: bool) -> list:
-    """(name, mha kwargs, batch, seq) of the attention benchmark (random weights)."""
+    """(name, mha kwargs, batch, seq, None) of the attention benchmark (random weights)."""
     if quick:
-        return [("bench_s128_d64", dict(d_model=128, num_heads=2), 1, 128)]
+        return [("bench_s128_d64", dict(d_model=128, num_heads=2), 1, 128, None)]
     heads, batch = 4, 4
     out = [(f"bench_s{s}_d{d}", dict(d_model=heads * d, num_heads=heads, dtype="float16"),
-            batch, s) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
+            batch, s, None) for d in (64, 128) for s in (1024, 2048, 4096, 8192)]
     return out + [("bench_s4096_d128_causal", dict(d_model=heads * 128, num_heads=heads,
-                                                   causal=True, dtype="float16"), batch, 4096)]
+                                                   causal=True, dtype="float16"), batch, 4096,
+                   None)]
 
 
-def _save_case(out: Path, name: str, kwargs: dict, batch: int, seq: int, preset: str,
-               kind: str) -> dict:
+def _save_case(out: Path, name: str, kwargs: dict, batch: int, seq: int, lengths,
+               preset: str, kind: str) -> dict:
     import numpy as np
 
     import mhagen
@@ -92,7 +100,9 @@ def _save_case(out: Path, name: str, kwargs: dict, batch: int, seq: int, preset:
         from mhagen.dtypes import numpy_dtype
         from mhagen.reference import run_reference
         x = x.astype(numpy_dtype(dtype))
-        expected = run_reference(layer, x, weights)
+        kv_lens = None if lengths is None else np.asarray(lengths, np.int32)
+        expected = run_reference(layer, x, weights, kv_lens=kv_lens)
+        case["lengths"] = lengths
         (art / "x.bin").write_bytes(np.ascontiguousarray(x).tobytes())
         (art / "expected.bin").write_bytes(np.asarray(expected, np.float64).tobytes())
         case["expected_shape"] = list(np.shape(expected))
@@ -108,9 +118,9 @@ def prepare(out: Path, preset: str, quick: bool) -> int:
     out.mkdir(parents=True)
     cases = []
     plan = [(c, "check") for c in check_cases(quick)] + [(c, "bench") for c in bench_cases(quick)]
-    for (name, kwargs, batch, seq), kind in plan:
+    for (name, kwargs, batch, seq, lengths), kind in plan:
         print(f"building {name} ({kind}) ...", flush=True)
-        cases.append(_save_case(out, name, kwargs, batch, seq, preset, kind))
+        cases.append(_save_case(out, name, kwargs, batch, seq, lengths, preset, kind))
     for script in ("gpu_check.py", "gpu_check.sh"):
         shutil.copy(Path(__file__).with_name(script), out / script)
     (out / "cases.json").write_text(json.dumps({
@@ -135,6 +145,8 @@ class Artifact:
         lib.mha_create.argtypes = [ctypes.c_char_p]
         lib.mha_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                 ctypes.c_void_p]
+        lib.mha_run_padded.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.mha_run_device.argtypes = [ctypes.c_void_p] * 4
         lib.mha_run_kernel_device.argtypes = [ctypes.c_void_p, ctypes.c_int] + \
             [ctypes.c_void_p] * 3
@@ -154,9 +166,14 @@ class Artifact:
         if rc != 0:
             raise RuntimeError(f"{what}: status {rc}: {self.error()}")
 
-    def run_host(self, x, y, batch, seq):
-        self.check(self.lib.mha_run(self.handle, x.data_ptr(), batch, seq, y.data_ptr()),
-                   "mha_run")
+    def run_host(self, x, y, batch, seq, lengths=None):
+        if lengths is None:
+            self.check(self.lib.mha_run(self.handle, x.data_ptr(), batch, seq, y.data_ptr()),
+                       "mha_run")
+        else:   # key padding: host arrays only
+            self.check(self.lib.mha_run_padded(self.handle, x.data_ptr(), batch, seq,
+                                               lengths.data_ptr(), y.data_ptr()),
+                       "mha_run_padded")
 
     def run_device(self, x, y, stream):
         self.check(self.lib.mha_run_device(self.handle, x.data_ptr(), y.data_ptr(), stream),
@@ -196,9 +213,11 @@ def run_checks(torch, bundle: Path, cases: list, host_only: bool) -> list:
             a = Artifact(art)
             try:
                 y = torch.empty(case["expected_shape"], dtype=dt)
-                a.run_host(x, y, b, s)
+                lengths = case.get("lengths")
+                a.run_host(x, y, b, s, None if lengths is None else
+                           torch.tensor(lengths, dtype=torch.int32))
                 row["host"] = _compare(torch, y, expected, case["tolerance"])
-                if not host_only:
+                if not host_only and lengths is None:   # (lengths: host entry points only)
                     xd, yd = x.cuda(), torch.empty(case["expected_shape"], dtype=dt,
                                                    device="cuda")
                     a.run_device(xd, yd, torch.cuda.current_stream().cuda_stream)

@@ -14,11 +14,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mhagen
 from mhagen.artifact.describe import describe
-from mhagen.errors import ArtifactError
+from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.weights import init_weights
 
 from mhagen.schedules.cuda.nvcc import missing_tools
@@ -236,9 +237,45 @@ def test_c_api_refuses_a_damaged_fatbin(artifacts, tools, tmp_path):
     assert calls["create"][0] == "MHA_ERR_NOT_FOUND"
 
 
-def test_python_load_points_to_the_c_api(artifacts):
-    with pytest.raises(ArtifactError, match="C API"):
-        mhagen.load(artifacts["fp32"])
+def test_python_load_runs_the_c_api(artifacts, tools, tmp_path, monkeypatch):
+    """mhagen.load of a CUDA artifact: its libmha.so through ctypes (host arrays in and out).
+    The stand-in driver computes nothing, so y is the zeroed device buffer copied back; the
+    log shows the three launches and the copies."""
+    driver, _ = tools
+    art = tmp_path / "art"
+    shutil.copytree(artifacts["fp16_causal_gqa"], art)     # its own libmha.so instance
+    log = tmp_path / "driver.log"
+    monkeypatch.setenv("MHA_CUDA_DRIVER", str(driver))
+    monkeypatch.setenv("FAKE_CUDA_LOG", str(log))
+    m = mhagen.load(art)
+    assert m.kernels == ["qkv_projection", "attention", "output_projection"]
+    x = np.random.default_rng(0).standard_normal(m.in_shape).astype(np.float32)
+    y = m(x)                                   # float32 in: rounded to float16, float32 out
+    assert y.shape == m.out_shape and y.dtype == np.float32 and not y.any()
+    assert m(x.astype(np.float16)).dtype == np.float16
+    launches = [line.split()[1] for line in log.read_text().splitlines()
+                if line.startswith("launch ")]
+    assert launches == ["qkv_projection_kernel", "attention_kernel",
+                        "output_projection_kernel"] * 2
+    with pytest.raises(InputError, match="shape"):
+        m(x[:, :-1])
+    with pytest.raises(InputError, match="key lengths"):
+        m(x, kv_lens=np.array([1, 1]))
+    m.close()
+    assert log.read_text().splitlines()[-1] == "context release 0"
+    with pytest.raises(ArtifactError, match="closed"):
+        m(x)
+
+
+def test_python_load_says_there_is_no_gpu(artifacts, tmp_path, monkeypatch):
+    art = tmp_path / "art"
+    shutil.copytree(artifacts["fp32"], art)
+    monkeypatch.setenv("MHA_CUDA_DRIVER", str(tmp_path / "no-driver.so"))
+    with pytest.raises(TargetError, match="no CUDA driver"):
+        mhagen.load(art)
+    (art / "libmha.so").unlink()
+    with pytest.raises(ArtifactError, match="checksum|missing|C API"):
+        mhagen.load(art)
 
 
 def test_driver_declarations_match_cuda_h(tmp_path):

@@ -78,8 +78,10 @@ def test_bundled_reference_is_the_layers_float64_output(bundle):
         x = np.frombuffer((art / "x.bin").read_bytes(), np.float32).reshape(
             case["batch"], case["seq_len"], case["d_model"])
         expected = np.frombuffer((art / "expected.bin").read_bytes(), np.float64)
+        lengths = case["lengths"] and np.asarray(case["lengths"], np.int32)
         assert np.array_equal(expected.reshape(case["expected_shape"]),
-                              run_reference(graph, x, weights))
+                              run_reference(graph, x, weights, kv_lens=lengths))
+    assert any(c.get("lengths") for c in meta["cases"])     # mha_run_padded is exercised
 
 
 def test_run_step_reaches_the_gpu_and_compares(bundle, fake_driver, tmp_path):
@@ -99,7 +101,9 @@ def test_run_step_reaches_the_gpu_and_compares(bundle, fake_driver, tmp_path):
         assert f"FAIL {case['name']}" in p.stdout
     launches = [line.split()[1] for line in log.read_text().splitlines()
                 if line.startswith("launch ")]
-    assert launches == ["qkv_projection_kernel", "attention_kernel", "output_projection_kernel"]
+    # every check case ran its three kernels once (host arrays)
+    assert launches == ["qkv_projection_kernel", "attention_kernel",
+                        "output_projection_kernel"] * len(checks)
     assert "| small_fp32 | float32 |" in (bundle / "results.md").read_text()
 
 

@@ -17,7 +17,7 @@ from mhagen.program import Program
 from mhagen.target import Target
 
 
-def _check_files(path: Path, files: dict) -> None:
+def _check_files(path: Path, files: dict, kernels: str) -> None:
     for name, digest in files.items():
         f = path / name
         if not f.is_file():
@@ -25,8 +25,8 @@ def _check_files(path: Path, files: dict) -> None:
         if sha256_file(f) != digest:
             raise ArtifactError(f"{path}: {name} is corrupted (checksum mismatch); rebuild or "
                                 "copy it again")
-    if "kernel.so" not in files:
-        raise ArtifactError(f"{path}: the manifest lists no kernel.so; rebuild the module")
+    if kernels not in files:
+        raise ArtifactError(f"{path}: the manifest lists no {kernels}; rebuild the module")
 
 
 def _check_program(program: Program, params: dict, path) -> None:
@@ -48,16 +48,13 @@ def _check_program(program: Program, params: dict, path) -> None:
 
 
 def load(path) -> Module:
-    """Load a directory written by Module.save(); checks format, target and checksums."""
+    """Load a directory written by Module.save(); checks format, target and checksums. A
+    CUDA artifact comes back as a CudaArtifactModule (mhagen/artifact/cuda_module.py: its
+    libmha.so through ctypes, no TVM), which needs the NVIDIA driver and a GPU."""
     path = Path(path)
     man = read_manifest(path)
     device = man["target"].get("device", "cpu") if isinstance(man["target"], dict) else "cpu"
-    if device != "cpu":
-        raise ArtifactError(f"{path} holds {device} kernels: mhagen.load runs CPU kernels; run "
-                            "these through the artifact's C API, libmha.so (mha.h; from "
-                            "Python: scripts/gpu_check.py shows how, with torch), on a machine "
-                            "with an NVIDIA GPU and its driver")
-    _check_files(path, man["files"])
+    _check_files(path, man["files"], "kernel.so" if device == "cpu" else "kernels.fatbin")
     try:
         target = Target.from_dict(man["target"])
         graph = Graph.from_json(man["graph"])
@@ -68,6 +65,9 @@ def load(path) -> Module:
     except (KeyError, TypeError, ValueError) as err:
         raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
                             "module") from None
+    if target.device != "cpu":   # GPU code runs through the artifact's own C API
+        from mhagen.artifact.cuda_module import CudaArtifactModule
+        return CudaArtifactModule(path, man, graph, target)
     why = target.cannot_run()
     unknown = sorted(set(man["target"].get("features") or []) - set(RUNTIME_FEATURES))
     if why is None and unknown:
