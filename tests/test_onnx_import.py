@@ -411,18 +411,82 @@ def test_hugging_face_t5_relative_bias_imports_exactly():
     assert_close(found.graph.reference(seen["x"].numpy(), found.weights), seen["y"].numpy())
 
 
-def test_hugging_face_mistral_with_rope_is_refused_naming_the_node():
-    """A sliding-window grouped-K/V model (Mistral, random config): its rotary embeddings on
-    Q and K are not read by the importer yet; it refuses, naming the node, rather than
-    importing something else."""
+def _mistral_like(transformers, arch, **extra):
+    """A 1-layer model with rotary embeddings (random config): Mistral (grouped K/V, a
+    sliding window of 4) or LLaMA (rope_theta 500000, head_dim 16)."""
+    if arch == "mistral":
+        return transformers.MistralModel(transformers.MistralConfig(
+            vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+            max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+            attn_implementation="eager", **extra)).eval()
+    return transformers.LlamaModel(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, rope_theta=500000.0,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager", **extra)).eval()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "llama"])
+def test_hugging_face_rotary_models_import_exactly(arch):
+    """Rotary embeddings on Q and K (Hugging Face's x cos + rotate_half(x) sin) import as
+    mhagen.rotary with the model's base, read from the angles; with Mistral's grouped K/V
+    and causal sliding window too. The layer equals the model's own attention block
+    (self_attn with its o_proj) on unseen tokens at two lengths, in the reference and
+    compiled for this CPU."""
     torch = pytest.importorskip("torch", reason="torch is a test dependency")
     transformers = pytest.importorskip("transformers", reason="a test dependency")
     torch.manual_seed(0)
-    model = transformers.MistralModel(transformers.MistralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
-        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-        attn_implementation="eager")).eval()
-    with pytest.raises(OnnxError, match=r"self_attn/Add' on the Q path combines several "
-                                        r"tensors.*rotary embeddings"):
+    model = _mistral_like(transformers, arch)
+    found = _hf_import(model, torch)
+    opts = found.graph.options
+    head_dim = 8 if arch == "mistral" else 16
+    assert opts["rotary"] == {"base": 10000.0 if arch == "mistral" else 500000.0,
+                              "rotary_dim": head_dim}
+    assert opts["causal"] and opts["head_dim"] == head_dim
+    if arch == "mistral":
+        assert opts["kv_heads"] == 2 and opts["mask"] == "((q_idx - kv_idx) < 4)"
+    att = model.layers[0].self_attn
+    for seq in (8, 20):
+        seen = {}
+        hooks = [att.register_forward_pre_hook(
+                     lambda mod, args, kw: seen.update(x=kw["hidden_states"]), with_kwargs=True),
+                 att.register_forward_hook(lambda mod, args, out: seen.update(y=out[0]))]
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 100, (2, seq),
+                                          generator=torch.Generator().manual_seed(seq)))
+        for h in hooks:
+            h.remove()
+        x, want = seen["x"].numpy(), seen["y"].numpy()
+        assert_close(found.graph.reference(x, found.weights), want)
+        module = mhagen.build(found.graph, "x86", batch=2, seq_len=seq,
+                              weights=found.weights, tuning=None)
+        assert_close(module(x), want)
+
+
+def test_scaled_rotary_frequencies_are_refused():
+    """LLaMA with linear rope_scaling (positions divided by 2): not mhagen's RoPE; refused
+    with the reason rather than imported with the wrong angles."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    model = _mistral_like(transformers, "llama",
+                          rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(OnnxError, match="rotary embeddings on Q.*scaled frequencies"):
         _hf_import(model, torch)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_mhagen_rotary_layers_round_trip(tmp_path, dynamic):
+    """mhagen's own export of rotary layers (Slices, Sub/Add, Concat; partial rotary with a
+    pass-through part) imports as the same graph."""
+    for layer in (mhagen.mha(64, 4, rotary=mhagen.rotary()),
+                  mhagen.mha(80, 4, head_dim=20, kv_heads=2, causal=True,
+                             rotary=mhagen.rotary(base=500.0, rotary_dim=12))):
+        weights = layer.init_weights(seed=0)
+        path = export_onnx(layer, tmp_path / "rot.onnx", weights, seq_len=24,
+                           dynamic_seq=dynamic)
+        (found,) = import_onnx(path)
+        assert found.graph == layer, found.graph
+        x = np.random.default_rng(1).standard_normal((1, 24, layer.options["d_model"]))
+        assert_close(found.graph.reference(x, found.weights), layer.reference(x, weights))

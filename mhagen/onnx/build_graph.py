@@ -12,6 +12,7 @@ import numpy as np
 
 from mhagen.dsl import add_heads, mha
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, first_query_heads
 
@@ -41,10 +42,20 @@ def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
     scales = [s.scale for s in specs for _ in range(s.n_heads)]
     bands = [b for s in specs for b in s.bands]
     score_mod = _score_mod(specs, len(scales))
-    if _is_standard(scales, bands, d) and d_out == d_model:
+    rotations = {s.rotary for s in specs}
+    if len(rotations) > 1:
+        raise OnnxError(f"the attention cores rotate Q and K differently "
+                        f"({sorted(map(str, rotations))})")
+    rotary = rotations.pop()
+    standard = _is_standard(scales, bands, d) and d_out == d_model
+    if standard:
         causal, mask = bands[0]
         return mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
-                   mask=mask, bias=bias, score_mod=score_mod, name=name)
+                   mask=mask, bias=bias, score_mod=score_mod, name=name,
+                   rotary=None if rotary is None else rope.rotary(*rotary))
+    if rotary is not None:
+        raise OnnxError("rotary embeddings with per-head scales or masks (or a different "
+                        "output width); mhagen reads rotary layers of one scale and mask")
     g = Graph(name, options={"d_model": d_model, "num_heads": len(scales), "head_dim": d,
                              "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})
     x = g.input("x", d_model)

@@ -38,9 +38,14 @@ length (``seq_len=``): farther distances take the last value, exact when the pro
 than the model's farthest distinct distance (T5: ``max_distance``); a softcap (``Tanh``
 between two constant factors) becomes ``mhagen.softcap``.
 
+Rotary embeddings on Q and K (Hugging Face's ``x cos + rotate_half(x) sin``, or mhagen's
+exported Slices/Sub/Add/Concat) become ``mhagen.rotary(base, rotary_dim)``: the angles are
+measured on probe values (spec.read_rotary), the weights read through them (they rotate
+within a head, so the projection's columns are unchanged).
+
 Limits (each an ``OnnxError`` naming the node and the reason): cross-attention, KV caches
-(``past_key``...), padding masks computed from model inputs, other additive biases, rotary
-embeddings, heads of different widths, and
+(``past_key``...), padding masks computed from model inputs, other additive biases, scaled
+rotary frequencies (``rope_scaling``), heads of different widths, and
 the packed ``com.microsoft`` operators (``Attention``, ``GroupQueryAttention``...). Masks are
 read at the probe length (``seq_len=``, default 32, for a dynamic sequence axis): a window
 wider than that reads as no window there, which the verification at another length catches.

@@ -121,6 +121,8 @@ class ProjectionPath:
     has_bias: bool
     target: str = ""             # the Q/K/V tensor the core reads
     nodes: list = field(default_factory=list)   # from the projection's output to `target`
+    #   (a rotary embedding stands in as an Identity node: the weights trace through it)
+    rotary: tuple | None = None  # (input, output) of rotary embeddings on the path
 
 
 @dataclass
@@ -162,7 +164,7 @@ class Core:
         """Every tensor whose probe values reading this core needs."""
         names = [self.q, self.k, self.v, self.o] + self.out.candidates
         for p in self.paths.values():
-            names += p.candidates + [t for t, _ in p.factors]
+            names += p.candidates + [t for t, _ in p.factors] + list(p.rotary or ())
         names += [t for t, _ in self.score_factors] + [a[0] for a in self.adds]
         names += self.bool_masks + [t for w in self.wheres for t in w[:2]]
         names += [t for z in self.zero_rows for t in z[:2]] + self.nan_guards
@@ -420,17 +422,23 @@ def find_cores(m):
 # -- the projections around an attention ---------------------------------------------------
 def projection_path(m, t, role, core):
     """Walk back from core input t to the MatMul/Gemm that projects the layer input."""
-    factors, seen_bias, nodes, target = [], False, [], t
+    factors, seen_bias, nodes, target, rotary = [], False, [], t, None
     while True:
         n = m.producer.get(t)
         if n is None or len(nodes) >= 64:      # a model input, projected by the identity
-            return ProjectionPath(role, None, [t], factors, seen_bias, target, nodes[::-1])
+            return ProjectionPath(role, None, [t], factors, seen_bias, target, nodes[::-1],
+                                  rotary)
         dep_in = [i for i in n.input if i and i in m.dep]
         what = f"{core.label}: {m.label(n)} on the {role} path"
         if n.op_type in ("MatMul", "Gemm") and len(dep_in) == 1 and dep_in[0] == n.input[0]:
             has_bias = seen_bias or (n.op_type == "Gemm" and len(n.input) > 2 and bool(n.input[2]))
             return ProjectionPath(role, n, layout_back(m, dep_in[0]), factors, has_bias,
-                                  target, nodes[::-1])
+                                  target, nodes[::-1], rotary)
+        found = rotary_parts(m, n) if rotary is None and len(dep_in) >= 2 else None
+        if found is not None:   # checked against probe values later (spec.read_rotary)
+            rotary, t = found, found[0]
+            nodes.append(_identity_node(m, found[0], n))
+            continue
         _check_path_op(n, dep_in, what)
         if n.op_type in ("Mul", "Div") and not seen_bias:
             other = [i for i in n.input if i and i != dep_in[0]]
@@ -439,6 +447,51 @@ def projection_path(m, t, role, core):
         seen_bias = seen_bias or n.op_type in ("Add", "Sub")
         nodes.append(n)
         t = dep_in[0]
+
+
+def rotary_parts(m, n):
+    """(input, output) when node n ends rotary embeddings, else None. The structure only
+    (the angles are read from probe values: spec.read_rotary), in the two forms met:
+      Hugging Face: Add(x * cos, rotate_half(x) * sin), rotate_half(x) = Concat(-x2, x1);
+      mhagen's export: Concat(a cos - b sin, b cos + a sin[, pass]) of Slices a, b[, pass]
+      of x; cos and sin independent of the input values."""
+    def dep_factor(mul):   # the input-dependent factor of a Mul by a constant
+        if mul is None or mul.op_type != "Mul" or len(mul.input) != 2:
+            return None
+        dep = [i for i in mul.input if i in m.dep]
+        return dep[0] if len(dep) == 1 else None
+
+    def producers(node):
+        return [m.producer.get(i) for i in node.input if i]
+    if n.op_type == "Add" and len(n.input) == 2:
+        facs = [dep_factor(p) for p in producers(n)]
+        for x, turned in (facs, facs[::-1]):
+            cat = m.producer.get(turned) if turned else None
+            if x and cat is not None and cat.op_type == "Concat" and len(cat.input) == 2:
+                neg, first = producers(cat)
+                second = m.producer.get(neg.input[0]) if neg is not None and \
+                    neg.op_type == "Neg" else None
+                if all(s is not None and s.op_type == "Slice" and s.input[0] == x
+                       for s in (first, second)):
+                    return x, n.output[0]
+    if n.op_type == "Concat" and len(n.input) in (2, 3):
+        parts = producers(n)
+        if len(parts) == len(n.input) and [p.op_type for p in parts[:2]] == ["Sub", "Add"]:
+            slices = [m.producer.get(dep_factor(mul)) for p in parts[:2]
+                      for mul in producers(p) if dep_factor(mul)] + parts[2:]
+            sources = {s.input[0] for s in slices if s is not None and s.op_type == "Slice"}
+            if len(slices) == 4 + len(parts[2:]) and len(sources) == 1 and all(
+                    s is not None and s.op_type == "Slice" for s in slices):
+                return sources.pop(), n.output[0]
+    return None
+
+
+def _identity_node(m, x, n):
+    """An Identity from x to node n's output, named after n (the weights' tracer passes
+    through it)."""
+    from onnx import helper
+    return helper.make_node("Identity", [x], [n.output[0]],
+                            name=f"{n.name or n.output[0]} (rotary)")
 
 
 def _check_path_op(n, dep_in, what):

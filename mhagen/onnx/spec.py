@@ -37,6 +37,7 @@ class CoreSpec:
     slopes: list | None = None   # per query head: bias slope_h * (kv_idx - q_idx)
     distances: list | None = None  # per query head: a learned bias per distance, values over
     #                                -(T-1)..T-1 at the probe's T keys (T5-style relative bias)
+    rotary: tuple | None = None  # (base, rotary_dim) of rotary embeddings on Q and K
 
 
 @dataclass
@@ -192,7 +193,64 @@ def read_core(c, vals, batch, notes):
                         " (this ONNX model gives NaN)"))
     return CoreSpec(n_heads, d, scale, factors, [_head_band(c, keep[0, h], h)
                                                 for h in range(n_heads)], lead, k, v,
-                    cap=cap, slopes=slopes, distances=distances)
+                    cap=cap, slopes=slopes, distances=distances,
+                    rotary=read_rotary(c, vals, d))
+
+
+def read_rotary(c, vals, head_dim):
+    """(base, rotary_dim) of the rotary embeddings on the core's Q and K paths
+    (match.rotary_parts), read from the probe values of their input x and output y: the
+    rotated leading columns, the angle each pair (i, i + r/2) turns at position 1 (atan2 of
+    the cross and dot products of x's and y's pairs, summed over rows), the base fitted to
+    angle_i = base^(-2i/r), and then y checked to be mhagen's RoPE of x at every position.
+    None without rotary embeddings; OnnxError for anything else (rotary on V or on Q or K
+    alone, scaled frequencies, positions not from 0)."""
+    from mhagen.ir import rope
+    paths = {r: c.paths[r].rotary for r in "qkv"}
+    if not any(paths.values()):
+        return None
+    if paths["v"] is not None or paths["q"] is None or paths["k"] is None:
+        rotated = ", ".join(r.upper() for r in "qkv" if paths[r])
+        raise OnnxError(f"{c.label}: rotary embeddings on {rotated} only; mhagen rotates Q "
+                        "and K (never V)")
+    found = []
+    for role in "qk":
+        x, y = (np.asarray(vals[t], np.float64) for t in paths[role])
+        what = f"{c.label}: the rotary embeddings on {role.upper()} ({paths[role][1]!r})"
+        if x.shape != y.shape or x.shape[-1] != head_dim or x.shape[-2] < 2:
+            raise OnnxError(f"{what} do not map [..., seq, {head_dim}] to the same shape")
+        x, y = x.reshape(-1, x.shape[-2], head_dim), y.reshape(-1, y.shape[-2], head_dim)
+        moved = np.flatnonzero(np.any(~np.isclose(x, y, rtol=1e-6, atol=1e-7), axis=(0, 1)))
+        r = int(moved[-1]) + 1 if moved.size else 0
+        r += r % 2
+        if r < 2:
+            raise OnnxError(f"{what} rotate nothing")
+        h = r // 2
+
+        def turn(t):   # the angle pair i turns by at position t, in (-pi, pi]
+            a, b, ya, yb = x[:, t, :h], x[:, t, h:r], y[:, t, :h], y[:, t, h:r]
+            return np.arctan2(np.sum(a * yb - b * ya, axis=0), np.sum(a * ya + b * yb, axis=0))
+        angle = turn(1)
+        if np.any(angle <= 0):
+            raise OnnxError(f"{what} do not turn every pair forward at position 1 (positions "
+                            "not from 0?); not supported")
+        # refined at the last position (t times the angle, unwrapped): slow pairs turn by
+        # too little at position 1 for float32 values to tell their angle precisely
+        last = x.shape[1] - 1
+        wraps = np.round((last * angle - turn(last)) / (2 * np.pi))
+        angle = (turn(last) + 2 * np.pi * wraps) / last
+        # base from the second pair (angle base^(-2/r): the best determined one)
+        base = float(angle[1] ** (-r / 2)) if h > 1 else 10000.0
+        whole = float(round(base))        # 10000.0 rather than 9999.9997
+        base = whole if abs(base - whole) <= 1e-4 * base else base
+        want = rope.apply(x, r, base)
+        if not np.allclose(want, y, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(y).max()))):
+            raise OnnxError(f"{what} are not angle t * base^(-2i/r) at position t (scaled "
+                            "frequencies, as rope_scaling? an offset?); not supported")
+        found.append((base, r))
+    if found[0] != found[1]:
+        raise OnnxError(f"{c.label}: Q and K are rotated differently {found}")
+    return found[0]
 
 
 def distance_slopes(c, bias, keep):
