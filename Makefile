@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-arm setup-arm venv clean
+.PHONY: demo test test-fast test-arm setup-arm venv clean gpu-bundle
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,5 +33,9 @@ setup-arm:
 test-arm: $(STAMP) setup-arm
 	$(BIN)/python -m pytest -q tests/test_arm.py
 
+# CUDA artifacts, inputs and references for a GPU machine (then: gpu_bundle/gpu_check.sh run).
+gpu-bundle: $(STAMP)
+	scripts/gpu_check.sh prepare gpu_bundle
+
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build gpu_bundle .pytest_cache

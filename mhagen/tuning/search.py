@@ -40,6 +40,7 @@ from mhagen.errors import GraphError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, schedule_kernel
+from mhagen.schedules.tensor_intrin import import_tensor_intrinsics
 from mhagen.target import resolve
 from mhagen.tolerances import max_error, tolerance
 from mhagen.tuning.apply import kernel_hash, versions
@@ -113,35 +114,6 @@ def cross_export(mod, cxx):
     path = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so")
     mod.export_library(path, fcompile=cc.cross_compiler(cxx))
     return path
-
-
-def _import_tensor_intrinsics():
-    """Import TVM's tensor intrinsics (MetaSchedule's TuneContext does on first use) with a
-    cheap inspect.stack: each of their ~250 TVMScript functions calls inspect.stack(), which
-    looks up every frame's source file through all of sys.modules; that took 80-190 s of a
-    tuning run on Zen 3. TVM reads only the third frame's source line (is_defined_in_class)
-    and the frames' locals, which this stack keeps."""
-    import inspect
-    if "tvm.s_tir.tensor_intrin" in sys.modules:
-        return
-    original = inspect.stack
-
-    def stack(context=1):
-        frame, frames = sys._getframe(1), []
-        while frame is not None:
-            if len(frames) < 3:
-                frames.append(inspect.FrameInfo(frame, *inspect.getframeinfo(frame, context)))
-            else:
-                frames.append(inspect.FrameInfo(frame, frame.f_code.co_filename, frame.f_lineno,
-                                                frame.f_code.co_name, None, None))
-            frame = frame.f_back
-        return frames
-
-    inspect.stack = stack
-    try:
-        import tvm.s_tir.tensor_intrin  # noqa: F401
-    finally:
-        inspect.stack = original
 
 
 def _search_strategy(budget):
@@ -486,7 +458,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
         derived_object(Progress)()]
     # Phase 1 (fresh runs): every knob value of our template, so the search starts from the
     # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
-    _import_tensor_intrinsics()
+    import_tensor_intrinsics()
     phases = []
     if done == 0 and hasattr(rule, "apply"):   # a template rule (CPUs); GPUs: dlight's
         phases.append((ms.space_generator.ScheduleFn(template), min(len(rows_space), trials)))

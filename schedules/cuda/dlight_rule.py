@@ -13,6 +13,7 @@ from tvm.s_tir import dlight
 
 from mhagen.errors import ScheduleError
 from mhagen.schedules import Decision
+from mhagen.schedules.tensor_intrin import import_tensor_intrinsics
 
 
 class DlightKernelRule:
@@ -29,6 +30,7 @@ class DlightKernelRule:
         return None
 
     def schedule_whole(self, kernel, target):
+        import_tensor_intrinsics()   # dlight's tensor-core Matmul would import them slowly
         tvm_target = target.tvm
         with tvm_target:
             for rule in self.rules:

@@ -11,6 +11,7 @@ more static shared memory than 48 KiB). Spills are reported (resources), not ref
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -79,12 +80,15 @@ def find_tool(name: str) -> str | None:
 
 def sass(fatbin: bytes) -> dict:
     """GPU function name -> its SASS (the machine code of the fatbin's cubin), by cuobjdump."""
-    tool = find_tool("cuobjdump")
-    if tool is None:
-        raise TargetError("disassembling needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    tool, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if tool is None or disasm is None:
+        raise TargetError("disassembling needs cuobjdump and nvdisasm (pip install "
+                          "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    # cuobjdump runs nvdisasm, looked up on the PATH
+    env = {**os.environ, "PATH": f"{Path(disasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     with tempfile.TemporaryDirectory(prefix="mhagen-sass-") as tmp:
         Path(tmp, "k.fatbin").write_bytes(fatbin)
-        text = _run([tool, "-sass", "k.fatbin"], tmp, "cuobjdump")
+        text = _run([tool, "-sass", "k.fatbin"], tmp, "cuobjdump", env)
     parts = re.split(r"^\s*Function : (\w+)\s*$", text, flags=re.M)
     return dict(zip(parts[1::2], parts[2::2]))
 
@@ -93,8 +97,8 @@ def missing_tools() -> list:
     return [t for t in TOOLS if shutil.which(t) is None]
 
 
-def _run(cmd, cwd, what):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+def _run(cmd, cwd, what, env=None):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise ScheduleError(f"{what} failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
     return proc.stdout + proc.stderr
