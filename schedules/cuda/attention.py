@@ -29,9 +29,9 @@ from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda import attention_tc
+from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
 
-ROWS_PER_THREAD = 4   # query rows a thread owns
-COL_THREADS = 8       # threads across a row: keys (S) or head columns (O), interleaved
+ROWS_PER_THREAD, COL_THREADS = RT, CT   # query rows a thread owns; threads across a row
 FLOAT = 4
 
 
@@ -122,7 +122,6 @@ def build_attention(w, cfg):
     B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
     DP = w["head_dim_padded"]
     MQ, KB = cfg.q_tile, cfg.kv_block
-    RT, CT = ROWS_PER_THREAD, COL_THREADS
     NT = threads(cfg)
     SC, OC = KB // CT, DP // CT           # scores and output columns per thread row
     assert MQ % RT == 0 and KB % CT == 0 and DP % CT == 0, (MQ, KB, DP)
@@ -136,14 +135,12 @@ def build_attention(w, cfg):
     MA = w.get("att_rows", M)
     Q_LOADS, KV_LOADS = -(-MQ * DP // NT), -(-KB * DP // NT)
     c_log2e = T.float32(w["scale"] * LOG2E)
-    neg_inf = T.float32(float("-inf"))
     zero = T.float32(0.0)
-    HAS_MOD = w.get("score_mod") is not None
     TEMP = w.get("temp_dtype", "float32")   # qkv's and out's dtype (a half layer's: fp16/bf16)
 
     rules = ScoreRules(w)
-    visible, modified, key_row = rules.visible, rules.modified, rules.key_row
-    tb, th = rules.tb, rules.th
+    key_row, tb, th = rules.key_row, rules.tb, rules.th
+    row = RowMacros(w, rules, SC, OC)
 
     @T.macro
     def key_block(masked, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
@@ -167,48 +164,11 @@ def build_attention(w, cfg):
             for i in T.unroll(RT):
                 for j in T.unroll(SC):
                     acc_s[i, j] = acc_s[i, j] + q_s[row_group * RT + i, c] * k_s[c, lane_col + CT * j]
-        for i in T.unroll(RT):
-            red[0] = neg_inf
-            for j in T.unroll(SC):
-                if HAS_MOD:
-                    acc_s[i, j] = modified(acc_s[i, j], b, h, q0 + row_group * RT + i,
-                                           k0 + lane_col + CT * j)
-                if masked:
-                    acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i, k0 + lane_col + CT * j,
-                                                   lens),
-                                           acc_s[i, j], neg_inf)
-                red[0] = T.max(red[0], acc_s[i, j])
-            max_s[row_group * RT + i, lane_col] = red[0]
+        row.mask_and_max(masked, acc_s, red, max_s, lens, b, h, q0, k0, row_group, lane_col)
         T.tvm_storage_sync("shared")
-        # online softmax; every thread of a row computes the row's max and rescale alike.
-        # st[0]: running max, st[1]: sum, st[2]: rescale alpha, st[3]: the max subtracted
-        # (0 while the row saw no key)
-        for i in T.unroll(RT):
-            red[0] = st[0, i]
-            for t in T.unroll(CT):
-                red[0] = T.max(red[0], max_s[row_group * RT + i, t])
-            st[3, i] = T.Select(red[0] == neg_inf, zero, red[0])
-            st[2, i] = T.exp2(st[0, i] - st[3, i])
-            st[0, i] = red[0]
-            red[0] = zero
-            for j in T.unroll(SC):
-                if masked:
-                    acc_s[i, j] = T.Select(acc_s[i, j] == neg_inf, zero,
-                                           T.exp2(acc_s[i, j] - st[3, i]))
-                else:
-                    acc_s[i, j] = T.exp2(acc_s[i, j] - st[3, i])
-                p_s[row_group * RT + i, lane_col + CT * j] = acc_s[i, j]
-                red[0] = red[0] + acc_s[i, j]
-            sum_s[row_group * RT + i, lane_col] = red[0]
+        row.exponentiate(masked, acc_s, st, red, max_s, sum_s, p_s, row_group, lane_col)
         T.tvm_storage_sync("shared")
-        # l = l alpha + sum P; O = O alpha + P V
-        for i in T.unroll(RT):
-            red[0] = zero
-            for t in T.unroll(CT):
-                red[0] = red[0] + sum_s[row_group * RT + i, t]
-            st[1, i] = st[1, i] * st[2, i] + red[0]
-            for j in T.unroll(OC):
-                acc_o[i, j] = acc_o[i, j] * st[2, i]
+        row.rescale(st, red, sum_s, acc_o, row_group)    # then O += P V
         for k in range(KB):
             for i in T.unroll(RT):
                 for j in T.unroll(OC):
@@ -230,26 +190,15 @@ def build_attention(w, cfg):
         acc_o = T.decl_buffer((RT, OC), "float32", scope="local")
         st = T.decl_buffer((4, RT), "float32", scope="local")
         red = T.decl_buffer((1,), "float32", scope="local")
-        # indices as expressions (T.meta_var): TVM's buffer flattening rejects let-bound
-        # scalars next to thread launches
-        b = T.meta_var(bx // (H * NQT))
-        h = T.meta_var(bx // NQT % H)
-        qt = T.meta_var(bx % NQT)
-        g = T.meta_var(bx // NQT % H // GROUP)
-        q0 = T.meta_var(bx % NQT * MQ)
-        row_group = T.meta_var(tid // CT)
-        lane_col = T.meta_var(tid % CT)
+        b, h, qt, g, q0, row_group, lane_col = T.meta_var(
+            coordinates(bx, tid, H, NQT, GROUP, MQ))
         for it in range(Q_LOADS):
             if it * NT + tid < MQ * DP:
                 q_s[(it * NT + tid) // DP, (it * NT + tid) % DP] = T.Cast("float32", qkv[
                     (Q_BASE + h * DP + (it * NT + tid) % DP) // PW,
                     b * S + T.min(q0 + (it * NT + tid) // DP, S - 1),
                     (Q_BASE + h * DP + (it * NT + tid) % DP) % PW]) * c_log2e
-        for i in T.unroll(RT):
-            st[0, i] = neg_inf
-            st[1, i] = zero
-            for j in T.unroll(OC):
-                acc_o[i, j] = zero
+        row.start(st, acc_o)
         T.tvm_storage_sync("shared")
         for kb in range(NKB):
             state = T.meta_var(rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b,
@@ -260,13 +209,7 @@ def build_attention(w, cfg):
             elif state == PARTIAL:
                 key_block(True, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st,
                           red, b, h, g, q0, kb * KB, tid, row_group, lane_col)
-        for i in T.unroll(RT):
-            if q0 + row_group * RT + i < S:
-                red[0] = T.Select(st[1, i] > zero, T.float32(1) / st[1, i], zero)
-                for j in T.unroll(OC):
-                    if lane_col + CT * j < d:
-                        out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = (
-                            T.Cast(TEMP, acc_o[i, j] * red[0]))
+        row.write_out(out, st, red, acc_o, b, h, q0, row_group, lane_col)
 
     return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            dtype=TEMP)

@@ -26,9 +26,9 @@ from tvm.script import tirx as T
 from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
+from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
 from mhagen.schedules.cuda.nvcc import shared_limit
 
-RT, CT = 4, 8          # rows a thread owns, threads across a row (as the float32 template)
 F = 16                 # the WMMA fragment: 16 x 16 x 16
 HALF_PAD, FLOAT_PAD = 8, 4    # row padding of the tiles (bank conflicts; WMMA ldm rules)
 STATIC_SHARED = 48 * 1024     # static shared memory per block, on every GPU
@@ -90,15 +90,12 @@ def build_attention_tc(w, cfg):
     LDH, LDS, LDP, LDO = DP + HALF_PAD, KB + FLOAT_PAD, KB + HALF_PAD, OW + FLOAT_PAD
     OQ, OK, OV = 0, MQ * LDH, (MQ + KB) * LDH      # in the dynamic float16 buffer
     c_log2e = T.float32(w["scale"] * LOG2E)
-    neg_inf = T.float32(float("-inf"))
-    zero = T.float32(0.0)
-    HAS_MOD = w.get("score_mod") is not None
     TEMP = w["temp_dtype"]
     assert TEMP == "float16", TEMP
 
     rules = ScoreRules(w)
-    visible, modified, key_row = rules.visible, rules.modified, rules.key_row
-    tb, th = rules.tb, rules.th
+    key_row, tb, th = rules.key_row, rules.tb, rules.th
+    row = RowMacros(w, rules, SC, OC)
 
     @T.macro
     def key_block(masked, qkv, lens, hv, s_f, p_h, o_f, max_s, sum_s, qa, kbf, pa, vbf, sacc,
@@ -132,48 +129,15 @@ def build_attention_tc(w, cfg):
                 "w", offset=warp * F * LDS + j * F, extent=(F - 1) * LDS + F), LDS,
                 "row_major")
         T.tvm_storage_sync("shared")
-        # from here as the float32 template: scores in log2 units, masked, each thread's max
+        # from here as the float32 template, on the scores in log2 units in registers
         for i in T.unroll(RT):
-            red[0] = neg_inf
             for j in T.unroll(SC):
                 acc_s[i, j] = s_f[row_group * RT + i, lane_col + CT * j] * c_log2e
-                if HAS_MOD:
-                    acc_s[i, j] = modified(acc_s[i, j], b, h, q0 + row_group * RT + i,
-                                           k0 + lane_col + CT * j)
-                if masked:
-                    acc_s[i, j] = T.Select(visible(b, h, q0 + row_group * RT + i,
-                                                   k0 + lane_col + CT * j, lens),
-                                           acc_s[i, j], neg_inf)
-                red[0] = T.max(red[0], acc_s[i, j])
-            max_s[row_group * RT + i, lane_col] = red[0]
+        row.mask_and_max(masked, acc_s, red, max_s, lens, b, h, q0, k0, row_group, lane_col)
         T.tvm_storage_sync("shared")
-        # online softmax (st[0] max, st[1] sum, st[2] alpha, st[3] the max subtracted);
-        # P to shared memory in float16 for the tensor cores
-        for i in T.unroll(RT):
-            red[0] = st[0, i]
-            for t in T.unroll(CT):
-                red[0] = T.max(red[0], max_s[row_group * RT + i, t])
-            st[3, i] = T.Select(red[0] == neg_inf, zero, red[0])
-            st[2, i] = T.exp2(st[0, i] - st[3, i])
-            st[0, i] = red[0]
-            red[0] = zero
-            for j in T.unroll(SC):
-                if masked:
-                    acc_s[i, j] = T.Select(acc_s[i, j] == neg_inf, zero,
-                                           T.exp2(acc_s[i, j] - st[3, i]))
-                else:
-                    acc_s[i, j] = T.exp2(acc_s[i, j] - st[3, i])
-                p_h[row_group * RT + i, lane_col + CT * j] = T.Cast("float16", acc_s[i, j])
-                red[0] = red[0] + acc_s[i, j]
-            sum_s[row_group * RT + i, lane_col] = red[0]
+        row.exponentiate(masked, acc_s, st, red, max_s, sum_s, p_h, row_group, lane_col)
         T.tvm_storage_sync("shared")
-        for i in T.unroll(RT):
-            red[0] = zero
-            for t in T.unroll(CT):
-                red[0] = red[0] + sum_s[row_group * RT + i, t]
-            st[1, i] = st[1, i] * st[2, i] + red[0]
-            for j in T.unroll(OC):
-                acc_o[i, j] = acc_o[i, j] * st[2, i]
+        row.rescale(st, red, sum_s, acc_o, row_group)
         # O += P V, OW columns at a time: the warp's rows through the scratch o_f
         for oc in T.unroll(DP // OW):
             for f in T.unroll(OW // F):
@@ -216,25 +180,16 @@ def build_attention_tc(w, cfg):
         acc_o = T.decl_buffer((RT, OC), "float32", scope="local")
         st = T.decl_buffer((4, RT), "float32", scope="local")
         red = T.decl_buffer((1,), "float32", scope="local")
-        b = T.meta_var(bx // (H * NQT))
-        h = T.meta_var(bx // NQT % H)
-        qt = T.meta_var(bx % NQT)
-        g = T.meta_var(bx // NQT % H // GROUP)
-        q0 = T.meta_var(bx % NQT * MQ)
+        b, h, qt, g, q0, row_group, lane_col = T.meta_var(
+            coordinates(bx, tid, H, NQT, GROUP, MQ))
         warp = T.meta_var(tid // 32)
-        row_group = T.meta_var(tid // CT)
-        lane_col = T.meta_var(tid % CT)
         for it in range(Q_LOADS):
             if it * NT + tid < MQ * DP:
                 hv[OQ + (it * NT + tid) // DP * LDH + (it * NT + tid) % DP] = qkv[
                     (Q_BASE + h * DP + (it * NT + tid) % DP) // PW,
                     b * S + T.min(q0 + (it * NT + tid) // DP, S - 1),
                     (Q_BASE + h * DP + (it * NT + tid) % DP) % PW]
-        for i in T.unroll(RT):
-            st[0, i] = neg_inf
-            st[1, i] = zero
-            for j in T.unroll(OC):
-                acc_o[i, j] = zero
+        row.start(st, acc_o)
         T.tvm_storage_sync("shared")
         for kb in range(NKB):
             state = T.meta_var(rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b,
@@ -247,13 +202,7 @@ def build_attention_tc(w, cfg):
                 key_block(True, qkv, lens, hv, s_f, p_h, o_f, max_s, sum_s, qa, kbf, pa, vbf,
                           sacc, oacc, acc_s, acc_o, st, red, b, h, g, q0, kb * KB, tid, warp,
                           row_group, lane_col)
-        for i in T.unroll(RT):
-            if q0 + row_group * RT + i < S:
-                red[0] = T.Select(st[1, i] > zero, T.float32(1) / st[1, i], zero)
-                for j in T.unroll(OC):
-                    if lane_col + CT * j < d:
-                        out[b * S + q0 + row_group * RT + i, h * d + lane_col + CT * j] = (
-                            T.Cast(TEMP, acc_o[i, j] * red[0]))
+        row.write_out(out, st, red, acc_o, b, h, q0, row_group, lane_col)
 
     return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            dtype=TEMP)
