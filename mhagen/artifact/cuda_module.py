@@ -16,6 +16,7 @@ import numpy as np
 
 from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
+from mhagen.ir.graph import Graph     # (before mhagen.reference, which mhagen.ir imports)
 from mhagen.reference import check_lengths
 
 MHA_ERR_DEVICE = 11      # mhagen.artifact.capi.STATUS
@@ -24,7 +25,7 @@ MHA_ERR_DEVICE = 11      # mhagen.artifact.capi.STATUS
 class CudaArtifactModule:
     """A CUDA artifact loaded through its libmha.so; see the module docstring."""
 
-    def __init__(self, path: Path, manifest: dict, graph, target):
+    def __init__(self, path: Path, manifest: dict, graph: Graph, target):
         self.path, self.graph, self.target = Path(path), graph, target
         shapes = manifest["shapes"]
         self.batch, self.seq_len = shapes["batch"], shapes["seq_len"]

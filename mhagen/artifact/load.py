@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mhagen import runtime
+from mhagen.artifact.cuda_module import CudaArtifactModule
 from mhagen.artifact.files import read_tensors, sha256_file
 from mhagen.artifact.manifest import read_manifest
 from mhagen.errors import ArtifactError
@@ -66,7 +67,6 @@ def load(path) -> Module:
         raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
                             "module") from None
     if target.device != "cpu":   # GPU code runs through the artifact's own C API
-        from mhagen.artifact.cuda_module import CudaArtifactModule
         return CudaArtifactModule(path, man, graph, target)
     why = target.cannot_run()
     unknown = sorted(set(man["target"].get("features") or []) - set(RUNTIME_FEATURES))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mhagen.ir import expr as ex
+from mhagen.ir import rope
 from mhagen.ir.heads import kv_head_map
 from mhagen.onnx._common import OnnxError, fewest_kv_heads
 
@@ -205,7 +206,6 @@ def read_rotary(c, vals, head_dim):
     angle_i = base^(-2i/r), and then y checked to be mhagen's RoPE of x at every position.
     None without rotary embeddings; OnnxError for anything else (rotary on V or on Q or K
     alone, scaled frequencies, positions not from 0)."""
-    from mhagen.ir import rope
     paths = {r: c.paths[r].rotary for r in "qkv"}
     if not any(paths.values()):
         return None
