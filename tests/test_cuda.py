@@ -219,6 +219,27 @@ def test_score_modifiers_compile_into_the_attention_kernel():
 
 
 @needs_nvcc
+@pytest.mark.parametrize("variant", ["softcap+alibi", "key_padding", "window", "relative_bias"])
+def test_tensor_core_attention_takes_every_score_variant(variant):
+    """The float16 (WMMA) attention template with score modifiers, key lengths and a
+    sliding window, at head_dim 40 (padded to 48: three fragments) and seq 97 (partial
+    tiles): it compiles, runs on tensor cores and its launch reads the table's buffers."""
+    options = {"softcap+alibi": dict(score_mod=[mhagen.alibi(4), mhagen.softcap(30.0)]),
+               "key_padding": dict(key_padding=True, causal=True),
+               "window": dict(mask=mhagen.causal() & (mhagen.q_idx - mhagen.kv_idx < 16)),
+               "relative_bias": dict(score_mod=mhagen.relative_bias(
+                   np.random.default_rng(0).standard_normal((4, 32))))}[variant]
+    m = mhagen.build(mhagen.mha(160, 4, dtype="float16", **options), "cuda-sm90", batch=2,
+                     seq_len=97, tuning=None)
+    code = m.info.device_code
+    assert "HMMA" in sass(code.fatbin)["attention_kernel"]
+    [launch] = [la for la in code.launches if la.kernel == "attention"]
+    assert set(launch.args) == set(next(k.args for k in m.program.kernels
+                                        if k.name == "attention"))
+    assert launch.dynamic_shared > 0
+
+
+@needs_nvcc
 def test_relative_bias_table_is_an_attention_argument():
     """T5's bias table reaches the GPU attention kernel as a constant param it reads."""
     table = np.random.default_rng(0).standard_normal((8, 32))
