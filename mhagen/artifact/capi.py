@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mhagen.artifact.files import sha256_file
+from mhagen.artifact.files import KERNEL_FILES, sha256_file
 from mhagen.artifact.toolchain import Toolchain
 from mhagen.artifact.tvm_runtime import RUNTIME_LIBS, find_tvm_runtime
 from mhagen.errors import ArtifactError
@@ -64,8 +64,6 @@ STATUS = (
 # reads weights.bin (the user-layout weights; the kernels run params.bin), so its bytes are
 # left to mhagen.load, and the size check only catches an incomplete copy of the directory.
 CHECKED_FILES = (("kernel.so", "sha256"), ("params.bin", "sha256"), ("weights.bin", "size"))
-# CUDA artifacts: kernels.fatbin (the CUDA driver loads it) in place of kernel.so
-DEVICE_FILES = {"cpu": "kernel.so", "cuda": "kernels.fatbin"}
 
 # CPU features gcc/clang's __builtin_cpu_supports() knows (x86); others are not checked at run
 # time (the manifest still lists them).
@@ -437,7 +435,7 @@ def _cpu_check(manifest) -> str:
 def _checked(manifest) -> list:
     """(name, how) of the files mha_create checks (CHECKED_FILES, for the artifact's device)."""
     device = manifest["target"].get("device", "cpu")
-    return [(DEVICE_FILES.get(device, name) if name == "kernel.so" else name, how)
+    return [(KERNEL_FILES.get(device, name) if name == "kernel.so" else name, how)
             for name, how in CHECKED_FILES]
 
 
@@ -575,7 +573,7 @@ def _launch_tables(manifest, index: dict, file_names: list) -> list:
         rows.append(f"    {{{_c_string(la['entry'])}, {{{grid}}}, {{{block}}}, "
                     f"{int(la['dynamic_shared'])}, {int(la.get('static_shared', 0))}, "
                     f"{len(la['args'])}, kLaunchArgs{k}}},")
-    device_file = DEVICE_FILES["cuda"]
+    device_file = KERNEL_FILES["cuda"]
     return [f"// CUDA: kernels for {arch} (runs on compute capability >= "
             f"{arch[3:-1]}.{arch[-1]}), launched in this order",
             f"constexpr int kComputeCapability = {int(arch[3:])};",

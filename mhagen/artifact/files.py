@@ -11,6 +11,9 @@ from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError
 
 LITTLE_ENDIAN = {"float32": "<f4", "int32": "<i4", "float16": "<f2", "bfloat16": "<u2"}
+# the file holding an artifact's kernels, by target device: a TVM library for CPUs, the
+# fatbin compiled at build time for GPUs (launched by the C API through the CUDA driver)
+KERNEL_FILES = {"cpu": "kernel.so", "cuda": "kernels.fatbin"}
 
 
 def sha256_file(path) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from mhagen import runtime
 from mhagen.artifact.cuda_module import CudaArtifactModule
-from mhagen.artifact.files import read_tensors, sha256_file
+from mhagen.artifact.files import KERNEL_FILES, read_tensors, sha256_file
 from mhagen.artifact.manifest import read_manifest
 from mhagen.errors import ArtifactError
 from mhagen.host import RUNTIME_FEATURES
@@ -55,7 +55,7 @@ def load(path) -> Module:
     path = Path(path)
     man = read_manifest(path)
     device = man["target"].get("device", "cpu") if isinstance(man["target"], dict) else "cpu"
-    _check_files(path, man["files"], "kernel.so" if device == "cpu" else "kernels.fatbin")
+    _check_files(path, man["files"], KERNEL_FILES.get(device, KERNEL_FILES["cpu"]))
     try:
         target = Target.from_dict(man["target"])
         graph = Graph.from_json(man["graph"])

@@ -8,15 +8,14 @@ import warnings
 from pathlib import Path
 
 from mhagen.artifact import capi
-from mhagen.artifact.files import sha256_file, write_tensors
+from mhagen.artifact.files import KERNEL_FILES, sha256_file, write_tensors
 from mhagen.artifact.manifest import content_hash, module_manifest
 from mhagen.cross import export_options
 from mhagen.errors import ArtifactError
 from mhagen.host import host_arch
 from mhagen.inspection import TEXT_FILES, source_text
 
-DEVICE_FILE = "kernels.fatbin"     # GPU artifacts: the device code, in place of kernel.so
-HASHED_FILES = ("kernel.so", DEVICE_FILE, "weights.bin", "params.bin") + tuple(
+HASHED_FILES = (*KERNEL_FILES.values(), "weights.bin", "params.bin") + tuple(
     f"{w}.txt" for w in TEXT_FILES)
 
 
@@ -41,7 +40,7 @@ def save_module(module, path) -> Path:
     else:
         # GPU code: the fatbin compiled at build time (TVM's export_library would store CUDA
         # source) and the launch table; the C API launches them through the CUDA driver
-        (path / DEVICE_FILE).write_bytes(module.info.device_code.fatbin)
+        (path / KERNEL_FILES[device]).write_bytes(module.info.device_code.fatbin)
     module.info.texts["source"] = source_text(module)
     for what in TEXT_FILES:
         (path / f"{what}.txt").write_text(module.info.texts.get(what, ""))
@@ -59,7 +58,7 @@ def save_module(module, path) -> Path:
     if device != "cpu":
         code = module.info.device_code
         manifest["device_code"] = {
-            "file": DEVICE_FILE, "arch": code.arch,
+            "file": KERNEL_FILES[device], "arch": code.arch,
             "launches": [la.to_dict() for la in code.launches],
             "resources": {e: r.__dict__ for e, r in sorted(code.resources.items())}}
     manifest = finish(path, manifest)

@@ -16,6 +16,7 @@ import tvm
 from tvm import tirx
 
 from mhagen.errors import ScheduleError
+from mhagen.schedules.cuda.verify import children
 
 _AXES = {"blockIdx.x": ("grid", 0), "blockIdx.y": ("grid", 1), "blockIdx.z": ("grid", 2),
          "threadIdx.x": ("block", 0), "threadIdx.y": ("block", 1),
@@ -65,10 +66,7 @@ def _thread_extents(stmt, found: dict) -> None:
                                 "CUDA artifacts run fixed shapes only")
         if found.setdefault(tag, int(stmt.value)) != int(stmt.value):
             raise ScheduleError(f"{tag} launched with two extents ({found[tag]}, {stmt.value})")
-    children = list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [
-        getattr(stmt, n) for n in ("body", "then_case", "else_case")
-        if isinstance(getattr(stmt, n, None), tirx.Stmt)]
-    for child in children:
+    for child in children(stmt):
         _thread_extents(child, found)
 
 

@@ -14,7 +14,8 @@ from mhagen.errors import ScheduleError
 _CHILDREN = ("body", "block", "init", "then_case", "else_case")
 
 
-def _children(stmt):
+def children(stmt):
+    """A statement's child statements (sequence items, bodies, branches, blocks)."""
     if isinstance(stmt, tirx.SeqStmt):
         return list(stmt.seq)
     found = []
@@ -42,7 +43,7 @@ def unbound(func) -> list:
                 outside.append(stmt.name_hint)
             elif isinstance(stmt, tirx.BufferStore):
                 outside.append(stmt.buffer.name)
-        for child in _children(stmt):
+        for child in children(stmt):
             walk(child, bound)
     walk(func.body, False)
     return list(dict.fromkeys(outside))
