@@ -1,5 +1,15 @@
+import os
+
 import numpy as np
 import pytest
+
+# `make test` runs two xdist workers: each gets its share of the cores as TVM threads (one
+# each on a 2-core machine). Two threads per worker there spin-wait for a core the other
+# worker holds: module calls got 5x slower. Set before mhagen starts TVM's thread pool;
+# subprocesses inherit it. tests/test_threads.py runs kernels on several threads.
+if os.environ.get("PYTEST_XDIST_WORKER") and "TVM_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 
 @pytest.fixture

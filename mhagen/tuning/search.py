@@ -40,7 +40,7 @@ from mhagen.errors import GraphError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, schedule_kernel
-from mhagen.schedules.tensor_intrin import import_tensor_intrinsics
+from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
 from mhagen.tolerances import max_error, tolerance
 from mhagen.tuning.apply import kernel_hash, versions
@@ -187,12 +187,45 @@ def _quiet_metaschedule_logging():
             logger.removeHandler(handler)
 
 
-def _runner(rpc, ms):
-    if rpc is None:
-        return None
-    host, port, key = rpc
-    return ms.runner.RPCRunner(ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port),
-                                                   tracker_key=key, session_timeout_sec=120))
+class _Remote:
+    """The RPC device of one tuning run: MetaSchedule's runner for its searches, and one
+    builder and runner, started once, for every measurement of ours (each start costs a
+    worker process that imports TVM: ~8 s)."""
+
+    def __init__(self, rpc):
+        import tvm.s_tir.meta_schedule as ms
+
+        host, port, key = rpc
+        self.ms, self._search_runner, self._measure_runner = ms, None, None
+        self.config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port),
+                                          tracker_key=key, session_timeout_sec=120)
+
+    def search_runner(self):
+        if self._search_runner is None:
+            self._search_runner = self.ms.runner.RPCRunner(self.config)
+        return self._search_runner
+
+    def measure_runner(self):
+        if self._measure_runner is None:
+            config = self.ms.runner.EvaluatorConfig(number=3, repeat=5, min_repeat_ms=50,
+                                                    enable_cpu_cache_flush=False)
+            self._measure_runner = self.ms.runner.RPCRunner(self.config,
+                                                            evaluator_config=config)
+        return self._measure_runner
+
+    def run(self, artifact, device, args_info, fixed):
+        """Submit one built kernel, its `fixed` arguments filled with real data."""
+        runner = self.measure_runner()
+        # MetaSchedule wraps the runner (tvm.ir.utils.derived_object); run() reads the
+        # allocation function from the instance when it submits
+        getattr(runner, "_inst", runner).f_alloc_argument = _alloc_with(fixed)
+        return runner.run([self.ms.runner.RunnerInput(artifact, device, args_info)])[0]
+
+    def close(self):
+        """Stop the runners' worker processes (none is left behind)."""
+        for runner in (self._search_runner, self._measure_runner):
+            if runner is not None:
+                getattr(runner, "_inst", runner).pool.shutdown()
 
 
 def _measured_on(t, rpc) -> dict:
@@ -202,38 +235,31 @@ def _measured_on(t, rpc) -> dict:
     return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name}
 
 
-def _measure(funcs, target, runner, fixed=None, repeat=5, errors=None):
-    """Median seconds of each PrimFunc (None: it did not build or run). Here: the
-    steady-state timing the benchmark uses (compiled in this process, interleaved rounds of
-    back-to-back calls, median); on a remote device: MetaSchedule's builder and RPC runner.
-    fixed: {argument index: numpy array} for arguments that must hold real data; errors: a
-    list that gets the build and run errors."""
-    if runner is None:
+def _measure(funcs, target, remote, fixed=None, errors=None):
+    """Median seconds of each PrimFunc (None: it did not build or run). Here (remote None):
+    the steady-state timing the benchmark uses (compiled in this process, interleaved rounds
+    of back-to-back calls, median); on a remote device: all built at once by MetaSchedule's
+    builder, each run by the run's RPC runner. fixed: one {argument index: numpy array}
+    per PrimFunc (or one for all) for arguments that must hold real data; errors: a list
+    that gets the build and run errors."""
+    if remote is None:
         return _measure_steady(funcs, target, fixed)
     import tvm.s_tir.meta_schedule as ms
 
-    builder = _local_builder(target, max_workers=1)
-    built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": f}), target)
-                           for f in funcs])
-    config = ms.runner.EvaluatorConfig(number=3, repeat=repeat, min_repeat_ms=50,
-                                       enable_cpu_cache_flush=False)
-    if runner is None:
-        runner = ms.runner.LocalRunner(evaluator_config=config,
-                                       f_alloc_argument=_alloc_with(fixed, remote=False))
-    else:
-        runner = ms.runner.RPCRunner(runner.rpc_config, evaluator_config=config,
-                                     f_alloc_argument=_alloc_with(fixed, remote=True))
-    inputs, index = [], []
+    fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
+    built = _local_builder(target, max_workers=1).build(
+        [ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in funcs])
+    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    futures = {}
     for i, (f, b) in enumerate(zip(funcs, built)):
-        if b.error_msg is not None and errors is not None:
-            errors.append(f"build: {b.error_msg}")
-        if b.error_msg is None:
-            device = "cpu" if target.kind.name == "llvm" else target.kind.name
-            inputs.append(ms.runner.RunnerInput(b.artifact_path, device,
-                                                ms.arg_info.ArgInfo.from_prim_func(f)))
-            index.append(i)
+        if b.error_msg is not None:
+            if errors is not None:
+                errors.append(f"build: {b.error_msg}")
+            continue
+        futures[i] = remote.run(b.artifact_path, device,
+                                ms.arg_info.ArgInfo.from_prim_func(f), fixed[i])
     out = [None] * len(funcs)
-    for i, fut in zip(index, runner.run(inputs)):
+    for i, fut in futures.items():
         res = fut.result()
         if res.error_msg is None:
             out[i] = float(np.median([float(s) for s in res.run_secs]))
@@ -317,24 +343,18 @@ def _wrong_result(funcs, t, fixed=None, rows=None) -> str | None:
     return None
 
 
-def _alloc_with(fixed, remote):
-    """MetaSchedule's random arguments, with `fixed` ones overwritten by real data."""
+def _alloc_with(fixed):
+    """MetaSchedule's random arguments on the RPC device, with `fixed` ones overwritten by
+    real data."""
     fixed = {int(k): v for k, v in (fixed or {}).items()}
 
-    def fill(args_list):
+    def alloc(session, device, args_info, alloc_repeat):
+        from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
+        args_list = default_alloc_argument(session, device, args_info, alloc_repeat)
         for args in args_list:
             for i, arr in fixed.items():
                 args[i].copyfrom(arr)
         return args_list
-
-    if remote:
-        def alloc(session, device, args_info, alloc_repeat):
-            from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
-            return fill(default_alloc_argument(session, device, args_info, alloc_repeat))
-    else:
-        def alloc(device, args_info, alloc_repeat):
-            from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
-            return fill(default_alloc_argument(device, args_info, alloc_repeat))
     return alloc
 
 
@@ -371,7 +391,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     report = TuneReport(db_path)
     start = time.time()
     deadline = start + time_budget if time_budget else None
-    runner = _runner(rpc, ms)
+    remote = _Remote(rpc) if rpc is not None else None
 
     plans, known, fixed = [], set(), []
     for batch, seq in shapes:
@@ -400,10 +420,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         for i, (shape, program, kernel) in enumerate(plans, 1):
             key = program.key(kernel.name)
             if kernel.template:
-                res = _tune_template(kernel, t, runner, bar, i, key, shape, layer, fuse,
+                res = _tune_template(kernel, t, remote, bar, i, key, shape, layer, fuse,
                                      trials)
             else:
-                res = _tune_metaschedule(kernel, t, runner, bar, i, key, trials, work_dir,
+                res = _tune_metaschedule(kernel, t, remote, bar, i, key, trials, work_dir,
                                          seed)
             report.results.append(res[0])
             if not res[0].note:   # a kernel nothing was measured of gets no record
@@ -421,12 +441,15 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
             raise
         report.interrupted = True
         bar.show(final=True)
+    finally:
+        if remote is not None:
+            remote.close()
     report.seconds = time.time() - start
     db.save()
     return report
 
 
-def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, seed):
+def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, seed):
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
 
@@ -471,7 +494,8 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
             ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=budget,
                         num_trials_per_iter=min(16, budget), database=ms_db,
                         builder=_local_builder(t.tvm),
-                        runner=runner or "local", cost_model="xgb",
+                        runner=remote.search_runner() if remote else "local",
+                        cost_model="xgb",
                         measure_callbacks=callbacks, space=space,
                         strategy=_search_strategy(budget),
                         num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
@@ -486,7 +510,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
         funcs.append(sch.mod["main"])
         trace_json = plain_json(best[0].trace.as_json())
     errors = []
-    times = _measure(funcs, t.tvm, runner, errors=errors)
+    times = _measure(funcs, t.tvm, remote, errors=errors)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
     keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
     wrong = _wrong_result(funcs, t) if keep and t.runs_here() else None
@@ -503,7 +527,7 @@ def _tune_metaschedule(kernel, t, runner, bar, index, key, trials, work_dir, see
                          _failure_note(errors) if default_s is None else ""), record)
 
 
-def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trials):
+def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trials):
     """The attention template's candidate configs (the default first, at most `trials` of
     them), each built and timed; the fastest kept if right and faster by the margin."""
     rule = backend_for(t).attention
@@ -521,16 +545,9 @@ def _tune_template(kernel, t, runner, bar, index, key, shape, layer, fuse, trial
                if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32"}
     fixed = [{slot: table, **lengths} for table in tables]
     errors = []
-    if runner is None:   # here: interleaved steady-state timing
-        times = _measure_steady(funcs, t.tvm, fixed=fixed)
-        for s in times:
-            bar.trial(s)
-    else:
-        times = []
-        for f, args in zip(funcs, fixed):  # one at a time: each has its own block table
-            s = _measure([f], t.tvm, runner, fixed=args, errors=errors)[0]
-            times.append(s)
-            bar.trial(s)
+    times = _measure(funcs, t.tvm, remote, fixed=fixed, errors=errors)
+    for s in times:
+        bar.trial(s)
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
     default_s, tuned_s = times[0], times[best]
     keep = (best != 0 and tuned_s is not None and default_s is not None

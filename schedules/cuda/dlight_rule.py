@@ -13,7 +13,7 @@ from tvm.s_tir import dlight
 
 from mhagen.errors import ScheduleError
 from mhagen.schedules import Decision
-from mhagen.schedules.tensor_intrin import import_tensor_intrinsics
+from mhagen.schedules.tvmscript import import_tensor_intrinsics
 
 
 class DlightKernelRule:
