@@ -16,6 +16,7 @@ import mhagen
 from mhagen.tolerances import assert_close
 from mhagen import tune
 from mhagen.tuning import Database, Tuning, TuningWarning
+from mhagen.tuning.search import _Remote, _wrong_result
 from tests.conftest import random_input
 
 LAYER = dict(d_model=64, num_heads=4, causal=True)
@@ -183,10 +184,39 @@ def test_distributed_tuning_over_loopback_rpc(tmp_path):
         report = tune(mhagen.mha(32, 2), shapes=[(1, 16)], trials=2,
                       database=tmp_path / "x86.json", kernels=["output_projection"],
                       rpc=("127.0.0.1", port, "mhagen-test"), progress=False)
+        # a schedule is kept only if the device computes what the default computes there
+        remote = _Remote(("127.0.0.1", port, "mhagen-test"))
+        try:
+            default, zeros = _output_projection_and_a_wrong_one()
+            t = mhagen.target.resolve("x86")
+            assert _wrong_result([default, default], t, remote=remote) is None
+            assert "differs from the default" in _wrong_result([default, zeros], t,
+                                                               remote=remote)
+        finally:
+            remote.close()
     (result,) = report.results
     assert result.kernel == "output_projection" and result.default_us > 0
     assert result.trials == 2 and not result.note
     assert Database.load(tmp_path / "x86.json").records
+
+
+def _output_projection_and_a_wrong_one():
+    """The default schedule of a small output projection, and a function of the same
+    arguments that writes zeros."""
+    from tvm import te, tirx
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from mhagen.lower import lower
+    from mhagen.schedules import schedule_kernel
+    t = mhagen.target.resolve("x86")
+    kernel = next(k for k in lower(mhagen.mha(32, 2), 1, 16, t).kernels
+                  if k.name == "output_projection")
+    default, _ = schedule_kernel(kernel, t)
+    shapes = [([int(d) for d in a.shape], str(a.dtype))
+              for a in ArgInfo.from_prim_func(default)]
+    inputs = [te.placeholder(s, d) for s, d in shapes[:-1]]
+    out = te.compute(shapes[-1][0], lambda *i: tirx.const(0.0, "float32"))
+    return default, te.create_prim_func(inputs + [out])
 
 
 @pytest.mark.slow

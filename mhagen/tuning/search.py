@@ -11,7 +11,8 @@ Per kernel of the lowered program:
 The default schedule and the best tuned one are then measured side by side with the same
 steady-state timing the benchmark uses (interleaved rounds, medians); the record keeps the
 tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
-"default". Records are keyed by CPU class and say which machine measured them.
+"default", and only if its output matches the default's on the device it was timed on.
+Records are keyed by CPU class and say which machine measured them.
 Measurements run locally or on a remote device through TVM's RPC tracker (MetaSchedule's
 runner there).
 """
@@ -221,11 +222,39 @@ class _Remote:
         getattr(runner, "_inst", runner).f_alloc_argument = _alloc_with(fixed)
         return runner.run([self.ms.runner.RunnerInput(artifact, device, args_info)])[0]
 
+    def outputs(self, funcs, target, fixed=None, seed=0):
+        """([the last argument of each PrimFunc after one call on the device], None), all
+        on the same arguments (_arguments), or (None, the first error)."""
+        from tvm.s_tir.meta_schedule.runner.rpc_runner import default_upload_module
+        fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
+        built = _local_builder(target, max_workers=1).build(
+            [self.ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in funcs])
+        if any(b.error_msg for b in built):
+            return None, next(b.error_msg for b in built if b.error_msg).strip().splitlines()[-1]
+        try:
+            session = self.config.connect_server()
+            device = session.device(_device_type(target), 0)
+            outs = []
+            for i, (f, b, fx) in enumerate(zip(funcs, built, fixed)):
+                # a name of its own: the device's loader would reuse a library of one name
+                name = f"mhagen-check-{time.time_ns()}-{i}-{os.path.basename(b.artifact_path)}"
+                mod = default_upload_module(session, b.artifact_path, name)
+                args = [tvm.runtime.tensor(a, device) for a in _arguments(f, fx, seed)]
+                mod[mod.entry_name](*args)
+                outs.append(args[-1].numpy())
+            return outs, None
+        except Exception as err:  # noqa: BLE001 - any device failure: not checked, not kept
+            return None, str(err).strip().splitlines()[-1][:300]
+
     def close(self):
         """Stop the runners' worker processes (none is left behind)."""
         for runner in (self._search_runner, self._measure_runner):
             if runner is not None:
                 getattr(runner, "_inst", runner).pool.shutdown()
+
+
+def _device_type(target) -> str:
+    return "cpu" if target.kind.name == "llvm" else target.kind.name
 
 
 def _measured_on(t, rpc) -> dict:
@@ -249,7 +278,7 @@ def _measure(funcs, target, remote, fixed=None, errors=None):
     fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
     built = _local_builder(target, max_workers=1).build(
         [ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in funcs])
-    device = "cpu" if target.kind.name == "llvm" else target.kind.name
+    device = _device_type(target)
     futures = {}
     for i, (f, b) in enumerate(zip(funcs, built)):
         if b.error_msg is not None:
@@ -299,44 +328,56 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     return [float(np.median(s)) if s else None for s in samples]
 
 
+def _arguments(func, fixed, seed):
+    """The numpy arguments of one call: the `fixed` arrays ({index: array}), random floats
+    from `seed` (the same for every function of one check), zeros for integers."""
+    rng = np.random.default_rng(seed)
+    fixed = {int(k): v for k, v in (fixed or {}).items()}
+    args = []
+    for i, info in enumerate(ArgInfo.from_prim_func(func)):
+        shape, dtype = [int(s) for s in info.shape], str(info.dtype)
+        if i in fixed:
+            args.append(np.ascontiguousarray(fixed[i]))
+        elif "float" in dtype:
+            args.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            args.append(np.zeros(shape, dtype))
+    return args
+
+
 def _prepared(funcs, target, fixed=None, seed=0):
-    """Each PrimFunc compiled here with its arguments (the same random floats for each, zeros,
-    or the `fixed` arrays: one dict for all, or a list of dicts), called once; None where it
-    does not build."""
+    """Each PrimFunc compiled here with its arguments (_arguments; `fixed`: one dict for all,
+    or a list of dicts), called once; None where it does not build."""
     per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
     calls = []
     for f, fixed in zip(funcs, per_func):
-        rng = np.random.default_rng(seed)    # every function gets the same inputs
-        fixed = {int(k): v for k, v in (fixed or {}).items()}
         try:
             ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
         except Exception:  # noqa: BLE001 - a candidate that does not build is not timed
             calls.append(None)
             continue
-        args = []
-        for i, info in enumerate(ArgInfo.from_prim_func(f)):
-            shape, dtype = [int(s) for s in info.shape], str(info.dtype)
-            if i in fixed:
-                arr = np.ascontiguousarray(fixed[i])
-            elif "float" in dtype:
-                arr = rng.standard_normal(shape).astype(dtype)
-            else:
-                arr = np.zeros(shape, dtype)
-            args.append(tvm.runtime.tensor(arr, tvm.cpu()))
+        args = [tvm.runtime.tensor(a, tvm.cpu()) for a in _arguments(f, fixed, seed)]
         func = ex["main"]
         func(*args)
         calls.append((func, args))
     return calls
 
 
-def _wrong_result(funcs, t, fixed=None, rows=None) -> str | None:
+def _wrong_result(funcs, t, fixed=None, rows=None, remote=None) -> str | None:
     """Why the last PrimFunc's output (its last argument; the first `rows` rows) differs
     from the first's on the same random inputs, beyond the tolerance table; None when they
-    agree. Both run here (a kept schedule is checked before it is recorded)."""
-    calls = _prepared(funcs, t.tvm, fixed)
-    if any(c is None for c in calls):
-        return "it does not build here"
-    outs = [c[1][-1].numpy()[:rows] for c in calls]
+    agree. Both run where they were timed: here, or on the RPC device (`remote`). A kept
+    schedule is checked so before it is recorded."""
+    if remote is None:
+        calls = _prepared(funcs, t.tvm, fixed)
+        if any(c is None for c in calls):
+            return "it does not build here"
+        outs = [c[1][-1].numpy() for c in calls]
+    else:
+        outs, error = remote.outputs(funcs, t.tvm, fixed)
+        if error:
+            return f"it could not be checked on the device ({error})"
+    outs = [o[:rows] for o in outs]
     err, tol = max_error(outs[-1], outs[0]), tolerance(outs[0])
     if not np.all(np.isfinite(outs[-1])) or err > tol:
         return f"its output differs from the default schedule's (max error {err:.2e} > {tol:.1e})"
@@ -513,7 +554,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     times = _measure(funcs, t.tvm, remote, errors=errors)
     default_s, tuned_s = times[0], (times[1] if len(times) > 1 else None)
     keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
-    wrong = _wrong_result(funcs, t) if keep and t.runs_here() else None
+    wrong = _wrong_result(funcs, t, remote=remote) if keep else None
     keep = keep and wrong is None
     record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
               "kernel_hash": kernel_hash(kernel.prim_func),
@@ -553,9 +594,9 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
     keep = (best != 0 and tuned_s is not None and default_s is not None
             and tuned_s < KEEP_MARGIN * default_s)
     wrong = None
-    if keep and t.runs_here():   # the same inputs, each with its own block table
+    if keep:   # the same inputs, each with its own block table
         wrong = _wrong_result([funcs[0], funcs[best]], t, [fixed[0], fixed[best]],
-                              rows=shape[0] * shape[1])
+                              rows=shape[0] * shape[1], remote=remote)
         keep = wrong is None
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),
