@@ -11,7 +11,9 @@
    cases: every case builds its own module from its own graph. The same layers also run
    as decoding layers (two calls on a random cache), as symbolic-length builds (one build,
    1-3 calls at random shapes up to its maximum, some with key padding) and as
-   cross-attention layers (a context of another length and width, fused or not).
+   cross-attention layers (a context of another length and width, fused or not), and a
+   sample (one in ten) cross-built for ARM (NEON, 256-bit SVE), saved and run under qemu
+   by the C example app.
 2. Invalid configurations (bad sizes, masks, score modifiers, rotary, build options, call
    time inputs and weights) raise mhagen's own errors (or the documented TypeError /
    ValueError of the expression builders) from a deliberate `raise` in mhagen, with a
@@ -25,13 +27,15 @@ every bad builder / input / build option), all derandomized (the same cases ever
 --hypothesis-show-statistics to see what they covered). Long profile: >= 10,000 compiled
 cases, run in shards that each draw their own cases (MHAGEN_FUZZ_SEED=N, a different N per
 shard), e.g. `MHAGEN_FUZZ_SEED=1 MHAGEN_FUZZ_EXAMPLES=1500 .venv/bin/python -m pytest -q
-tests/test_fuzz.py -k match_the_reference` (1500 + 3 x 500 builds); the shards run so far
+tests/test_fuzz.py -k match_the_reference` (1500 + 3 x 500 builds, 150 on ARM); the shards run so far
 are listed in tests/FUZZ_LOG.md. A failure is shrunk to a minimal layer and printed
 (shrinking a compile-heavy case can itself take minutes). A bug the fuzzers found (unfused builds at seq_len 1 with several heads) is
 fixed and pinned by test_unfused_seq1_multi_head.
 """
+import json
 import linecache
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,8 +43,10 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 import mhagen
+from mhagen import cross
 from mhagen.ir import expr as ex
 from mhagen.tolerances import assert_close
+from tests.test_arm import aarch64_runtime, qemu, toolchain  # noqa: F401 - fixtures
 
 EXAMPLES = int(os.environ.get("MHAGEN_FUZZ_EXAMPLES", "30"))
 SHARD = os.environ.get("MHAGEN_FUZZ_SEED")
@@ -59,6 +65,14 @@ def shard(test):
     return test if SHARD is None else seed(int(SHARD))(test)
 
 
+ARM_TARGETS = ["arm-neon", "arm-sve"]
+
+
+@pytest.fixture(scope="module")
+def arm(toolchain, qemu, aarch64_runtime):  # noqa: F811
+    """The cross toolchain, qemu-user and TVM's aarch64 runtime (tests/test_arm.py's
+    fixtures: missing ones skip with the reason, or fail in CI)."""
+ARM_APP = Path(__file__).resolve().parents[1] / "examples" / "c_app" / "mha_app.c"
 HEAD_DIMS = [8, 12, 16, 24, 40, 64]
 INDEX_VARS = [ex.q_idx, ex.kv_idx, ex.batch, ex.head]
 LENGTH_VARS = [ex.q_len, ex.kv_len]
@@ -264,6 +278,35 @@ def test_random_cross_attention_layers_match_the_reference(options, batch, seq, 
     lens = rng.integers(0, kv_seq + 1, batch) if padding else None
     assert_close(kernel(x, context=c, kv_lens=lens),
                  layer.reference(x, w, context=c, kv_lens=lens))
+
+
+@shard
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 10))
+@given(options=layers(), batch=st.integers(1, 2), seq=st.integers(1, 40),
+       fuse=st.sampled_from([True, True, False]), target=st.sampled_from(ARM_TARGETS),
+       seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from(["float32", "float32", "float16", "bfloat16"]))
+def test_random_layers_on_aarch64_under_qemu_match_the_reference(
+        arm, tmp_path_factory, options, batch, seq, fuse, target, seed, dtype):
+    """A sample of the same random layers cross-built for ARM (NEON or 256-bit SVE), saved
+    with their C API and run under qemu by the C example app (examples/c_app/mha_app.c)."""
+    event(target)
+    layer = mhagen.mha(**options, dtype=dtype)
+    w = layer.init_weights(seed)
+    module = mhagen.build(layer, target, batch=batch, seq_len=seq, weights=w, fuse=fuse)
+    x = np.random.default_rng(seed).standard_normal(
+        (batch, seq, options["d_model"])).astype(module.dtype)
+    root = tmp_path_factory.mktemp("arm-fuzz")
+    art = module.save(root / "mha")
+    x.tofile(root / "x.bin")
+    app = cross.compile_app(ARM_APP, art, root / "app")
+    t = json.loads((art / "manifest.json").read_text())["target"]
+    r = cross.run([app, art, root / "x.bin", root / "y.bin"],
+                  cpu=cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"]),
+                  timeout=600)
+    assert r.returncode == 0, r.stderr
+    y = np.fromfile(root / "y.bin", module.dtype).reshape(batch, seq, -1)
+    assert_close(y, layer.reference(x, w), dtype)
 
 
 @pytest.mark.parametrize("target", TARGETS)
