@@ -12,6 +12,15 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "TVM_NUM_THREADS" not in os.environ
     os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 
+def x86_targets() -> list:
+    """The x86 presets worth running here: x86-avx2 everywhere, and this host's own class
+    ("x86") when it runs here and differs (an AVX-512 host)."""
+    from mhagen.target import resolve
+    host = resolve("x86")
+    return ["x86-avx2"] + (["x86"] if host.runs_here() and host.cpu != resolve("x86-avx2").cpu
+                           else [])
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -84,20 +84,29 @@ class Artifact:
     """One layer cross-built for one ARM target and saved with its C API; the C example app
     cross-compiled against it."""
 
-    def __init__(self, target, key, root):
-        kwargs, self.batch, self.seq_len = LAYERS[key]
-        self.layer = mhagen.mha(**kwargs)
-        self.w = self.layer.init_weights(seed=3)
-        self.module = mhagen.build(self.layer, target, batch=self.batch, seq_len=self.seq_len,
-                                   weights=self.w)
-        self.dir = self.module.save(root / f"{target}-{key}")
+    def __init__(self, module, layer, w, x, name):
+        """Save module as directory `name` with x (stored in the module's dtype) beside it
+        as name.x.bin, and keep its reference output."""
+        self.layer, self.w, self.module = layer, w, module
+        self.batch, self.seq_len = x.shape[:2]
+        self.dir = module.save(name)
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
-        self.dtype = self.module.dtype
-        self.x = random_input(self.layer, self.batch, self.seq_len, seed=5).astype(self.dtype)
-        self.expected = self.layer.reference(self.x, self.w)
-        self.xfile = root / f"{target}-{key}.x.bin"
+        self.dtype = module.dtype
+        self.x = x.astype(self.dtype)
+        self.expected = layer.reference(self.x, w)
+        self.xfile = name.parent / f"{name.name}.x.bin"
         self.x.tofile(self.xfile)
         self._app = None
+
+    @classmethod
+    def of_layer(cls, target, key, root):
+        """The LAYERS entry `key` built for `target`."""
+        kwargs, batch, seq_len = LAYERS[key]
+        layer = mhagen.mha(**kwargs)
+        w = layer.init_weights(seed=3)
+        module = mhagen.build(layer, target, batch=batch, seq_len=seq_len, weights=w)
+        return cls(module, layer, w, random_input(layer, batch, seq_len, seed=5),
+                   root / f"{target}-{key}")
 
     @property
     def app(self):
@@ -126,7 +135,7 @@ def artifacts(tmp_path_factory, toolchain, aarch64_runtime):
 
     def get(target, key):
         if (target, key) not in cache:
-            cache[target, key] = Artifact(target, key, root)
+            cache[target, key] = Artifact.of_layer(target, key, root)
         return cache[target, key]
     return get
 

@@ -32,10 +32,8 @@ are listed in tests/FUZZ_LOG.md. A failure is shrunk to a minimal layer and prin
 (shrinking a compile-heavy case can itself take minutes). A bug the fuzzers found (unfused builds at seq_len 1 with several heads) is
 fixed and pinned by test_unfused_seq1_multi_head.
 """
-import json
 import linecache
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,10 +41,10 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 import mhagen
-from mhagen import cross
 from mhagen.ir import expr as ex
 from mhagen.tolerances import assert_close
-from tests.test_arm import aarch64_runtime, qemu, toolchain  # noqa: F401 - fixtures
+from tests.conftest import x86_targets
+from tests.test_arm import Artifact, aarch64_runtime, qemu, toolchain  # noqa: F401 - fixtures
 
 EXAMPLES = int(os.environ.get("MHAGEN_FUZZ_EXAMPLES", "30"))
 SHARD = os.environ.get("MHAGEN_FUZZ_SEED")
@@ -54,9 +52,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=SHARD is None,
                 suppress_health_check=list(HealthCheck), print_blob=True)
 CHEAP = settings(FUZZ, max_examples=10 * EXAMPLES)
 
-TARGETS = ["x86-avx2"] + (["x86"] if mhagen.target.resolve("x86").runs_here()
-                          and mhagen.target.resolve("x86").cpu
-                          != mhagen.target.resolve("x86-avx2").cpu else [])
+TARGETS = x86_targets()
 
 
 def shard(test):
@@ -72,7 +68,8 @@ ARM_TARGETS = ["arm-neon", "arm-sve"]
 def arm(toolchain, qemu, aarch64_runtime):  # noqa: F811
     """The cross toolchain, qemu-user and TVM's aarch64 runtime (tests/test_arm.py's
     fixtures: missing ones skip with the reason, or fail in CI)."""
-ARM_APP = Path(__file__).resolve().parents[1] / "examples" / "c_app" / "mha_app.c"
+
+
 HEAD_DIMS = [8, 12, 16, 24, 40, 64]
 INDEX_VARS = [ex.q_idx, ex.kv_idx, ex.batch, ex.head]
 LENGTH_VARS = [ex.q_len, ex.kv_len]
@@ -294,19 +291,11 @@ def test_random_layers_on_aarch64_under_qemu_match_the_reference(
     layer = mhagen.mha(**options, dtype=dtype)
     w = layer.init_weights(seed)
     module = mhagen.build(layer, target, batch=batch, seq_len=seq, weights=w, fuse=fuse)
-    x = np.random.default_rng(seed).standard_normal(
-        (batch, seq, options["d_model"])).astype(module.dtype)
-    root = tmp_path_factory.mktemp("arm-fuzz")
-    art = module.save(root / "mha")
-    x.tofile(root / "x.bin")
-    app = cross.compile_app(ARM_APP, art, root / "app")
-    t = json.loads((art / "manifest.json").read_text())["target"]
-    r = cross.run([app, art, root / "x.bin", root / "y.bin"],
-                  cpu=cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"]),
-                  timeout=600)
-    assert r.returncode == 0, r.stderr
-    y = np.fromfile(root / "y.bin", module.dtype).reshape(batch, seq, -1)
-    assert_close(y, layer.reference(x, w), dtype)
+    x = np.random.default_rng(seed).standard_normal((batch, seq, options["d_model"]))
+    art = Artifact(module, layer, w, x, tmp_path_factory.mktemp("arm-fuzz") / "mha")
+    r, y = art.run()
+    assert r.returncode == 0, f"qemu -cpu {art.cpu()}: {r.stderr}"
+    assert_close(y, art.expected, dtype)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -8,11 +8,9 @@ import sys
 
 import pytest
 
-import mhagen
+from tests.conftest import x86_targets
 
-TARGETS = ["x86-avx2"] + (["x86"] if mhagen.target.resolve("x86").runs_here()
-                          and mhagen.target.resolve("x86").cpu
-                          != mhagen.target.resolve("x86-avx2").cpu else [])
+TARGETS = x86_targets()
 
 SCRIPT = r"""
 import sys
