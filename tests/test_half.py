@@ -250,7 +250,8 @@ def _paired_layer(**kw):
 
 def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
     """Compile-only (any host): a bfloat16 layer for an AVX-512 BF16 target multiplies
-    bfloat16 pairs in its GEMMs, register tile clean (no stack traffic in the pair loop);
+    bfloat16 pairs in its GEMMs, loaded from bfloat16 memory, register tile clean (no stack
+    traffic in the pair loop);
     the same layer for plain AVX-512 converts on load, and odd depths fall back."""
     layer = _paired_layer()
     w = layer.init_weights(0)
@@ -260,8 +261,10 @@ def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
     assert not spills_in_fma_loops(asm, "vdpbf16ps"), "the pair loop spills"
     assert {b.name for b in m.program.buffers.values() if (b.pack or {}).get("pairs")} == {
         "w_qkv", "w_o"}
-    paired = m.program.buffers["w_qkv"]     # bfloat16 values, kept in float32 (bf16_dot.py)
-    assert paired.shape[-1] == 2 and paired.dtype == "float32"
+    paired = m.program.buffers["w_qkv"]     # [N / 32, K / 2, 32, 2] bfloat16 pairs
+    assert paired.shape[-1] == 2 and paired.dtype == "bfloat16"
+    # operands straight from bfloat16 memory: no narrowing in the GEMMs' inner loops
+    assert "vcvtne2ps2bf16" not in asm
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=w)
     assert "vdpbf16ps" not in plain.inspect("source")
     assert plain.precision.startswith("bfloat16 storage, converted to float32 on load")

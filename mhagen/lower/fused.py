@@ -49,7 +49,8 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     in float32; out_dtype: C's dtype (default float32; rounded after the bias).
     pairs: the depth runs in pairs k = 2 * k2 + p (the backend's gemm_pairs: one bfloat16
     dot-product instruction per pair): W is wp[n // nr, k2, n % nr, p] and `a` is always
-    packed (pack_tile rows), as a_p[m // t, k2, m % t, p]."""
+    packed (pack_tile rows), as a_p[m // t, k2, m % t, p], both bfloat16 (a float32 `a`,
+    the attention's output, is rounded by the pack)."""
     last = a.shape[0] - 1
     out_dtype = out_dtype or COMPUTE
 
@@ -60,13 +61,14 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     t, pack_stages = pack_tile, []
     if pairs:
         packed = te.compute((rows // t, depth // 2, t, 2),
-                            lambda i, k2, r, p: _f32(a[a_row(i * t + r), 2 * k2 + p]),
+                            lambda i, k2, r, p: cast(a[a_row(i * t + r), 2 * k2 + p],
+                                                     "bfloat16"),
                             name=name + "_pack")
         k2, kp = te.reduce_axis((0, depth // 2), name="k2"), te.reduce_axis((0, 2), name="kp")
         axes = [k2, kp]
 
         def term(m, panel, j):
-            return packed[m // t, k2, m % t, kp] * _f32(wp[panel, k2, j, kp])
+            return _f32(packed[m // t, k2, m % t, kp]) * _f32(wp[panel, k2, j, kp])
     else:
         k = te.reduce_axis((0, depth), name="k")
         axes = [k]
@@ -186,10 +188,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
 
     def panels(width, depth):
         """A packed weight's shape and dtype: [width / nr, depth, nr] in the layer's dtype,
-        or for a GEMM over pairs of its depth [width / nr, depth / 2, nr, 2] in float32
-        (the layer's rounded values: see schedules/x86/bf16_dot.py for why)."""
+        or for a GEMM over pairs of its depth [width / nr, depth / 2, nr, 2] (bfloat16)."""
         if pairs(depth):
-            return dict(shape=(width // nr, depth // 2, nr, 2), dtype=COMPUTE)
+            return dict(shape=(width // nr, depth // 2, nr, 2), dtype=dtype)
         return dict(shape=(width // nr, depth, nr), dtype=dtype)
     if symbolic:   # allocations: the largest call, padded to whole register tiles
         rows_qkv = rows_att = round_up(rows, tile_rows)
