@@ -112,20 +112,22 @@ def attention_entry(*args, **kwargs):
 
 
 def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_shape=None,
-                     dtype="float32"):
+                     dtype="float32", out_dtype=None):
     """The attention PrimFunc around a template's body macro body(qkv, kv, blocks, lens, out):
     (qkv, [kv,] blocks, [kv_lens,] out [, batch, seq]), with kv (the keys' and values'
     buffer, kv_shape) only for cross-attention (else the body reads them from qkv too),
     kv_lens only for layers that take key lengths per call and the scalars only in
     symbolic-length builds. Parsed without the well-formedness check (the scalars are free
-    until with_scalars); tvm.compile checks the finished function. dtype: qkv's, kv's and
-    out's (float32, or a half layer's on GPUs)."""
+    until with_scalars); tvm.compile checks the finished function. dtype: qkv's and kv's
+    (float32, or a half layer's: on GPUs, and x86's bfloat16 pairs); out_dtype: out's
+    (default dtype)."""
+    out_dtype = out_dtype or dtype
     if kv_shape is not None and rules.lengths:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
                       kv_lens: T.Buffer((batch,), "int32"),
-                      out: T.Buffer(out_shape, dtype)):
+                      out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
         return with_scalars(attention, rules.scalars, rules.tables)
@@ -133,7 +135,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      out: T.Buffer(out_shape, dtype)):
+                      out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
         return with_scalars(attention, rules.scalars, rules.tables)
@@ -142,7 +144,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
         def attention(qkv: T.Buffer(qkv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
                       kv_lens: T.Buffer((batch,), "int32"),
-                      out: T.Buffer(out_shape, dtype)):
+                      out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)
         return with_scalars(attention, rules.scalars, rules.tables)
@@ -150,7 +152,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
     @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, dtype),
                   blocks: T.Buffer(table_shape, "int32"),
-                  out: T.Buffer(out_shape, dtype)):
+                  out: T.Buffer(out_shape, out_dtype)):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, qkv, blocks, None, out)
     return with_scalars(attention, rules.scalars, rules.tables)

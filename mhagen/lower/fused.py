@@ -198,6 +198,14 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
 
     # the temporaries' dtype: float32, or on GPUs a half layer's own (its GEMMs' tensor cores)
     temp = dtype if backend.half_temps else COMPUTE
+    # bfloat16 pairs in the attention too (x86 AVX-512 BF16: the GEMMs' condition on
+    # head_dim): qkv and kv hold bfloat16, the template multiplies pairs of head columns and
+    # of keys (schedules/x86/attention.py). Not for decoding or rotary layers (their
+    # templates read float32 qkv).
+    att_pairs = cache is None and not a.get("rotary") and pairs(d)
+    qkv_temp = kv_temp = "bfloat16" if att_pairs else temp
+    if not att_pairs:
+        kv_temp = COMPUTE
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
@@ -208,7 +216,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
             "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
-            "lengths": has_lengths, "temp_dtype": temp}
+            "lengths": has_lengths, "temp_dtype": temp,
+            **({"pairs": True} if att_pairs else {})}
     if symbolic:
         work.update(symbolic=True, row_tile=tile_rows)
     if cross:   # keys and values: kv [n_kv_p / nr, rows_kv, nr], kv_seq rows per batch row
@@ -265,11 +274,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         Buffer("w_qkv", role="param", **panels(n_qkv_p, d_model), pack=w_qkv,
                doc="every Q/K/V weight side by side, in column panels"),
         Buffer("b_qkv", (n_qkv_p,), "param", pack=b_qkv),
-        Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp", dtype=temp,
+        Buffer("qkv", (n_qkv_p // nr, rows_qkv, nr), "temp", dtype=qkv_temp,
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
-                        nr, dp, bool(symbolic), dtype, panels, pairs(kv_dim))
+                        nr, dp, bool(symbolic), dtype, panels, pairs(kv_dim), kv_temp)
          if cross else []) + attention_buffers + score_tables + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
@@ -297,7 +306,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
                     pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model),
-                    out_dtype=temp)
+                    out_dtype=qkv_temp)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -307,7 +316,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         kv, st = _gemm("kv", kv_node.name, c, wkv, bkv,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
                        panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True,
-                       pack_tile=pack(kv_dim, dtype != COMPUTE), pairs=pairs(kv_dim))
+                       pack_tile=pack(kv_dim, dtype != COMPUTE), pairs=pairs(kv_dim),
+                       out_dtype=kv_temp)
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
@@ -358,10 +368,11 @@ def _packed(segments, depth, width, nr, dp, pairs=False):
 
 
 def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic, dtype,
-                   panels, pairs):
+                   panels, pairs, kv_dtype):
     """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
     (symbolic: their rows follow the call's batch * kv_seq); panels: the packed weight's
-    shape and dtype (width, depth) -> dict; pairs: its GEMM runs over pairs of the depth."""
+    shape and dtype (width, depth) -> dict; pairs: its GEMM runs over pairs of the depth;
+    kv_dtype: the kv temporary's."""
     w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp, pairs)
     return [Buffer(context, (rows, kv_dim), "input", dtype=dtype,
                    doc="context [batch*kv_seq, kv_dim]: what K and V project",
@@ -369,7 +380,7 @@ def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symb
             Buffer("w_kv", role="param", **panels(width, kv_dim), pack=w_kv,
                    doc="every K/V weight side by side, in column panels"),
             Buffer("b_kv", (width,), "param", pack=b_kv),
-            Buffer("kv", (width // nr, rows_kv, nr), "temp",
+            Buffer("kv", (width // nr, rows_kv, nr), "temp", dtype=kv_dtype,
                    doc="K, V of every K/V head in column panels (cross-attention)",
                    symbolic={1: "kv_padded_rows"} if symbolic else None)]
 

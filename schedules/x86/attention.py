@@ -28,12 +28,15 @@ half the blocks.
 from dataclasses import dataclass, replace
 from math import lcm
 
+import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
+from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, IMPORT, PACK, ZIP
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
 
@@ -181,6 +184,15 @@ def build_attention(w, cfg, lanes):
     zero = f32(0.0)
     M = w.get("rows", w["batch"] * w["seq"])   # qkv rows and att rows: batch*seq padded to
     MA = w.get("att_rows", M)         # whole GEMM tiles (rows past batch*seq are never read)
+    # bfloat16 pairs (AVX-512 BF16, bf16_dot.py): qkv (and kv) hold bfloat16; S^T = K Q^T
+    # multiplies pairs of head columns, P V pairs of keys (P rounded to bfloat16, as
+    # FlashAttention does), both with vdpbf16ps and float32 accumulators; the softmax stays
+    # float32. Q^T is copied unscaled (rounding Q * scale again would add an error): the
+    # write-back scales the tile.
+    PAIRS = bool(w.get("pairs"))
+    QKV_DTYPE = "bfloat16" if PAIRS else "float32"
+    if PAIRS:
+        assert d % 2 == 0 and LN == 16 and NR % LN == 0 and NV % LN == 0, (d, LN, NR, NV)
 
     rules = ScoreRules(w, SCORE_MATH)
     visible, modified, key_row = rules.visible, rules.modified, rules.key_row
@@ -198,6 +210,13 @@ def build_attention(w, cfg, lanes):
             return kv[(K_BASE + g * DP) // PW + cp, row, ci]
         c = cp * CW + ci
         return kv[(K_BASE + g * DP + c) // PW, row, (K_BASE + g * DP + c) % PW]
+    def k_pair(kv32, g, cp, ci2, row):
+        """K head g's columns c, c + 1 (c = cp * CW + 2 ci2) at `row`: one 32-bit word of the
+        int32 view kv32 of kv ([panels, rows, PW / 2])."""
+        if K_PANELS:
+            return kv32[(K_BASE + g * DP) // PW + cp, row, ci2]
+        c = cp * CW + 2 * ci2
+        return kv32[(K_BASE + g * DP + c) // PW, row, (K_BASE + g * DP + c) % PW // 2]
     KV_LEN = rules.kv_seq             # keys per batch row (the context's in cross-attention)
     NQ, NK = NQT, NKB                 # query tiles and key blocks a call runs
     if rules.symbolic:
@@ -207,8 +226,13 @@ def build_attention(w, cfg, lanes):
             KV_SHAPE = (KV_SHAPE[0], (B * rules.kv_seq + w["row_tile"] - 1) // w["row_tile"]
                         * w["row_tile"], PW)
 
+    def score(x):
+        """A tile's accumulator in log2 units (pairs: Q^T is not pre-scaled)."""
+        return x * c_log2e if PAIRS else x
+
     @T.macro
-    def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo):
+    def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
+                q_t32):
         # one row of S^T register tiles (MR keys from k0 + jo MR, every query tile):
         # S^T = K Q^T in log2 units; the write-back masks and takes the running max.
         # clamp: the tile runs past the last key (its key rows clamped, its scores masked)
@@ -216,29 +240,40 @@ def build_attention(w, cfg, lanes):
             for jj in T.unroll(MR):
                 for ii in T.vectorized(NR):
                     acc[jj, ii] = zero
-            for cp in range(d // CW):
-                for ci in range(CW):
-                    for jj in T.unroll(MR):
-                        for ii in T.vectorized(NR):
-                            acc[jj, ii] = acc[jj, ii] + k_at(
-                                kv, g, cp, ci, key_row(b, k0 + jo * MR + jj, clamp)
-                            ) * q_t[cp * CW + ci, io * NR + ii]
+            if PAIRS:   # one vdpbf16ps per pair of head columns and 16 queries
+                for cp in range(d // CW):
+                    for ci2 in range(CW // 2):
+                        for jj in T.unroll(MR):
+                            for v in T.unroll(NR // LN):
+                                acc[jj, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
+                                    "float32x16", DOT, acc[jj, T.ramp(v * LN, 1, LN)],
+                                    T.broadcast(k_pair(kv32, g, cp, ci2, key_row(
+                                        b, k0 + jo * MR + jj, clamp)), LN),
+                                    q_t32[cp * CW // 2 + ci2, T.ramp(io * NR + v * LN, 1, LN)])
+            else:
+                for cp in range(d // CW):
+                    for ci in range(CW):
+                        for jj in T.unroll(MR):
+                            for ii in T.vectorized(NR):
+                                acc[jj, ii] = acc[jj, ii] + k_at(
+                                    kv, g, cp, ci, key_row(b, k0 + jo * MR + jj, clamp)
+                                ) * q_t[cp * CW + ci, io * NR + ii]
             for jj in T.unroll(MR):
                 for ii in T.vectorized(NR):
                     if masked:
                         s_buf[jo * MR + jj, io * NR + ii] = T.Select(
                             visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
-                            modified(acc[jj, ii], b, h, q0 + io * NR + ii,
+                            modified(score(acc[jj, ii]), b, h, q0 + io * NR + ii,
                                      k0 + jo * MR + jj), neg_inf)
                     else:
                         s_buf[jo * MR + jj, io * NR + ii] = modified(
-                            acc[jj, ii], b, h, q0 + io * NR + ii, k0 + jo * MR + jj)
+                            score(acc[jj, ii]), b, h, q0 + io * NR + ii, k0 + jo * MR + jj)
                     m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
                                                 s_buf[jo * MR + jj, io * NR + ii])
 
     @T.macro
     def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                  acc_o, vec, b, h, g, q0, k0):
+                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32):
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
@@ -249,11 +284,12 @@ def build_attention(w, cfg, lanes):
         for i in T.vectorized(MQ):
             m_new[i] = m_buf[i]
         for jo in range(n_full):
-            s_tiles(masked, False, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo)
+            s_tiles(masked, False, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
+                    q_t32)
         if cut:
             if n_keys % MR > 0:
                 s_tiles(True, True, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0,
-                        n_full)
+                        n_full, kv32, q_t32)
         # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.
         # vec[0]: the subtracted max (0 for queries that saw no key yet), vec[1]: sum of P.
         for io in range(MQ // LN):
@@ -273,26 +309,58 @@ def build_attention(w, cfg, lanes):
             for ii in T.vectorized(LN):
                 l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
                 m_buf[io * LN + ii] = m_new[io * LN + ii]
+        n_pairs = (n_keys + 1) // 2
+        if PAIRS:
+            # P^T in bfloat16 pairs of keys (a row past the last key is 0), V's rows in pairs
+            # of keys (zipped; the pair past the last key reads the last key's row)
+            for j2 in range(n_pairs):
+                for io in range(MQ // LN):
+                    p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
+                        "int32x16", PACK, s_buf[2 * j2, T.ramp(io * LN, 1, LN)],
+                        s_buf[2 * j2 + 1, T.ramp(io * LN, 1, LN)])
+                for c16 in range(DP // LN):
+                    v32[j2, T.ramp(c16 * LN, 1, LN)] = T.call_pure_extern(
+                        "int32x16", ZIP,
+                        kv32[(V_BASE + g * DP + c16 * LN) // PW, key_row(b, k0 + 2 * j2, cut),
+                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)],
+                        kv32[(V_BASE + g * DP + c16 * LN) // PW,
+                             key_row(b, k0 + 2 * j2 + 1, cut),
+                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
         # O = O alpha + P V (keys that exist only)
         for co in range(DP // NV):
             for io in range(MQ // OR):
                 for ii in T.unroll(OR):
                     for cc in T.vectorized(NV):
                         acc_o[ii, cc] = o_buf[io * OR + ii, co * NV + cc] * alpha[io * OR + ii]
-                for j in range(n_keys):
-                    for ii in T.unroll(OR):
-                        for cc in T.vectorized(NV):
-                            acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * kv[
-                                (V_BASE + g * DP + co * NV) // PW, key_row(b, k0 + j, False),
-                                (V_BASE + g * DP + co * NV) % PW + cc]
+                if PAIRS:   # one vdpbf16ps per pair of keys and 16 head columns
+                    for j2 in range(n_pairs):
+                        for ii in T.unroll(OR):
+                            for v in T.unroll(NV // LN):
+                                acc_o[ii, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
+                                    "float32x16", DOT, acc_o[ii, T.ramp(v * LN, 1, LN)],
+                                    T.broadcast(p32[j2, io * OR + ii], LN),
+                                    v32[j2, T.ramp(co * NV + v * LN, 1, LN)])
+                else:
+                    for j in range(n_keys):
+                        for ii in T.unroll(OR):
+                            for cc in T.vectorized(NV):
+                                acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * kv[
+                                    (V_BASE + g * DP + co * NV) // PW,
+                                    key_row(b, k0 + j, False),
+                                    (V_BASE + g * DP + co * NV) % PW + cc]
                 for ii in T.unroll(OR):
                     for cc in T.vectorized(NV):
                         o_buf[io * OR + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):
+        # int32 views of the bfloat16 pairs (used when PAIRS)
+        kv32 = T.decl_buffer((kv.shape[0], kv.shape[1], PW // 2), "int32", data=kv.data)
         for task in T.parallel(B * H * NQ):
-            q_t = T.decl_buffer((d, MQ), "float32")
+            q_t = T.decl_buffer((1 if PAIRS else d, MQ), "float32")
+            q_t32 = T.decl_buffer((d // 2 if PAIRS else 1, MQ), "int32")
+            p32 = T.decl_buffer((KB // 2 if PAIRS else 1, MQ), "int32")
+            v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP), "int32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
             o_buf = T.decl_buffer((MQ, DP), "float32")
             m_buf = T.decl_buffer((MQ,), "float32")
@@ -307,10 +375,19 @@ def build_attention(w, cfg, lanes):
             qt = task % NQ
             g = h // GROUP
             q0 = qt * MQ
-            for c in range(d):
-                for i in T.vectorized(MQ):
-                    q_t[c, i] = qkv[(Q_BASE + h * DP + c) // PW, b * S + T.min(q0 + i, S - 1),
-                                    (Q_BASE + h * DP + c) % PW] * c_log2e
+            if PAIRS:
+                qkv32 = T.decl_buffer((NP, M, PW // 2), "int32", data=qkv.data)
+                for c2 in range(d // 2):
+                    for i in T.vectorized(MQ):
+                        q_t32[c2, i] = qkv32[(Q_BASE + h * DP + 2 * c2) // PW,
+                                             b * S + T.min(q0 + i, S - 1),
+                                             (Q_BASE + h * DP + 2 * c2) % PW // 2]
+            else:
+                for c in range(d):
+                    for i in T.vectorized(MQ):
+                        q_t[c, i] = qkv[(Q_BASE + h * DP + c) // PW,
+                                        b * S + T.min(q0 + i, S - 1),
+                                        (Q_BASE + h * DP + c) % PW] * c_log2e
             for i in T.vectorized(MQ):
                 m_buf[i] = neg_inf
                 l_buf[i] = zero
@@ -321,19 +398,26 @@ def build_attention(w, cfg, lanes):
                 state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
                     key_block(False, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
-                              alpha, acc, acc_o, vec, b, h, g, q0, kb * KB)
+                              alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
+                              p32, v32)
                 elif state == PARTIAL:
                     if kb * KB + KB <= KV_LEN:
                         key_block(True, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
-                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB)
+                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
+                                  q_t32, p32, v32)
                     else:
                         key_block(True, True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
-                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB)
+                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
+                                  q_t32, p32, v32)
             for i in range(MQ):
                 if q0 + i < S:
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
 
-    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
-                           kv_shape=KV_SHAPE)
+    func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
+                           kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
+    if PAIRS:   # the dot product's LLVM IR, linked into the kernel (bf16_dot.py)
+        func = func.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT,
+                                            tvm.ir.StringImm(HELPERS), func.body))
+    return func

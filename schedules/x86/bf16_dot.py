@@ -1,4 +1,4 @@
-"""AVX-512 BF16 dot products for the GEMMs of bfloat16 layers (`vdpbf16ps`).
+"""AVX-512 BF16 dot products for bfloat16 layers (`vdpbf16ps`): the GEMMs and the attention.
 
 `vdpbf16ps acc, a, b` adds a[2i] * b[2i] + a[2i + 1] * b[2i + 1] to the float32 lane acc[i]:
 one instruction does the work of two float32 FMAs. A GEMM uses it on pairs of its depth
@@ -8,18 +8,20 @@ both in bfloat16 memory. One tensor intrinsic covers 16 output columns of one ro
 pair:
     C[i] += A[p] * B[i, p]          i < 16, p < 2
 Its code is one instruction: `vdpbf16ps c, b, [a]{1to16}` (B's 16 pairs, 64 bytes, as one
-register; A's pair broadcast from memory by the instruction itself). The attention's float32
-output is rounded to bfloat16 by the output projection's pack stage, as a bfloat16 layer's
-reference rounds every value.
+register; A's pair broadcast from memory by the instruction itself). The attention template
+(x86/attention.py) calls the same dot product on pairs of head columns (S = Q K^T) and of
+keys (P V), with ZIP (two rows of V interleaved into pairs) and PACK (two rows of P rounded
+to bfloat16 and interleaved).
 
 How TVM reaches the instruction: TVM 0.27 has no LLVM `bfloat` type (its bfloat16 is
 legalised to uint16; a bfloat16 vector reaching the LLVM code generator crashes it) while
-the intrinsic takes `<32 x bfloat>`. So the intrinsic's body is a small LLVM IR function
-(DOT_LLVM: load, bitcast to bfloat, call the intrinsic) that the kernel imports with TVM's
-`pragma_import_llvm` (TVM marks imported functions always-inline) and calls as an extern
-with the two operands' addresses. The earlier way, float32 operands narrowed in registers
-by `vcvtne2ps2bf16` (the one intrinsic that hands TVM a bfloat vector), spent a conversion
-per B vector and per A broadcast: 1.36x float32 on Zen 5, 1.05x on Zen 4.
+the intrinsic takes `<32 x bfloat>`. So the kernels load bfloat16 pairs as 32-bit integers,
+through int32 views of the same memory (same data pointer: TVM's aliasing information still
+holds), and call small LLVM IR functions (HELPERS: bitcast to bfloat, call the intrinsic)
+that TVM links into the kernel (`pragma_import_llvm`; TVM marks imported functions
+always-inline, so each call is one instruction). The earlier way, float32 operands narrowed
+in registers by `vcvtne2ps2bf16` (the one intrinsic that hands TVM a bfloat vector), spent a
+conversion per B vector and per A broadcast: 1.36x float32 on Zen 5, 1.05x on Zen 4.
 """
 from tvm.script import tirx as T
 from tvm.s_tir import TensorIntrin
@@ -29,34 +31,43 @@ from mhagen.schedules.tvmscript import cheap_stack
 INTRIN = "mhagen_x86_bf16_dot_16x2"
 LANES = 16
 DOT = "mhagen_bf16_dot_16x2"
-IMPORT = "pragma_import_llvm"   # a loop annotation: TVM links this LLVM IR into the kernel
+IMPORT = "pragma_import_llvm"   # an attribute: TVM links HELPERS' LLVM IR into the kernel
 
-DOT_LLVM = f"""
-define <16 x float> @{DOT}(<16 x float> %c, ptr %a0, i64 %ai, ptr %b0, i64 %bi) {{
-  %a = getelementptr i16, ptr %a0, i64 %ai
-  %b = getelementptr i16, ptr %b0, i64 %bi
-  %a1 = load i32, ptr %a, align 4, !tbaa !0
-  %a16 = insertelement <16 x i32> poison, i32 %a1, i64 0
-  %ab = shufflevector <16 x i32> %a16, <16 x i32> poison, <16 x i32> zeroinitializer
-  %bv = load <16 x i32>, ptr %b, align 4, !tbaa !0
-  %x = bitcast <16 x i32> %ab to <32 x bfloat>
-  %y = bitcast <16 x i32> %bv to <32 x bfloat>
+ZIP = "mhagen_bf16_zip_16"     # (row a, row b), 16 bfloat16 each -> 16 (a[i], b[i]) pairs
+PACK = "mhagen_bf16_pack_16"   # (float32 a, b) x 16 -> 16 (bf16(a[i]), bf16(b[i])) pairs
+HELPERS = f"""
+define <16 x float> @{DOT}(<16 x float> %c, <16 x i32> %a, <16 x i32> %b) {{
+  %x = bitcast <16 x i32> %a to <32 x bfloat>
+  %y = bitcast <16 x i32> %b to <32 x bfloat>
   %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %c, <32 x bfloat> %y,
                                                             <32 x bfloat> %x)
   ret <16 x float> %r
 }}
+define <16 x i32> @{ZIP}(<8 x i32> %a, <8 x i32> %b) {{
+  %x = bitcast <8 x i32> %a to <16 x i16>
+  %y = bitcast <8 x i32> %b to <16 x i16>
+  %z = shufflevector <16 x i16> %x, <16 x i16> %y, <32 x i32> <INTERLEAVE>
+  %r = bitcast <32 x i16> %z to <16 x i32>
+  ret <16 x i32> %r
+}}
+define <16 x i32> @{PACK}(<16 x float> %a, <16 x float> %b) {{
+  %h = call <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float> %b,
+                                                                 <16 x float> %a)
+  %z = shufflevector <32 x bfloat> %h, <32 x bfloat> poison, <32 x i32> <INTERLEAVE>
+  %r = bitcast <32 x bfloat> %z to <16 x i32>
+  ret <16 x i32> %r
+}}
 declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>,
                                                         <32 x bfloat>)
-!0 = !{{!1, !1, i64 0}}
-!1 = !{{!"mhagen bf16 operands", !2, i64 0}}
-!2 = !{{!"tvm-tbaa"}}
-"""
+declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x float>)
+""".replace("<INTERLEAVE>", "<" + ", ".join(f"i32 {i // 2 + 16 * (i % 2)}"
+                                            for i in range(32)) + ">")
 
 
 with cheap_stack():   # parsed at import: 2.9 s with TVM's own stack lookups
     @T.prim_func(s_tir=True)
-    def _desc(A: T.Buffer((2,), "bfloat16", offset_factor=1),
-              B: T.Buffer((16, 2), "bfloat16", offset_factor=1),
+    def _desc(A: T.Buffer((2,), "bfloat16", offset_factor=2),
+              B: T.Buffer((16, 2), "bfloat16", offset_factor=2),
               C: T.Buffer((16,), "float32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             T.reads(C[0:16], A[0:2], B[0:16, 0:2])
@@ -68,15 +79,18 @@ with cheap_stack():   # parsed at import: 2.9 s with TVM's own stack lookups
 
 
     @T.prim_func(s_tir=True)
-    def _impl(A: T.Buffer((2,), "bfloat16", offset_factor=1),
-              B: T.Buffer((16, 2), "bfloat16", offset_factor=1),
+    def _impl(A: T.Buffer((2,), "bfloat16", offset_factor=2),
+              B: T.Buffer((16, 2), "bfloat16", offset_factor=2),
               C: T.Buffer((16,), "float32", offset_factor=1, scope="local")) -> None:
         with T.sblock("root"):
             T.reads(C[0:16], A[0:2], B[0:16, 0:2])
             T.writes(C[0:16])
+            # the pairs as 32-bit words: views of the same memory (TVM's aliasing info holds)
+            a = T.decl_buffer((1,), "int32", data=A.data, elem_offset=A.elem_offset // 2)
+            b = T.decl_buffer((16,), "int32", data=B.data, elem_offset=B.elem_offset // 2)
             C[T.ramp(T.int32(0), 1, 16)] = T.call_pure_extern(
-                "float32x16", DOT, C.vload([0], "float32x16"),
-                A.data, T.Cast("int64", A.elem_offset), B.data, T.Cast("int64", B.elem_offset))
+                "float32x16", DOT, C.vload([0], "float32x16"), T.broadcast(a[0], 16),
+                b.vload([0], "int32x16"))
 
 
 TensorIntrin.register(INTRIN, _desc, _impl, override=True)

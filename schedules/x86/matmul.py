@@ -13,7 +13,7 @@ Measured here (1 thread, AVX-512, 512x512x1536): 8x32 tiles ~150-160 GFLOP/s, 12
 """
 from dataclasses import dataclass
 
-from mhagen.schedules.x86.bf16_dot import (DOT_LLVM, IMPORT, INTRIN as BF16_DOT,
+from mhagen.schedules.x86.bf16_dot import (HELPERS, IMPORT, INTRIN as BF16_DOT,
                                           LANES as BF16_LANES)
 
 
@@ -182,7 +182,7 @@ class MatmulRule:
             init = sch.decompose_reduction(blk, k)
             sch.tensorize(jl, BF16_DOT)
             sch.unroll(jv)
-            sch.annotate(outer, IMPORT, DOT_LLVM)   # the intrinsic's LLVM IR (bf16_dot.py)
+            sch.annotate(outer, IMPORT, HELPERS)   # the intrinsic's LLVM IR (bf16_dot.py)
             sch.vectorize(sch.get_loops(init)[-1])
         else:
             sch.vectorize(ji)
