@@ -9,7 +9,8 @@ on x86, a 16-bit shift for bfloat16; aarch64's fcvtl). Half precision thus halve
 weights' and activations' memory and bandwidth. One native path: on x86 targets with
 AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
 (schedules/x86/bf16_dot.py; float32 accumulation, the attention output rounded to bfloat16
-before the output projection; those GEMMs' weights are kept in float32, bfloat16 values).
+before the output projection), and so does the attention (Q K^T and P V on pairs, P rounded
+to bfloat16; qkv held in bfloat16; the softmax in float32).
 AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used; the build says which path was
 taken (`half_precision_path`).
 """
@@ -69,9 +70,10 @@ def to_storage(what: str, a, name: str) -> np.ndarray:
     return rounded
 
 
-def half_precision_path(name: str, target, paired=()) -> str | None:
+def half_precision_path(name: str, target, paired=(), attention_pairs=False) -> str | None:
     """What a half-precision build does on `target`, for the build's output (None: float32).
-    paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)."""
+    paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps);
+    attention_pairs: the attention multiplies them too (Q K^T and P V)."""
     if not is_half(name):
         return None
     features = set(getattr(target, "features", ()) or ())
@@ -81,12 +83,14 @@ def half_precision_path(name: str, target, paired=()) -> str | None:
     how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
            "bfloat16": "a 16-bit shift"}[name]
     if paired:
+        attention = ("the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
+                     "softmax in float32" if attention_pairs else
+                     f"the attention converts to float32 on load ({how}): float32 FMAs and "
+                     "softmax")
         return (f"{name} storage; the GEMMs of {', '.join(paired)} multiply bfloat16 pairs "
-                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation, their weights kept in "
-                f"float32; the attention output is rounded to bfloat16 before the output "
-                f"projection); the attention converts "
-                f"to float32 on load ({how}): float32 FMAs and softmax; output rounded to "
-                f"{name}")
+                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation; the attention output is "
+                f"rounded to bfloat16 before the output projection); {attention}; output "
+                f"rounded to {name}")
     note = (f"; {have[0]} is present but not used yet" if have else "")
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

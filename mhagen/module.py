@@ -96,7 +96,9 @@ class Module:
         """How a half-precision module computes on its target (None: a float32 layer)."""
         paired = [b.name for b in self.program.buffers.values()
                   if (b.pack or {}).get("pairs")]
-        return half_precision_path(self.graph.dtype, self.target, paired)
+        qkv = self.program.buffers.get("qkv")    # bfloat16 when the attention runs on pairs
+        attention = bool(paired) and qkv is not None and qkv.dtype == "bfloat16"
+        return half_precision_path(self.graph.dtype, self.target, paired, attention)
 
     @property
     def bound_params(self) -> dict | None:

@@ -14,7 +14,7 @@ import mhagen
 from mhagen.errors import GraphError, InputError
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
-from test_x86_classes import spills_in_fma_loops
+from test_x86_classes import multiply_add_loops, spills_in_fma_loops
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -250,21 +250,26 @@ def _paired_layer(**kw):
 
 def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
     """Compile-only (any host): a bfloat16 layer for an AVX-512 BF16 target multiplies
-    bfloat16 pairs in its GEMMs, loaded from bfloat16 memory, register tile clean (no stack
-    traffic in the pair loop);
+    bfloat16 pairs in its GEMMs and its attention, loaded from bfloat16 memory, register
+    tiles clean (no stack traffic in the pair loops);
     the same layer for plain AVX-512 converts on load, and odd depths fall back."""
     layer = _paired_layer()
     w = layer.init_weights(0)
     m = mhagen.build(layer, NATIVE, batch=1, seq_len=16, weights=w)
     asm = m.inspect("source")
-    assert asm.count("vdpbf16ps") >= 2 * 16, "two GEMMs of 8 x 32 tiles: 16 per pair step"
+    # two GEMMs of 8 x 32 tiles, the attention's S^T (8 x 32) and P V (8 x 32 or 8 x 16)
+    assert asm.count("vdpbf16ps") >= 4 * 16
     assert not spills_in_fma_loops(asm, "vdpbf16ps"), "the pair loop spills"
+    loops = multiply_add_loops(asm, "vdpbf16ps")
+    assert len(loops) >= 4, "GEMMs' and attention's pair loops"
+    # operands straight from bfloat16 memory: no narrowing in the pair loops
+    assert not [i for body in loops for i in body if "vcvt" in i]
+    assert m.program.buffers["qkv"].dtype == "bfloat16"
+    assert "the attention's Q K^T and P V too" in m.precision
     assert {b.name for b in m.program.buffers.values() if (b.pack or {}).get("pairs")} == {
         "w_qkv", "w_o"}
     paired = m.program.buffers["w_qkv"]     # [N / 32, K / 2, 32, 2] bfloat16 pairs
     assert paired.shape[-1] == 2 and paired.dtype == "bfloat16"
-    # operands straight from bfloat16 memory: no narrowing in the GEMMs' inner loops
-    assert "vcvtne2ps2bf16" not in asm
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=w)
     assert "vdpbf16ps" not in plain.inspect("source")
     assert plain.precision.startswith("bfloat16 storage, converted to float32 on load")

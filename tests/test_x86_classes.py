@@ -128,12 +128,9 @@ def test_gemm_rows_4kib_apart_are_packed_first():
             assert_close(any_len(x), layer.reference(x, w))
 
 
-def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
-    """Stack slots that an innermost multiply-add loop (4 or more `op` instructions) both
-    stores a vector register to and reads back: register spills (TVM prints assembly without
-    LLVM's "Spill" comments). A loop is a label's instructions up to the jump back to it; the
-    task buffers that live on the stack (scores, Q^T) are only read in those loops, never
-    stored and reloaded."""
+def multiply_add_loops(asm: str, op: str = "vfmadd") -> list:
+    """The innermost multiply-add loops of an assembly listing: a label's instructions up to
+    the jump back to it, with 4 or more `op` instructions."""
     blocks, name = {}, None
     for line in asm.splitlines():
         label = re.match(r"^(\.?[\w$.]+):", line)
@@ -142,15 +139,22 @@ def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
             blocks[name] = []
         elif name and line.startswith("\t") and not line.strip().startswith("."):
             blocks[name].append(line.strip())
-    store = re.compile(r"vmov\w+\s+%[xyz]mm\d+, (-?\w*\(%rsp\))")
-    found = []
+    loops = []
     for name, ins in blocks.items():
         back = [k for k, i in enumerate(ins) if i.startswith("j") and i.split()[-1] == name]
-        if not back:
-            continue
-        body = ins[:back[-1] + 1]
-        if sum(op in i for i in body) < 4:
-            continue
+        if back and sum(op in i for i in ins[:back[-1] + 1]) >= 4:
+            loops.append(ins[:back[-1] + 1])
+    return loops
+
+
+def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
+    """Stack slots that an innermost multiply-add loop both stores a vector register to and
+    reads back: register spills (TVM prints assembly without LLVM's "Spill" comments). The
+    task buffers that live on the stack (scores, Q^T) are only read in those loops, never
+    stored and reloaded."""
+    store = re.compile(r"vmov\w+\s+%[xyz]mm\d+, (-?\w*\(%rsp\))")
+    found = []
+    for body in multiply_add_loops(asm, op):
         stored = {m.group(1) for m in map(store.match, body) if m}
         loaded = {slot for i in body if not store.match(i)
                   for slot in re.findall(r"(-?\w*\(%rsp\))", i)}
