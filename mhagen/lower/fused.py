@@ -59,6 +59,8 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
             return te.min(m, last) if a_exact else m
         return m if int(last) + 1 >= rows else te.min(m, last)
     t, pack_stages = pack_tile, []
+    if pairs and not scalars and int(rows) < t:
+        t = int(rows)   # a GEMM of fewer rows than a tile runs one shorter tile (a decode step)
     if pairs:
         packed = te.compute((rows // t, depth // 2, t, 2),
                             lambda i, k2, r, p: cast(a[a_row(i * t + r), 2 * k2 + p],
