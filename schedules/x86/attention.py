@@ -24,6 +24,10 @@ Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (
 time from the mask expression, like FlexAttention's BlockMask) marks each (query tile, key
 block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal masks skip about
 half the blocks.
+bfloat16 pairs (work["pairs"], targets with AVX-512 BF16): qkv is bfloat16; Q^T is copied
+unscaled as int32 pairs of head columns and the write-back applies the scale; S^T = K Q^T
+and P V run on vdpbf16ps (bf16_dot), P packed into pairs of keys in bfloat16 and the block's
+V rows zipped likewise; the softmax stays float32.
 """
 from dataclasses import dataclass, replace
 from math import lcm
