@@ -159,9 +159,12 @@ def _cmd_tune(args):
                               work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
                               kernels=args.kernels)
     print(report.table())
-    state = "interrupted: kept what was measured; re-run to resume" if report.interrupted \
-        else "done"
+    state = (f"stopped by {report.stopped_by}: kept what was measured; re-run to resume"
+             if report.interrupted else "done")
     print(f"{state} in {report.seconds:.0f} s; records in {report.database}")
+    if report.stopped_by == "Ctrl-C":
+        print("mhagen tune: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -140,6 +140,66 @@ def test_unknown_kernel_name_is_an_error(tmp_path):
         tune(mhagen.mha(32, 2), shapes=[(1, 8)], kernels=["gemm"], database=tmp_path / "d.json")
 
 
+def _tune_command(work):
+    return [sys.executable, "-m", "mhagen", "tune", "--d-model", "64", "--heads", "2",
+            "--shapes", "1x16", "--trials", "4", "--db", str(work / "db.json"),
+            "--work-dir", str(work / "ms")]
+
+
+def _read_until(stream, marker, seconds):
+    """Bytes of `stream` up to and including the first `marker` (the progress line uses
+    carriage returns, so lines never end)."""
+    seen, end = b"", time.time() + seconds
+    while marker not in seen:
+        assert time.time() < end, f"no {marker!r} in {seconds} s: {seen[-2000:]!r}"
+        chunk = os.read(stream.fileno(), 4096)
+        assert chunk, f"the run ended before {marker!r}: {seen[-2000:]!r}"
+        seen += chunk
+    return seen
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_tuning_cleanly_and_a_rerun_resumes(tmp_path, presses):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group: mhagen and TVM's
+    builder/runner workers) once the second GEMM's search runs: exit 130 after one line, no
+    traceback from any process, the first kernels' records valid, no worker left; a second
+    Ctrl-C stops at once, just as cleanly. A re-run resumes the MetaSchedule databases."""
+    p = subprocess.Popen(_tune_command(tmp_path), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        err = _read_until(p.stderr, b"[3/3] output_projection", 240)
+        for i in range(presses):
+            time.sleep(1)
+            os.killpg(p.pid, signal.SIGINT)
+        out, rest = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = (err + rest).decode()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith("mhagen tune: interrupted"), err
+    assert "stopped by Ctrl-C: kept what was measured" in out.decode()
+    time.sleep(0.5)
+    assert not _group_members(p.pid), "tuning workers left running"
+    records = json.loads((tmp_path / "db.json").read_text())["records"]
+    assert {r["key"]["kernel"] for r in records} == {"qkv_projection", "attention"}
+
+    def measured(kernel):   # MetaSchedule's database of the kernel: one line a trial
+        (path,) = (tmp_path / "ms").glob(f"*-{kernel}/database_tuning_record.json")
+        return len(path.read_text().splitlines())
+
+    assert measured("qkv_projection") == 4
+    again = subprocess.run(_tune_command(tmp_path), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "done in" in again.stdout
+    assert measured("qkv_projection") == 4   # resumed: its 4 trials were not run again
+    assert measured("output_projection") == 4
+    records = json.loads((tmp_path / "db.json").read_text())["records"]
+    assert len(records) == 3
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

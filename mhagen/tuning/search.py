@@ -25,9 +25,12 @@ import io
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,6 +68,7 @@ class TuneReport:
     database: Path
     results: list = field(default_factory=list)
     interrupted: bool = False
+    stopped_by: str | None = None   # "Ctrl-C" or "the time budget" when interrupted
     seconds: float = 0.0
 
     def table(self) -> str:
@@ -151,6 +155,7 @@ class _Progress:
         self.index, self.name, self.budget, self.done, self.best = 0, "", 0, 0, None
         self.start = time.time()
         self.stopped = False
+        self.stop_requested = False   # set by Ctrl-C (_ctrl_c_stops_at_the_next_trial)
 
     def kernel(self, index, name, budget, done=0):
         self.index, self.name, self.budget, self.done, self.best = index, name, budget, done, None
@@ -161,7 +166,11 @@ class _Progress:
         if seconds is not None and (self.best is None or seconds < self.best):
             self.best = seconds
         self.show()
-        if self.deadline and time.time() > self.deadline:
+        self.check()
+
+    def check(self):
+        """Raise _Stop if Ctrl-C asked to stop or the time budget is spent."""
+        if self.stop_requested or (self.deadline and time.time() > self.deadline):
             self.stopped = True
             raise _Stop()
 
@@ -399,6 +408,64 @@ def _alloc_with(fixed):
     return alloc
 
 
+@contextlib.contextmanager
+def _ctrl_c_stops_at_the_next_trial(bar):
+    """Ctrl-C (SIGINT) asks the run to stop after the measurements under way, as the time
+    budget does, so records and MetaSchedule's databases are written whole; a second Ctrl-C
+    raises KeyboardInterrupt at once. Only from the main thread (where signals are handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if bar.stop_requested:
+            raise KeyboardInterrupt
+        bar.stop_requested = True
+        sys.stderr.write("\nCtrl-C: stopping after the measurements under way "
+                         "(Ctrl-C again: at once)\n")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _reaped_workers_without_ctrl_c():
+    """TVM's builder and runner workers (popen_worker processes) are in the terminal's process
+    group, so Ctrl-C reached them too: they died mid-import or mid-build printing
+    KeyboardInterrupt tracebacks, and the run failed in MetaSchedule. They are started with
+    SIGINT blocked in the starting thread (the mask is inherited across fork and exec; a
+    Ctrl-C in that instant still reaches this process), so only this process sees Ctrl-C.
+    On the way out every worker pool started inside is shut down here, in this thread: an
+    interrupted build's pool was otherwise freed later by one of its own threads, whose
+    __del__ printed "Exception ignored ... cannot join current thread"."""
+    from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker
+
+    start, init, pools = PopenWorker._start, PopenPoolExecutor.__init__, weakref.WeakSet()
+
+    def start_blocked(worker):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            start(worker)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def init_seen(pool, *args, **kwargs):
+        init(pool, *args, **kwargs)
+        pools.add(pool)
+
+    PopenWorker._start, PopenPoolExecutor.__init__ = start_blocked, init_seen
+    try:
+        yield
+    finally:
+        PopenWorker._start, PopenPoolExecutor.__init__ = start, init
+        for pool in list(pools):
+            if not pool._shutdown:
+                pool.shutdown(wait=True)
+
+
 def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
          time_budget: float | None = None, database=None, work_dir=None, rpc=None,
          fuse: bool = True, progress: bool = True, seed: int = 0,
@@ -458,36 +525,48 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     report.results.extend(fixed)
     bar = _Progress(progress, len(plans), deadline)
     try:
-        for i, (shape, program, kernel) in enumerate(plans, 1):
-            key = program.key(kernel.name)
-            if kernel.template:
-                res = _tune_template(kernel, t, remote, bar, i, key, shape, layer, fuse,
-                                     trials)
-            else:
-                res = _tune_metaschedule(kernel, t, remote, bar, i, key, trials, work_dir,
-                                         seed)
-            report.results.append(res[0])
-            if not res[0].note:   # a kernel nothing was measured of gets no record
-                res[1].update(versions())
-                res[1]["measured_on"] = _measured_on(t, rpc)
-                db.put(res[1])
-                db.save()
-            bar.show(final=True)
+        with _reaped_workers_without_ctrl_c(), _ctrl_c_stops_at_the_next_trial(bar):
+            _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc,
+                        report)
     except (KeyboardInterrupt, _Stop):
         report.interrupted = True
         bar.show(final=True)
     except Exception:
         # a stop raised inside MetaSchedule's callback comes back wrapped as a TVM error
-        if not bar.stopped:
+        if not (bar.stopped or bar.stop_requested):
             raise
         report.interrupted = True
         bar.show(final=True)
     finally:
         if remote is not None:
             remote.close()
+    if report.interrupted:
+        report.stopped_by = "Ctrl-C" if bar.stop_requested or not bar.stopped \
+            else "the time budget"
     report.seconds = time.time() - start
     db.save()
     return report
+
+
+def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc, report):
+    """Tune each (shape, program, kernel) of `plans` in turn; save each kernel's record."""
+    for i, (shape, program, kernel) in enumerate(plans, 1):
+        key = program.key(kernel.name)
+        if kernel.template:
+            res = _tune_template(kernel, t, remote, bar, i, key, shape, layer, fuse,
+                                 trials)
+        else:
+            res = _tune_metaschedule(kernel, t, remote, bar, i, key, trials, work_dir,
+                                     seed)
+        report.results.append(res[0])
+        if not res[0].note:   # a kernel nothing was measured of gets no record
+            res[1].update(versions())
+            res[1]["measured_on"] = _measured_on(t, rpc)
+            db.put(res[1])
+            db.save()
+        bar.show(final=True)
+        if i < len(plans):
+            bar.check()
 
 
 def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, seed):
