@@ -99,8 +99,8 @@ def copy_of(art, tmp_path):
 def test_artifact_layout(small):
     d = small.dir
     for name in ("kernel.so", "params.bin", "weights.bin", "manifest.json", "mha.h", "libmha.so",
-                 "mha_config.h", "mha_runtime.h", "mha_runtime.cc", "lib/libtvm_ffi.so",
-                 "lib/libtvm_runtime.so"):
+                 "mha_config.h", "mha_libraries.h", "mha_runtime.h", "mha_runtime.cc",
+                 "lib/libtvm_ffi.so", "lib/libtvm_runtime.so", "lib/libmha_impl.so"):
         assert (d / name).is_file(), name
     man = json.loads((d / "manifest.json").read_text())
     assert man["content_hash"] == content_hash(man)
@@ -113,9 +113,13 @@ def test_artifact_layout(small):
         assert text in header, text
     readelf = shutil.which("readelf")
     if readelf:
-        dyn = subprocess.run([readelf, "-d", str(d / "libmha.so")], capture_output=True,
-                             text=True).stdout
-        assert "$ORIGIN/lib" in dyn and "libtvm_runtime.so" in dyn
+        def dynamic(name):
+            return subprocess.run([readelf, "-d", str(d / name)], capture_output=True,
+                                  text=True).stdout
+        # the program links the loader only; the runtime library finds TVM's beside it
+        assert "libtvm" not in dynamic("libmha.so")
+        runtime = dynamic("lib/libmha_impl.so")
+        assert "$ORIGIN" in runtime and "libtvm_runtime.so" in runtime
     text = describe(d)
     assert "content hash" in text and "C API" in text and "kernel  attention(" in text
 
@@ -220,7 +224,23 @@ DAMAGE = {
     "other-build": (lambda d: _edit_manifest(d, content_hash=lambda h: "0" * 64),
                     "MHA_ERR_MISMATCH", "use the mha.h and libmha.so of that directory"),
     "missing-dir": (lambda d: shutil.rmtree(d), "MHA_ERR_NOT_FOUND", "no artifact directory"),
+    # libmha.so links no TVM: it checks lib/ before it opens the runtime (a truncated library
+    # the dynamic loader maps at program start killed the program with SIGBUS)
+    "truncated-tvm-runtime": (lambda d: _truncate(d / "lib/libtvm_runtime.so"),
+                              "MHA_ERR_CORRUPT", "libtvm_runtime.so has"),
+    "halved-tvm-ffi": (lambda d: _halve(d / "lib/libtvm_ffi.so"), "MHA_ERR_CORRUPT",
+                       "libtvm_ffi.so has"),
+    "halved-runtime-library": (lambda d: _halve(d / "lib/libmha_impl.so"), "MHA_ERR_CORRUPT",
+                               "truncated"),
+    "corrupt-tvm-runtime": (lambda d: _flip(d / "lib/libtvm_runtime.so", 5000),
+                            "MHA_ERR_CORRUPT", "libtvm_runtime.so is corrupted"),
+    "missing-runtime-library": (lambda d: (d / "lib/libmha_impl.so").unlink(),
+                                "MHA_ERR_NOT_FOUND", "libmha_impl.so is missing"),
 }
+
+
+def _halve(path):
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
 def _edit_manifest(d, **edits):

@@ -5,18 +5,45 @@
 // generated mha_config.h (see mha_runtime.h) and the status codes of the generated mha.h, both
 // written from manifest.json and mhagen.artifact.capi.STATUS. Nothing here depends on the
 // target architecture: a cross compiler builds it unchanged. Build (in the artifact directory;
-// manifest.json c_api.build_command has the exact line):
-//   c++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -I. -I<tvm-ffi include>
-//       mha_runtime.cc -o libmha.so -Llib -ltvm_ffi -ltvm_runtime -Wl,-rpath,'$ORIGIN/lib'
+// manifest.json c_api.build_command has the exact lines). A CPU artifact builds it twice:
+//   lib/libmha_impl.so (MHA_IMPL): the runtime proper, linked with TVM's runtime in lib/;
+//     its entry points are named mha_impl_create, mha_impl_run, ...
+//       c++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -DMHA_IMPL=1 -I. -I<tvm-ffi
+//       include> mha_runtime.cc -o lib/libmha_impl.so -Llib -ltvm_ffi -ltvm_runtime
+//       -Wl,-rpath,'$ORIGIN'
+//   libmha.so (MHA_LOADER): what your program links. It links no TVM: mha_create checks
+//     lib/ (sizes and sha256 from mha_libraries.h), then opens lib/libmha_impl.so and
+//     forwards every call to it. (Linked directly, a truncated libtvm_runtime.so killed the
+//     program with SIGBUS in the dynamic loader, before any check could run.)
+//       c++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden -DMHA_LOADER=1 -I. -I<tvm-ffi
+//       include> mha_runtime.cc -o libmha.so -ldl
 // CUDA artifacts (MHA_DEVICE_CUDA) use no TVM at all: kernels.fatbin is launched through the
 // CUDA driver (mha_cuda_driver.h, loaded at run time); they link -ldl only.
+#if MHA_IMPL   // the entry points under names of their own (the loader's are the mha_* ones)
+#define mha_create mha_impl_create
+#define mha_run mha_impl_run
+#define mha_run_padded mha_impl_run_padded
+#define mha_run_cached mha_impl_run_cached
+#define mha_run_cross mha_impl_run_cross
+#define mha_destroy mha_impl_destroy
+#define mha_last_error mha_impl_last_error
+#define mha_last_error_code mha_impl_last_error_code
+#define mha_status_name mha_impl_status_name
+#define mha_num_kernels mha_impl_num_kernels
+#define mha_kernel_name mha_impl_kernel_name
+#endif
 #include "mha.h"
 #include "mha_config.h"
 #include "mha_runtime.h"
+#if MHA_LOADER
+#include "mha_libraries.h"
+#endif
 
 #include <dlpack/dlpack.h>
 #if MHA_DEVICE_CUDA
 #include "mha_cuda_driver.h"
+#elif MHA_LOADER
+#include <dlfcn.h>
 #else
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/module.h>
@@ -62,6 +89,7 @@ void clear_error() {
   g_message.clear();
 }
 
+#if !MHA_LOADER
 // ---- the device the kernels' buffers live on ------------------------------------------------
 // The one place that knows where buffers live. mha_config.h's kDeviceType comes from the
 // manifest's target device: the CPU (buffers from posix_memalign, copies with memcpy, the
@@ -139,6 +167,7 @@ bool usable_in_place(const void *p) { return reinterpret_cast<uintptr_t>(p) % kA
 
 std::string device_error() { return std::string(); }
 #endif
+#endif  // !MHA_LOADER
 
 // ---- SHA-256 (FIPS 180-4) -------------------------------------------------------------------
 class Sha256 {
@@ -333,6 +362,7 @@ bool top_level_int(const std::string &s, const char *key, long *out) {
   return true;
 }
 
+#if !MHA_LOADER
 // ---- the CPU features the kernels need (mha_config.h's lists) -------------------------------
 #if defined(__aarch64__) && defined(__linux__)
 #ifdef PR_SVE_GET_VL
@@ -382,10 +412,12 @@ void prepare_threads() {
   });
 }
 #endif
+#endif  // !MHA_LOADER
 
 }  // namespace
 }  // namespace mha
 
+#if !MHA_LOADER
 // ---- the handle ------------------------------------------------------------------------------
 struct mha_handle {
   std::mutex mutex;                 // one run at a time: temps and staging buffers are shared
@@ -419,6 +451,7 @@ struct mha_handle {
 #endif
   }
 };
+#endif  // !MHA_LOADER
 
 namespace mha {
 namespace {
@@ -451,6 +484,155 @@ int check_manifest(const std::string &dir) {
                                       ": use the mha.h and libmha.so of that directory");
   return MHA_OK;
 }
+
+#if MHA_LOADER
+// ---- the loader: libmha.so of a CPU artifact (see the top of this file) ---------------------
+// The runtime's entry points, bound once per process (never unloaded: TVM's runtime stays).
+struct Runtime {
+  decltype(&mha_create) create;
+  decltype(&mha_run) run;
+  decltype(&mha_run_padded) run_padded;
+  decltype(&mha_run_cached) run_cached;
+  decltype(&mha_run_cross) run_cross;
+  decltype(&mha_destroy) destroy;
+  decltype(&mha_last_error) last_error;
+  decltype(&mha_last_error_code) last_error_code;
+};
+Runtime g_runtime;
+std::mutex g_runtime_mutex;
+bool g_runtime_loaded = false;   // under g_runtime_mutex; a handle exists only after it is set
+thread_local bool g_forwarded = false;   // this thread's last error is the runtime's
+
+template <class F>
+bool bind(void *library, const char *name, F *slot) {
+  *slot = reinterpret_cast<F>(dlsym(library, name));
+  return *slot != nullptr;
+}
+
+// Checks lib/ (kLibraries: size, then sha256) and opens lib/libmha_impl.so.
+int load_runtime(const std::string &dir) {
+  std::lock_guard<std::mutex> lock(g_runtime_mutex);
+  if (g_runtime_loaded) return MHA_OK;
+  for (int i = 0; i < kNumLibraries; ++i)   // sizes first: a truncated copy fails before reads
+    if (check_size(dir + "/" + kLibraries[i].name, kLibraries[i].size) != MHA_OK) return g_code;
+  auto ignore = [](int64_t, const uint8_t *, size_t) {};
+  for (int i = 0; i < kNumLibraries; ++i)
+    if (verify_file(dir + "/" + kLibraries[i].name, kLibraries[i], ignore) != MHA_OK)
+      return g_code;
+  const std::string path = dir + "/" + kRuntimeLibrary;
+  // global: kernel.so, which TVM opens later, finds TVM's runtime symbols there
+  void *library = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (library == nullptr) {
+    const char *why = dlerror();
+    return fail(MHA_ERR_RUNTIME, "mha_create: cannot open " + path + ": " +
+                                     (why ? why : "unknown error"));
+  }
+  Runtime r{};
+  if (!(bind(library, "mha_impl_create", &r.create) && bind(library, "mha_impl_run", &r.run) &&
+        bind(library, "mha_impl_run_padded", &r.run_padded) &&
+        bind(library, "mha_impl_run_cached", &r.run_cached) &&
+        bind(library, "mha_impl_run_cross", &r.run_cross) &&
+        bind(library, "mha_impl_destroy", &r.destroy) &&
+        bind(library, "mha_impl_last_error", &r.last_error) &&
+        bind(library, "mha_impl_last_error_code", &r.last_error_code)))
+    return fail(MHA_ERR_CORRUPT, "mha_create: " + path + " lacks the mha_impl_* entry points; "
+                                 "rebuild the artifact");
+  g_runtime = r;
+  g_runtime_loaded = true;
+  return MHA_OK;
+}
+
+// The runtime, once a handle exists (nullptr before any mha_create succeeded).
+const Runtime *runtime() {
+  std::lock_guard<std::mutex> lock(g_runtime_mutex);
+  return g_runtime_loaded ? &g_runtime : nullptr;
+}
+
+int no_handle(const char *fn) {
+  g_forwarded = false;
+  return fail(MHA_ERR_NULL_ARGUMENT,
+              std::string(fn) + ": handle is NULL (did mha_create fail? see mha_last_error())");
+}
+
+}  // namespace
+}  // namespace mha
+
+extern "C" {
+
+MHA_API mha_handle *mha_create(const char *dir_c) {
+  using namespace mha;
+  clear_error();
+  g_forwarded = false;
+  try {
+    if (dir_c == nullptr) {
+      fail(MHA_ERR_NULL_ARGUMENT, "mha_create: artifact_dir is NULL");
+      return nullptr;
+    }
+    const std::string dir(dir_c);
+    struct stat st;
+    if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+      fail(MHA_ERR_NOT_FOUND, "mha_create: no artifact directory at '" + dir +
+                                  "' (write one with `mhagen build ... --out DIR`)");
+      return nullptr;
+    }
+    if (check_manifest(dir) != MHA_OK || load_runtime(dir) != MHA_OK) return nullptr;
+  } catch (const std::bad_alloc &) {
+    fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory");
+    return nullptr;
+  }
+  g_forwarded = true;
+  return g_runtime.create(dir_c);
+}
+
+MHA_API int mha_run(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                    mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run");
+  mha::g_forwarded = true;
+  return r->run(handle, x, batch, seq_len, y);
+}
+
+MHA_API int mha_run_padded(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                           const int32_t *kv_lens, mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_padded");
+  mha::g_forwarded = true;
+  return r->run_padded(handle, x, batch, seq_len, kv_lens, y);
+}
+
+MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                           float *k_cache, float *v_cache, int32_t *cache_lens,
+                           mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cached");
+  mha::g_forwarded = true;
+  return r->run_cached(handle, x, batch, seq_len, k_cache, v_cache, cache_lens, y);
+}
+
+MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int seq_len,
+                          const mha_value *context, int kv_seq_len, const int32_t *kv_lens,
+                          mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cross");
+  mha::g_forwarded = true;
+  return r->run_cross(handle, x, batch, seq_len, context, kv_seq_len, kv_lens, y);
+}
+
+MHA_API void mha_destroy(mha_handle *handle) {
+  const mha::Runtime *r = mha::runtime();
+  if (r != nullptr && handle != nullptr) r->destroy(handle);
+}
+
+MHA_API const char *mha_last_error(void) {
+  const mha::Runtime *r = mha::g_forwarded ? mha::runtime() : nullptr;
+  return r ? r->last_error() : mha::g_message.c_str();
+}
+
+MHA_API int mha_last_error_code(void) {
+  const mha::Runtime *r = mha::g_forwarded ? mha::runtime() : nullptr;
+  return r ? r->last_error_code() : mha::g_code;
+}
+#else   // the runtime proper (MHA_IMPL), or a CUDA artifact's libmha.so
 
 // Allocates the buffers and describes them as DLTensors.
 int allocate(mha_handle *h) {
@@ -962,6 +1144,8 @@ MHA_API int mha_run_kernel_device(mha_handle *handle, int kernel, const mha_valu
 }
 #endif
 
+#endif  // MHA_LOADER
+
 MHA_API int mha_num_kernels(void) { return mha::config::kNumKernels; }
 
 MHA_API const char *mha_kernel_name(int kernel) {
@@ -969,6 +1153,7 @@ MHA_API const char *mha_kernel_name(int kernel) {
                                                           : nullptr;
 }
 
+#if !MHA_LOADER
 MHA_API void mha_destroy(mha_handle *handle) {
   try {
     delete handle;
@@ -979,6 +1164,7 @@ MHA_API void mha_destroy(mha_handle *handle) {
 MHA_API const char *mha_last_error(void) { return mha::g_message.c_str(); }
 
 MHA_API int mha_last_error_code(void) { return mha::g_code; }
+#endif
 
 MHA_API const char *mha_status_name(int status) {
   switch (status) {
