@@ -485,6 +485,17 @@ int check_manifest(const std::string &dir) {
   return MHA_OK;
 }
 
+// Checks mha_create's argument: a directory holding this artifact's manifest.
+int check_directory(const char *dir_c) {
+  if (dir_c == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, "mha_create: artifact_dir is NULL");
+  const std::string dir(dir_c);
+  struct stat st;
+  if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    return fail(MHA_ERR_NOT_FOUND, "mha_create: no artifact directory at '" + dir +
+                                       "' (write one with `mhagen build ... --out DIR`)");
+  return check_manifest(dir);
+}
+
 #if MHA_LOADER
 // ---- the loader: libmha.so of a CPU artifact (see the top of this file) ---------------------
 // The runtime's entry points, bound once per process (never unloaded: TVM's runtime stays).
@@ -564,18 +575,7 @@ MHA_API mha_handle *mha_create(const char *dir_c) {
   clear_error();
   g_forwarded = false;
   try {
-    if (dir_c == nullptr) {
-      fail(MHA_ERR_NULL_ARGUMENT, "mha_create: artifact_dir is NULL");
-      return nullptr;
-    }
-    const std::string dir(dir_c);
-    struct stat st;
-    if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-      fail(MHA_ERR_NOT_FOUND, "mha_create: no artifact directory at '" + dir +
-                                  "' (write one with `mhagen build ... --out DIR`)");
-      return nullptr;
-    }
-    if (check_manifest(dir) != MHA_OK || load_runtime(dir) != MHA_OK) return nullptr;
+    if (check_directory(dir_c) != MHA_OK || load_runtime(dir_c) != MHA_OK) return nullptr;
   } catch (const std::bad_alloc &) {
     fail(MHA_ERR_NO_MEMORY, "mha_create: out of memory");
     return nullptr;
@@ -807,18 +807,8 @@ int load_kernels(const std::string &dir, mha_handle *h) {
 
 mha_handle *create(const char *dir_c) {
   clear_error();
-  if (dir_c == nullptr) {
-    fail(MHA_ERR_NULL_ARGUMENT, "mha_create: artifact_dir is NULL");
-    return nullptr;
-  }
+  if (check_directory(dir_c) != MHA_OK) return nullptr;
   const std::string dir(dir_c);
-  struct stat st;
-  if (dir.empty() || stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    fail(MHA_ERR_NOT_FOUND, "mha_create: no artifact directory at '" + dir +
-                                "' (write one with `mhagen build ... --out DIR`)");
-    return nullptr;
-  }
-  if (check_manifest(dir) != MHA_OK) return nullptr;
   const std::string missing = missing_cpu_features();
   if (!missing.empty()) {
     fail(MHA_ERR_TARGET, "mha_create: this CPU lacks" + missing + " that the kernels in " +
