@@ -210,8 +210,8 @@ def generate_header(manifest) -> str:
                        "the kernels need\n *          "
                        f"{' '.join(t.get('features') or []) or 'no CPU extension'}")
         build_line = ("cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; libmha.so "
-                      "finds TVM's\n *         runtime libraries in DIR/lib through its own "
-                      "rpath $ORIGIN/lib)")
+                      "checks and\n *         opens DIR/lib/libmha_impl.so and TVM's runtime "
+                      "libraries beside it at mha_create)")
         memory_doc = CPU_MEMORY_DOC
         device_api = ""
     return f"""\
