@@ -40,6 +40,9 @@ LAYERS = {
     # T5's relative bias: its table reaches the kernel as a param (params.bin, the C API)
     "t5-bias-128x4": (dict(d_model=128, num_heads=4, causal=True, score_mod=mhagen.relative_bias(
         np.linspace(-1.0, 1.0, 4 * 8).reshape(4, 8), max_distance=12)), 1, 32),
+    # ALiBi then softcap in the score write-back (slopes per head, the vectorised tanh)
+    "alibi-softcap-128x4": (dict(d_model=128, num_heads=4, causal=True,
+                                 score_mod=[mhagen.alibi(4), mhagen.softcap(2.0)]), 1, 32),
 }
 RUN_TARGETS = ("arm-neon", "arm-sve")
 

@@ -2,6 +2,7 @@
 scaled score and the indices; reference semantics, the fused template's hook, the unfused
 path, fusion rules, ONNX export."""
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -81,6 +82,54 @@ def test_fused_kernels_match_the_reference(target, name, causal):
     if causal:
         table = m.bound_params["blocks"]
         assert (table == 0).any(), "causal blocks above the diagonal are still skipped"
+
+
+def _torch_layer(torch, w, x, attend):
+    """The layer in PyTorch (float64) from mhagen's weights: per-head projections, then
+    attend(q, k, v) [batch, heads, seq, head_dim], then the output projection."""
+    t = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in w.items()}
+    xt = torch.from_numpy(x.astype(np.float64))
+    q, k, v = (torch.einsum("bsd,hde->bhse", xt, t[f"w_{n}"]) + t[f"b_{n}"][None, :, None, :]
+               for n in "qkv")
+    o = attend(q, k, v)                                  # [batch, heads, seq, head_dim]
+    return (o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1) @ t["w_o"] + t["b_o"]).numpy()
+
+
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_modifiers_match_pytorch(name):
+    """Cross-check with PyTorch: FlexAttention (eager, float64, on CPU) with the modifier as
+    its score_mod, and ALiBi also as SDPA with an explicit float bias mask; the compiled
+    layer and the reference both agree with it (causal, seq 23, head_dim 16)."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.flex_attention import flex_attention
+    heads, seq = 4, 23
+    slopes = torch.tensor(ex.alibi_slopes(heads), dtype=torch.float64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if name.startswith("alibi"):
+            score = score + slopes[h] * (kv_idx - q_idx)
+        if name.endswith("softcap"):
+            score = 2.0 * torch.tanh(score / 2.0)
+        return torch.where(kv_idx <= q_idx, score, -float("inf"))   # causal, after it
+
+    layer = mhagen.mha(64, heads, causal=True, score_mod=MODS[name][0](heads))
+    w, x = layer.init_weights(3), random_input(layer, 2, seq)
+    target = "x86" if resolve("x86").runs_here() else "x86-avx2"
+    compiled = mhagen.build(layer, target, batch=2, seq_len=seq, weights=w)(x)
+    with warnings.catch_warnings():   # eager FlexAttention says (once) it is not compiled
+        warnings.simplefilter("ignore")
+        flex = _torch_layer(torch, w, x, lambda q, k, v: flex_attention(q, k, v,
+                                                                        score_mod=score_mod))
+    np.testing.assert_allclose(layer.reference(x, w), flex, rtol=1e-10, atol=1e-10)
+    assert_close(compiled, flex)
+    if name == "alibi":
+        i = torch.arange(seq)
+        bias = slopes[:, None, None] * (i[None, None, :] - i[None, :, None]).double()
+        bias = bias.masked_fill(i[None, None, :] > i[None, :, None], -float("inf"))
+        sdpa = _torch_layer(torch, w, x, lambda q, k, v:
+                            torch.nn.functional.scaled_dot_product_attention(
+                                q, k, v, attn_mask=bias[None]))
+        np.testing.assert_allclose(flex, sdpa, rtol=1e-10, atol=1e-10)
 
 
 def test_unfused_path_matches_the_reference():
