@@ -37,11 +37,11 @@ def _include_dir():
     return found[0]
 
 
-def _lint(cxx, directory):
+def _lint(cxx, directory, *defines):
     """Compile mha_runtime.cc with the artifact's generated headers, warnings as errors."""
     if shutil.which(cxx) is None:
         pytest.skip(f"needs {cxx}")
-    cmd = [cxx, *LINT, f"-I{directory}", "-isystem", str(_include_dir()),
+    cmd = [cxx, *LINT, *defines, f"-I{directory}", "-isystem", str(_include_dir()),
            str(directory / capi.SOURCE)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, " ".join(cmd) + "\n" + r.stderr
@@ -52,7 +52,17 @@ def test_runtime_compiles_without_warnings(artifact):
     assert capi.write_sources(d, man) == ["mha.h", "mha_config.h", "mha_runtime.h",
                                           "mha_runtime.cc", "mha_cuda_driver.h"]
     assert "#define MHA_DEVICE_CUDA 0" in (d / capi.CONFIG).read_text()
-    _lint("g++", d)
+    _lint("g++", d, "-DMHA_IMPL=1")   # lib/libmha_impl.so, the runtime proper
+    # libmha.so, the loader: it reads the table of lib/ written after the runtime is built
+    (d / "lib").mkdir()
+    for name in [*capi.RUNTIME_LIBS, Path(capi.RUNTIME_LIBRARY).name]:
+        (d / "lib" / name).write_bytes(name.encode())
+    header = capi.generate_libraries_header(d)
+    (d / capi.LIBRARIES_HEADER).write_text(header)
+    rows = re.findall(r'\{"(lib/[^"]+)", (\d+), "[0-9a-f]{64}"\}', header)
+    assert rows == [("lib/libtvm_ffi.so", "13"), ("lib/libtvm_runtime.so", "17"),
+                    ("lib/libmha_impl.so", "14")]
+    _lint("g++", d, "-DMHA_LOADER=1")
 
 
 def test_cuda_runtime_compiles_without_warnings(artifact):
@@ -86,7 +96,7 @@ def test_runtime_compiles_for_aarch64_without_warnings(artifact, features):
     config = (d / capi.CONFIG).read_text()
     assert ("HWCAP_SVE" in config) == ("sve" in features)
     assert f"MHA_SVE_VECTOR_BITS {256 if 'sve' in features else 0}" in config
-    _lint(cross.arch_info("aarch64").cxx, d)
+    _lint(cross.arch_info("aarch64").cxx, d, "-DMHA_IMPL=1")
 
 
 def test_status_enum_and_names_come_from_STATUS(artifact):
