@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import mhagen
-from mhagen.artifact.describe import describe
+from mhagen.artifact.describe import damaged_files, describe
 from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
 from mhagen.onnx.cli import add_parsers
@@ -290,8 +290,8 @@ def _cmd_inspect(args):
     if args.what not in INSPECT_KINDS:
         raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
     if args.module is not None and args.what == "manifest":
-        print(describe(args.module))
-        return 0
+        print(describe(args.module))   # exit status 1: a file is missing or damaged
+        return 1 if args.module.is_dir() and damaged_files(args.module) else 0
     if args.module is not None:
         module = mhagen.load(args.module)
     elif args.what == "graph":

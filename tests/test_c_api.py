@@ -262,6 +262,20 @@ def test_damaged_artifact_gives_clean_error(small, tmp_path, case):
     assert r.returncode == 0 and r.stdout.split("|")[0] == status, r.stdout + r.stderr
 
 
+def test_inspect_checks_every_file_libmha_too(small, tmp_path, capsys):
+    """libmha.so cannot report its own damage (the dynamic loader maps it first): `mhagen
+    inspect DIR --what manifest` checks it, and every other file, against the manifest."""
+    from mhagen.cli import main
+    d = copy_of(small, tmp_path)
+    assert main(["inspect", str(d), "--what", "manifest"]) == 0
+    assert "every file matches its sha256" in capsys.readouterr().out
+    _truncate(d / "libmha.so")
+    (d / "lib/libtvm_ffi.so").unlink()
+    assert main(["inspect", str(d), "--what", "manifest"]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED: lib/libtvm_ffi.so (missing), libmha.so (sha256 differs)" in out, out
+
+
 def test_weights_bin_is_checked_for_size_only(small, tmp_path):
     """libmha.so never reads weights.bin (the kernels run params.bin): a flipped byte there is
     mhagen.load's business, not mha_create's."""

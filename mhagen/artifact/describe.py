@@ -5,14 +5,44 @@ import json
 from pathlib import Path
 
 from mhagen.artifact.capi import _layer_summary as layer_summary
-
+from mhagen.artifact.files import sha256_file
 from mhagen.errors import ArtifactError
+
 
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def _read_manifest(mpath: Path) -> dict:
+    try:
+        man = json.loads(mpath.read_text())
+    except (OSError, ValueError) as err:
+        raise ArtifactError(f"cannot read {mpath}: {err}") from None
+    if not isinstance(man, dict):
+        raise ArtifactError(f"{mpath} is not an mhagen manifest (a JSON object is expected, "
+                            f"found {type(man).__name__})")
+    return man
+
+
+def damaged_files(directory, man: dict | None = None) -> list:
+    """The files of the artifact in `directory` that are missing or differ from the sha256
+    its manifest lists, the C API's included ("name (why)"). libmha.so cannot check itself
+    (the dynamic loader maps it before any of its code runs), so this is how a copied
+    artifact is checked whole: `mhagen inspect DIR --what manifest`."""
+    directory = Path(directory)
+    man = man if man is not None else _read_manifest(directory / "manifest.json")
+    listed = {**(man.get("files") or {}), **((man.get("c_api") or {}).get("files") or {})}
+    bad = []
+    for name, digest in sorted(listed.items()):
+        path = directory / name
+        if not path.is_file():
+            bad.append(f"{name} (missing)")
+        elif sha256_file(path) != digest:
+            bad.append(f"{name} (sha256 differs)")
+    return bad
 
 
 def describe(manifest_or_dir) -> str:
@@ -22,13 +52,7 @@ def describe(manifest_or_dir) -> str:
     if isinstance(manifest_or_dir, (str, Path)):
         where = Path(manifest_or_dir)
         mpath = where / "manifest.json" if where.is_dir() else where
-        try:
-            man = json.loads(mpath.read_text())
-        except (OSError, ValueError) as err:
-            raise ArtifactError(f"cannot read {mpath}: {err}") from None
-        if not isinstance(man, dict):
-            raise ArtifactError(f"{mpath} is not an mhagen manifest (a JSON object is expected, "
-                                f"found {type(man).__name__})")
+        man = _read_manifest(mpath)
     else:
         man = manifest_or_dir
     t, sh = man.get("target", {}), man.get("shapes", {})
@@ -80,7 +104,11 @@ def describe(manifest_or_dir) -> str:
         lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ {extra}), by "
                      f"{c.get('compiler')}")
         lines.append("  build   cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR")
+    if where is not None and where.is_dir():
+        bad = damaged_files(where, man)
+        lines.append(f"check         DAMAGED: {', '.join(bad)}; copy the artifact again or "
+                     "rebuild it" if bad else "check         every file matches its sha256")
     return "\n".join(lines)
 
 
-__all__ = ["describe"]
+__all__ = ["damaged_files", "describe"]
