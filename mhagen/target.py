@@ -60,6 +60,15 @@ class Target:
     def runs_here(self) -> bool:
         return self.cannot_run() is None
 
+    @property
+    def machine_cpu(self) -> str:
+        """The CPU (LLVM's name) whose tuning records suit this build best: this machine's
+        when the code runs here (a preset such as x86-avx2 on a Zen 4 runs on a Zen 4),
+        else the CPU the code is compiled for."""
+        if self.device == "cpu" and self.arch == host_arch() and self.runs_here():
+            return host_llvm_cpu()
+        return self.cpu
+
     def missing_features(self) -> list:
         """CPU features this code needs that this machine lacks (empty: it runs here)."""
         return host.missing_features(self.arch, self.required_features())
@@ -139,6 +148,14 @@ def cuda_driver_problem() -> str | None:
     if count.value == 0:
         return "the CUDA driver finds no GPU"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def host_llvm_cpu() -> str:
+    """This CPU as LLVM names it ("znver4", "skylake-avx512")."""
+    prepare_tvm_threads()
+    import tvm
+    return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,8 +9,10 @@ measured on (LLVM CPU name, CPU model, cache sizes).
 CPU classes: the best schedule depends on the vector width and the register count, so the
 class ("x86_64-v512-r32" for AVX-512, "x86_64-v256-r16" for AVX2) is part of the key and a
 record of another class is never applied. Within a class, records measured on several
-machines may exist for one workload: the one whose caches (L2, then L1d) are closest to the
-target's is used, and the build says which.
+machines may exist for one workload, each kept (the machine's caches and LLVM CPU name are
+part of where a record is stored, so tuning on a Zen 4 does not replace a Skylake-SP record
+with the same caches): the one whose caches (L2, then L1d) are closest to the target's is
+used, the same CPU first among equal caches, and the build says which.
 
 Lookup order at build time: the user's database (mhagen tune writes it), then the records
 shipped in schedules/<family folder>/records/<cpu class>.json, then the template default.
@@ -32,7 +34,7 @@ SCHEMA = 2
 KEY_FIELDS = ("cpu_class", "dtype", "batch", "seq", "d_model", "heads", "kv_heads",
               "head_dim", "mask", "graph", "kernel")
 # where a record was measured (in its key, not part of its identity): picks the closest
-MACHINE_FIELDS = ("l2_kib", "l1d_kib")
+MACHINE_FIELDS = ("l2_kib", "l1d_kib", "cpu")
 
 
 class TuningWarning(UserWarning):
@@ -41,11 +43,12 @@ class TuningWarning(UserWarning):
 
 def workload_key(graph, target, batch, seq, kernel) -> dict:
     """The readable key of one kernel: layer shape fields, CPU class, kernel name, and the
-    target's cache sizes (to choose among records of several machines)."""
+    target's cache sizes and CPU (Target.machine_cpu: to choose among records of several
+    machines)."""
     o = graph.options
     canonical = json.dumps([n.to_json() for n in graph.nodes], sort_keys=True)
     return {"cpu_class": target.cpu_class, "l2_kib": target.l2_kib,
-            "l1d_kib": target.l1d_kib, "dtype": graph.dtype,
+            "l1d_kib": target.l1d_kib, "cpu": target.machine_cpu, "dtype": graph.dtype,
             "batch": batch, "seq": seq, "d_model": graph.inputs[0].attrs["shape"][2],
             "heads": o.get("num_heads"), "kv_heads": o.get("kv_heads"),
             "head_dim": o.get("head_dim"),
@@ -79,7 +82,8 @@ def describe_record(record: dict) -> str:
     k, m = record.get("key", {}), record.get("measured_on") or {}
     where = ", ".join(str(v) for v in (m.get("cpu"), m.get("model")) if v) or "unknown CPU"
     return (f"{k.get('kernel')}: {record.get('kind')} record for {k.get('cpu_class')}, "
-            f"measured on {where} (L2 {k.get('l2_kib')} KiB)")
+            f"measured on {where} (L2 {k.get('l2_kib')} KiB"
+            + (f", {k['cpu']})" if k.get("cpu") and k["cpu"] != m.get("cpu") else ")"))
 
 
 def user_database_path(target_name: str) -> Path:
@@ -122,11 +126,12 @@ class Database:
 
     def lookup(self, key: dict):
         """The record for this workload and CPU class measured on the machine with the
-        closest caches, or None."""
+        closest caches (among equal caches: on the same CPU), or None."""
         want = _key_str(key)
         same = [r for r in self.records.values() if _key_str(r["key"]) == want]
-        return min(same, key=lambda r: (_cache_distance(r["key"], key), _slot(r["key"])),
-                   default=None)
+        return min(same, key=lambda r: (_cache_distance(r["key"], key),
+                                        r["key"].get("cpu") != key.get("cpu"),
+                                        _slot(r["key"])), default=None)
 
     def put(self, record: dict) -> None:
         self.records[_slot(record["key"])] = record
