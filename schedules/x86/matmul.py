@@ -139,13 +139,14 @@ class MatmulRule:
                 if cfg.panel_groups > 1:
                     jg, jo = sch.split(jo, [cfg.panel_groups, None])
                     sch.reorder(jg, ib, jo, io, k, *inner)
-                    outer = sch.fuse(jg, ib, jo, io)
+                    outer = sch.fuse(jg, ib, jo)
                 else:
                     sch.reorder(ib, jo, io, k, *inner)
-                    outer = sch.fuse(ib, jo, io)
+                    outer = sch.fuse(ib, jo)
             else:
                 sch.reorder(jo, io, k, *inner)   # a weight panel stays in cache across rows
-                outer = sch.fuse(jo, io)
+                outer = jo
+            tile = io   # a task runs its row tiles in order (see the write-back below)
         else:
             # Row tiles stay inside one batch entry: fusing b into the rows before splitting
             # gives tiles that straddle two batches, which the write-back region gets wrong.
@@ -153,13 +154,17 @@ class MatmulRule:
             io, ii = sch.split(i, [None, cfg.tile_rows])
             jo, ji = sch.split(j, [None, cfg.tile_cols])
             sch.reorder(b, io, jo, k, ii, ji)
-            outer = sch.fuse(b, io, jo)
+            outer = tile = sch.fuse(b, io, jo)   # (unfused graphs: a task a tile, as before)
         sch.parallel(outer)
         # The accumulator tile lives in registers ("local"); the elementwise consumers (bias,
-        # scale, mask) fold into one write-back placed under the task, so they cost no extra
-        # pass over memory. The write-back is computed at the tile, not inlined into a copy of
-        # it: when the product runs over padded rows, TVM then guards the rows past the
+        # scale, mask) fold into one write-back placed under the tile, so they cost no extra
+        # pass over memory. The write-back is computed at the tile, not inlined into a copy
+        # of it: when the product runs over padded rows, TVM then guards the rows past the
         # output's end (an inlined copy would store them out of bounds).
+        # A parallel task runs many tiles (a row block's tiles of one panel), not one: TVM
+        # gets a "local" buffer from TVMBackendAllocWorkspace at the start of the task's
+        # body, and with a task per tile every tile of ~1.5 microseconds paid that call and
+        # the free (AVX2 on Zen 4, 2048 x 768 x 768: 11% of the GEMM's time).
         absorbed, first = [], None
         consumers = sch.get_consumers(blk)
         while len(consumers) == 1:
@@ -176,7 +181,7 @@ class MatmulRule:
             first = sch.cache_write(blk, 0, "local")
         else:
             sch.set_scope(blk, 0, "local")
-        sch.reverse_compute_at(first, outer, preserve_unit_loops=True)
+        sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
         sch.unroll(ii)
         if pairs:
             init = sch.decompose_reduction(blk, k)
