@@ -47,20 +47,24 @@ LONG_SHAPE = (1, 16384, 1024, 16)
 LONG_CHECK_ROWS = 256
 LONG_SMALL_SEQ = 1024
 MASKS = (False, True)
-IMPLS = ("mhagen", "mhagen_any_len", "numpy", "torch_mha", "torch_sdpa", "ort_mha",
-         "ort_attention")
+IMPLS = ("mhagen", "mhagen_any_len", "mhagen_host", "numpy", "torch_mha", "torch_sdpa",
+         "ort_mha", "ort_attention")
 ANY_LEN_MAX = 2048   # mhagen_any_len: one module for every seq_len up to this
 DESCRIPTIONS = {
     "mhagen": "mhagen.build(layer, target) (TVM)",
     "mhagen_any_len": f"mhagen.build(layer, target, seq_len=None, max_seq_len={ANY_LEN_MAX}): "
                       "one module for every length (symbolic shapes)",
+    "mhagen_host": "mhagen.build(layer, \"x86\"): this host's own CPU class, timed beside a "
+                   "narrower --target (x86-avx2 on an AVX-512 host) for the same-share "
+                   "comparison; its % column is of the host's own sgemm peak",
     "numpy": "numpy float32: packed QKV matmul, batched attention, W_O matmul",
     "torch_mha": "torch.nn.MultiheadAttention (batch_first, need_weights=False)",
     "torch_sdpa": "torch Linear -> F.scaled_dot_product_attention -> Linear",
     "ort_mha": "onnxruntime com.microsoft.MultiHeadAttention + MatMul projections",
     "ort_attention": "onnxruntime opset-23 Attention + MatMul projections",
 }
-REQUIRES = {"mhagen": (), "mhagen_any_len": (), "numpy": (), "torch_mha": ("torch",),
+REQUIRES = {"mhagen": (), "mhagen_any_len": (), "mhagen_host": (), "numpy": (),
+            "torch_mha": ("torch",),
             "torch_sdpa": ("torch",),
             "ort_mha": ("onnx", "onnxruntime"), "ort_attention": ("onnx", "onnxruntime")}
 SGEMM = (2048, 1024, 3072)   # [M, K] @ [K, N]
@@ -69,6 +73,9 @@ TARGET = "x86"               # the preset mhagen builds for (--target)
 # what holds the peers' BLAS (and so the sgemm peak) to AVX2 when measuring the AVX2 class on
 # a host with AVX-512: MKL (torch) and OpenBLAS (numpy) read these at start-up
 AVX2_ENV = {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "OPENBLAS_CORETYPE": "Haswell"}
+# the environment of the child that measures the host class's own sgemm peak (set by main
+# when --target is narrower than the host; None: no such measurement)
+HOST_PEAK_ENV = None
 
 
 def mask_name(causal: bool) -> str:
@@ -153,6 +160,11 @@ class MhagenAnyLength(Mhagen):
     def __init__(self, layer, w, batch, seq, causal, threads=None, kernel=None):
         self.kernel = kernel or mhagen.build(layer, TARGET, batch=batch, seq_len=None,
                                              max_seq_len=max(seq, ANY_LEN_MAX), weights=w)
+
+
+class MhagenHost(Mhagen):
+    def __init__(self, layer, w, batch, seq, causal, threads=None, kernel=None):
+        self.kernel = kernel or mhagen.build(layer, "x86", batch=batch, seq_len=seq, weights=w)
 
 
 class NumpyMHA:
@@ -323,13 +335,19 @@ class OrtAttention(OrtImpl):
     op = "ort_attention"
 
 
-FACTORIES = {"mhagen": Mhagen, "mhagen_any_len": MhagenAnyLength, "numpy": NumpyMHA,
+FACTORIES = {"mhagen": Mhagen, "mhagen_any_len": MhagenAnyLength, "mhagen_host": MhagenHost,
+             "numpy": NumpyMHA,
              "torch_mha": TorchMHA,
              "torch_sdpa": TorchSDPA, "ort_mha": OrtMHA, "ort_attention": OrtAttention}
 
 
 def make_impl(name, layer, w, batch, seq, causal, threads=1, **kw):
     return FACTORIES[name](layer, w, batch, seq, causal, threads, **kw)
+
+
+def active_impls():
+    """IMPLS, less mhagen_host unless --target is narrower than the host (main sets that)."""
+    return tuple(i for i in IMPLS if i != "mhagen_host" or HOST_PEAK_ENV is not None)
 
 
 def peer_status(names):
@@ -531,10 +549,10 @@ def long_child(spec):
             "checked": all(c["ok"] for c in checks)}
 
 
-def run_child(spec, timeout=900):
+def run_child(spec, timeout=900, env=None):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
@@ -564,6 +582,19 @@ def measure_peak(n, args, peaks, when):
           f"{p['numpy_gflops']:.1f}, torch {p.get('torch_gflops', float('nan')):.1f}; kept the "
           f"{p['when']} measurement, other processes {fmt(p['other_load_cores'], '.2f', '?')} "
           "cores)", flush=True)
+    if HOST_PEAK_ENV is not None:
+        # the host's own class: the same measurement in a child process whose BLAS libraries
+        # load without the AVX2 settings, right after this one
+        host = run_child({"peak": n, "runs": p["runs"]}, env=HOST_PEAK_ENV)
+        if "error" in host:
+            p["host_error"] = host["error"]
+            print(f"  host-class sgemm peak: {host['error']}", flush=True)
+        else:
+            p.update({f"host_{k}": host[k] for k in ("gflops", "numpy_gflops", "torch_gflops",
+                                                     "best", "other_load_cores") if k in host})
+            print(f"  this host's own class (BLAS without the AVX2 settings): "
+                  f"{p['host_gflops']:.1f} GFLOP/s (numpy {p['host_numpy_gflops']:.1f}, torch "
+                  f"{p.get('host_torch_gflops', float('nan')):.1f})", flush=True)
 
 
 def sgemm_peak(threads, runs):
@@ -712,7 +743,7 @@ def run_case(shape, causal, args, status, rows, memory_specs):
     for n in args.threads:
         set_threads(n)
         live, est, case_rows = {}, {}, {}
-        for name in IMPLS:
+        for name in active_impls():
             row = dict(base, impl=name, threads=n, checked=False, status="ok")
             case_rows[name] = row
             rows.append(row)
@@ -793,11 +824,12 @@ def run_case(shape, causal, args, status, rows, memory_specs):
                                    samples_ms=[t * 1e3 for t in ts], calls_per_round=calls[name],
                                    gflops=flops / med / 1e9)
         timed = [r for r in case_rows.values() if "median_ms" in r]
-        if timed:
-            best = min(r["median_ms"] for r in timed)
+        if timed:   # mhagen_host (this host's own class) is a reference, not a contender
+            best = min((r["median_ms"] for r in timed if r["impl"] != "mhagen_host"),
+                       default=min(r["median_ms"] for r in timed))
             for r in timed:
                 r["ratio_to_fastest"] = r["median_ms"] / best
-                r["fastest"] = r["median_ms"] == best
+                r["fastest"] = r["median_ms"] == best and r["impl"] != "mhagen_host"
         for r in case_rows.values():
             r["flops"] = flops
         line = "  ".join(f"{r['impl']} {r['median_ms']:.2f}ms" for r in timed)
@@ -808,7 +840,7 @@ def run_case(shape, causal, args, status, rows, memory_specs):
     shared.clear()
     if not args.no_memory:
         mt = max(args.threads)
-        for name in IMPLS:
+        for name in active_impls():
             if name in args.impls and not status[name] and name not in errors \
                     and name not in failed:
                 memory_specs.append({"impl": name, "shape": list(shape), "causal": causal,
@@ -891,6 +923,20 @@ def summarize(rows, threads, peaks):
                          (f" (peers: {others})" if others else ""))
         else:
             parts.append("causal/no-mask time at seq 2048: n/a (no seq-2048 shape timed)")
+        host_peak = peaks[str(n)].get("host_gflops")
+        host_share = {r["shape"]: r["gflops"] / host_peak for r in rows
+                      if r["impl"] == "mhagen_host" and r["threads"] == n
+                      and r["mask"] == "none" and r["seq"] >= 512 and "median_ms" in r
+                      } if host_peak else {}
+        if host_share:
+            s["host_class_peak_share_seq512_nomask"] = host_share
+            s["host_sgemm_peak_gflops"] = host_peak
+            parts.append(f"same run, this host's own class: mhagen_host share of its sgemm "
+                         f"peak ({host_peak:.0f} GFLOP/s) at seq>=512 no mask: " +
+                         ", ".join(f"{k} {v:.0%}" for k, v in host_share.items()) +
+                         " (--target's share minus it: " +
+                         ", ".join(f"{k} {100 * (share[k] - v):+.0f} points"
+                                   for k, v in host_share.items() if k in share) + ")")
         any_len = {r["shape"] + " " + r["mask"]: o["median_ms"] / r["median_ms"]
                    for r in mh for o in rows if o["impl"] == "mhagen_any_len"
                    and o["threads"] == n and o["shape"] == r["shape"]
@@ -902,6 +948,13 @@ def summarize(rows, threads, peaks):
         s["line"] = "; ".join(parts)
         out[str(n)] = s
     return out
+
+
+def row_peak(row, peak):
+    """The sgemm peak a row's share is of: mhagen_host's is the host class's own."""
+    if row["impl"] == "mhagen_host" and "host_gflops" in peak:
+        return peak["host_gflops"]
+    return peak["gflops"]
 
 
 def fmt(v, spec, missing="—"):
@@ -935,7 +988,7 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
     lines.append("")
     lines.append("## Implementations")
     lines.append("")
-    for name in IMPLS:
+    for name in active_impls():
         lines.append(f"- **{name}**: {impl_status[name]} — {DESCRIPTIONS[name]}")
     lines.append("")
     for n in meta["threads"]:
@@ -950,7 +1003,12 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
                      f"{p.get('when', 'start')} of the run): "
                      f"**{p['gflops']:.1f} GFLOP/s** (numpy {p['numpy_gflops']:.1f}"
                      + (f", torch {p['torch_gflops']:.1f}" if "torch_gflops" in p else "")
-                     + ")")
+                     + ")" + (f"; this host's own class (BLAS without the AVX2 settings, in a "
+                              f"child process right after): **{p['host_gflops']:.1f} GFLOP/s** "
+                              f"(numpy {p['host_numpy_gflops']:.1f}"
+                              + (f", torch {p['host_torch_gflops']:.1f}"
+                                 if "host_torch_gflops" in p else "") + "), the peak of the "
+                              "mhagen_host rows" if "host_gflops" in p else ""))
         lines.append("")
         lines.append("| shape BxSxDxH | mask | implementation | median ms | GFLOP/s | × fastest "
                      "| % sgemm peak | peak MB | max err (tol) | status |")
@@ -969,7 +1027,7 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
             lines.append(
                 f"| {r['shape']} | {r['mask']} | {name} | "
                 f"{fmt(r.get('median_ms'), '.3f')} | {fmt(r.get('gflops'), '.1f')} | {ratio} | "
-                f"{(format(r['gflops'] / p['gflops'], '.0%') if timed else '—')} | {mem} | "
+                f"{(format(r['gflops'] / row_peak(r, p), '.0%') if timed else '—')} | {mem} | "
                 f"{err} | {r['status'] if r['status'] != 'ok' else 'ok, checked'} |")
         lines.append("")
         mine = [r for r in rows if r["threads"] == n]
@@ -1041,17 +1099,18 @@ def plot(rows, peaks, threads, path):
         return None
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(len(threads), 2, figsize=(13, 3.8 * len(threads)), squeeze=False)
-    width = 0.8 / len(IMPLS)
+    impls = active_impls()
+    width = 0.8 / len(impls)
     for i, n in enumerate(threads):
         for j, mask in enumerate(("none", "causal")):
             ax = axes[i][j]
-            for k, name in enumerate(IMPLS):
+            for k, name in enumerate(impls):
                 vals = []
                 for sh in shapes:
                     r = next((r for r in rows if r["impl"] == name and r["threads"] == n
                               and r["mask"] == mask and r["shape"] == sh), None)
                     vals.append(r.get("gflops", 0.0) if r else 0.0)
-                xs = [p + (k - (len(IMPLS) - 1) / 2) * width for p in range(len(shapes))]
+                xs = [p + (k - (len(impls) - 1) / 2) * width for p in range(len(shapes))]
                 ax.bar(xs, vals, width, label=name)
             ax.axhline(peaks[str(n)]["gflops"], color="k", ls="--", lw=1, label="sgemm peak")
             ax.set_xticks(range(len(shapes)))
@@ -1207,8 +1266,17 @@ def main(argv=None):
     global TARGET
     args = parse_args(argv)
     if args.child:
-        TARGET = json.loads(args.child).get("target", TARGET)
-        res = memory_child(json.loads(args.child))
+        spec = json.loads(args.child)
+        if "peak" in spec:   # the host class's sgemm peak (measure_peak)
+            try:
+                import torch  # noqa: F401  (the peak is the best of numpy and torch)
+            except ImportError:
+                pass
+            set_threads(spec["peak"])
+            res = sgemm_peak(spec["peak"], spec["runs"])
+        else:
+            TARGET = spec.get("target", TARGET)
+            res = memory_child(spec)
         print("CHILD-RESULT " + json.dumps(res), flush=True)
         return 0
     TARGET = args.target
@@ -1220,7 +1288,10 @@ def main(argv=None):
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   dict(os.environ, **AVX2_ENV))
     status = peer_status(IMPLS)
-    for name in IMPLS:
+    global HOST_PEAK_ENV
+    if narrower_than_host(args.target_info, args.host_info):
+        HOST_PEAK_ENV = {k: v for k, v in os.environ.items() if k not in AVX2_ENV}
+    for name in active_impls():
         if status[name]:
             loud(f"peer {name} is {status[name]}: reported as missing")
     for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
@@ -1259,7 +1330,7 @@ def main(argv=None):
                                 timeout=3600)
 
     impl_status = {}
-    for name in IMPLS:
+    for name in active_impls():
         mine = [r for r in rows if r["impl"] == name]
         if name not in args.impls:
             impl_status[name] = "skipped (--impls)"

@@ -147,10 +147,14 @@ def test_quick_run_end_to_end(tmp_path):
 
 def test_quick_run_of_the_avx2_class(tmp_path):
     """--target x86-avx2 measures the AVX2 code on any host, peers' BLAS held to AVX2 where
-    the host is wider; the CPU class and the host's CPU are in the results."""
+    the host is wider; the CPU class and the host's CPU are in the results. On a wider host
+    the same run also times the host's own class (mhagen_host) and measures that class's
+    sgemm peak in a child process without the AVX2 settings: both shares of issue 11's
+    same-share criterion come from one run."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--no-memory", "--target", "x86-avx2",
-         "--shapes", "1x64x128x4", "--impls", "mhagen", "numpy", "--out-dir", str(tmp_path)],
+         "--shapes", "1x512x64x2", "--impls", "mhagen", "mhagen_host", "numpy",
+         "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
@@ -160,8 +164,19 @@ def test_quick_run_of_the_avx2_class(tmp_path):
     assert mh and all(r["checked"] for r in mh)
     md = (tmp_path / "results.md").read_text()
     assert "mhagen target **x86-avx2** (class x86_64-v256-r16" in md
+    host = [r for r in data["rows"] if r["impl"] == "mhagen_host"]
+    peak = data["sgemm_peak"]["1"]
     if "avx512f" in data["meta"]["host"]["simd_features"]:
         assert data["meta"]["env"]["OPENBLAS_CORETYPE"] == "Haswell"
+        assert host and all(r["checked"] for r in host)
+        assert not any(r["fastest"] for r in host)      # a reference, not a contender
+        assert peak["host_gflops"] > 0 and peak["host_numpy_gflops"] > 0
+        assert "this host's own class" in md
+        shares = data["summary"]["1"]["host_class_peak_share_seq512_nomask"]
+        assert set(shares) == {"1x512x64x2"} and shares["1x512x64x2"] > 0
+        assert "same run, this host's own class" in data["summary"]["1"]["line"]
+    else:   # an AVX2 host: x86-avx2 is its own class, nothing to compare
+        assert not host and "host_gflops" not in peak
 
 
 def test_half_precision_benchmark_quick_run(tmp_path):

@@ -330,9 +330,12 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
     sources = {d["kernel"]: d["source"] for d in m.decisions}
     # what the lookup picks for this host's caches (records of several machines may ship
     # for one kernel: the closest caches win, so the answer depends on the host)
+    # (a "default" record: tuning measured and kept the template default, e.g. every kernel
+    # of the AVX2 class on a Zen 4 since the GEMM tasks run whole row blocks)
     picked = {k: shipped.lookup(workload_key(layer, t, 1, 128, k)) for k in sources}
-    tuned = {k for k, r in picked.items() if r is not None and r["kind"] != "default"}
-    assert tuned, f"the shipped {t.cpu_class} records tune the default layer"
+    assert all(picked.values()), f"the shipped {t.cpu_class} records cover the default layer"
+    tuned = {k for k, r in picked.items() if r["kind"] != "default"}
     assert {k for k, s in sources.items() if s == "tuned"} == tuned
-    assert m.tuning_records and all(r["kind"] != "default" for r in m.tuning_records)
+    assert len(m.tuning_records) == len(tuned)
+    assert all(r["kind"] != "default" for r in m.tuning_records)
     assert all(r["key"]["cpu_class"] == t.cpu_class for r in m.tuning_records)

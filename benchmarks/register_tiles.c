@@ -1,0 +1,101 @@
+/* The GEMM register tiles alone, in L1: how fast this core runs each x86 class's inner loop
+ * when memory is out of the way (the ceiling for mhagen's GEMM and attention FMA loops).
+ *   6 x 16 AVX2     (mhagen's x86-avx2 tile: 12 ymm accumulators, 6 broadcasts + 2 loads)
+ *   4 x 24 AVX2     (the BLIS/MLAS-like alternative: 4 broadcasts + 3 loads for 12 FMAs)
+ *   8 x 32 AVX-512  (mhagen's x86 tile on AVX-512 hosts: 16 zmm accumulators)
+ * Build and run (the AVX-512 tile only runs where the CPU has AVX-512F):
+ *   gcc -O3 -mavx2 -mfma -o /tmp/register_tiles benchmarks/register_tiles.c && /tmp/register_tiles
+ * Prints the best of 60 interleaved rounds in GFLOP/s (one thread). */
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+
+#define K 256
+static float A[8 * K] __attribute__((aligned(64)));
+static float B[32 * K] __attribute__((aligned(64)));
+static float C[256] __attribute__((aligned(64)));
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+__attribute__((noinline)) static void tile_6x16(long reps) {
+    for (long r = 0; r < reps; r++) {
+        __m256 c[12];
+        for (int i = 0; i < 12; i++) c[i] = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            __m256 b0 = _mm256_load_ps(B + 16 * k), b1 = _mm256_load_ps(B + 16 * k + 8);
+#pragma GCC unroll 6
+            for (int i = 0; i < 6; i++) {
+                __m256 a = _mm256_broadcast_ss(A + 6 * k + i);
+                c[2 * i] = _mm256_fmadd_ps(a, b0, c[2 * i]);
+                c[2 * i + 1] = _mm256_fmadd_ps(a, b1, c[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 12; i++) _mm256_store_ps(C + 8 * i, _mm256_add_ps(_mm256_load_ps(C + 8 * i), c[i]));
+    }
+}
+
+__attribute__((noinline)) static void tile_4x24(long reps) {
+    for (long r = 0; r < reps; r++) {
+        __m256 c[12];
+        for (int i = 0; i < 12; i++) c[i] = _mm256_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            __m256 b0 = _mm256_load_ps(B + 24 * k), b1 = _mm256_load_ps(B + 24 * k + 8),
+                   b2 = _mm256_load_ps(B + 24 * k + 16);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                __m256 a = _mm256_broadcast_ss(A + 4 * k + i);
+                c[3 * i] = _mm256_fmadd_ps(a, b0, c[3 * i]);
+                c[3 * i + 1] = _mm256_fmadd_ps(a, b1, c[3 * i + 1]);
+                c[3 * i + 2] = _mm256_fmadd_ps(a, b2, c[3 * i + 2]);
+            }
+        }
+        for (int i = 0; i < 12; i++) _mm256_store_ps(C + 8 * i, _mm256_add_ps(_mm256_load_ps(C + 8 * i), c[i]));
+    }
+}
+
+__attribute__((target("avx512f"), noinline)) static void tile_8x32(long reps) {
+    for (long r = 0; r < reps; r++) {
+        __m512 c[16];
+        for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            __m512 b0 = _mm512_load_ps(B + 32 * k), b1 = _mm512_load_ps(B + 32 * k + 16);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                __m512 a = _mm512_set1_ps(A[8 * k + i]);
+                c[2 * i] = _mm512_fmadd_ps(a, b0, c[2 * i]);
+                c[2 * i + 1] = _mm512_fmadd_ps(a, b1, c[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_ps(C + 16 * (i % 8), _mm512_add_ps(_mm512_load_ps(C + 16 * (i % 8)), c[i]));
+    }
+}
+
+int main(void) {
+    for (int i = 0; i < 8 * K; i++) A[i] = 1e-3f * (i % 7);
+    for (int i = 0; i < 32 * K; i++) B[i] = 1e-3f * (i % 5);
+    int avx512 = __builtin_cpu_supports("avx512f");
+    const long reps = 10000;
+    const char *names[3] = {"6 x 16 AVX2", "4 x 24 AVX2", "8 x 32 AVX-512"};
+    double flops[3] = {2.0 * 6 * 16 * K * reps, 2.0 * 4 * 24 * K * reps, 2.0 * 8 * 32 * K * reps};
+    double best[3] = {1e30, 1e30, 1e30};
+    for (int round = 0; round < 60; round++) {
+        for (int t = 0; t < 3; t++) {
+            if (t == 2 && !avx512) continue;
+            double t0 = now();
+            if (t == 0) tile_6x16(reps);
+            else if (t == 1) tile_4x24(reps);
+            else tile_8x32(reps);
+            double dt = now() - t0;
+            if (dt < best[t]) best[t] = dt;
+        }
+    }
+    for (int t = 0; t < 3; t++) {
+        if (t == 2 && !avx512) printf("%-15s (no AVX-512F on this CPU)\n", names[t]);
+        else printf("%-15s %6.1f GFLOP/s\n", names[t], flops[t] / best[t] / 1e9);
+    }
+    return C[3] == 12345.0f;   /* keeps the results live */
+}
