@@ -154,7 +154,7 @@ def main(argv=None):
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--peers", default="torch_sdpa,ort_attention")
-    p.add_argument("--gap-ms", type=float, default=100.0,
+    p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
                    help="idle gap before each implementation's turn when threads > 1 (other "
                    "libraries' worker threads stop spinning), as bench_mha.py")
     p.add_argument("--out", type=Path, help="write results.json and results.md here")

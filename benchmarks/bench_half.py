@@ -146,7 +146,7 @@ def main(argv=None):
     p.add_argument("--target", default="x86")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--peers", default="torch", help="torch, or '' for mhagen only")
-    p.add_argument("--gap-ms", type=float, default=100.0,
+    p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
                    help="idle gap before each turn when threads > 1 (as bench_mha.py)")
     p.add_argument("--out", type=Path, help="write results.json and results.md here")
     args = p.parse_args(argv)

@@ -69,6 +69,10 @@ REQUIRES = {"mhagen": (), "mhagen_any_len": (), "mhagen_host": (), "numpy": (),
             "ort_mha": ("onnx", "onnxruntime"), "ort_attention": ("onnx", "onnxruntime")}
 SGEMM = (2048, 1024, 3072)   # [M, K] @ [K, N]
 DISTURBED = 0.25             # cores busy in other processes while timing: numbers disturbed
+# idle ms before each implementation's turn at > 1 thread: some peer's worker threads spin
+# for over 100 ms after a call (Zen 4, 1x128, 2 threads: with 100 ms, mhagen's rounds after
+# it took 2.7-2.9 ms instead of 1.5-1.7; with 300 ms none did)
+GAP_MS = 300.0
 TARGET = "x86"               # the preset mhagen builds for (--target)
 # what holds the peers' BLAS (and so the sgemm peak) to AVX2 when measuring the AVX2 class on
 # a host with AVX-512: MKL (torch) and OpenBLAS (numpy) read these at start-up
@@ -1190,9 +1194,10 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 7, quick 3)")
     p.add_argument("--target-ms", type=float,
                    help="aim for this many ms per implementation per round (default 40, quick 15)")
-    p.add_argument("--gap-ms", type=float, default=100.0,
+    p.add_argument("--gap-ms", type=float, default=GAP_MS,
                    help="idle gap before each implementation's turn in a round when threads > 1 "
-                        "(lets the previous library's spinning worker threads park; default 100)")
+                        f"(lets the previous library's spinning worker threads park; default "
+                        f"{GAP_MS:g})")
     p.add_argument("--wait-quiet", type=float, metavar="S",
                    help="before each timing phase wait up to S seconds for other processes to "
                         "use < 0.2 cores (shared machines; default 30, quick 5; 0: no wait)")
