@@ -1,6 +1,7 @@
 """x86 on every CPU class: both presets built and checked wherever the host runs them, the
 register tiles derived from the target, no spills in the generated code, tuning records kept
 per CPU class, and no SIGILL for code that needs features this host lacks."""
+import dataclasses
 import re
 
 import numpy as np
@@ -88,6 +89,38 @@ def test_register_tiles_fit_each_class():
         for rows, cols in ((tr, tc), (orows, ocols)):
             vectors = cols // t.lanes
             assert rows * vectors + vectors + 1 <= t.vector_registers
+
+
+def test_attention_tuning_space_has_query_tiles_that_cover_the_sequence(tmp_path):
+    """AVX2's 6-row P V tile makes query tiles of 48 (seq 128 computes 144 rows); the tuning
+    space also holds 4-row P V tiles, whose query tiles of 32 and 64 cover 128 exactly.
+    Every candidate keeps the template's constraints; the 4-row ones match the reference."""
+    from mhagen.schedules.x86.attention import AttentionRule
+    rule = AttentionRule()
+    layer = mhagen.mha(128, 2)
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=128, tuning=None)
+    work = next(k for k in m.program.kernels if k.name == "attention").workload
+    t = resolve("x86-avx2")
+    space = rule.candidates(work, t)
+    assert space[0] == rule.default_config(work, t) and space[0].out_rows == 6
+    exact = [c for c in space if c.out_rows == 4 and 128 % c.q_tile == 0]
+    assert {c.q_tile for c in exact} >= {32, 64}
+    for c in space:
+        assert rule.make_config(dataclasses.asdict(c), t) == c
+    avx512 = resolve("x86-avx512")
+    assert all(c.out_rows == 8 for c in rule.candidates(
+        next(k for k in mhagen.build(layer, "x86-avx512", batch=1, seq_len=128, tuning=None)
+             .program.kernels if k.name == "attention").workload, avx512))
+    x = _input(1, 128, 128)
+    for c in exact[:2]:
+        db = tmp_path / f"db{c.q_tile}.json"
+        Database(db, [{"key": workload_key(layer, t, 1, 128, "attention"), "kind": "config",
+                       "config": dataclasses.asdict(c)}]).save()
+        m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=128, weights=w, tuning=db)
+        assert _attention_config(m) == c
+        if t.runs_here():
+            assert_close(m(x), layer.reference(x, w))
 
 
 def test_gemm_rows_are_padded_to_whole_register_tiles():
