@@ -871,6 +871,14 @@ def measure_memory(memory_specs, rows):
         print(f"  {key[0]:<14} {key[1]:<16} {key[2]:<7} {shown}", flush=True)
 
 
+def peak_shares(rows, impl, threads, peak):
+    """shape -> share of the sgemm peak of impl's unmasked rows at seq >= 512 (the shares
+    issue 11 compares)."""
+    return {r["shape"]: r["gflops"] / peak for r in rows
+            if r["impl"] == impl and r["threads"] == threads and r["mask"] == "none"
+            and r["seq"] >= 512 and "median_ms" in r}
+
+
 def summarize(rows, threads, peaks):
     out = {}
     for n in threads:
@@ -887,7 +895,7 @@ def summarize(rows, threads, peaks):
                                   and r["shape"] == worst["shape"] and r["mask"] == worst["mask"]
                                   and r.get("fastest")), None)
         peak = peaks[str(n)]["gflops"]
-        share = {r["shape"]: r["gflops"] / peak for r in nomask if r["seq"] >= 512}
+        share = peak_shares(rows, "mhagen", n, peak)
         causal_ratio = {}
         for r in rows:
             if r["threads"] == n and r["seq"] == 2048 and r["mask"] == "causal" \
@@ -928,10 +936,7 @@ def summarize(rows, threads, peaks):
         else:
             parts.append("causal/no-mask time at seq 2048: n/a (no seq-2048 shape timed)")
         host_peak = peaks[str(n)].get("host_gflops")
-        host_share = {r["shape"]: r["gflops"] / host_peak for r in rows
-                      if r["impl"] == "mhagen_host" and r["threads"] == n
-                      and r["mask"] == "none" and r["seq"] >= 512 and "median_ms" in r
-                      } if host_peak else {}
+        host_share = peak_shares(rows, "mhagen_host", n, host_peak) if host_peak else {}
         if host_share:
             s["host_class_peak_share_seq512_nomask"] = host_share
             s["host_sgemm_peak_gflops"] = host_peak

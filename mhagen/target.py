@@ -161,9 +161,8 @@ def host_llvm_cpu() -> str:
 @functools.lru_cache(maxsize=None)
 def host_features() -> tuple:
     """This CPU's features as LLVM names them (asked once per process)."""
-    prepare_tvm_threads()
+    cpu = host_llvm_cpu()      # (sets TVM's threads before importing it)
     import tvm
-    cpu = tvm.target.codegen.llvm_get_system_cpu()
     t = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
     return tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(t)))
 
@@ -203,7 +202,7 @@ def resolve(target) -> Target:
         if preset["arch"] != host_arch():
             raise TargetError(f"target {target!r} means this machine's CPU, but this machine is "
                               f"{host_arch()}, not {preset['arch']}; pick a named-CPU preset")
-        tvm_dict["mcpu"] = str(tvm.target.codegen.llvm_get_system_cpu())
+        tvm_dict["mcpu"] = host_llvm_cpu()
         if tvm_dict["mcpu"] in ("generic", ""):
             raise TargetError("LLVM does not recognise this CPU; use a named preset such as "
                               "x86-avx2 instead of the host preset")

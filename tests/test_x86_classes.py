@@ -161,7 +161,6 @@ def test_gemm_rows_4kib_apart_are_packed_first():
             assert_close(any_len(x), layer.reference(x, w))
 
 
-
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("seq_len", [512, None])
 def test_a_gemm_task_runs_many_register_tiles(preset, seq_len):
@@ -178,6 +177,7 @@ def test_a_gemm_task_runs_many_register_tiles(preset, seq_len):
         tiles = re.match(r"\s*for \w+ in range\((\w+)\):", lines[at + 1])
         assert tiles, f"{preset} {kernel}: a task per tile:\n" + "\n".join(lines[at:at + 3])
         assert not tiles.group(1).isdigit() or int(tiles.group(1)) > 1, lines[at + 1]
+
 
 def multiply_add_loops(asm: str, op: str = "vfmadd") -> list:
     """The innermost multiply-add loops of an assembly listing: a label's instructions up to

@@ -145,10 +145,10 @@ class AttentionRule:
         out = []
         for q_goal in (32, 64, 128):
             for kv_goal in (64, 128, 256):
+                kv_block = round_up(kv_goal, default.tile_rows)
                 for rows in pv_rows:
                     unit = lcm(default.tile_cols, rows)
                     q_tile = max(unit, q_goal // unit * unit)
-                    kv_block = round_up(kv_goal, default.tile_rows)
                     if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
                         continue
                     c = replace(default, q_tile=q_tile, kv_block=kv_block, out_rows=rows)
