@@ -339,3 +339,26 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
     assert len(m.tuning_records) == len(tuned)
     assert all(r["kind"] != "default" for r in m.tuning_records)
     assert all(r["key"]["cpu_class"] == t.cpu_class for r in m.tuning_records)
+
+
+@pytest.mark.parametrize("confirmed", [False, True])
+def test_a_config_sweep_keeps_its_fastest_only_if_a_second_measurement_confirms(
+        confirmed, tmp_path, monkeypatch):
+    """The fastest of many noisy medians is biased low: the sweep's winner is measured again,
+    alone against the default, and kept only if that fresh measurement beats the margin."""
+    import mhagen.tuning.search as search
+    calls = []
+
+    def fake_measure(funcs, target, remote, fixed=None, errors=None):
+        calls.append(len(funcs))
+        if len(calls) == 1:          # the sweep: candidate 1 looks 20% faster
+            return [1e-3, 0.8e-3] + [2e-3] * (len(funcs) - 2)
+        return [1e-3, 0.9e-3 if confirmed else 1.01e-3]   # the second look
+    monkeypatch.setattr(search, "_measure", fake_measure)
+    report = tune(mhagen.mha(**LAYER), shapes=[(BATCH, SEQ)], trials=4, kernels=["attention"],
+                  database=tmp_path / "db.json", progress=False)
+    assert calls[0] >= 2 and calls[1:] == [2]
+    (record,) = json.loads((tmp_path / "db.json").read_text())["records"]
+    assert record["kind"] == ("config" if confirmed else "default")
+    assert record["tuned_us"] == (900.0 if confirmed else 1010.0)
+    assert report.results[0].kept == ("tuned" if confirmed else "default")

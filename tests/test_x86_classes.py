@@ -125,9 +125,10 @@ def test_attention_tuning_space_has_query_tiles_that_cover_the_sequence(tmp_path
 
 def test_gemm_rows_are_padded_to_whole_register_tiles():
     layer = mhagen.mha(64, 4)
-    # 97 rows -> 17 tiles of 6 (one row block); 250 rows -> 42 tiles -> two balanced row
-    # blocks of 21 (at most 24 tiles a block; 126 + 126 rows, no partial block)
-    for seq, padded in ((97, 102), (250, 252)):
+    # 97 rows -> 17 tiles of 6 (one row block); 250 rows -> 42 tiles -> two row blocks of
+    # 21; 512 rows -> 86 tiles -> 4 blocks of 22, the last one holding 20 (516 rows, not
+    # padded to 4 whole blocks = 528: the missing tiles are skipped, not computed)
+    for seq, padded in ((97, 102), (250, 252), (512, 516)):
         m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=seq, tuning=None)
         assert m.program.buffers["qkv"].shape[1] == padded
         assert m.program.buffers["out"].shape[0] == seq   # the output keeps batch*seq rows
@@ -153,9 +154,16 @@ def test_gemm_rows_4kib_apart_are_packed_first():
     any_len = mhagen.build(layer, "x86-avx2", batch=2, seq_len=None, max_seq_len=20,
                            weights=w, tuning=None)
     assert packed(any_len) == ["output_projection", "qkv_projection"]
+    # 150 rows: 25 packed tiles of 6 in row blocks of 13 (at most 21 at depth 1024), the
+    # last block one tile short
+    short_block = mhagen.build(layer, "x86-avx2", batch=1, seq_len=150, weights=w,
+                               tuning=None)
+    assert short_block.program.buffers["qkv"].shape[1] == 150
     if m.target.runs_here():
         x = _input(2, 13, 1024, seed=4)
         assert_close(m(x), layer.reference(x, w))
+        x = _input(1, 150, 1024, seed=5)
+        assert_close(short_block(x), layer.reference(x, w))
         for seq in (1, 7, 20):
             x = _input(2, seq, 1024, seed=seq)
             assert_close(any_len(x), layer.reference(x, w))

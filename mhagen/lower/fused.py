@@ -148,8 +148,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     d_model = x_node.attrs["shape"][2]
     dtype = graph.dtype      # storage of x, the weights and out; the kernels compute in float32
     rows = batch * seq
-    # GEMM rows padded to whole register tiles and row blocks: a partial one would put a
-    # guard on every multiply-add and keep the accumulators in memory (AVX2: 1.4-4x slower)
+    # GEMM rows padded to whole register tiles: a partial one would put a guard on every
+    # multiply-add and keep the accumulators in memory (AVX2: 1.4-4x slower)
     _, nr = backend.gemm_tile(target)
     segments = qkv_node.attrs["segments"]
     a = att_node.attrs
