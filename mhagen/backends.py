@@ -10,7 +10,8 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
   gemm_tile        (rows, columns) of the packed GEMMs' register tile; weights are laid out
                    in panels of `columns` columns
   gemm_rows        the rows a packed GEMM of rows x depth runs over (padded to whole register
-                   tiles; the lowering sizes its temporaries with it)
+                   tiles; the lowering sizes its temporaries with it); pairs=True for a GEMM
+                   over bfloat16 pairs of its depth
   head_dim_padded  the head width the attention template reads (each head padded)
   gemm_rule        the GEMM rule whose register-tile rows the autotuner samples first
   device           where kernels run and buffers live ("cpu", "cuda"): the runtime and the C API
@@ -61,7 +62,7 @@ class Backend:
     rules: list
     attention: object | None
     gemm_tile: Callable          # (target) -> (rows, columns)
-    gemm_rows: Callable          # (target, rows, depth) -> rows run over
+    gemm_rows: Callable          # (target, rows, depth, pairs=False) -> rows run over
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object
     verify: Callable | None = None

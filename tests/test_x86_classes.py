@@ -206,14 +206,22 @@ def multiply_add_loops(asm: str, op: str = "vfmadd") -> list:
     return loops
 
 
+def _multiplies_broadcast_data(body) -> bool:
+    """A register tile's loop: it broadcasts data (a vbroadcast or an embedded {1toN} from
+    anywhere but a constant pool). A softmax loop's multiply-adds (the exp polynomial) only
+    broadcast constants; LLVM may unroll one over a short key block's rows and spill there,
+    which the register tiles' sizes have nothing to do with."""
+    return any(("broadcast" in i or "{1to" in i) and "(%rip)" not in i for i in body)
+
+
 def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
-    """Stack slots that an innermost multiply-add loop both stores a vector register to and
-    reads back: register spills (TVM prints assembly without LLVM's "Spill" comments). The
-    task buffers that live on the stack (scores, Q^T) are only read in those loops, never
-    stored and reloaded."""
+    """Stack slots that an innermost register-tile loop (multiply-adds of broadcast data)
+    both stores a vector register to and reads back: register spills (TVM prints assembly
+    without LLVM's "Spill" comments). The task buffers that live on the stack (scores, Q^T)
+    are only read in those loops, never stored and reloaded."""
     store = re.compile(r"vmov\w+\s+%[xyz]mm\d+, (-?\w*\(%rsp\))")
     found = []
-    for body in multiply_add_loops(asm, op):
+    for body in filter(_multiplies_broadcast_data, multiply_add_loops(asm, op)):
         stored = {m.group(1) for m in map(store.match, body) if m}
         loaded = {slot for i in body if not store.match(i)
                   for slot in re.findall(r"(-?\w*\(%rsp\))", i)}

@@ -168,18 +168,18 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     d_out = out_node.attrs["out_features"]
     d_out_p = round_up(d_out, nr)
     hd = heads * d
-    rows_qkv = backend.gemm_rows(target, rows, d_model)
-    rows_att = backend.gemm_rows(target, rows, hd)
-    kv_rows = rows_kv = kv_dim = None
-    if cross:
-        kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
-        kv_rows = batch * kv_seq
-        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim)
     tile_rows = backend.gemm_tile(target)[0]
 
     def pairs(depth):
         """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
         return bool(backend.gemm_pairs and backend.gemm_pairs(target, dtype, depth))
+    rows_qkv = backend.gemm_rows(target, rows, d_model, pairs=pairs(d_model))
+    rows_att = backend.gemm_rows(target, rows, hd, pairs=pairs(hd))
+    kv_rows = rows_kv = kv_dim = None
+    if cross:
+        kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
+        kv_rows = batch * kv_seq
+        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim, pairs=pairs(kv_dim))
 
     def pack(depth, half=False):
         """The row tile where a GEMM's rows are packed first: where the backend asks for

@@ -45,7 +45,7 @@ def packed_tile(target):
     return rows_that_fit(2, target.vector_registers), 2 * target.lanes
 
 
-def packed_blocking(target, rows, depth):
+def packed_blocking(target, rows, depth, whole_blocks=False):
     """(tile_rows, row_block, padded rows) of a packed GEMM with `rows` rows and depth K.
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
     tiles), the rest holds a weight panel and the tile's output: every row block streams all
@@ -56,7 +56,8 @@ def packed_blocking(target, rows, depth):
     slower), but not to whole blocks: the last block may hold fewer tiles, and the guard
     that skips the missing ones stands per tile, out of the k loop once LLVM hoists it (AVX2
     on Zen 4, 512 rows in 4 blocks of 22 tiles: 516 rows computed, not 528, the GEMMs
-    2.5-3% faster). Waste: under one tile."""
+    2.5-3% faster). Waste: under one tile. whole_blocks: rows padded to whole blocks (GEMMs
+    over bfloat16 pairs: TVM's tensorize does not match a tile under that guard)."""
     tile_rows, _ = packed_tile(target)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
@@ -70,7 +71,7 @@ def packed_blocking(target, rows, depth):
     fewest = -(-tiles // most)
     blocks = min(range(fewest, 2 * fewest + 1), key=lambda n: (n * -(-tiles // n), n))
     row_block = -(-tiles // blocks)
-    return tile_rows, row_block, tiles * tile_rows
+    return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
 
 
 class MatmulRule:
