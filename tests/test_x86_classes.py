@@ -154,16 +154,9 @@ def test_gemm_rows_4kib_apart_are_packed_first():
     any_len = mhagen.build(layer, "x86-avx2", batch=2, seq_len=None, max_seq_len=20,
                            weights=w, tuning=None)
     assert packed(any_len) == ["output_projection", "qkv_projection"]
-    # 150 rows: 25 packed tiles of 6 in row blocks of 13 (at most 21 at depth 1024), the
-    # last block one tile short
-    short_block = mhagen.build(layer, "x86-avx2", batch=1, seq_len=150, weights=w,
-                               tuning=None)
-    assert short_block.program.buffers["qkv"].shape[1] == 150
     if m.target.runs_here():
         x = _input(2, 13, 1024, seed=4)
         assert_close(m(x), layer.reference(x, w))
-        x = _input(1, 150, 1024, seed=5)
-        assert_close(short_block(x), layer.reference(x, w))
         for seq in (1, 7, 20):
             x = _input(2, seq, 1024, seed=seq)
             assert_close(any_len(x), layer.reference(x, w))
