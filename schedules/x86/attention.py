@@ -30,7 +30,6 @@ and P V run on vdpbf16ps (bf16_dot), P packed into pairs of keys in bfloat16 and
 V rows zipped likewise; the softmax stays float32.
 """
 from dataclasses import dataclass, replace
-from math import lcm
 
 import tvm
 from tvm import tirx
@@ -51,7 +50,8 @@ ON_STACK = {"disable_lower_builtin": True}
 @dataclass(frozen=True)
 class AttentionConfig:
     q_tile: int
-    """query rows per task (a multiple of tile_cols and of tile_rows)."""
+    """query rows per task (a multiple of tile_cols; P V ends with a shorter tile when
+    out_rows does not divide it)."""
     kv_block: int
     """keys per block of the online softmax (a multiple of tile_rows)."""
     tile_rows: int
@@ -104,8 +104,10 @@ class AttentionRule:
         keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
         tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
                                               workload["panel"])
-        unit = lcm(tc, orows)            # q_tile: whole S^T and P V tiles
-        q_tile = _balanced(seq, 64 if seq >= 256 else 32, unit)
+        # q_tile: whole S^T tiles (P V ends with a shorter tile where out_rows does not
+        # divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
+        # 528, and 128 at seq 128, not 144: the attention 0.97x and 0.91x the time, Zen 4)
+        q_tile = _balanced(seq, 64 if seq >= 256 else 32, tc)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
         kv_goal = 128 if target.vector_registers >= 32 else 96
         kv_block = _balanced(keys, kv_goal, tr) if keys >= 128 else round_up(keys, tr)
@@ -127,7 +129,7 @@ class AttentionRule:
         lanes = target.lanes
         if (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols, cfg.out_rows,
                 cfg.out_cols) < 1
-                or cfg.q_tile % cfg.tile_cols or cfg.q_tile % cfg.out_rows
+                or cfg.q_tile % cfg.tile_cols
                 or cfg.kv_block % cfg.tile_rows or cfg.tile_cols % lanes
                 or cfg.out_cols % lanes):
             raise ValueError(f"{cfg} breaks the template's tiling constraints")
@@ -135,28 +137,21 @@ class AttentionRule:
 
     def candidates(self, workload, target) -> list:
         """Configs worth measuring for a workload (the tuning space of this template): query
-        tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles;
-        each also with a P V tile of a power-of-two height where the default's is not
-        (AVX2: 6 rows make query tiles of 48, so seq 128 computes 144 query rows; with
-        4 x 16 tiles a query tile of 64 covers it exactly: the attention 1.08x faster at
-        1x128 on Zen 4, though a 4-row tile does less per load)."""
+        tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles.
+        (P V tiles of 4 rows instead of AVX2's 6 were candidates while query tiles had to be
+        whole P V tiles; with a shorter last tile they measured the same at 1x128.)"""
         seq = workload["seq"]
         default = self.default_config(workload, target)
-        pv_rows = [default.out_rows]
-        if default.out_rows & (default.out_rows - 1):
-            pv_rows.append(1 << (default.out_rows.bit_length() - 1))
         out = []
         for q_goal in (32, 64, 128):
             for kv_goal in (64, 128, 256):
                 kv_block = round_up(kv_goal, default.tile_rows)
-                for rows in pv_rows:
-                    unit = lcm(default.tile_cols, rows)
-                    q_tile = max(unit, q_goal // unit * unit)
-                    if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
-                        continue
-                    c = replace(default, q_tile=q_tile, kv_block=kv_block, out_rows=rows)
-                    if c not in out:
-                        out.append(c)
+                q_tile = max(default.tile_cols, q_goal // default.tile_cols * default.tile_cols)
+                if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
+                    continue
+                c = replace(default, q_tile=q_tile, kv_block=kv_block)
+                if c not in out:
+                    out.append(c)
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
@@ -184,6 +179,12 @@ def build_attention(w, cfg, lanes):
     NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]   # table extents
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
     OR, NV = cfg.out_rows, cfg.out_cols               # P V register tile
+    # P V covers the query tile in as few tiles of at most OR rows as it can, their heights
+    # one apart: AVX2's 6-row tiles cover 64 queries as 9 x 6 + 2 x 5, 32 as 2 x 6 + 4 x 5
+    # (not 10 x 6 + 4, 5 x 6 + 2: a 2-row tile reuses each V load twice, and LLVM unrolled
+    # and spilled its short loop)
+    PV_TILES = -(-MQ // OR)
+    PV_ROWS, PV_BIG = MQ // PV_TILES, MQ % PV_TILES   # PV_BIG tiles of PV_ROWS + 1 rows
     LN = lanes
     GROUP = H // G
     PW, HD = w["panel"], H * d                        # qkv is [columns / PW, M, PW]
@@ -287,6 +288,33 @@ def build_attention(w, cfg, lanes):
                                                 s_buf[jo * MR + jj, io * NR + ii])
 
     @T.macro
+    def pv_tile(rows, r0, co, n_keys, n_pairs, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32,
+                v32):
+        # queries r0 .. r0 + rows, head columns co NV .. (co + 1) NV
+        for ii in T.unroll(rows):
+            for cc in T.vectorized(NV):
+                acc_o[ii, cc] = o_buf[r0 + ii, co * NV + cc] * alpha[r0 + ii]
+        if PAIRS:   # one vdpbf16ps per pair of keys and 16 head columns
+            for j2 in range(n_pairs):
+                for ii in T.unroll(rows):
+                    for v in T.unroll(NV // LN):
+                        acc_o[ii, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
+                            "float32x16", DOT, acc_o[ii, T.ramp(v * LN, 1, LN)],
+                            T.broadcast(p32[j2, r0 + ii], LN),
+                            v32[j2, T.ramp(co * NV + v * LN, 1, LN)])
+        else:
+            for j in range(n_keys):
+                for ii in T.unroll(rows):
+                    for cc in T.vectorized(NV):
+                        acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, r0 + ii] * kv[
+                            (V_BASE + g * DP + co * NV) // PW,
+                            key_row(b, k0 + j, False),
+                            (V_BASE + g * DP + co * NV) % PW + cc]
+        for ii in T.unroll(rows):
+            for cc in T.vectorized(NV):
+                o_buf[r0 + ii, co * NV + cc] = acc_o[ii, cc]
+
+    @T.macro
     def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
                   acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32):
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
@@ -341,31 +369,14 @@ def build_attention(w, cfg, lanes):
                         kv32[(V_BASE + g * DP + c16 * LN) // PW,
                              key_row(b, k0 + 2 * j2 + 1, cut),
                              T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
-        # O = O alpha + P V (keys that exist only)
+        # O = O alpha + P V (keys that exist only), in PV_TILES tiles of at most OR queries
         for co in range(DP // NV):
-            for io in range(MQ // OR):
-                for ii in T.unroll(OR):
-                    for cc in T.vectorized(NV):
-                        acc_o[ii, cc] = o_buf[io * OR + ii, co * NV + cc] * alpha[io * OR + ii]
-                if PAIRS:   # one vdpbf16ps per pair of keys and 16 head columns
-                    for j2 in range(n_pairs):
-                        for ii in T.unroll(OR):
-                            for v in T.unroll(NV // LN):
-                                acc_o[ii, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
-                                    "float32x16", DOT, acc_o[ii, T.ramp(v * LN, 1, LN)],
-                                    T.broadcast(p32[j2, io * OR + ii], LN),
-                                    v32[j2, T.ramp(co * NV + v * LN, 1, LN)])
-                else:
-                    for j in range(n_keys):
-                        for ii in T.unroll(OR):
-                            for cc in T.vectorized(NV):
-                                acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, io * OR + ii] * kv[
-                                    (V_BASE + g * DP + co * NV) // PW,
-                                    key_row(b, k0 + j, False),
-                                    (V_BASE + g * DP + co * NV) % PW + cc]
-                for ii in T.unroll(OR):
-                    for cc in T.vectorized(NV):
-                        o_buf[io * OR + ii, co * NV + cc] = acc_o[ii, cc]
+            for io in range(PV_BIG):
+                pv_tile(PV_ROWS + 1, io * (PV_ROWS + 1), co, n_keys, n_pairs, kv, s_buf, o_buf,
+                        alpha, acc_o, b, g, k0, p32, v32)
+            for io in range(PV_TILES - PV_BIG):
+                pv_tile(PV_ROWS, PV_BIG * (PV_ROWS + 1) + io * PV_ROWS, co, n_keys, n_pairs, kv,
+                        s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32)
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):
