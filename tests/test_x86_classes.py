@@ -140,6 +140,31 @@ def test_gemm_rows_are_padded_to_whole_register_tiles():
             assert_close(m(x, weights=w), layer.reference(x, w))
 
 
+def test_gemm_tasks_split_evenly_over_the_cores():
+    """512 rows of 6-row tiles (86) in row blocks of 22, 22, 22, 20: with (block, panel)
+    tasks split in halves one of two threads runs 44 tiles a panel, not 43, so the exact
+    build gives each core a group of panels instead; 64 tiles of 8 rows (AVX-512) in blocks
+    of 16 split evenly and keep one group. Checked against the reference."""
+    from mhagen.schedules.x86.matmul import most_tiles_a_thread
+    assert most_tiles_a_thread(86, 22, 96, 2) == 44 * 96 and 86 * 96 / 2 == 43 * 96
+    assert most_tiles_a_thread(64, 16, 96, 2) == 32 * 96
+    layer = mhagen.mha(64, 4)
+
+    def groups(preset, cores):
+        t = dataclasses.replace(resolve(preset), cores=cores)
+        m = mhagen.build(layer, t, batch=1, seq_len=512, tuning=None)
+        return m, {d["kernel"]: d["config"]["panel_groups"] for d in m.info.decisions
+                   if d["rule"] == "matmul"}
+    m, avx2 = groups("x86-avx2", 2)
+    assert avx2 == {"qkv_projection": 2, "output_projection": 2}
+    assert set(groups("x86-avx2", 1)[1].values()) == {1}
+    assert set(groups("x86-avx512", 2)[1].values()) == {1}
+    if m.target.runs_here():
+        w = layer.init_weights(0)
+        x = _input(1, 512, 64)
+        assert_close(m(x, weights=w), layer.reference(x, w))
+
+
 def test_gemm_rows_4kib_apart_are_packed_first():
     """A's rows 4 KiB apart (depth 1024) share one L1 set: such GEMMs copy A into row-tile
     panels first (both projections here); depth 512 does not. Exact and any-length builds

@@ -27,9 +27,10 @@ class MatmulConfig:
     """packed form: row tiles per row block; a block of A stays in L2 while every weight
     panel passes over it (1: no blocking)."""
     panel_groups: int = 1
-    """packed form, symbolic lengths: the weight panels in this many groups, outermost in
-    the parallel loop (one a core), so each thread's share holds real rows whatever the
-    call's length."""
+    """packed form: the weight panels in this many groups, outermost in the parallel loop
+    (one a core): with symbolic lengths, so each thread's share holds real rows whatever
+    the call's length; in exact builds, where the row blocks split unevenly over the
+    cores."""
 
 
 def rows_that_fit(vectors, registers):
@@ -74,6 +75,17 @@ def packed_blocking(target, rows, depth, whole_blocks=False):
     return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
 
 
+def most_tiles_a_thread(tiles, row_block, panels, cores):
+    """The most row tiles x panels one thread runs when the parallel loop over (row block,
+    panel) tasks is split as TVM splits it: consecutive chunks of ceil(tasks / cores)."""
+    blocks = -(-tiles // row_block)
+    tasks = blocks * panels
+    step = -(-tasks // cores)
+    return max(sum(min(row_block, tiles - i // panels * row_block)
+                   for i in range(t * step, min(tasks, (t + 1) * step)))
+               for t in range(cores))
+
+
 class MatmulRule:
     name = "matmul"
 
@@ -98,9 +110,18 @@ class MatmulRule:
             # streams once a group); the row-major one (its write-back ran 1.6x slower with
             # groups, not explained) gives each block every n-th tile instead (apply). Both
             # now within 1.05x of the exact build at 128 rows and 1.1x at 2048.
-            groups = (target.cores if workload.get("symbolic") and row_block > 1
-                      and workload.get("panel_major") else 1)
-            if groups < 2 or (workload["cols"] // tile_cols) % groups:
+            panels, cores = workload["cols"] // tile_cols, target.cores
+            if workload.get("symbolic"):
+                groups = cores if row_block > 1 and workload.get("panel_major") else 1
+            else:
+                # exact builds: a group per core too where the (row block, panel) tasks
+                # split unevenly over the cores (AVX2, 512 rows: 86 tiles in blocks of 22,
+                # 22, 22, 20, and one of two threads runs 44 tiles per panel, not 43)
+                tiles = -(-workload.get("rows", 0) // tile_rows)
+                even = tiles * panels / cores
+                groups = cores if row_block > 1 and most_tiles_a_thread(
+                    tiles, row_block, panels, cores) > 1.01 * even else 1
+            if groups < 2 or panels % groups:
                 groups = 1
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
                                 panel_groups=groups)
