@@ -9,8 +9,9 @@ table does not skip:
     S^T = K Q^T in register tiles of tile_rows keys x tile_cols queries; the tile's write-back
           applies the mask (partial blocks only) and folds in the running max m' = max(m, S^T);
     P^T = 2^(S^T - m'), l = l 2^(m - m') + sum_keys P^T (lane-wise over queries);
-    O = O 2^(m - m') + P V in register tiles of out_rows queries x out_cols head columns
-        (the rescale happens when the tile is loaded), V rows read straight from qkv.
+    O = O 2^(m - m') + P V in register tiles of at most out_rows queries (their heights one
+        apart: q_tile need not be a multiple of out_rows) x out_cols head columns (the
+        rescale happens when the tile is loaded), V rows read straight from qkv.
 Partial blocks differ from full ones only in the write-back's mask: their key rows stay
 affine (no clamp per row, which cost 4 integer instructions per broadcast: on an AVX2 Zen 3
 the masked S^T loop ran at 2/3 of the full one's speed). Only a block that runs past the last
