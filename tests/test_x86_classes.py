@@ -92,10 +92,10 @@ def test_register_tiles_fit_each_class():
 
 
 def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
-    """AVX2's 6-row P V tile does not divide query tiles of 16, 32 or 64: P V ends with a
-    shorter tile, so seq 128 computes 128 query rows, not 144 (query tiles of 48). Every
-    candidate keeps the template's constraints; short last tiles of 2 and 4 rows match the
-    reference."""
+    """AVX2's 6-row P V tile does not divide query tiles of 16, 32 or 64: P V covers them in
+    tiles one row apart, so seq 128 computes 128 query rows, not 144 (query tiles of 48).
+    Every candidate keeps the template's constraints; 32 queries as 2 x 6 + 4 x 5 and 64 as
+    9 x 6 + 2 x 5 match the reference."""
     from mhagen.schedules.x86.attention import AttentionRule
     rule = AttentionRule()
     layer = mhagen.mha(128, 2)
@@ -114,7 +114,7 @@ def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
         next(k for k in mhagen.build(layer, "x86-avx512", batch=1, seq_len=128, tuning=None)
              .program.kernels if k.name == "attention").workload, avx512))
     x = _input(1, 128, 128)
-    for q_tile in (32, 64):     # last P V tiles of 2 and 4 rows
+    for q_tile in (32, 64):
         c = dataclasses.replace(default, q_tile=q_tile)
         db = tmp_path / f"db{q_tile}.json"
         Database(db, [{"key": workload_key(layer, t, 1, 128, "attention"), "kind": "config",

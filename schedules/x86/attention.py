@@ -51,8 +51,8 @@ ON_STACK = {"disable_lower_builtin": True}
 @dataclass(frozen=True)
 class AttentionConfig:
     q_tile: int
-    """query rows per task (a multiple of tile_cols; P V ends with a shorter tile when
-    out_rows does not divide it)."""
+    """query rows per task (a multiple of tile_cols; where out_rows does not divide it, P V
+    covers it in tiles one row apart)."""
     kv_block: int
     """keys per block of the online softmax (a multiple of tile_rows)."""
     tile_rows: int
@@ -105,8 +105,8 @@ class AttentionRule:
         keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
         tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
                                               workload["panel"])
-        # q_tile: whole S^T tiles (P V ends with a shorter tile where out_rows does not
-        # divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
+        # q_tile: whole S^T tiles (P V covers it in tiles one row apart where out_rows does
+        # not divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
         # 528, and 128 at seq 128, not 144: the attention 0.97x and 0.91x the time, Zen 4)
         q_tile = _balanced(seq, 64 if seq >= 256 else 32, tc)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
@@ -140,7 +140,7 @@ class AttentionRule:
         """Configs worth measuring for a workload (the tuning space of this template): query
         tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles.
         (P V tiles of 4 rows instead of AVX2's 6 were candidates while query tiles had to be
-        whole P V tiles; with a shorter last tile they measured the same at 1x128.)"""
+        whole P V tiles; with P V tiles one row apart they measured the same at 1x128.)"""
         seq = workload["seq"]
         default = self.default_config(workload, target)
         out = []
