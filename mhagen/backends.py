@@ -10,8 +10,9 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
   gemm_tile        (rows, columns) of the packed GEMMs' register tile; weights are laid out
                    in panels of `columns` columns
   gemm_rows        the rows a packed GEMM of rows x depth runs over (padded to whole register
-                   tiles; the lowering sizes its temporaries with it); pairs=True for a GEMM
-                   over bfloat16 pairs of its depth
+                   tiles where a partial one would cost more than the padding; the lowering
+                   sizes its temporaries with it); pairs=True for a GEMM over bfloat16 pairs
+                   of its depth
   head_dim_padded  the head width the attention template reads (each head padded)
   gemm_rule        the GEMM rule whose register-tile rows the autotuner samples first
   device           where kernels run and buffers live ("cpu", "cuda"): the runtime and the C API

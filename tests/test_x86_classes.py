@@ -125,12 +125,13 @@ def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
             assert_close(m(x), layer.reference(x, w))
 
 
-def test_gemm_rows_are_padded_to_whole_register_tiles():
+def test_gemm_rows_are_padded_to_whole_tiles_only_across_row_blocks():
     layer = mhagen.mha(64, 4)
-    # 97 rows -> 17 tiles of 6 (one row block); 250 rows -> 42 tiles -> two row blocks of
-    # 21; 512 rows -> 86 tiles -> 4 blocks of 22, the last one holding 20 (516 rows, not
-    # padded to 4 whole blocks = 528: the missing tiles are skipped, not computed)
-    for seq, padded in ((97, 102), (250, 252), (512, 516)):
+    # 97 rows -> 16 tiles of 6 and one of 1 (one row block: not padded); 250 rows -> 42
+    # tiles -> two row blocks of 21 (padded to 252); 512 rows -> 86 tiles -> 4 blocks of
+    # 22, the last one holding 20 (516 rows, not padded to 4 whole blocks = 528: the
+    # missing tiles are skipped, not computed)
+    for seq, padded in ((97, 97), (250, 252), (512, 516)):
         m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=seq, tuning=None)
         assert m.program.buffers["qkv"].shape[1] == padded
         assert m.program.buffers["out"].shape[0] == seq   # the output keeps batch*seq rows
@@ -247,6 +248,62 @@ def spills_in_fma_loops(asm: str, op: str = "vfmadd") -> list:
                   for slot in re.findall(r"(-?\w*\(%rsp\))", i)}
         found += sorted(stored & loaded)
     return found
+
+
+def function_asm(asm: str, name: str) -> str:
+    """A function's assembly with the parallel lambdas LLVM places after it (up to the next
+    global label)."""
+    lines = asm.splitlines()
+    start = lines.index(name + ":")
+    end = next((i for i in range(start + 1, len(lines))
+                if re.match(r"^[A-Za-z_][\w$]*:", lines[i])), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def whole_tile_loops(m, kernel) -> list:
+    """The loops of a GEMM kernel that run a whole register tile's multiply-adds in one
+    basic block (tile_rows x tile_cols / lanes of them): a guard on the tile's rows would
+    split them into a block per row."""
+    from mhagen.schedules.x86.matmul import packed_tile
+    rows, cols = packed_tile(m.target)
+    fmas = rows * cols // m.target.lanes
+    body = function_asm(m.inspect("source"), kernel + "_compute_")
+    return [b for b in filter(_multiplies_broadcast_data, multiply_add_loops(body))
+            if sum("vfmadd" in i for i in b) == fmas]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_partial_last_row_tile_leaves_the_whole_tiles_unguarded(preset):
+    """GEMM rows in one row block are not padded to whole tiles: 128 rows run as 21 AVX2
+    tiles of 6 and one of 2, 97 rows as 12 AVX-512 tiles of 8 and one of 1 (depth 1024: A
+    packed first). The guard of the partial tile is hoisted out of the k loop, so the whole
+    tiles keep their unguarded loop; checked against the reference."""
+    for d_model, seq in ((512, 128), (1024, 97)):
+        layer = mhagen.mha(d_model, 8)
+        w = layer.init_weights(1)
+        m = mhagen.build(layer, preset, batch=1, seq_len=seq, weights=w, tuning=None)
+        assert m.program.buffers["qkv"].shape[1] == seq
+        for kernel in ("qkv_projection", "output_projection"):
+            assert whole_tile_loops(m, kernel), f"{preset} {kernel}: tiles guarded per row"
+        if m.target.runs_here():
+            x = _input(1, seq, d_model, seed=seq)
+            assert_close(m(x), layer.reference(x, w))
+
+
+def test_the_tile_loop_check_sees_guarded_tiles(monkeypatch):
+    """The check above can fail: rows in several row blocks left unpadded put the guard on
+    every multiply-add (AVX2, 512 rows: LLVM does not hoist it; 2.9x slower)."""
+    import mhagen.schedules.x86 as x86
+    import mhagen.schedules.x86.matmul as matmul
+    exact = matmul.packed_blocking
+
+    def unpadded(target, rows, depth, whole_blocks=False):
+        return exact(target, rows, depth, whole_blocks)[:2] + (rows,)
+    monkeypatch.setattr(matmul, "packed_blocking", unpadded)
+    monkeypatch.setattr(x86, "packed_blocking", unpadded)
+    m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=512, tuning=None)
+    assert m.program.buffers["qkv"].shape[1] == 512
+    assert not whole_tile_loops(m, "qkv_projection")
 
 
 def _asm_of(layer, preset, seq, tuning=None):

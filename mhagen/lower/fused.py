@@ -37,8 +37,9 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
           scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None,
           pairs=False):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
-    stage. The product runs over `rows` rows, a multiple of the register tile's height
-    (rows of `a` past its end are read clamped); C keeps `out_rows` of them (default all).
+    stage. The product runs over `rows` rows (the backend's gemm_rows: padded to whole
+    register tiles or not; rows of `a` past its end are read clamped); C keeps `out_rows`
+    of them (default all).
     C is [out_rows, cols], or [cols / nr, out_rows, nr] (column panels) when panel_major.
     Symbolic-length builds (`scalars`: the batch and seq vars): rows are expressions of them,
     at most max_rows; a_exact: `a` has the call's exact rows (an input), not whole tiles.
@@ -54,10 +55,11 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     last = a.shape[0] - 1
     out_dtype = out_dtype or COMPUTE
 
-    def a_row(m):
+    def a_row(m, extent=rows):
+        """Row m of `a`, for m < extent (clamped where `a` has fewer rows)."""
         if scalars:
             return te.min(m, last) if a_exact else m
-        return m if int(last) + 1 >= rows else te.min(m, last)
+        return m if int(last) + 1 >= extent else te.min(m, last)
     t, pack_stages = pack_tile, []
     if pairs and not scalars and int(rows) < t:
         t = int(rows)   # a GEMM of fewer rows than a tile runs one shorter tile (a decode step)
@@ -75,9 +77,10 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         k = te.reduce_axis((0, depth), name="k")
         axes = [k]
         read = lambda m, kk: _f32(a[a_row(m), kk])   # noqa: E731
-        if t and (scalars or int(rows) % t == 0):
-            packed = te.compute((rows // t, depth, t),
-                                lambda i, kk, r: _f32(a[a_row(i * t + r), kk]),
+        if t:   # whole tiles (a partial last one copies the last row again)
+            tiles = rows // t if scalars else -(-int(rows) // t)
+            packed = te.compute((tiles, depth, t),
+                                lambda i, kk, r: _f32(a[a_row(i * t + r, tiles * t), kk]),
                                 name=name + "_pack")
             read = lambda m, kk: packed[m // t, kk, m % t]   # noqa: E731
         else:

@@ -47,18 +47,23 @@ def packed_tile(target):
 
 
 def packed_blocking(target, rows, depth, whole_blocks=False):
-    """(tile_rows, row_block, padded rows) of a packed GEMM with `rows` rows and depth K.
+    """(tile_rows, row_block, rows run over) of a packed GEMM with `rows` rows and depth K.
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
     tiles), the rest holds a weight panel and the tile's output: every row block streams all
     the weights once, so larger blocks halve that traffic (Zen 3, L2 512 KiB, the 2048 x
     1024 x 3072 QKV GEMM: 9-tile blocks 7-10% faster than 6-tile ones; AVX-512 2048 x 768:
-    16 tiles 1.1x faster than 8). The blocks are balanced; the rows are padded to whole
-    tiles, since a partial tile puts a guard on every multiply-add (AVX2, 6-row tiles: 1.4x
-    slower), but not to whole blocks: the last block may hold fewer tiles, and the guard
-    that skips the missing ones stands per tile, out of the k loop once LLVM hoists it (AVX2
-    on Zen 4, 512 rows in 4 blocks of 22 tiles: 516 rows computed, not 528, the GEMMs
-    2.5-3% faster). Waste: under one tile. whole_blocks: rows padded to whole blocks (GEMMs
-    over bfloat16 pairs: TVM's tensorize does not match a tile under that guard)."""
+    16 tiles 1.1x faster than 8). The blocks are balanced.
+    Rows in one block are not padded: the last tile is partial, and its guard (row < rows)
+    depends only on the task's serial tile loop, so LLVM hoists it out of the k loop and
+    gives the last tile a loop of its own rows (AVX2, 128 rows = 21 tiles of 6 + 2 rows,
+    not 132: the GEMMs 1.5-2% faster; AVX-512 at 97 rows, not 104: 6%).
+    Rows in several blocks are padded to whole tiles: there the guard depends on the
+    parallel (block, panel) index, LLVM leaves it on every multiply-add (AVX2, 512 rows:
+    2.9x slower). They are not padded to whole blocks: the last block may hold fewer
+    tiles, and the guard that skips the missing ones stands per tile, out of the k loop
+    (AVX2 on Zen 4, 512 rows in 4 blocks of 22 tiles: 516 rows computed, not 528, the
+    GEMMs 2.5-3% faster). Waste: under one tile. whole_blocks: rows padded to whole blocks
+    (GEMMs over bfloat16 pairs: TVM's tensorize does not match a tile under a guard)."""
     tile_rows, _ = packed_tile(target)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
@@ -66,7 +71,7 @@ def packed_blocking(target, rows, depth, whole_blocks=False):
     fit = target.l2_kib * 1024 // 2 // (tile_rows * max(1, depth) * 4)
     most = max(1, min(24, fit))
     if tiles <= most:
-        return tile_rows, 1, tiles * tile_rows
+        return tile_rows, 1, tiles * tile_rows if whole_blocks else rows
     # the block count (blocks of at least half the most) whose blocks cover the tiles the
     # most evenly, then the fewest blocks: 86 tiles of at most 21 -> 8 x 11, not 5 x 18
     fewest = -(-tiles // most)
@@ -117,7 +122,7 @@ class MatmulRule:
                 # exact builds: a group per core too where the (row block, panel) tasks
                 # split unevenly over the cores (AVX2, 512 rows: 86 tiles in blocks of 22,
                 # 22, 22, 20, and one of two threads runs 44 tiles per panel, not 43)
-                tiles = padded // tile_rows
+                tiles = -(-padded // tile_rows)
                 groups = cores if row_block > 1 and most_tiles_a_thread(
                     tiles, row_block, panels, cores) > 1.01 * tiles * panels / cores else 1
             if groups < 2 or panels % groups:
