@@ -342,13 +342,8 @@ def build_attention(w, cfg, lanes):
                 alpha[io * LN + ii] = exp2(m_buf[io * LN + ii] - vec[0, ii])
                 vec[1, ii] = zero
             for j in range(n_rows):
-                for ii in T.vectorized(LN):
-                    if masked:
-                        s_buf[j, io * LN + ii] = T.Select(
-                            s_buf[j, io * LN + ii] == neg_inf, zero,
-                            exp2(s_buf[j, io * LN + ii] - vec[0, ii]))
-                    else:
-                        s_buf[j, io * LN + ii] = exp2(s_buf[j, io * LN + ii] - vec[0, ii])
+                for ii in T.vectorized(LN):   # a masked score (-inf) gives exactly 0
+                    s_buf[j, io * LN + ii] = exp2(s_buf[j, io * LN + ii] - vec[0, ii])
                     vec[1, ii] = vec[1, ii] + s_buf[j, io * LN + ii]
             for ii in T.vectorized(LN):
                 l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]

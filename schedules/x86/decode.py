@@ -293,9 +293,8 @@ def build_decode(w, cfg):
                             acc[ln] = zero
                         for jo in range(KB // LN):
                             for ln in T.vectorized(LN):
-                                s_buf[jo * LN + ln] = T.Select(
-                                    s_buf[jo * LN + ln] == neg_inf, zero,
-                                    exp2(s_buf[jo * LN + ln] - st[3]))
+                                # a masked score (-inf) gives exactly 0 (exp2)
+                                s_buf[jo * LN + ln] = exp2(s_buf[jo * LN + ln] - st[3])
                                 acc[ln] = acc[ln] + s_buf[jo * LN + ln]
                         lane_sum(acc)
                         st[2] = acc[0]
@@ -326,8 +325,7 @@ def build_decode(w, cfg):
                     mg[0] = T.Select(mg[0] == neg_inf, zero, mg[0])
                     mg[1] = zero
                     for s in range(NS):
-                        wt[s] = T.Select(part_ml[tile * NS + s, 0, r] == neg_inf, zero,
-                                         exp2(part_ml[tile * NS + s, 0, r] - mg[0]))
+                        wt[s] = exp2(part_ml[tile * NS + s, 0, r] - mg[0])   # 0 for -inf
                         mg[1] = mg[1] + wt[s] * part_ml[tile * NS + s, 1, r]
                     mg[2] = T.Select(mg[1] > zero, T.float32(1) / mg[1], zero)
                     for c in T.vectorized(DP):

@@ -34,9 +34,10 @@ _EXP2_TAYLOR = tuple(LN2 ** k / math.factorial(k) for k in range(6, -1, -1))
 
 
 def exp2(t):
-    """2^t for t <= 0, relative error ~2e-7; t below -126 gives about 1e-38 (not 0): callers
-    that need exact zeros (masked scores) select them explicitly."""
-    t = tirx.max(t, f32(-126.0))
+    """2^t for t <= 0, relative error ~2e-7; exactly 0 for t below -126.5 and for -inf (a
+    masked score): t is clamped to -127, whose 2^n has exponent bits 0, so masked scores
+    need no select of their own (AVX2: the masked softmax pass had spilled its constants)."""
+    t = tirx.max(t, f32(-127.0))
     n = tirx.round(t)
     f = t - n
     p = f32(_EXP2_TAYLOR[0])
