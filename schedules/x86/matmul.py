@@ -56,7 +56,9 @@ def packed_blocking(target, rows, depth, whole_blocks=False):
     Rows in one block are not padded: the last tile is partial, and its guard (row < rows)
     depends only on the task's serial tile loop, so LLVM hoists it out of the k loop and
     gives the last tile a loop of its own rows (AVX2, 128 rows = 21 tiles of 6 + 2 rows,
-    not 132: the GEMMs 1.5-2% faster; AVX-512 at 97 rows, not 104: 6%).
+    not 132: the GEMMs 2-4% faster; AVX-512 at 97 rows, not 104: 5%). LLVM does so for
+    this loop nest only (with k split and unrolled by 2 it did not: 2.25x slower); a test
+    reads the assembly for the whole tile's unguarded loop.
     Rows in several blocks are padded to whole tiles: there the guard depends on the
     parallel (block, panel) index, LLVM leaves it on every multiply-add (AVX2, 512 rows:
     2.9x slower). They are not padded to whole blocks: the last block may hold fewer
