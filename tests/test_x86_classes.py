@@ -141,6 +141,28 @@ def test_gemm_rows_are_padded_to_whole_tiles_only_across_row_blocks():
             assert_close(m(x, weights=w), layer.reference(x, w))
 
 
+def test_short_unmasked_layers_take_query_tiles_of_64_where_they_pad_no_more():
+    """Default query tiles below seq 256: ~64 for an unmasked layer where that pads no more
+    queries than ~32 and leaves every core 4 tasks; 32 for a masked one (causal: more
+    blocks skipped); seq 97 on AVX2 keeps 16 (112 queries, not 128). Checked against the
+    reference where the code runs here."""
+    def q_tile(preset, seq, causal=False, cores=2, run=False):
+        t = dataclasses.replace(resolve(preset), cores=cores)
+        layer = mhagen.mha(512, 8, causal=causal)
+        w = layer.init_weights(2)
+        m = mhagen.build(layer, t, batch=1, seq_len=seq, weights=w, tuning=None)
+        if run and t.runs_here():
+            x = _input(1, seq, 512, seed=seq)
+            assert_close(m(x), layer.reference(x, w))
+        return _attention_config(m).q_tile
+    assert q_tile("x86-avx2", 128, run=True) == 64
+    assert q_tile("x86-avx2", 128, causal=True) == 32
+    assert q_tile("x86-avx2", 97, run=True) == 16
+    assert q_tile("x86-avx2", 128, cores=16) == 32      # 16 tasks of 64 queries: too few
+    assert q_tile("x86-avx512", 97, run=True) == 64     # 128 queries either way
+    assert q_tile("x86-avx512", 128, causal=True) == 32
+
+
 def test_gemm_tasks_split_evenly_over_the_cores():
     """512 rows of 6-row tiles (86) in row blocks of 22, 22, 22, 20: with (block, panel)
     tasks split in halves one of two threads runs 44 tiles a panel, not 43, so the exact
