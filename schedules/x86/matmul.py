@@ -107,8 +107,8 @@ class MatmulRule:
         if "panel" in workload:
             _, tile_cols = packed_tile(target)
             assert tile_cols == workload["panel"], (tile_cols, workload)
-            tile_rows, row_block, padded = packed_blocking(target, workload.get("rows", 0),
-                                                           workload.get("depth", 1))
+            tile_rows, row_block, run_rows = packed_blocking(target, workload.get("rows", 0),
+                                                             workload.get("depth", 1))
             # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
             # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
             # second, and the two threads' halves of the parallel loop did 86% and 14% of the
@@ -124,7 +124,7 @@ class MatmulRule:
                 # exact builds: a group per core too where the (row block, panel) tasks
                 # split unevenly over the cores (AVX2, 512 rows: 86 tiles in blocks of 22,
                 # 22, 22, 20, and one of two threads runs 44 tiles per panel, not 43)
-                tiles = -(-padded // tile_rows)
+                tiles = -(-run_rows // tile_rows)
                 groups = cores if row_block > 1 and most_tiles_a_thread(
                     tiles, row_block, panels, cores) > 1.01 * tiles * panels / cores else 1
             if groups < 2 or panels % groups:
