@@ -210,3 +210,35 @@ def test_score_mods_benchmark_quick_run(tmp_path):
         assert {(mod, "mhagen"), (mod, "mhagen_plain"), (mod, "torch_eager")} <= timed
     assert ("relative_bias", "torch_sdpa") in timed     # a float bias mask carries it
     assert not [k for k, v in data["status"].items() if "excluded" in v], data["status"]
+
+
+def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
+    """benchmarks/register_tiles.c compiles warning-free and prints, for each tile this host
+    runs, best >= median >= the speed 9 rounds in 10 reach >= worst (GFLOP/s, no timing
+    asserted); a bad round count is refused."""
+    import re
+    import shutil
+
+    from mhagen.host import host_arch, runtime_features
+    if host_arch() != "x86_64" or not {"avx2", "fma"} <= set(runtime_features()):
+        pytest.skip("register_tiles.c is x86-64 code for AVX2 + FMA hosts")
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc on the PATH")
+    exe = tmp_path / "register_tiles"
+    build = subprocess.run(["gcc", "-O3", "-Wall", "-Wextra", "-Werror", "-mavx2", "-mfma",
+                            "-o", str(exe), str(ROOT / "benchmarks" / "register_tiles.c")],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe), "3"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    number = r"\s+([\d.]+)"
+    rows = re.findall(r"^(.+?)\s+best" + number + r"\s+median" + number + r"\s+9 in 10 >="
+                      + number + r"\s+worst" + number + " GFLOP/s$", run.stdout, re.M)
+    expect = ["6 x 16 AVX2", "4 x 24 AVX2"] + (["8 x 32 AVX-512"]
+                                               if "avx512f" in runtime_features() else [])
+    assert [r[0] for r in rows] == expect, run.stdout
+    for name, *rates in rows:
+        best, median, ninth, worst = map(float, rates)
+        assert best >= median >= ninth >= worst > 0, (name, rates)
+    refused = subprocess.run([str(exe), "401"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "usage" in refused.stderr
