@@ -242,3 +242,15 @@ def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
         assert best >= median >= ninth >= worst > 0, (name, rates)
     refused = subprocess.run([str(exe), "401"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "usage" in refused.stderr
+
+
+def test_readme_runs_table_is_the_one_the_results_give():
+    """README's table of every committed x86 run is benchmarks/runs_table.py's output from
+    the results folders, line for line (rerun the script after committing a run)."""
+    spec = importlib.util.spec_from_file_location("runs_table",
+                                                  ROOT / "benchmarks" / "runs_table.py")
+    runs_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs_table)
+    table = runs_table.table()
+    assert len(table.splitlines()) == 2 + len(list(runs_table.RESULTS.glob("x86_64-*")))
+    assert table in (ROOT / "README.md").read_text(), "rerun benchmarks/runs_table.py"
