@@ -16,10 +16,12 @@ kernel.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, replace
 
 from mhagen.backends import backend_for
 from mhagen.tuning.apply import apply_trace
+from mhagen.tuning.records import TuningWarning, stale_default
 
 
 @dataclass
@@ -52,8 +54,6 @@ def schedule_kernel(kernel, target, rules=None, record=None):
 
 
 def _schedule(kernel, target, rules, record):
-    import tvm
-    from tvm import s_tir
     if kernel.template:
         stage = kernel.stages[0]
         rule = next(r for r in rules if r.applies(stage, target))
@@ -61,13 +61,31 @@ def _schedule(kernel, target, rules, record):
         func = rule.build(kernel.workload, cfg, target)
         source = "tuned" if kernel.tuned else "default"
         return func, [Decision(kernel.name, stage.name, rule.name, asdict(cfg), source)]
-    stale = False
-    if record is not None and record.get("kind") == "trace":
+    func, decisions = _default_schedule(kernel, target, rules)
+    if record is None or record.get("kind") != "trace":
+        return func, decisions
+    why = stale_default(record, default_configs(decisions))
+    if why is None:
         sch = apply_trace(kernel, record)
         if sch is not None:
             return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
                                               {"trials": record.get("trials")}, "tuned")]
-        stale = True
+    else:
+        warnings.warn(f"tuning record for kernel {kernel.name!r} not used: {why}; using the "
+                      "default schedule (re-run `mhagen tune` to refresh it)", TuningWarning,
+                      stacklevel=4)
+    return func, [replace(d, source="stale") for d in decisions]
+
+
+def default_configs(decisions) -> list:
+    """The rules' configs of a default schedule, as a trace record keeps them
+    ("default_config": the default the trace was measured against)."""
+    return [{"stage": d.stage, "rule": d.rule, "config": d.config} for d in decisions]
+
+
+def _default_schedule(kernel, target, rules):
+    import tvm
+    from tvm import s_tir
     whole = next((r for r in rules if hasattr(r, "schedule_whole")), None)
     if whole is not None:
         return whole.schedule_whole(kernel, target)
@@ -82,6 +100,5 @@ def _schedule(kernel, target, rules, record):
         absorbed = rule.apply(sch, stage, cfg, plan) or []
         plan.done.add(stage.name)
         plan.done.update(absorbed)
-        decisions.append(Decision(kernel.name, stage.name, rule.name, asdict(cfg) if cfg else {},
-                                  "stale" if stale else "default"))
+        decisions.append(Decision(kernel.name, stage.name, rule.name, asdict(cfg) if cfg else {}))
     return sch.mod["main"], decisions

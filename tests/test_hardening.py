@@ -166,8 +166,8 @@ def test_a_tuned_schedule_that_computes_something_else_is_not_kept():
 
 
 @pytest.mark.parametrize("content, warning", [
-    ({"schema": 2, "records": "x"}, "is a str, not a list"),
-    ({"schema": 2, "records": [{"key": {}, "kind": "trace"}, {"kind": "nonsense"}]},
+    ({"schema": 3, "records": "x"}, "is a str, not a list"),
+    ({"schema": 3, "records": [{"key": {}, "kind": "trace"}, {"kind": "nonsense"}]},
      "1 malformed record"),
 ], ids=["records-not-a-list", "malformed-record"])
 def test_corrupt_tuning_records_warn_and_fall_back(tmp_path, content, warning):

@@ -34,13 +34,14 @@ def tuned(tmp_path_factory):
 def test_small_run_writes_sorted_readable_records(tuned):
     d, report = tuned
     data = json.loads((d / "x86.json").read_text())
-    assert data["schema"] == 2
+    assert data["schema"] == 3
     records = data["records"]
     assert sorted(r["key"]["kernel"] for r in records) == ["attention", "qkv_projection"]
     for r in records:
         assert r["key"]["seq"] == SEQ and r["key"]["heads"] == 4 and r["key"]["mask"] == "causal"
         assert r["default_us"] > 0 and r["tvm"] and r["mhagen"]
         assert r["kind"] in ("trace", "config", "default")
+        assert r["default_config"], "the default it was measured against"
     for res in report.results:  # never keep a slower schedule
         assert res.kept == "default" or res.tuned_us < res.default_us
     assert "default us" in report.table() and not report.interrupted
@@ -118,6 +119,29 @@ def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, mat
     with pytest.warns(TuningWarning, match=match):
         sources = _build_with(records, tmp_path)
     assert sources["qkv_projection"] == "stale"
+
+
+def test_records_measured_against_another_default_are_stale(tuned, tmp_path):
+    """A record beat the default of its day (default_config): against today's default it
+    applies, against another one it is stale, warned of, and the default is used."""
+    measured = {r["key"]["kernel"]: r["default_config"]
+                for r in Database.load(tuned[0] / "x86.json").records.values()}
+    records = _forced_records(tuned)
+    for r in records:
+        r["default_config"] = measured[r["key"]["kernel"]]
+    assert _build_with(records, tmp_path) == {"qkv_projection": "tuned", "attention": "tuned",
+                                              "output_projection": "default"}
+    for r in records:
+        if r["key"]["kernel"] == "attention":
+            r["default_config"] = {**r["default_config"], "q_tile": 999}
+        else:
+            r["default_config"][0]["config"]["row_block"] += 1
+    with pytest.warns(TuningWarning, match="measured against the default") as caught:
+        sources = _build_with(records, tmp_path)
+    assert sources == {"qkv_projection": "stale", "attention": "default",
+                       "output_projection": "default"}
+    assert {m for w in caught for m in ("'qkv_projection'", "attention")
+            if m in str(w.message)} == {"'qkv_projection'", "attention"}
 
 
 def test_invalid_attention_config_falls_back(tuned, tmp_path):
@@ -339,6 +363,38 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
     assert len(m.tuning_records) == len(tuned)
     assert all(r["kind"] != "default" for r in m.tuning_records)
     assert all(r["key"]["cpu_class"] == t.cpu_class for r in m.tuning_records)
+
+
+@pytest.mark.parametrize("preset", ["x86", "x86-avx2"])
+def test_shipped_records_were_measured_against_todays_defaults(preset):
+    """Every shipped record that replaces a default (a config or a trace) holds the default
+    it beat, and that is today's default on the machine it was measured on: a change of a
+    template's default makes the records measured against the old one stale (re-measure
+    them, or drop those of machines not at hand)."""
+    import dataclasses
+    import warnings
+
+    from mhagen.lower import lower
+    from mhagen.schedules import default_configs, schedule_kernel
+    from mhagen.target import resolve
+    from mhagen.tuning.records import shipped_records_path, workload_key
+    t = resolve(preset)
+    replacing = [r for r in Database.load(shipped_records_path(t)).records.values()
+                 if r["kind"] != "default"]
+    assert replacing, "some shipped records replace a default"
+    for r in replacing:
+        k = r["key"]
+        machine = dataclasses.replace(t, l2_kib=k["l2_kib"], l1d_kib=k["l1d_kib"])
+        layer = mhagen.mha(k["d_model"], k["heads"], causal=k["mask"] == "causal")
+        assert workload_key(layer, machine, k["batch"], k["seq"], k["kernel"])["graph"] == \
+            k["graph"], k
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TuningWarning)
+            program = lower(layer, k["batch"], k["seq"], machine, tuning=None)
+        kernel = next(x for x in program.kernels if x.name == k["kernel"])
+        today = (dataclasses.asdict(kernel.config) if kernel.template
+                 else default_configs(schedule_kernel(kernel, machine)[1]))
+        assert r["default_config"] == today, (k, r["default_config"], today)
 
 
 @pytest.mark.parametrize("confirmed", [False, True])

@@ -6,6 +6,7 @@ whether an attention template exists) comes from the target's backend (mhagen/ba
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 
 from mhagen.backends import backend_for
 from mhagen.errors import GraphError
@@ -13,7 +14,7 @@ from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
 from mhagen.program import Buffer, Kernel, Program, Stage
-from mhagen.tuning.records import TuningWarning, workload_key
+from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
@@ -58,16 +59,24 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
 
 
 def _tuned_config(rule, tuning, key, target):
-    """The attention config a tuning record asks for, if valid; else None (the default)."""
+    """None (the default), or a function of today's default config that returns the
+    attention config a tuning record asks for: None where the record is invalid or was
+    measured against another default (stale; both warn)."""
     record = tuning.lookup(key) if tuning is not None else None
     if record is None or record.get("kind") != "config":
         return None
-    try:
-        return rule.make_config(record["config"], target)
-    except (KeyError, TypeError, ValueError) as err:
-        warnings.warn(f"tuning record for {key['kernel']} is invalid ({err}); using the "
-                      "default config", TuningWarning, stacklevel=3)
+
+    def choose(default):
+        why = stale_default(record, asdict(default))
+        if why is None:
+            try:
+                return rule.make_config(record["config"], target)
+            except (KeyError, TypeError, ValueError) as err:
+                why = f"it is invalid ({err})"
+        warnings.warn(f"tuning record for {key['kernel']} not used: {why}; using the default "
+                      "config (re-run `mhagen tune` to refresh it)", TuningWarning, stacklevel=5)
         return None
+    return choose
 
 
 __all__ = ["Buffer", "Kernel", "Program", "Stage", "lower"]

@@ -235,7 +235,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         work.update(cache=cache["max_len"], lengths=False)
         cfg = backend.decode.default_config(work, target)
     else:
-        cfg = attention_config or backend.attention.default_config(work, target)
+        default = backend.attention.default_config(work, target)
+        tuned = attention_config(default) if attention_config else None
+        cfg = tuned or default
 
     # param recipes (mhagen.params): every head's d columns at i * dp
     w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp, pairs(d_model))
@@ -345,7 +347,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                               stages=[Stage("attention", "attention_template", att_node.name,
                                             (), work)],
                               template="attention", workload=work, config=cfg,
-                              tuned=attention_config is not None))
+                              tuned=tuned is not None))
         text.append(f"att = attention(qkv)  # template: {heads} heads, {kv_heads} K/V heads, "
                     f"head_dim {d}, scale {a['scale']:.6g}, mask {a.get('mask')!r}; "
                     f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "

@@ -6,6 +6,11 @@ template). Records carry the schema, TVM and mhagen versions, the kernel's struc
 record whose kernel changed is stale), the measured latencies and the machine they were
 measured on (LLVM CPU name, CPU model, cache sizes).
 
+A record also holds the default it was measured against ("default_config": the template's
+config, or the rules' configs of a TE kernel's stages). It beat that default, which says
+nothing of a default changed since: when today's default differs, the record is stale and the
+build uses today's default (with a TuningWarning: re-run mhagen tune).
+
 CPU classes: the best schedule depends on the vector width and the register count, so the
 class ("x86_64-v512-r32" for AVX-512, "x86_64-v256-r16" for AVX2) is part of the key and a
 record of another class is never applied. Within a class, records measured on several
@@ -30,7 +35,7 @@ from pathlib import Path
 from mhagen.backends import family_of
 from mhagen.errors import TargetError
 
-SCHEMA = 2
+SCHEMA = 3   # 3: measured records hold default_config (files of 2 are refused)
 KEY_FIELDS = ("cpu_class", "dtype", "batch", "seq", "d_model", "heads", "kv_heads",
               "head_dim", "mask", "graph", "kernel")
 # where a record was measured (in its key, not part of its identity): picks the closest
@@ -150,6 +155,20 @@ class Database:
 def _valid(r) -> bool:
     return (isinstance(r, dict) and isinstance(r.get("key"), dict)
             and r.get("kind") in ("trace", "config", "default"))
+
+
+def stale_default(record: dict, default) -> str | None:
+    """Why `record` no longer applies when today's default is `default` (a JSON-able
+    config), or None. mhagen tune writes default_config into every record it measures; one
+    without it was written by hand (or is a candidate mhagen tune lowers): it applies."""
+    if "default_config" not in record or record["default_config"] == default:
+        return None
+    return (f"it was measured against the default {_short(record['default_config'])}, and "
+            f"today's default is {_short(default)}")
+
+
+def _short(config) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
 
 
 def shipped_records_path(target) -> Path | None:

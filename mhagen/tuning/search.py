@@ -43,7 +43,7 @@ from mhagen.cross import ARCHES
 from mhagen.errors import GraphError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
-from mhagen.schedules import Plan, schedule_kernel
+from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
 from mhagen.tolerances import max_error, tolerance
@@ -621,7 +621,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
                         num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
     done = len(ms_db.get_all_tuning_records())
     best = ms_db.get_top_k(ms_db.commit_workload(mod), 1)
-    default_func, _ = schedule_kernel(kernel, t)
+    default_func, default_decisions = schedule_kernel(kernel, t)
     funcs = [default_func]
     trace_json = None
     if best:
@@ -637,6 +637,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     keep = keep and wrong is None
     record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
               "kernel_hash": kernel_hash(kernel.prim_func),
+              "default_config": default_configs(default_decisions),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
     if keep:
         record["trace"] = trace_json
@@ -688,6 +689,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
         keep = wrong is None
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),
+              "default_config": asdict(candidates[0]),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
     if wrong:
         record["rejected"] = f"the fastest config was not kept: {wrong}"
