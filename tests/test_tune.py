@@ -42,6 +42,7 @@ def test_small_run_writes_sorted_readable_records(tuned):
         assert r["default_us"] > 0 and r["tvm"] and r["mhagen"]
         assert r["kind"] in ("trace", "config", "default")
         assert r["default_config"], "the default it was measured against"
+        assert r["measured_on"]["cores"] >= 1
     for res in report.results:  # never keep a slower schedule
         assert res.kept == "default" or res.tuned_us < res.default_us
     assert "default us" in report.table() and not report.interrupted
@@ -348,7 +349,8 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
     assert path.is_file(), f"no shipped records for {t.cpu_class}"
     shipped = Database.load(path)
     assert all(r["key"]["cpu_class"] == t.cpu_class for r in shipped.records.values())
-    assert all(r["measured_on"]["cpu"] for r in shipped.records.values())
+    assert all(r["measured_on"]["cpu"] and r["measured_on"]["cores"] >= 1
+               for r in shipped.records.values())
     layer = mhagen.mha(512, 8)
     m = mhagen.build(layer, preset, batch=1, seq_len=128, weights=layer.init_weights(0))
     sources = {d["kernel"]: d["source"] for d in m.decisions}
@@ -368,7 +370,8 @@ def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, m
 @pytest.mark.parametrize("preset", ["x86", "x86-avx2"])
 def test_shipped_records_were_measured_against_todays_defaults(preset):
     """Every shipped record that replaces a default (a config or a trace) holds the default
-    it beat, and that is today's default on the machine it was measured on: a change of a
+    it beat, and that is today's default on the machine it was measured on (its caches and
+    cores; the records of before December 4, all from 2-core VMs, got cores 2): a change of a
     template's default makes the records measured against the old one stale (re-measure
     them, or drop those of machines not at hand)."""
     import dataclasses
@@ -384,7 +387,8 @@ def test_shipped_records_were_measured_against_todays_defaults(preset):
     assert replacing, "some shipped records replace a default"
     for r in replacing:
         k = r["key"]
-        machine = dataclasses.replace(t, l2_kib=k["l2_kib"], l1d_kib=k["l1d_kib"])
+        machine = dataclasses.replace(t, l2_kib=k["l2_kib"], l1d_kib=k["l1d_kib"],
+                                      cores=r["measured_on"]["cores"])
         layer = mhagen.mha(k["d_model"], k["heads"], causal=k["mask"] == "causal")
         assert workload_key(layer, machine, k["batch"], k["seq"], k["kernel"])["graph"] == \
             k["graph"], k

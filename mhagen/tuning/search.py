@@ -267,10 +267,12 @@ def _device_type(target) -> str:
 
 
 def _measured_on(t, rpc) -> dict:
-    """Where a record's latencies were measured: this machine, or the RPC device."""
+    """Where a record's latencies were measured: this machine, or the RPC device (cores:
+    the target's, which some defaults depend on)."""
     if rpc is not None:
-        return {"cpu": t.cpu, "model": f"RPC device {rpc[2]!r}", "target": t.name}
-    return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name}
+        return {"cpu": t.cpu, "model": f"RPC device {rpc[2]!r}", "target": t.name,
+                "cores": t.cores}
+    return {"cpu": t.cpu, "model": host_cpu_model(), "target": t.name, "cores": t.cores}
 
 
 def _measure(funcs, target, remote, fixed=None, errors=None):
