@@ -16,12 +16,10 @@ kernel.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass, replace
 
 from mhagen.backends import backend_for
 from mhagen.tuning.apply import apply_trace
-from mhagen.tuning.records import TuningWarning, stale_default
 
 
 @dataclass
@@ -64,16 +62,10 @@ def _schedule(kernel, target, rules, record):
     func, decisions = _default_schedule(kernel, target, rules)
     if record is None or record.get("kind") != "trace":
         return func, decisions
-    why = stale_default(record, default_configs(decisions))
-    if why is None:
-        sch = apply_trace(kernel, record)
-        if sch is not None:
-            return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
-                                              {"trials": record.get("trials")}, "tuned")]
-    else:
-        warnings.warn(f"tuning record for kernel {kernel.name!r} not used: {why}; using the "
-                      "default schedule (re-run `mhagen tune` to refresh it)", TuningWarning,
-                      stacklevel=4)
+    sch = apply_trace(kernel, record, default_configs(decisions))
+    if sch is not None:
+        return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
+                                          {"trials": record.get("trials")}, "tuned")]
     return func, [replace(d, source="stale") for d in decisions]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from mhagen.tuning.records import TuningWarning
+from mhagen.tuning.records import TuningWarning, stale_default
 from mhagen.version import __version__
 
 
@@ -19,8 +19,10 @@ def versions() -> dict:
     return {"tvm": tvm.__version__, "mhagen": __version__}
 
 
-def apply_trace(kernel, record):
-    """A Schedule of `kernel` with the record's trace applied, or None (with a warning)."""
+def apply_trace(kernel, record, default):
+    """A Schedule of `kernel` with the record's trace applied, or None (with a warning).
+    default: the rules' configs of today's default schedule (schedules.default_configs),
+    which the record must have been measured against."""
     import tvm
     from tvm import s_tir
     from tvm.s_tir.schedule import Trace
@@ -35,6 +37,9 @@ def apply_trace(kernel, record):
         return refuse(f"made with TVM {record.get('tvm')}, this is {versions()['tvm']}")
     if record.get("kernel_hash") != kernel_hash(kernel.prim_func):
         return refuse("the kernel changed since it was tuned (structural hash differs)")
+    why = stale_default(record, default)
+    if why is not None:
+        return refuse(why)
     try:
         trace = json.loads(record["trace"]) if isinstance(record["trace"], str) else record["trace"]
         sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
