@@ -1,6 +1,7 @@
-"""Facts about this machine (leaf module: the standard library only, no TVM): architecture,
-usable cores, caches, CPU model, and the CPU features that decide whether compiled code runs
-here (read from /proc/cpuinfo, as the C API reads them from the CPU)."""
+"""Facts about this machine (leaf module: the standard library and numpy, no TVM):
+architecture, usable cores, caches, CPU model, and the CPU features that decide whether
+compiled code runs here (those the kernel lists in /proc/cpuinfo that the CPU itself reports
+too, as the C API asks the CPU)."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +17,11 @@ DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
 RUNTIME_FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f",
                     "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
                     "neon": "asimd", "sve": "sve"}
+# ... and the name numpy's CPU dispatch gives them (it asks the CPU: CPUID and the register
+# state the OS enabled, XGETBV, on x86; AT_HWCAP on aarch64).
+CPU_REPORTED_NAMES = {"avx2": "AVX2", "fma": "FMA3", "avx512f": "AVX512F",
+                      "avx512bw": "AVX512BW", "avx512dq": "AVX512DQ", "avx512vl": "AVX512VL",
+                      "neon": "ASIMD", "sve": "SVE"}
 
 
 def host_arch() -> str:
@@ -77,11 +83,29 @@ def host_cpu_model() -> str:
     return _cpuinfo_field("model name", "Model name")
 
 
+def cpu_reported_features() -> dict:
+    """{LLVM name: bool} for the RUNTIME_FEATURES the CPU itself reports, as numpy's CPU
+    dispatch detected them at import; empty where numpy does not say."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as found
+    except ImportError:     # pragma: no cover - numpy < 2
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as found
+        except ImportError:
+            return {}
+    return {f: bool(found[name]) for f, name in CPU_REPORTED_NAMES.items() if name in found}
+
+
 @functools.lru_cache(maxsize=None)
 def runtime_features() -> tuple:
-    """The RUNTIME_FEATURES this CPU has, by their LLVM names."""
+    """The RUNTIME_FEATURES this CPU has, by their LLVM names: listed by the kernel and not
+    denied by the CPU. The two disagree where a process runs on another CPU than the one
+    /proc/cpuinfo describes: under qemu-x86_64 -cpu EPYC (an AVX2-only Zen 1) the file still
+    lists the host's AVX-512, and trusting it alone ran AVX-512 code into SIGILL."""
     listed = set(_cpuinfo_field("flags", "Features").split())
-    return tuple(sorted(f for f, name in RUNTIME_FEATURES.items() if name in listed))
+    reported = cpu_reported_features()
+    return tuple(sorted(f for f, name in RUNTIME_FEATURES.items()
+                        if name in listed and reported.get(f, True)))
 
 
 def missing_features(arch: str, required) -> list:

@@ -12,6 +12,16 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "TVM_NUM_THREADS" not in os.environ
     os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 
+CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def unavailable(reason):
+    """A missing tool: a failure in CI (which installs it), else a skip saying what to do."""
+    if CI:
+        pytest.fail(f"CI is set but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def x86_targets() -> list:
     """The x86 presets worth running here: x86-avx2 everywhere, and this host's own class
     ("x86") when it runs here and differs (an AVX-512 host)."""
@@ -64,6 +74,7 @@ def mha_by_hand(w, x, heads, *, causal=False, modify=None, keep=None, rotate=Non
 # end (the tuning fixture alone takes ~3 minutes).
 SLOW_FILES_FIRST = ("test_tune.py", "test_fuzz.py", "test_build.py", "test_bench.py",
                     "test_cli.py", "test_key_padding.py", "test_examples.py", "test_c_api.py",
+                    "test_avx2_only_cpu.py",
                     "test_symbolic.py", "test_cross.py", "test_arm.py", "test_decode.py")
 
 

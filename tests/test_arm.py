@@ -21,11 +21,10 @@ from mhagen import cross
 from mhagen.errors import ArtifactError, TargetError
 from mhagen.target import host_arch, resolve
 from mhagen.tolerances import assert_close, max_error
-from tests.conftest import random_input
+from tests.conftest import random_input, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "c_app" / "mha_app.c"
-CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 EM_AARCH64 = 183
 PACKAGES = ("gcc-aarch64-linux-gnu", "g++-aarch64-linux-gnu", "libc6-dev-arm64-cross")
 
@@ -50,19 +49,12 @@ pytestmark = pytest.mark.skipif(host_arch() == "aarch64",
                                 reason="these tests cross-build from another architecture")
 
 
-def _unavailable(reason):
-    """A missing tool: a failure in CI (which installs it), else a skip saying what to do."""
-    if CI:
-        pytest.fail(f"CI is set but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def toolchain():
     a = cross.arch_info("aarch64")
     missing = [t for t in (a.cc, a.cxx, a.objdump) if shutil.which(t) is None]
     if missing:
-        _unavailable(f"{', '.join(missing)} not installed; {cross.install_hint('aarch64')}")
+        unavailable(f"{', '.join(missing)} not installed; {cross.install_hint('aarch64')}")
     return a
 
 
@@ -71,7 +63,7 @@ def qemu(toolchain):
     try:
         return cross.require_emulator("aarch64")
     except TargetError as err:
-        _unavailable(str(err))
+        unavailable(str(err))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +72,7 @@ def aarch64_runtime(toolchain):
     try:
         return cross.fetch_runtime("aarch64")
     except TargetError as err:
-        _unavailable(f"TVM's aarch64 runtime could not be fetched: {err}")
+        unavailable(f"TVM's aarch64 runtime could not be fetched: {err}")
 
 
 class Artifact:
