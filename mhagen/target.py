@@ -51,8 +51,9 @@ class Target:
     def cpu_class(self) -> str:
         """What changes the best schedule, as a name: ISA family, vector width, vector
         registers ("x86_64-v512-r32": AVX-512; "x86_64-v256-r16": AVX2). Tuning records are
-        kept per class; cache sizes pick the closest record within a class. A GPU's class is
-        its architecture ("cuda-sm_90")."""
+        kept per class; cache sizes pick the closest record within a class. AVX without FMA
+        (Sandy/Ivy Bridge) shares the AVX2 class: the same 16 ymm registers and tiles; SSE
+        only is "x86_64-v128-r16". A GPU's class is its architecture ("cuda-sm_90")."""
         if self.device != "cpu":
             return f"{self.arch}-{self.tvm_target_dict().get('arch', '')}"
         return f"{self.arch}-v{self.vector_bits}-r{self.vector_registers}"
@@ -84,8 +85,8 @@ class Target:
                     "CUDA kernels (device buffers, launches) is not implemented yet")
         why = host.cannot_run_reason(self.arch, self.required_features(),
                                      f"this code ({self.name}, {self.cpu_class})")
-        if why and self.arch == host_arch():
-            why += ": build for target 'x86' (this CPU) or 'x86-avx2' instead"
+        if why and self.arch == host_arch() and presets_that_run_here(self.arch):
+            why += f": build for target {presets_that_run_here(self.arch)} instead"
         return why
 
     def check_runs_here(self) -> None:
@@ -156,6 +157,18 @@ def host_llvm_cpu() -> str:
     prepare_tvm_threads()
     import tvm
     return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+# The presets a refusal suggests, with the features their code needs ("x86" is this CPU).
+FALLBACK_PRESETS = {"x86_64": (("'x86' (this CPU)", ()), ("'x86-avx2'", ("avx2", "fma"))),
+                    "aarch64": (("'arm-neon'", ("neon",)),)}
+
+
+def presets_that_run_here(arch: str) -> str:
+    """The FALLBACK_PRESETS of `arch` this machine runs ("'x86' (this CPU) or 'x86-avx2'";
+    only 'x86' on a CPU without AVX2)."""
+    return " or ".join(name for name, needs in FALLBACK_PRESETS.get(arch, ())
+                       if not host.missing_features(arch, needs))
 
 
 @functools.lru_cache(maxsize=None)
