@@ -12,14 +12,20 @@ import platform
 # another machine): a typical AVX2 / AVX-512 / Neoverse core.
 DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
 
-# The features compiled code may need, by the name LLVM gives them, and the name the Linux
-# kernel lists in /proc/cpuinfo (x86 "flags", aarch64 "Features").
-RUNTIME_FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f",
+# The features compiled code may need, by the name LLVM gives them: the name the Linux kernel
+# lists in /proc/cpuinfo (x86 "flags", aarch64 "Features"), and the name numpy's CPU dispatch
+# gives them (it asks the CPU: CPUID and the register state the OS enabled, XGETBV, on x86;
+# AT_HWCAP on aarch64). x86: the vector extensions of every class (SSE4 for SSE-only builds,
+# AVX for Sandy Bridge, AVX2/FMA, AVX-512) and the scalar ones LLVM uses with them (POPCNT,
+# BMI1/2, F16C's conversions for half precision).
+RUNTIME_FEATURES = {"ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2",
+                    "popcnt": "popcnt", "avx": "avx", "f16c": "f16c", "bmi": "bmi1",
+                    "bmi2": "bmi2", "avx2": "avx2", "fma": "fma", "avx512f": "avx512f",
                     "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
                     "neon": "asimd", "sve": "sve"}
-# ... and the name numpy's CPU dispatch gives them (it asks the CPU: CPUID and the register
-# state the OS enabled, XGETBV, on x86; AT_HWCAP on aarch64).
-CPU_REPORTED_NAMES = {"avx2": "AVX2", "fma": "FMA3", "avx512f": "AVX512F",
+CPU_REPORTED_NAMES = {"ssse3": "SSSE3", "sse4.1": "SSE41", "sse4.2": "SSE42",
+                      "popcnt": "POPCNT", "avx": "AVX", "f16c": "F16C", "bmi": "BMI",
+                      "bmi2": "BMI2", "avx2": "AVX2", "fma": "FMA3", "avx512f": "AVX512F",
                       "avx512bw": "AVX512BW", "avx512dq": "AVX512DQ", "avx512vl": "AVX512VL",
                       "neon": "ASIMD", "sve": "SVE"}
 

@@ -74,7 +74,7 @@ def mha_by_hand(w, x, heads, *, causal=False, modify=None, keep=None, rotate=Non
 # end (the tuning fixture alone takes ~3 minutes).
 SLOW_FILES_FIRST = ("test_tune.py", "test_fuzz.py", "test_build.py", "test_bench.py",
                     "test_cli.py", "test_key_padding.py", "test_examples.py", "test_c_api.py",
-                    "test_avx2_only_cpu.py",
+                    "test_emulated_x86_cpus.py",
                     "test_symbolic.py", "test_cross.py", "test_arm.py", "test_decode.py")
 
 

@@ -377,10 +377,12 @@ def test_avx512_code_on_an_avx2_host_raises_instead_of_sigill(monkeypatch, tmp_p
 def test_a_cpu_without_avx2_is_not_told_to_build_for_avx2(monkeypatch):
     """Sandy Bridge (AVX, no AVX2/FMA): the refusal of AVX2 code suggests 'x86' only (qemu
     -cpu SandyBridge-v1 showed the message suggesting 'x86-avx2' too)."""
-    monkeypatch.setattr("mhagen.host.runtime_features", lambda: ())
+    monkeypatch.setattr("mhagen.host.runtime_features",
+                        lambda: ("avx", "popcnt", "sse4.1", "sse4.2", "ssse3"))
     layer = mhagen.mha(64, 4)
     m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=8, tuning=None)
-    assert m.cannot_run.endswith("needs CPU features avx2, fma that this machine lacks (an "
+    assert m.cannot_run.endswith("needs CPU features avx2, bmi, bmi2, f16c, fma that this "
+                                 "machine lacks (an "
                                  "instruction it lacks would kill the process with SIGILL): "
                                  "build for target 'x86' (this CPU) instead"), m.cannot_run
 

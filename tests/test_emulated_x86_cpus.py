@@ -1,13 +1,14 @@
-"""An AVX2-only x86 CPU on any x86-64 host: qemu-x86_64 -cpu EPYC-v1 emulates an AMD Zen 1
-(LLVM `znver1`: AVX2 + FMA, 16 ymm registers, no AVX-512; the CPU issue 11 was found on). Its
-TCG runs AVX2 and FMA code and raises SIGILL on AVX-512 instructions, as that CPU would, while
+"""Older and smaller x86 CPUs on any x86-64 host, emulated by qemu-x86_64 (TCG): `-cpu
+EPYC-v1`, an AMD Zen 1 (LLVM `znver1`: AVX2 + FMA, 16 ymm registers, no AVX-512; the CPU
+issue 11 was found on); `SandyBridge-v1` (AVX, no AVX2/FMA/F16C); `Nehalem-v1` (SSE4.2, no
+AVX). TCG runs what the model has and raises SIGILL on the rest, as that CPU would, while
 /proc/cpuinfo still describes the host (AVX-512 on most CI machines).
 
-Checked there: the host preset `x86` resolves to the AVX2 class and matches the reference
-(examples/cpu_classes.py), AVX2 artifacts run from Python and from the C API, and AVX-512
-artifacts get a clear error from both, never SIGILL. Only the process started under qemu is
-emulated (a child it starts, such as gcc, runs natively). qemu-user comes with
-.ci/setup-arm.sh; without it these tests skip (fail when CI is set).
+Checked there: the host preset `x86` resolves to the CPU's class and matches the reference
+(examples/cpu_classes.py), AVX2 artifacts run from Python and from the C API, and code
+needing features a CPU lacks gets a clear error from both, never SIGILL. Only the process
+started under qemu is emulated (a child it starts, such as gcc, runs natively). qemu-user
+comes with .ci/setup-arm.sh; without it these tests skip (fail when CI is set).
 """
 import re
 import shutil
@@ -38,11 +39,27 @@ def qemu():
     return path
 
 
-def _on_avx2_only_cpu(qemu, argv, **kwargs):
-    r = subprocess.run([qemu, "-cpu", AVX2_ONLY_CPU, *map(str, argv)], capture_output=True,
-                       text=True, timeout=600, **kwargs)
-    assert r.returncode not in SIGILL, f"SIGILL on the AVX2-only CPU:\n{r.stdout}\n{r.stderr}"
+def _on_cpu(qemu, cpu, argv):
+    r = subprocess.run([qemu, "-cpu", cpu, *map(str, argv)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode not in SIGILL, f"SIGILL on {cpu}:\n{r.stdout}\n{r.stderr}"
     return r
+
+
+def _on_avx2_only_cpu(qemu, argv):
+    return _on_cpu(qemu, AVX2_ONLY_CPU, argv)
+
+
+def _c_app(tmp_path, artifact):
+    """The C example app built against `artifact` (natively, with the host's gcc)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        unavailable("no C compiler (gcc) for the C example app")
+    app = tmp_path / f"app-{Path(artifact).name}"
+    subprocess.run([cc, "-O2", "-std=c11", ROOT / "examples" / "c_app" / "mha_app.c",
+                    f"-I{artifact}", f"-L{artifact}", "-lmha", f"-Wl,-rpath,{artifact}",
+                    "-o", app], check=True)
+    return app
 
 
 def test_features_the_cpu_denies_are_missing_whatever_cpuinfo_lists(monkeypatch):
@@ -57,10 +74,10 @@ def test_features_the_cpu_denies_are_missing_whatever_cpuinfo_lists(monkeypatch)
                             lambda: {f: False for f in ("avx512f", "avx512bw", "avx2")})
         monkeypatch.setattr("mhagen.host._cpuinfo_field",
                             lambda *keys: "fpu sse2 avx avx2 fma avx512f avx512bw")
-        assert runtime_features() == ("fma",)
+        assert runtime_features() == ("avx", "fma")
         monkeypatch.setattr("mhagen.host.cpu_reported_features", lambda: {})   # numpy silent
         runtime_features.cache_clear()
-        assert runtime_features() == ("avx2", "avx512bw", "avx512f", "fma")
+        assert runtime_features() == ("avx", "avx2", "avx512bw", "avx512f", "fma")
     finally:
         monkeypatch.undo()
         runtime_features.cache_clear()
@@ -115,17 +132,44 @@ def test_artifacts_on_an_avx2_only_cpu(qemu, tmp_path):
     assert "needs CPU features avx512bw, avx512dq, avx512f, avx512vl" in refused, r.stdout
     assert "'x86-avx2'" in refused, r.stdout         # ... and says what to build instead
 
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        unavailable("no C compiler (gcc) for the C example app")
     for preset, d in dirs.items():
-        app, y = tmp_path / f"app-{preset}", tmp_path / f"{preset}.y.f32"
-        subprocess.run([cc, "-O2", "-std=c11", ROOT / "examples" / "c_app" / "mha_app.c",
-                        f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}", "-o", app], check=True)
-        r = _on_avx2_only_cpu(qemu, [app, d, tmp_path / "x.f32", y])
+        y = tmp_path / f"{preset}.y.f32"
+        r = _on_avx2_only_cpu(qemu, [_c_app(tmp_path, d), d, tmp_path / "x.f32", y])
         if preset == "x86-avx2":
             assert r.returncode == 0, r.stderr
             assert_close(np.fromfile(y, np.float32).reshape(expected.shape), expected)
         else:
             assert r.returncode == 1 and not y.exists(), r.stdout + r.stderr
             assert "MHA_ERR_TARGET" in r.stderr and "avx512f" in r.stderr, r.stderr
+
+
+BUILD_FOR_THIS_CPU = """
+import sys, mhagen
+layer = mhagen.mha(64, 4)
+m = mhagen.build(layer, "x86", batch=1, seq_len=16, weights=layer.init_weights(0), tuning=None)
+print(m.target.cpu, m.target.cpu_class, ",".join(m.target.required_features()))
+m.save(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_code_for_a_sandy_bridge_is_refused_on_a_nehalem(qemu, tmp_path):
+    """~60 s. `x86` built on an AVX CPU without AVX2 needs AVX (it was listed as needing
+    nothing, and died of SIGILL on a CPU without AVX)."""
+    art = tmp_path / "snb"
+    r = _on_cpu(qemu, "SandyBridge-v1", [sys.executable, "-c", BUILD_FOR_THIS_CPU, art])
+    assert r.returncode == 0, r.stderr
+    cpu, cpu_class, features = r.stdout.split()
+    assert (cpu, cpu_class) == ("sandybridge", "x86_64-v256-r16")
+    assert "avx" in features.split(",") and "avx2" not in features.split(","), features
+    x = random_input(mhagen.mha(64, 4), 1, 16, seed=4)
+    np.save(tmp_path / "x.npy", x)
+    x.tofile(tmp_path / "x.f32")
+    r = _on_cpu(qemu, "Nehalem-v1", [sys.executable, "-c", LOAD_AND_RUN, tmp_path / "x.npy",
+                                     art, tmp_path / "y.npy"])
+    assert r.returncode == 0, r.stderr
+    assert f"{art} refused:" in r.stdout and "needs CPU features avx" in r.stdout, r.stdout
+    assert "build for target 'x86' (this CPU) instead" in r.stdout, r.stdout
+    r = _on_cpu(qemu, "Nehalem-v1", [_c_app(tmp_path, art), art, tmp_path / "x.f32",
+                                     tmp_path / "y.f32"])
+    assert r.returncode == 1 and "MHA_ERR_TARGET" in r.stderr and "avx" in r.stderr, r.stderr
