@@ -85,9 +85,8 @@ class Target:
                     "CUDA kernels (device buffers, launches) is not implemented yet")
         why = host.cannot_run_reason(self.arch, self.required_features(),
                                      f"this code ({self.name}, {self.cpu_class})")
-        if why and self.arch == host_arch() and presets_that_run_here(self.arch):
-            why += f": build for target {presets_that_run_here(self.arch)} instead"
-        return why
+        fallback = presets_that_run_here(self.arch) if why and self.arch == host_arch() else ""
+        return f"{why}: build for target {fallback} instead" if fallback else why
 
     def check_runs_here(self) -> None:
         """Raise TargetError, naming what is missing, when this code cannot run here (an
@@ -159,9 +158,13 @@ def host_llvm_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
-# The presets a refusal suggests, with the features their code needs ("x86" is this CPU).
-FALLBACK_PRESETS = {"x86_64": (("'x86' (this CPU)", ()), ("'x86-avx2'", ("avx2", "fma"))),
-                    "aarch64": (("'arm-neon'", ("neon",)),)}
+# The presets a refusal suggests, with the runtime features their code needs ("x86" is this
+# CPU; x86-avx2 is LLVM's haswell).
+FALLBACK_PRESETS = {
+    "x86_64": (("'x86' (this CPU)", ()),
+               ("'x86-avx2'", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "popcnt", "sse4.1",
+                               "sse4.2", "ssse3"))),
+    "aarch64": (("'arm-neon'", ("neon",)),)}
 
 
 def presets_that_run_here(arch: str) -> str:

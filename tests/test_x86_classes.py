@@ -377,6 +377,11 @@ def test_avx512_code_on_an_avx2_host_raises_instead_of_sigill(monkeypatch, tmp_p
 def test_a_cpu_without_avx2_is_not_told_to_build_for_avx2(monkeypatch):
     """Sandy Bridge (AVX, no AVX2/FMA): the refusal of AVX2 code suggests 'x86' only (qemu
     -cpu SandyBridge-v1 showed the message suggesting 'x86-avx2' too)."""
+    from mhagen.target import FALLBACK_PRESETS
+    for arch, name, preset in (("x86_64", "'x86-avx2'", "x86-avx2"),
+                               ("aarch64", "'arm-neon'", "arm-neon")):
+        needs = dict(FALLBACK_PRESETS[arch])[name]
+        assert needs == resolve(preset).required_features(), f"{preset} needs other features"
     monkeypatch.setattr("mhagen.host.runtime_features",
                         lambda: ("avx", "popcnt", "sse4.1", "sse4.2", "ssse3"))
     layer = mhagen.mha(64, 4)
