@@ -12,22 +12,19 @@ import platform
 # another machine): a typical AVX2 / AVX-512 / Neoverse core.
 DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
 
-# The features compiled code may need, by the name LLVM gives them: the name the Linux kernel
-# lists in /proc/cpuinfo (x86 "flags", aarch64 "Features"), and the name numpy's CPU dispatch
-# gives them (it asks the CPU: CPUID and the register state the OS enabled, XGETBV, on x86;
-# AT_HWCAP on aarch64). x86: the vector extensions of every class (SSE4 for SSE-only builds,
-# AVX for Sandy Bridge, AVX2/FMA, AVX-512) and the scalar ones LLVM uses with them (POPCNT,
-# BMI1/2, F16C's conversions for half precision).
-RUNTIME_FEATURES = {"ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2",
-                    "popcnt": "popcnt", "avx": "avx", "f16c": "f16c", "bmi": "bmi1",
-                    "bmi2": "bmi2", "avx2": "avx2", "fma": "fma", "avx512f": "avx512f",
-                    "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
-                    "neon": "asimd", "sve": "sve"}
-CPU_REPORTED_NAMES = {"ssse3": "SSSE3", "sse4.1": "SSE41", "sse4.2": "SSE42",
-                      "popcnt": "POPCNT", "avx": "AVX", "f16c": "F16C", "bmi": "BMI",
-                      "bmi2": "BMI2", "avx2": "AVX2", "fma": "FMA3", "avx512f": "AVX512F",
-                      "avx512bw": "AVX512BW", "avx512dq": "AVX512DQ", "avx512vl": "AVX512VL",
-                      "neon": "ASIMD", "sve": "SVE"}
+# The features compiled code may need, by the name LLVM gives them -> (the name the Linux
+# kernel lists in /proc/cpuinfo: x86 "flags", aarch64 "Features"; the name numpy's CPU
+# dispatch gives it: numpy asks the CPU, CPUID and the register state the OS enabled,
+# XGETBV, on x86, AT_HWCAP on aarch64). x86: the vector extensions of every class (SSE4 for
+# SSE-only builds, AVX for Sandy Bridge, AVX2/FMA, AVX-512) and the scalar ones LLVM uses
+# with them (POPCNT, BMI1/2, F16C's conversions for half precision).
+RUNTIME_FEATURES = {
+    "ssse3": ("ssse3", "SSSE3"), "sse4.1": ("sse4_1", "SSE41"), "sse4.2": ("sse4_2", "SSE42"),
+    "popcnt": ("popcnt", "POPCNT"), "avx": ("avx", "AVX"), "f16c": ("f16c", "F16C"),
+    "bmi": ("bmi1", "BMI"), "bmi2": ("bmi2", "BMI2"), "avx2": ("avx2", "AVX2"),
+    "fma": ("fma", "FMA3"), "avx512f": ("avx512f", "AVX512F"),
+    "avx512bw": ("avx512bw", "AVX512BW"), "avx512dq": ("avx512dq", "AVX512DQ"),
+    "avx512vl": ("avx512vl", "AVX512VL"), "neon": ("asimd", "ASIMD"), "sve": ("sve", "SVE")}
 
 
 def host_arch() -> str:
@@ -99,7 +96,7 @@ def cpu_reported_features() -> dict:
             from numpy.core._multiarray_umath import __cpu_features__ as found
         except ImportError:
             return {}
-    return {f: bool(found[name]) for f, name in CPU_REPORTED_NAMES.items() if name in found}
+    return {f: bool(found[name]) for f, (_, name) in RUNTIME_FEATURES.items() if name in found}
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +107,7 @@ def runtime_features() -> tuple:
     lists the host's AVX-512, and trusting it alone ran AVX-512 code into SIGILL."""
     listed = set(_cpuinfo_field("flags", "Features").split())
     reported = cpu_reported_features()
-    return tuple(sorted(f for f, name in RUNTIME_FEATURES.items()
+    return tuple(sorted(f for f, (name, _) in RUNTIME_FEATURES.items()
                         if name in listed and reported.get(f, True)))
 
 
