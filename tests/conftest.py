@@ -1,4 +1,6 @@
 import os
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,19 @@ def unavailable(reason):
     if CI:
         pytest.fail(f"CI is set but {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+C_APP = Path(__file__).resolve().parents[1] / "examples" / "c_app" / "mha_app.c"
+
+
+def build_c_app(cc, artifact, exe):
+    """The C example app built against `artifact` with examples/c_app/README.md's command
+    (warnings are errors); returns exe."""
+    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Werror", str(C_APP), f"-I{artifact}",
+                        f"-L{artifact}", "-lmha", f"-Wl,-rpath,{artifact}", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return exe
 
 
 def x86_targets() -> list:

@@ -22,7 +22,7 @@ import pytest
 import mhagen
 from mhagen.host import cpu_reported_features, host_arch, runtime_features
 from mhagen.tolerances import assert_close
-from tests.conftest import random_input, unavailable
+from tests.conftest import build_c_app, random_input, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX2_ONLY_CPU = "EPYC-v1"
@@ -55,11 +55,7 @@ def _c_app(tmp_path, artifact):
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         unavailable("no C compiler (gcc) for the C example app")
-    app = tmp_path / f"app-{Path(artifact).name}"
-    subprocess.run([cc, "-O2", "-std=c11", ROOT / "examples" / "c_app" / "mha_app.c",
-                    f"-I{artifact}", f"-L{artifact}", "-lmha", f"-Wl,-rpath,{artifact}",
-                    "-o", app], check=True)
-    return app
+    return build_c_app(cc, artifact, tmp_path / f"app-{Path(artifact).name}")
 
 
 def test_features_the_cpu_denies_are_missing_whatever_cpuinfo_lists(monkeypatch):

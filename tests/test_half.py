@@ -4,7 +4,6 @@ fused, unfused and symbolic; the tolerance table's row and FlashAttention's crit
 within 2x a half-precision reference's own); Python and C entry points, artifacts, bad input."""
 import shutil
 import subprocess
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -14,9 +13,9 @@ import mhagen
 from mhagen.errors import GraphError, InputError
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
+from tests.conftest import build_c_app
 from test_x86_classes import multiply_add_loops, spills_in_fma_loops
 
-ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16")
             if resolve(p).runs_here()]
@@ -164,12 +163,7 @@ def test_half_artifacts_in_python_and_c(dtype, tmp_path):
     assert "typedef uint16_t mha_value;" in header and f'#define MHA_DTYPE "{dtype}"' in header
     if cc is None:
         pytest.skip("needs a C compiler for the C half")   # the Python half has run
-    exe = tmp_path / "app"
-    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Werror",
-                        str(ROOT / "examples" / "c_app" / "mha_app.c"), f"-I{art}", f"-L{art}",
-                        "-lmha", f"-Wl,-rpath,{art}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    exe = build_c_app(cc, art, tmp_path / "app")
     x.tofile(tmp_path / "x.bin")
     r = subprocess.run([str(exe), str(art), str(tmp_path / "x.bin"), str(tmp_path / "y.bin")],
                        capture_output=True, text=True)
