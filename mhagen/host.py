@@ -7,24 +7,72 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from typing import NamedTuple
 
 # Caches assumed when a preset names none and the host's cannot be read (or the code is for
 # another machine): a typical AVX2 / AVX-512 / Neoverse core.
 DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
 
-# The features compiled code may need, by the name LLVM gives them -> (the name the Linux
-# kernel lists in /proc/cpuinfo: x86 "flags", aarch64 "Features"; the name numpy's CPU
-# dispatch gives it: numpy asks the CPU, CPUID and the register state the OS enabled,
-# XGETBV, on x86, AT_HWCAP on aarch64). x86: the vector extensions of every class (SSE4 for
-# SSE-only builds, AVX for Sandy Bridge, AVX2/FMA, AVX-512) and the scalar ones LLVM uses
-# with them (POPCNT, BMI1/2, F16C's conversions for half precision).
+class Feature(NamedTuple):
+    """How to tell whether this CPU has one feature: the flag the Linux kernel lists in
+    /proc/cpuinfo (x86 "flags", aarch64 "Features"); the name numpy's CPU dispatch gives it
+    (numpy asks the CPU: CPUID and XGETBV on x86, AT_HWCAP on aarch64); and how the C API's
+    mha_create asks the CPU itself (mha_runtime.cc): x86 (CPUID leaf, subleaf, register
+    0-3 = eax..edx, bit, the XCR0 register state the OS must have enabled), aarch64 (its
+    AT_HWCAP bit,)."""
+    cpuinfo: str
+    numpy: str
+    probe: tuple
+
+
+EAX, EBX, ECX, EDX = range(4)
+AVX_STATE, AVX512_STATE = 0x06, 0xE6    # XCR0: xmm, ymm; and the opmask and zmm state
+_EXT = 0x80000001                       # AMD's extended leaf
+
+# The features compiled code may need, by the name LLVM gives them. x86: every extension
+# an -mcpu lets LLVM's code generator use (it picks instructions from all of them: a
+# bfloat16 layer built for Zen 4 runs AVX-512 BF16 vdpbf16ps, and it listed only AVX-512
+# F/BW/DQ/VL), so code for one CPU needs all of that CPU's; extensions reachable only
+# through intrinsics mhagen never writes (AES, SHA, AMX, ...) are left out. aarch64: NEON
+# and SVE (the NEON presets' half-precision code uses only base NEON conversions; checked
+# in tests/test_arm.py).
 RUNTIME_FEATURES = {
-    "ssse3": ("ssse3", "SSSE3"), "sse4.1": ("sse4_1", "SSE41"), "sse4.2": ("sse4_2", "SSE42"),
-    "popcnt": ("popcnt", "POPCNT"), "avx": ("avx", "AVX"), "f16c": ("f16c", "F16C"),
-    "bmi": ("bmi1", "BMI"), "bmi2": ("bmi2", "BMI2"), "avx2": ("avx2", "AVX2"),
-    "fma": ("fma", "FMA3"), "avx512f": ("avx512f", "AVX512F"),
-    "avx512bw": ("avx512bw", "AVX512BW"), "avx512dq": ("avx512dq", "AVX512DQ"),
-    "avx512vl": ("avx512vl", "AVX512VL"), "neon": ("asimd", "ASIMD"), "sve": ("sve", "SVE")}
+    "ssse3": Feature("ssse3", "SSSE3", (1, 0, ECX, 9, 0)),
+    "sse4.1": Feature("sse4_1", "SSE41", (1, 0, ECX, 19, 0)),
+    "sse4.2": Feature("sse4_2", "SSE42", (1, 0, ECX, 20, 0)),
+    "popcnt": Feature("popcnt", "POPCNT", (1, 0, ECX, 23, 0)),
+    "movbe": Feature("movbe", "MOVBE", (1, 0, ECX, 22, 0)),
+    "lzcnt": Feature("abm", "LZCNT", (_EXT, 0, ECX, 5, 0)),
+    "bmi": Feature("bmi1", "BMI", (7, 0, EBX, 3, 0)),
+    "bmi2": Feature("bmi2", "BMI2", (7, 0, EBX, 8, 0)),
+    "avx": Feature("avx", "AVX", (1, 0, ECX, 28, AVX_STATE)),
+    "f16c": Feature("f16c", "F16C", (1, 0, ECX, 29, AVX_STATE)),
+    "fma": Feature("fma", "FMA3", (1, 0, ECX, 12, AVX_STATE)),
+    "avx2": Feature("avx2", "AVX2", (7, 0, EBX, 5, AVX_STATE)),
+    "fma4": Feature("fma4", "FMA4", (_EXT, 0, ECX, 16, AVX_STATE)),
+    "xop": Feature("xop", "XOP", (_EXT, 0, ECX, 11, AVX_STATE)),
+    "gfni": Feature("gfni", "GFNI", (7, 0, ECX, 8, 0)),
+    "vaes": Feature("vaes", "VAES", (7, 0, ECX, 9, AVX_STATE)),
+    "vpclmulqdq": Feature("vpclmulqdq", "VPCLMULQDQ", (7, 0, ECX, 10, AVX_STATE)),
+    "avx512f": Feature("avx512f", "AVX512F", (7, 0, EBX, 16, AVX512_STATE)),
+    "avx512dq": Feature("avx512dq", "AVX512DQ", (7, 0, EBX, 17, AVX512_STATE)),
+    "avx512ifma": Feature("avx512ifma", "AVX512IFMA", (7, 0, EBX, 21, AVX512_STATE)),
+    "avx512pf": Feature("avx512pf", "AVX512PF", (7, 0, EBX, 26, AVX512_STATE)),
+    "avx512er": Feature("avx512er", "AVX512ER", (7, 0, EBX, 27, AVX512_STATE)),
+    "avx512cd": Feature("avx512cd", "AVX512CD", (7, 0, EBX, 28, AVX512_STATE)),
+    "avx512bw": Feature("avx512bw", "AVX512BW", (7, 0, EBX, 30, AVX512_STATE)),
+    "avx512vl": Feature("avx512vl", "AVX512VL", (7, 0, EBX, 31, AVX512_STATE)),
+    "avx512vbmi": Feature("avx512vbmi", "AVX512VBMI", (7, 0, ECX, 1, AVX512_STATE)),
+    "avx512vbmi2": Feature("avx512_vbmi2", "AVX512VBMI2", (7, 0, ECX, 6, AVX512_STATE)),
+    "avx512vnni": Feature("avx512_vnni", "AVX512VNNI", (7, 0, ECX, 11, AVX512_STATE)),
+    "avx512bitalg": Feature("avx512_bitalg", "AVX512BITALG", (7, 0, ECX, 12, AVX512_STATE)),
+    "avx512vpopcntdq": Feature("avx512_vpopcntdq", "AVX512VPOPCNTDQ",
+                               (7, 0, ECX, 14, AVX512_STATE)),
+    "avx512fp16": Feature("avx512_fp16", "AVX512FP16", (7, 0, EDX, 23, AVX512_STATE)),
+    "avx512bf16": Feature("avx512_bf16", "AVX512BF16", (7, 1, EAX, 5, AVX512_STATE)),
+    "avxvnni": Feature("avx_vnni", "", (7, 1, EAX, 4, AVX_STATE)),
+    "neon": Feature("asimd", "ASIMD", (1,)),      # HWCAP_ASIMD
+    "sve": Feature("sve", "SVE", (22,))}          # HWCAP_SVE
 
 
 def host_arch() -> str:
@@ -96,7 +144,8 @@ def cpu_reported_features() -> dict:
             from numpy.core._multiarray_umath import __cpu_features__ as found
         except ImportError:
             return {}
-    return {f: bool(found[name]) for f, (_, name) in RUNTIME_FEATURES.items() if name in found}
+    return {f: bool(found[feat.numpy]) for f, feat in RUNTIME_FEATURES.items()
+            if feat.numpy in found}
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,8 +156,8 @@ def runtime_features() -> tuple:
     lists the host's AVX-512, and trusting it alone ran AVX-512 code into SIGILL."""
     listed = set(_cpuinfo_field("flags", "Features").split())
     reported = cpu_reported_features()
-    return tuple(sorted(f for f, (name, _) in RUNTIME_FEATURES.items()
-                        if name in listed and reported.get(f, True)))
+    return tuple(sorted(f for f, feat in RUNTIME_FEATURES.items()
+                        if feat.cpuinfo in listed and reported.get(f, True)))
 
 
 def missing_features(arch: str, required) -> list:

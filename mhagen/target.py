@@ -162,8 +162,8 @@ def host_llvm_cpu() -> str:
 # CPU; x86-avx2 is LLVM's haswell).
 FALLBACK_PRESETS = {
     "x86_64": (("'x86' (this CPU)", ()),
-               ("'x86-avx2'", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "popcnt", "sse4.1",
-                               "sse4.2", "ssse3"))),
+               ("'x86-avx2'", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe",
+                               "popcnt", "sse4.1", "sse4.2", "ssse3"))),
     "aarch64": (("'arm-neon'", ("neon",)),)}
 
 
@@ -172,15 +172,6 @@ def presets_that_run_here(arch: str) -> str:
     only 'x86' on a CPU without AVX2)."""
     return " or ".join(name for name, needs in FALLBACK_PRESETS.get(arch, ())
                        if not host.missing_features(arch, needs))
-
-
-@functools.lru_cache(maxsize=None)
-def host_features() -> tuple:
-    """This CPU's features as LLVM names them (asked once per process)."""
-    cpu = host_llvm_cpu()      # (sets TVM's threads before importing it)
-    import tvm
-    t = tvm.target.Target({"kind": "llvm", "mcpu": cpu})
-    return tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(t)))
 
 
 def _vector_bits(features) -> int:
@@ -222,6 +213,9 @@ def resolve(target) -> Target:
         if tvm_dict["mcpu"] in ("generic", ""):
             raise TargetError("LLVM does not recognise this CPU; use a named preset such as "
                               "x86-avx2 instead of the host preset")
+        hidden = host_hidden_features(tvm_dict)
+        if hidden:
+            tvm_dict["mattr"] = [*tvm_dict.get("mattr", []), *(f"-{f}" for f in hidden)]
     cores = host_cores() if preset.get("cores", "host") == "host" else int(preset["cores"])
     tvm_dict["num-cores"] = cores
     features = tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(
@@ -239,6 +233,17 @@ def resolve(target) -> Target:
                   int(registers), cpu=str(tvm_dict.get("mcpu", "")),
                   family=preset.get("family") or FAMILY_OF_ARCH.get(preset["arch"], ""),
                   device=preset.get("device", "cpu"), **caches)
+
+
+def host_hidden_features(tvm_dict) -> list:
+    """The checked features (host.RUNTIME_FEATURES) of the CPU LLVM names this machine that
+    this machine does not have: LLVM names the CPU by family and model, and a hypervisor may
+    hide some of its extensions. The host preset turns them off (-mattr), so that code for
+    "this CPU" runs here."""
+    import tvm
+    named = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(tvm_dict))
+    have = set(host.runtime_features())
+    return sorted(str(f) for f in named if str(f) in host.RUNTIME_FEATURES and str(f) not in have)
 
 
 def _resolve_device(preset, tvm_dict) -> Target:

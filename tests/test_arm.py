@@ -269,6 +269,18 @@ def test_sve_code_runs_on_wider_sve_vectors(artifacts, qemu):
     assert max_error(y, art.expected) < 1e-4
 
 
+@pytest.mark.parametrize("key", ["f16-causal-gqa-128x4-kv2", "bf16-causal-128x4"])
+def test_neon_half_precision_code_runs_without_fp16_arithmetic(artifacts, qemu, key):
+    """arm-neon code is compiled for a Neoverse N1 (FP16 arithmetic, BF16 absent) and needs
+    only NEON (mhagen.host.RUNTIME_FEATURES): its half-precision layers convert with base
+    NEON (fcvtl/fcvtn, shifts), so they run on a Cortex-A72 (ARMv8.0, no FP16)."""
+    art = artifacts("arm-neon", key)
+    assert art.manifest["target"]["features"] == ["neon"]
+    r, y = art.run(cpu="cortex-a72")
+    assert r.returncode == 0, r.stderr
+    assert_close(y, art.expected, art.layer.dtype)
+
+
 @pytest.mark.parametrize("cpu, why", [("neoverse-n1", "lacks sve "),
                                       ("max,sve128=on", "sve with 256-bit vectors")])
 def test_sve_artifact_refuses_a_cpu_without_256_bit_sve(artifacts, qemu, cpu, why):

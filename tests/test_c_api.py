@@ -99,7 +99,7 @@ def copy_of(art, tmp_path):
 def test_artifact_layout(small):
     d = small.dir
     for name in ("kernel.so", "params.bin", "weights.bin", "manifest.json", "mha.h", "libmha.so",
-                 "mha_config.h", "mha_libraries.h", "mha_runtime.h", "mha_runtime.cc",
+                 "mha_config.h", "mha_libraries.h", "mha_runtime.h", "mha_runtime.cc", "mha_cpu.h",
                  "lib/libtvm_ffi.so", "lib/libtvm_runtime.so", "lib/libmha_impl.so"):
         assert (d / name).is_file(), name
     man = json.loads((d / "manifest.json").read_text())

@@ -50,7 +50,8 @@ def _lint(cxx, directory, *defines):
 def test_runtime_compiles_without_warnings(artifact):
     d, man = artifact
     assert capi.write_sources(d, man) == ["mha.h", "mha_config.h", "mha_runtime.h",
-                                          "mha_runtime.cc", "mha_cuda_driver.h"]
+                                          "mha_runtime.cc", "mha_cpu.h",
+                                          "mha_cuda_driver.h"]
     assert "#define MHA_DEVICE_CUDA 0" in (d / capi.CONFIG).read_text()
     _lint("g++", d, "-DMHA_IMPL=1")   # lib/libmha_impl.so, the runtime proper
     # libmha.so, the loader: it reads the table of lib/ written after the runtime is built
@@ -94,7 +95,7 @@ def test_runtime_compiles_for_aarch64_without_warnings(artifact, features):
     man["target"].update(arch="aarch64", features=features, vector_bits=256)
     capi.write_sources(d, man)
     config = (d / capi.CONFIG).read_text()
-    assert ("HWCAP_SVE" in config) == ("sve" in features)
+    assert ('X("sve", 22)' in config) == ("sve" in features)
     assert f"MHA_SVE_VECTOR_BITS {256 if 'sve' in features else 0}" in config
     _lint(cross.arch_info("aarch64").cxx, d, "-DMHA_IMPL=1")
 
@@ -136,7 +137,8 @@ def test_generated_config_is_data_and_hashes_only_what_the_runtime_reads(artifac
     assert f'{{"weights.bin", {size}, nullptr}}' in config      # size only: never read
     assert man["files"]["weights.bin"] not in config
     assert "kDeviceType = kDLCPU" in config
-    assert 'X("avx2")' in config and 'X("fma")' in config
+    # the CPU features as CPUID bits (leaf, subleaf, register, bit, XCR0 state)
+    assert 'X("avx2", 0x7, 0, 1, 5, 0x6)' in config and 'X("fma", 0x1, 0, 2, 12, 0x6)' in config
 
 
 def test_runtime_never_reads_a_checked_file_whole():

@@ -125,7 +125,7 @@ def test_artifacts_on_an_avx2_only_cpu(qemu, tmp_path):
     assert f"{dirs['x86-avx2']} ran" in r.stdout, r.stdout
     assert_close(np.load(outs["x86-avx2"]), expected)
     refused = r.stdout[r.stdout.index(f"{dirs['x86-avx512']} refused:"):]
-    assert "needs CPU features avx512bw, avx512dq, avx512f, avx512vl" in refused, r.stdout
+    assert "needs CPU features avx512bw, avx512cd, avx512dq, avx512f, avx512vl" in refused, r.stdout
     assert "'x86-avx2'" in refused, r.stdout         # ... and says what to build instead
 
     for preset, d in dirs.items():
@@ -169,3 +169,57 @@ def test_code_for_a_sandy_bridge_is_refused_on_a_nehalem(qemu, tmp_path):
     r = _on_cpu(qemu, "Nehalem-v1", [_c_app(tmp_path, art), art, tmp_path / "x.f32",
                                      tmp_path / "y.f32"])
     assert r.returncode == 1 and "MHA_ERR_TARGET" in r.stderr and "avx" in r.stderr, r.stderr
+
+
+PROBE = """#include <cstdio>
+#include "mha_config.h"
+#include "mha_cpu.h"
+int main() { std::printf("%s\\n", mha::missing_cpu_features().c_str()); }
+"""
+PYTHON_FEATURES = "from mhagen.host import runtime_features; print(' '.join(runtime_features()))"
+
+
+@pytest.fixture(scope="module")
+def cpu_probe(tmp_path_factory):
+    """The C API's CPU check (mha_cpu.h) built alone, asked for every x86 feature mhagen
+    knows: it prints the ones the CPU it runs on lacks."""
+    from mhagen.artifact import capi
+    from mhagen.host import RUNTIME_FEATURES
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        unavailable("no C++ compiler (g++) for the CPU probe")
+    d = tmp_path_factory.mktemp("probe")
+    every = sorted(f for f, feat in RUNTIME_FEATURES.items() if len(feat.probe) == 5)
+    x86, _, _, unchecked = capi._cpu_features({"target": {"arch": "x86_64", "features": every}})
+    assert [f[0] for f in x86] == every and not unchecked
+    (d / "mha_config.h").write_text(capi._cpu_check({"target": {"arch": "x86_64",
+                                                                "features": every}}))
+    shutil.copy(capi.RUNTIME_DIR / "mha_cpu.h", d)
+    (d / "probe.cc").write_text(PROBE)
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{d}", str(d / "probe.cc"),
+                        "-o", str(d / "probe")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return d / "probe", every
+
+
+@pytest.mark.parametrize("cpu", [None, AVX2_ONLY_CPU, "SandyBridge-v1", "Nehalem-v1"])
+def test_the_c_api_and_python_agree_on_what_a_cpu_lacks(qemu, cpu_probe, cpu):
+    """The C API's CPUID/XGETBV check and mhagen's (/proc/cpuinfo and numpy) name the same
+    missing features, for every x86 feature, on this CPU and on emulated ones; a wrong CPUID
+    bit in the table would show as a disagreement here."""
+    probe, every = cpu_probe
+    run = (lambda argv: _on_cpu(qemu, cpu, argv)) if cpu else (
+        lambda argv: subprocess.run(list(map(str, argv)), capture_output=True, text=True,
+                                    timeout=600))
+    r = run([probe])
+    assert r.returncode == 0, r.stderr
+    c_missing = set(r.stdout.split())
+    r = run([sys.executable, "-c", PYTHON_FEATURES])
+    assert r.returncode == 0, r.stderr
+    python_missing = set(every) - set(r.stdout.split())
+    assert c_missing == python_missing, (cpu, sorted(c_missing ^ python_missing))
+    assert "avx512bf16" in c_missing or "avx512f" not in c_missing    # BF16 needs AVX-512
+    if cpu:      # what each emulated CPU is
+        has = {AVX2_ONLY_CPU: {"avx2", "fma", "movbe", "lzcnt"}, "SandyBridge-v1": {"avx"},
+               "Nehalem-v1": {"sse4.2", "popcnt"}}[cpu]
+        assert not has & c_missing and "avx512f" in c_missing, (cpu, c_missing)

@@ -23,12 +23,13 @@ from mhagen.artifact.files import KERNEL_FILES, sha256_file
 from mhagen.artifact.toolchain import Toolchain
 from mhagen.artifact.tvm_runtime import RUNTIME_LIBS, find_tvm_runtime
 from mhagen.errors import ArtifactError
+from mhagen.host import RUNTIME_FEATURES
 
 HEADER = "mha.h"
 CONFIG = "mha_config.h"
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 RUNTIME_SOURCES = ("mha_runtime.h", "mha_runtime.cc",   # copied from RUNTIME_DIR
-                   "mha_cuda_driver.h")
+                   "mha_cpu.h", "mha_cuda_driver.h")
 SOURCE = "mha_runtime.cc"                                # the one translation unit
 LIBRARY = "libmha.so"
 LIB_DIR = "lib"
@@ -70,15 +71,11 @@ STATUS = (
 # left to mhagen.load, and the size check only catches an incomplete copy of the directory.
 CHECKED_FILES = (("kernel.so", "sha256"), ("params.bin", "sha256"), ("weights.bin", "size"))
 
-# CPU features gcc/clang's __builtin_cpu_supports() knows (x86); others are not checked at run
-# time (the manifest still lists them).
-_X86_BUILTIN_FEATURES = frozenset(
-    "cmov mmx popcnt sse sse2 sse3 ssse3 sse4.1 sse4.2 avx avx2 sse4a fma4 xop fma bmi bmi2 aes "
-    "pclmul avx512f avx512vl avx512bw avx512dq avx512cd avx512vbmi avx512ifma avx512vpopcntdq "
-    "avx512vbmi2 gfni vpclmulqdq avx512vnni avx512bitalg".split())
-# aarch64: the glibc <sys/auxv.h> AT_HWCAP bit of each feature the kernels may need. SVE code
-# compiled for fixed-length vectors also needs the SVE vector length (kSveVectorBits).
-_AARCH64_HWCAPS = {"neon": "HWCAP_ASIMD", "sve": "HWCAP_SVE"}
+# The C API asks the CPU for each feature the kernels need the way RUNTIME_FEATURES' probe
+# says (x86: CPUID and XGETBV, no compiler builtin: gcc's __builtin_cpu_supports names
+# AVX-512 BF16 only from gcc 12 on); features without a probe for the artifact's
+# architecture are not checked at run time (the manifest still lists them).
+_PROBE_LENGTH = {"x86_64": 5, "aarch64": 1}
 
 # The manifest's target device -> the DLPack device type mha_runtime.cc allocates on (its
 # device section).
@@ -407,15 +404,17 @@ MHA_API int mha_run_kernel_device(mha_handle *handle, int kernel, const mha_valu
 
 
 def _cpu_features(manifest):
-    """(x86 features, aarch64 (feature, HWCAP macro) pairs, SVE vector bits or 0, features not
-    checkable) of the features the kernels need: what mha_create checks."""
+    """(x86 (feature, leaf, subleaf, register, bit, XCR0 state), aarch64 (feature, AT_HWCAP
+    bit), SVE vector bits or 0, features not checkable) of the features the kernels need:
+    what mha_create checks."""
     t = manifest["target"]
     feats = sorted(t.get("features") or [])
-    x86 = [f for f in feats if f in _X86_BUILTIN_FEATURES] if t["arch"] == "x86_64" else []
-    arm = ([(f, _AARCH64_HWCAPS[f]) for f in feats if f in _AARCH64_HWCAPS]
-           if t["arch"] == "aarch64" else [])
-    sve_bits = int(t.get("vector_bits") or 0) if any(f == "sve" for f, _ in arm) else 0
-    checked = set(x86) | {f for f, _ in arm}
+    probed = [(f, *RUNTIME_FEATURES[f].probe) for f in feats if f in RUNTIME_FEATURES and
+              len(RUNTIME_FEATURES[f].probe) == _PROBE_LENGTH.get(t["arch"])]
+    x86 = probed if t["arch"] == "x86_64" else []
+    arm = probed if t["arch"] == "aarch64" else []
+    sve_bits = int(t.get("vector_bits") or 0) if any(p[0] == "sve" for p in arm) else 0
+    checked = {p[0] for p in probed}
     return x86, arm, sve_bits, [f for f in feats if f not in checked]
 
 
@@ -426,14 +425,16 @@ def _macro_list(name, args, entries) -> str:
 
 
 def _cpu_check(manifest) -> str:
-    """mha_config.h's lists of the CPU features mha_create checks (x86: each checked with
-    __builtin_cpu_supports; aarch64: AT_HWCAP bits and the SVE vector length)."""
+    """mha_config.h's lists of the CPU features mha_create checks (x86: CPUID bits and the
+    XCR0 state; aarch64: AT_HWCAP bits and the SVE vector length)."""
     x86, arm, sve_bits, unchecked = _cpu_features(manifest)
     out = "// The CPU features the kernels need (checked at mha_create)"
     out += f"; not checkable here: {' '.join(unchecked)}.\n" if unchecked else ".\n"
-    out += _macro_list("MHA_X86_FEATURES", "X", [f"X({_c_string(f)})" for f in x86])
+    out += _macro_list("MHA_X86_FEATURES", "X", [
+        f"X({_c_string(f)}, {leaf:#x}, {sub}, {reg}, {bit}, {state:#x})"
+        for f, leaf, sub, reg, bit, state in x86])
     out += _macro_list("MHA_AARCH64_HWCAPS", "X",
-                       [f"X({_c_string(f)}, {macro})" for f, macro in arm])
+                       [f"X({_c_string(f)}, {bit})" for f, bit in arm])
     return out + f"#define MHA_SVE_VECTOR_BITS {sve_bits}\n"
 
 

@@ -35,6 +35,7 @@
 #include "mha.h"
 #include "mha_config.h"
 #include "mha_runtime.h"
+#include "mha_cpu.h"
 #if MHA_LOADER
 #include "mha_libraries.h"
 #endif
@@ -52,10 +53,6 @@
 
 #include <sched.h>
 #include <sys/stat.h>
-#if defined(__aarch64__) && defined(__linux__)
-#include <sys/auxv.h>
-#include <sys/prctl.h>
-#endif
 
 #include <cerrno>
 #include <cstdint>
@@ -363,40 +360,6 @@ bool top_level_int(const std::string &s, const char *key, long *out) {
 }
 
 #if !MHA_LOADER
-// ---- the CPU features the kernels need (mha_config.h's lists) -------------------------------
-#if defined(__aarch64__) && defined(__linux__)
-#ifdef PR_SVE_GET_VL
-constexpr int kPrSveGetVl = PR_SVE_GET_VL;
-#else
-constexpr int kPrSveGetVl = 51;    // linux/prctl.h
-#endif
-#endif
-
-// " avx2 fma" for the features this CPU lacks; "" when it has them all.
-std::string missing_cpu_features() {
-  std::string missing;
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-#define MHA_CHECK_X86(name) \
-  if (!__builtin_cpu_supports(name)) missing += " " name;
-  MHA_X86_FEATURES(MHA_CHECK_X86)
-#undef MHA_CHECK_X86
-#elif defined(__aarch64__) && defined(__linux__)
-  [[maybe_unused]] const unsigned long hwcap = getauxval(AT_HWCAP);
-#define MHA_CHECK_HWCAP(name, bit) \
-  if (!(hwcap & (bit))) missing += " " name;
-  MHA_AARCH64_HWCAPS(MHA_CHECK_HWCAP)
-#undef MHA_CHECK_HWCAP
-  if (kSveVectorBits > 0 && (hwcap & HWCAP_SVE)) {
-    const int vl = prctl(kPrSveGetVl, 0, 0, 0, 0);
-    if (vl >= 0 && (vl & 0xffff) * 8 < kSveVectorBits)
-      missing += " sve with " + std::to_string(kSveVectorBits) + "-bit vectors (this CPU's are " +
-                 std::to_string((vl & 0xffff) * 8) + "-bit)";
-  }
-#endif
-  return missing;
-}
-
 #if !MHA_DEVICE_CUDA
 // ---- threads: size TVM's pool to the usable CPUs unless TVM_NUM_THREADS is set --------------
 void prepare_threads() {

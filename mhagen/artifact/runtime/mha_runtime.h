@@ -24,7 +24,9 @@
 //   kSveVectorBits                            aarch64: SVE vector length the kernels need, or 0
 // and the lists (X-macros: each expands X once per entry)
 //   MHA_STATUS_LIST(X)        X(name) per status code of mha.h, in order
-//   MHA_X86_FEATURES(X)       X("avx2") per x86 feature __builtin_cpu_supports checks
+//   MHA_X86_FEATURES(X)       X("avx2", leaf, subleaf, register, bit, xcr0) per x86 feature:
+//                             its CPUID bit (register 0-3: eax..edx) and the XCR0 register
+//                             state the OS must enable (0: none)
 //   MHA_AARCH64_HWCAPS(X)     X("neon", bit) per aarch64 feature and its AT_HWCAP bit
 #ifndef MHA_RUNTIME_H_
 #define MHA_RUNTIME_H_
