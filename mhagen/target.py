@@ -158,20 +158,18 @@ def host_llvm_cpu() -> str:
     return str(tvm.target.codegen.llvm_get_system_cpu())
 
 
-# The presets a refusal suggests, with the runtime features their code needs ("x86" is this
-# CPU; x86-avx2 is LLVM's haswell).
-FALLBACK_PRESETS = {
-    "x86_64": (("'x86' (this CPU)", ()),
-               ("'x86-avx2'", ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe",
-                               "popcnt", "sse4.1", "sse4.2", "ssse3"))),
-    "aarch64": (("'arm-neon'", ("neon",)),)}
-
-
 def presets_that_run_here(arch: str) -> str:
-    """The FALLBACK_PRESETS of `arch` this machine runs ("'x86' (this CPU) or 'x86-avx2'";
-    only 'x86' on a CPU without AVX2)."""
-    return " or ".join(name for name, needs in FALLBACK_PRESETS.get(arch, ())
-                       if not host.missing_features(arch, needs))
+    """The presets of `arch` with a "fallback" list whose features this machine has ("'x86'
+    (this CPU) or 'x86-avx2'"; only 'x86' on a CPU without AVX2)."""
+    names = []
+    for name in preset_names():
+        preset = load_preset(name)
+        needs = preset.get("fallback")
+        if preset["arch"] == arch and needs is not None and not host.missing_features(arch,
+                                                                                      needs):
+            this_cpu = preset["tvm"].get("mcpu") == "host"
+            names.append(f"'{name}'" + (" (this CPU)" if this_cpu else ""))
+    return " or ".join(names)
 
 
 def _vector_bits(features) -> int:
