@@ -159,6 +159,7 @@ def main(argv=None):
                    "libraries' worker threads stop spinning), as bench_mha.py")
     p.add_argument("--out", type=Path, help="write results.json and results.md here")
     args = p.parse_args(argv)
+    bm.runnable_target(p, args.target)
     bm.TARGET = args.target
     D, H, N, B = args.d_model, args.heads, args.cache, args.batch
     past = N - 1

@@ -150,6 +150,7 @@ def main(argv=None):
                    help="idle gap before each turn when threads > 1 (as bench_mha.py)")
     p.add_argument("--out", type=Path, help="write results.json and results.md here")
     args = p.parse_args(argv)
+    bm.runnable_target(p, args.target)
     bm.TARGET = args.target
     rows, status, precision = [], {}, {}
     for text in args.shapes:

@@ -1184,6 +1184,19 @@ def machine_meta(args):
     return meta
 
 
+def runnable_target(parser, name):
+    """The resolved --target, or the parser's error (exit 2) when the benchmark cannot run
+    its code on this machine (another arch, CPU features this one lacks)."""
+    try:
+        target = mhagen.target.resolve(name)
+    except mhagen.TargetError as err:
+        parser.error(str(err))
+    if not target.runs_here():
+        parser.error(f"--target {name}: the benchmark runs the code here, but "
+                     f"{target.cannot_run()}")
+    return target
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1226,13 +1239,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.child:
         return args
-    try:
-        args.target_info = mhagen.target.resolve(args.target)
-    except mhagen.TargetError as err:
-        p.error(str(err))
-    if not args.target_info.runs_here():
-        p.error(f"--target {args.target}: {args.target_info.missing_features() or 'another arch'}"
-                " missing on this machine; the benchmark runs the code here")
+    args.target_info = runnable_target(p, args.target)
     args.host_info = mhagen.target.resolve("x86")
     if args.out_dir is None:
         args.out_dir = str(HERE / "results" / f"{args.target_info.cpu_class}_on_"

@@ -147,6 +147,7 @@ def main(argv=None):
     p.add_argument("--peers", default="torch_sdpa,torch_eager,flex_attention")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    bm.runnable_target(p, args.target)
     B, S, D, H = args.shape
     x = bm.make_input(B, S, D)
     rows, status = [], {}

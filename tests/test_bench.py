@@ -254,3 +254,16 @@ def test_readme_runs_table_is_the_one_the_results_give():
     table = runs_table.table()
     assert len(table.splitlines()) == 2 + len(list(runs_table.RESULTS.glob("x86_64-*")))
     assert table in (ROOT / "README.md").read_text(), "rerun benchmarks/runs_table.py"
+
+
+@pytest.mark.parametrize("script", ["bench_mha.py", "bench_decode.py", "bench_half.py",
+                                    "bench_score_mods.py"])
+def test_a_benchmark_of_code_this_machine_cannot_run_is_a_usage_error(script):
+    """Every benchmark runs its code here: a target that cannot run here (another arch; on
+    an AVX2-only CPU, x86-avx512) is refused at the command line, not by a traceback from
+    the first call."""
+    other = "arm-neon" if mhagen.target.host_arch() == "x86_64" else "x86-avx2"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--target", other],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"--target {other}: the benchmark runs the code here, but" in r.stderr, r.stderr

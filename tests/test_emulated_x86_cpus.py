@@ -223,3 +223,13 @@ def test_the_c_api_and_python_agree_on_what_a_cpu_lacks(qemu, cpu_probe, cpu):
         has = {AVX2_ONLY_CPU: {"avx2", "fma", "movbe", "lzcnt"}, "SandyBridge-v1": {"avx"},
                "Nehalem-v1": {"sse4.2", "popcnt"}}[cpu]
         assert not has & c_missing and "avx512f" in c_missing, (cpu, c_missing)
+
+
+def test_tuning_avx512_code_on_an_avx2_only_cpu_is_a_clear_error(qemu, tmp_path):
+    """`mhagen tune --target x86-avx512` measured its candidates here and died of SIGILL."""
+    r = _on_avx2_only_cpu(qemu, [sys.executable, "-m", "mhagen", "tune", "--target",
+                                 "x86-avx512", "--d-model", "64", "--heads", "4", "--shapes",
+                                 "1x16", "--trials", "1", "--kernels", "attention", "--db",
+                                 tmp_path / "db.json"])
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "cannot tune x86-avx512 here" in r.stderr and "avx512f" in r.stderr, r.stderr

@@ -422,3 +422,18 @@ def test_a_config_sweep_keeps_its_fastest_only_if_a_second_measurement_confirms(
     assert record["kind"] == ("config" if confirmed else "default")
     assert record["tuned_us"] == (900.0 if confirmed else 1010.0)
     assert report.results[0].kept == ("tuned" if confirmed else "default")
+
+
+def test_tuning_code_this_cpu_cannot_run_is_refused_before_measuring(tmp_path, monkeypatch):
+    """Measuring x86-avx512 candidates on an AVX2-only CPU died of SIGILL (qemu's Zen 1,
+    tests/test_emulated_x86_cpus.py); it is refused first, naming what is missing."""
+    from mhagen.errors import TargetError
+    from mhagen.host import runtime_features
+    avx2_only = tuple(f for f in runtime_features() if not f.startswith("avx512"))
+    monkeypatch.setattr("mhagen.host.runtime_features", lambda: avx2_only)
+    db = tmp_path / "db.json"
+    with pytest.raises(TargetError, match=r"cannot tune x86-avx512 here: .*needs CPU features "
+                                          r"avx512bw, avx512cd, avx512dq, avx512f, avx512vl"):
+        tune(mhagen.mha(64, 4), "x86-avx512", shapes=[(1, 16)], trials=1, database=db,
+             progress=False)
+    assert not db.exists()

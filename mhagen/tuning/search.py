@@ -491,6 +491,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
                           "measure it on the device through a TVM RPC tracker "
                           "(mhagen tune --rpc-tracker HOST:PORT --device-key KEY)")
+    if rpc is None and t.missing_features():   # measuring here would die of SIGILL
+        raise TargetError(f"cannot tune {t.name} here: {t.cannot_run()}; or tune {t.name} on a "
+                          "machine that has them (or measure there through "
+                          "--rpc-tracker HOST:PORT --device-key KEY)")
     if getattr(layer, "context_input", None) is not None:
         raise GraphError("tuning cross-attention layers is not supported yet (their records "
                          "would need the context's length in the key); their builds use the "
