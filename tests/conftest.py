@@ -27,12 +27,12 @@ def unavailable(reason):
 C_APP = Path(__file__).resolve().parents[1] / "examples" / "c_app" / "mha_app.c"
 
 
-def build_c_app(cc, artifact, exe):
-    """The C example app built against `artifact` with examples/c_app/README.md's command
-    (warnings are errors); returns exe."""
-    r = subprocess.run([cc, "-O2", "-std=c11", "-Wall", "-Werror", str(C_APP), f"-I{artifact}",
-                        f"-L{artifact}", "-lmha", f"-Wl,-rpath,{artifact}", "-o", str(exe)],
-                       capture_output=True, text=True)
+def build_c_app(cc, artifact, exe, source=C_APP, std="c11", extra=()):
+    """A program against `artifact`'s C API, by default the C example app, built with
+    examples/c_app/README.md's command (warnings are errors) and `extra` flags; returns exe."""
+    r = subprocess.run([cc, "-O2", f"-std={std}", "-Wall", "-Werror", str(source),
+                        f"-I{artifact}", f"-L{artifact}", "-lmha", f"-Wl,-rpath,{artifact}",
+                        "-o", str(exe), *extra], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return exe
 

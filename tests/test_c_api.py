@@ -12,7 +12,7 @@ import mhagen
 from mhagen.artifact.describe import describe
 from mhagen.artifact.manifest import content_hash
 from mhagen.tolerances import assert_close, max_error
-from tests.conftest import random_input
+from tests.conftest import build_c_app, random_input
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "c_app"
@@ -51,14 +51,9 @@ class Artifact:
         if kind not in self._apps:
             src = {"c": APP / "mha_app.c", "cpp": APP / "mha_app.cpp",
                    "driver": self.dir.parent / "driver.c"}[kind]
-            exe = self.dir.parent / f"{self.dir.name}.{kind}"
-            std = "-std=c++17" if kind == "cpp" else "-std=c11"
-            cmd = [CXX if kind == "cpp" else CC, "-O2", std, "-Wall", "-Werror", str(src),
-                   f"-I{self.dir}", f"-L{self.dir}", "-lmha", f"-Wl,-rpath,{self.dir}",
-                   "-o", str(exe)] + (["-lpthread"] if kind == "driver" else [])
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            assert r.returncode == 0, r.stderr
-            self._apps[kind] = exe
+            self._apps[kind] = build_c_app(
+                CXX if kind == "cpp" else CC, self.dir, self.dir.parent / f"{self.dir.name}.{kind}",
+                src, "c++17" if kind == "cpp" else "c11", ["-lpthread"] if kind == "driver" else [])
         return self._apps[kind]
 
     def run(self, kind, *args):
@@ -482,11 +477,7 @@ def lengths_artifacts(root):
         w = layer.init_weights(2)
         module = mhagen.build(layer, "x86", batch=2, seq_len=seq, weights=w)
         d = module.save(root / f"lengths-{key}")
-        exe = root / f"lengths-{key}.driver"
-        r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror",
-                            str(root / "lengths_driver.c"), f"-I{d}", f"-L{d}", "-lmha",
-                            f"-Wl,-rpath,{d}", "-o", str(exe)], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+        exe = build_c_app(CC, d, root / f"lengths-{key}.driver", root / "lengths_driver.c")
         x = random_input(layer, 2, seq, seed=4)
         x.tofile(root / f"lengths-{key}.x")
         out[key] = (layer, w, module, exe, x)
@@ -559,11 +550,7 @@ def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls):
     lengths = dict(seq_len=1) if seq_len else dict(seq_len=None, max_seq_len=16)
     d = mhagen.build(layer, "x86", batch=1, weights=w, **lengths).save(
         root / f"decode-{seq_len}")
-    exe = root / f"decode-{seq_len}.exe"
-    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror",
-                        str(APP / "decode.c"), f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}",
-                        "-o", str(exe)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    exe = build_c_app(CC, d, root / f"decode-{seq_len}.exe", APP / "decode.c", extra=["-Wextra"])
     x = random_input(layer, 1, 29, seed=6)
     x.tofile(root / "decode.x")
     r = subprocess.run([str(exe), str(d), str(root / "decode.x"), "29", str(root / "decode.y"),

@@ -9,7 +9,7 @@ import pytest
 
 import mhagen
 from mhagen.tolerances import assert_close
-from tests.conftest import random_input
+from tests.conftest import build_c_app, random_input
 
 CC = shutil.which("gcc") or shutil.which("cc")
 
@@ -182,11 +182,7 @@ def test_c_api_runs_cross_attention(tmp_path):
     d = module.save(tmp_path / "art")
     assert "#define MHA_CROSS 1" in (d / "mha.h").read_text()
     (tmp_path / "driver.c").write_text(DRIVER)
-    exe = tmp_path / "driver"
-    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror", str(tmp_path / "driver.c"),
-                        f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    exe = build_c_app(CC, d, tmp_path / "driver", tmp_path / "driver.c")
     x, c = random_input(layer, 2, 7), _context(layer, 2, 19)
     x.tofile(tmp_path / "x")
     c.tofile(tmp_path / "c")
@@ -281,11 +277,7 @@ def test_c_api_runs_every_context_length(tmp_path):
     d = module.save(tmp_path / "art")
     assert "#define MHA_SYMBOLIC_KV_SEQ_LEN 1" in (d / "mha.h").read_text()
     (tmp_path / "driver.c").write_text(SYMBOLIC_DRIVER)
-    exe = tmp_path / "driver"
-    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror", str(tmp_path / "driver.c"),
-                        f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    exe = build_c_app(CC, d, tmp_path / "driver", tmp_path / "driver.c")
     for seq, kv_seq in ((1, 40), (30, 3), (17, 41)):
         x, c = random_input(layer, 2, seq, seed=seq), _context(layer, 2, kv_seq)
         x.tofile(tmp_path / "x")

@@ -9,7 +9,7 @@ import pytest
 import mhagen
 from mhagen import ir
 from mhagen.tolerances import assert_close
-from tests.conftest import random_input
+from tests.conftest import build_c_app, random_input
 
 LENGTHS = (1, 17, 97, 512)
 CC = shutil.which("gcc") or shutil.which("cc")
@@ -173,11 +173,7 @@ def test_c_api_runs_every_length(tmp_path):
     header = (d / "mha.h").read_text()
     assert "#define MHA_SYMBOLIC_SEQ_LEN 1" in header and "#define MHA_SEQ_LEN 97" in header
     (tmp_path / "driver.c").write_text(DRIVER)
-    exe = tmp_path / "driver"
-    r = subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Werror", str(tmp_path / "driver.c"),
-                        f"-I{d}", f"-L{d}", "-lmha", f"-Wl,-rpath,{d}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    exe = build_c_app(CC, d, tmp_path / "driver", tmp_path / "driver.c")
 
     def run(batch, seq):
         x = random_input(layer, batch, seq, seed=batch * seq)
