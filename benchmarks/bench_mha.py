@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 import mhagen
+import mhagen.host
 import mhagen.runtime
 import mhagen.target
 from mhagen import tolerances
@@ -1160,10 +1161,8 @@ def machine_meta(args):
                 meta["cpu"] = m.group(1).strip()
     except OSError:
         pass
-    try:
-        meta["cores"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        meta["cores"] = os.cpu_count()
+    meta["cores"] = mhagen.host.host_cores()
+    meta["cpus"] = len(mhagen.host.usable_cpus())
     blas = "BLAS unknown"
     try:
         from threadpoolctl import threadpool_info
@@ -1255,10 +1254,10 @@ def parse_args(argv=None):
             p.error(str(err))
     if args.threads is None:
         args.threads = [1] if args.quick else [1, 2]
-    cores = mhagen.target.host_cores()
-    bad = [n for n in args.threads if n < 1 or n > cores]
+    cpus = len(mhagen.host.usable_cpus())
+    bad = [n for n in args.threads if n < 1 or n > cpus]
     if bad:
-        p.error(f"--threads {bad}: this machine lets us use 1..{cores} threads")
+        p.error(f"--threads {bad}: this machine lets us use 1..{cpus} threads")
     args.threads = sorted(set(args.threads))
     if args.rounds is None:
         args.rounds = 3 if args.quick else 7

@@ -80,11 +80,28 @@ def host_arch() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def host_cores() -> int:
+def usable_cpus() -> list:
+    """The logical CPUs this process may run on (its affinity mask)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def host_cores(sysfs: str = "/sys/devices/system/cpu") -> int:
+    """The physical cores among the usable CPUs: SMT siblings (two hardware threads of one
+    core, Linux's thread_siblings_list) count once. mhagen runs one TVM thread per core, as
+    ONNX Runtime, PyTorch (MKL) and TVM's own default do: siblings share the core's FMA
+    units and its L1/L2, which the cache blocking assumes one thread has. Where sysfs does
+    not say, every usable CPU counts."""
+    cpus, cores = usable_cpus(), set()
+    for cpu in cpus:
+        try:
+            with open(f"{sysfs}/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
 
 
 def _read_cache(entry: str):

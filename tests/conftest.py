@@ -11,7 +11,8 @@ import pytest
 # subprocesses inherit it. tests/test_threads.py runs kernels on several threads.
 if os.environ.get("PYTEST_XDIST_WORKER") and "TVM_NUM_THREADS" not in os.environ:
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _workers))
+    from mhagen.host import host_cores      # (standard library and numpy only, no TVM)
+    os.environ["TVM_NUM_THREADS"] = str(max(1, host_cores() // _workers))
 
 
 CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")

@@ -204,3 +204,18 @@ def test_aligned_input_is_read_in_place_and_outputs_never_alias(small):
     assert y4 is y3 and y4.ctypes.data == addr
     assert_close(y4, layer.reference(-x, w))
     np.testing.assert_array_equal(y1, module(x))
+
+
+def test_smt_siblings_count_as_one_core(tmp_path, monkeypatch):
+    """One TVM thread per physical core: CPUs whose thread_siblings_list is the same are one
+    core; an affinity mask of one sibling per core keeps every core; without sysfs
+    topology every usable CPU counts."""
+    from mhagen import host
+    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3", 4: "4-5", 5: "4-5"}.items():
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(siblings + "\n")
+    cases = {(0, 1, 2, 3, 4, 5): 3, (0, 1): 2, (0, 2): 1, (1, 3, 5): 2, (6, 7): 2}
+    for cpus, cores in cases.items():     # cpu6/7: no topology files
+        monkeypatch.setattr(host, "usable_cpus", lambda cpus=cpus: list(cpus))
+        assert host.host_cores(str(tmp_path)) == cores, cpus

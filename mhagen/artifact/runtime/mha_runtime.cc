@@ -361,7 +361,31 @@ bool top_level_int(const std::string &s, const char *key, long *out) {
 
 #if !MHA_LOADER
 #if !MHA_DEVICE_CUDA
-// ---- threads: size TVM's pool to the usable CPUs unless TVM_NUM_THREADS is set --------------
+// ---- threads: one per usable physical core unless TVM_NUM_THREADS is set --------------------
+// As mhagen.host.host_cores: the usable CPUs, SMT siblings (sysfs thread_siblings_list)
+// counted once; every usable CPU where sysfs does not say.
+#ifdef __linux__
+int usable_cores(const cpu_set_t &set) {
+  std::vector<std::string> cores;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &set)) continue;
+    const std::string path = "/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
+                             "/topology/thread_siblings_list";
+    FILE *f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return CPU_COUNT(&set);
+    char line[256] = {0};
+    const bool ok = std::fgets(line, sizeof line, f) != nullptr;
+    std::fclose(f);
+    if (!ok) return CPU_COUNT(&set);
+    const std::string siblings(line);
+    bool seen = false;
+    for (const std::string &c : cores) seen = seen || c == siblings;
+    if (!seen) cores.push_back(siblings);
+  }
+  return cores.empty() ? CPU_COUNT(&set) : int(cores.size());
+}
+#endif
+
 void prepare_threads() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -369,7 +393,7 @@ void prepare_threads() {
     if (std::getenv("TVM_NUM_THREADS") == nullptr) {
       cpu_set_t set;
       if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        setenv("TVM_NUM_THREADS", std::to_string(CPU_COUNT(&set)).c_str(), 0);
+        setenv("TVM_NUM_THREADS", std::to_string(usable_cores(set)).c_str(), 0);
     }
 #endif
   });
