@@ -207,13 +207,7 @@ def resolve(target) -> Target:
         if preset["arch"] != host_arch():
             raise TargetError(f"target {target!r} means this machine's CPU, but this machine is "
                               f"{host_arch()}, not {preset['arch']}; pick a named-CPU preset")
-        tvm_dict["mcpu"] = host_llvm_cpu()
-        if tvm_dict["mcpu"] in ("generic", ""):
-            raise TargetError("LLVM does not recognise this CPU; use a named preset such as "
-                              "x86-avx2 instead of the host preset")
-        hidden = host_hidden_features(tvm_dict)
-        if hidden:
-            tvm_dict["mattr"] = [*tvm_dict.get("mattr", []), *(f"-{f}" for f in hidden)]
+        tvm_dict = host_cpu(tvm_dict, preset["arch"])
     cores = host_cores() if preset.get("cores", "host") == "host" else int(preset["cores"])
     tvm_dict["num-cores"] = cores
     features = tuple(sorted(str(f) for f in tvm.target.codegen.llvm_get_cpu_features(
@@ -233,15 +227,41 @@ def resolve(target) -> Target:
                   device=preset.get("device", "cpu"), **caches)
 
 
-def host_hidden_features(tvm_dict) -> list:
-    """The checked features (host.RUNTIME_FEATURES) of the CPU LLVM names this machine that
-    this machine does not have: LLVM names the CPU by family and model, and a hypervisor may
-    hide some of its extensions. The host preset turns them off (-mattr), so that code for
-    "this CPU" runs here."""
+# The x86-64 psABI levels as LLVM names them, best first, and the vector extensions that
+# tell LLVM did not know a CPU when its name for it lacks one the CPU has.
+X86_LEVELS = ("x86-64-v4", "x86-64-v3", "x86-64-v2", "x86-64")
+CLASS_FEATURES = frozenset({"avx512f", "avx2", "fma", "avx", "sse4.2"})
+
+
+def _checked_features(tvm_dict) -> set:
+    """The features of an LLVM target that host.RUNTIME_FEATURES checks."""
     import tvm
     named = tvm.target.codegen.llvm_get_cpu_features(tvm.target.Target(tvm_dict))
+    return {str(f) for f in named if str(f) in host.RUNTIME_FEATURES}
+
+
+def host_cpu(tvm_dict, arch) -> dict:
+    """The TVM target dict of this machine's CPU: LLVM's name for it, and -mattr turning off
+    the checked features (host.RUNTIME_FEATURES) of that CPU this machine lacks (a
+    hypervisor may hide some) and on the ones it has beyond that CPU, so the code needs
+    exactly what this machine has. LLVM names a CPU by family and model; one it does not
+    know gets an older CPU's name or "generic" (under qemu -cpu max, an AVX2 CPU was
+    "k8-sse3" and got SSE3 code): there the best x86-64 level this machine reaches
+    (x86-64-v3: AVX2, FMA; v4: AVX-512) stands in for the name."""
     have = set(host.runtime_features())
-    return sorted(str(f) for f in named if str(f) in host.RUNTIME_FEATURES and str(f) not in have)
+    d = dict(tvm_dict, mcpu=host_llvm_cpu())
+    unknown = d["mcpu"] in ("generic", "")
+    if arch == "x86_64" and (unknown or (have - _checked_features(d)) & CLASS_FEATURES):
+        d["mcpu"] = next(level for level in X86_LEVELS
+                         if _checked_features(dict(d, mcpu=level)) <= have)
+    elif unknown:
+        raise TargetError("LLVM does not recognise this CPU; use a named preset instead of "
+                          "the host preset")
+    named = _checked_features(d)
+    extra = [f"+{f}" for f in sorted(have - named)] + [f"-{f}" for f in sorted(named - have)]
+    if extra:
+        d["mattr"] = [*tvm_dict.get("mattr", []), *extra]
+    return d
 
 
 def _resolve_device(preset, tvm_dict) -> Target:

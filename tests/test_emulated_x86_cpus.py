@@ -233,3 +233,24 @@ def test_tuning_avx512_code_on_an_avx2_only_cpu_is_a_clear_error(qemu, tmp_path)
                                  tmp_path / "db.json"])
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "cannot tune x86-avx512 here" in r.stderr and "avx512f" in r.stderr, r.stderr
+
+
+BUILD_AND_CHECK = """
+import mhagen, numpy as np
+from mhagen.tolerances import assert_close
+layer = mhagen.mha(64, 4, causal=True)
+w = layer.init_weights(0)
+m = mhagen.build(layer, "x86", batch=1, seq_len=24, weights=w, tuning=None)
+x = np.random.default_rng(1).standard_normal((1, 24, 64)).astype(np.float32)
+assert_close(m(x), layer.reference(x, w))
+print(m.target.cpu, m.target.cpu_class, "matches the reference")
+"""
+
+
+@pytest.mark.slow
+def test_a_cpu_llvm_does_not_know_gets_avx2_code(qemu):
+    """~40 s. qemu's `-cpu max` (AVX2, FMA; a family and model LLVM does not know) was
+    named "k8-sse3" and got SSE3 code (class v128-r16); it now gets x86-64-v3 (AVX2)."""
+    r = _on_cpu(qemu, "max", [sys.executable, "-c", BUILD_AND_CHECK])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "x86-64-v3 x86_64-v256-r16 matches the reference" in r.stdout, r.stdout

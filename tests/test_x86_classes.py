@@ -438,6 +438,29 @@ def test_the_host_preset_leaves_out_what_a_hypervisor_hides(monkeypatch, hide):
     x = _input(1, 24, 64)
     assert_close(m(x), layer.reference(x, w))
 
+@pytest.mark.parametrize("llvm_name", ["k8-sse3", "generic"])
+def test_a_cpu_llvm_does_not_know_gets_the_x86_64_level_it_reaches(monkeypatch, llvm_name):
+    """LLVM names a CPU it does not know by an older CPU's name or "generic" (qemu -cpu max,
+    an AVX2 CPU, was "k8-sse3", and `x86` compiled SSE3 code): the host preset then
+    compiles for the best x86-64 level the CPU reaches, plus its other extensions."""
+    monkeypatch.setattr("mhagen.target.host_llvm_cpu", lambda: llvm_name)
+    avx2 = resolve("x86-avx2").required_features() + ("vaes",)
+    avx512 = resolve("x86-avx512").required_features() + ("gfni",)
+    for have, cpu, cpu_class in ((avx2, "x86-64-v3", "x86_64-v256-r16"),
+                                 (avx512, "x86-64-v4", "x86_64-v512-r32")):
+        monkeypatch.setattr("mhagen.host.runtime_features", lambda have=have: have)
+        t = resolve("x86")
+        assert (t.cpu, t.cpu_class) == (cpu, cpu_class)
+        assert sorted(t.required_features()) == sorted(have)     # exactly what the CPU has
+        monkeypatch.undo()
+        monkeypatch.setattr("mhagen.target.host_llvm_cpu", lambda: llvm_name)
+        if t.runs_here():
+            layer = mhagen.mha(64, 4)
+            w = layer.init_weights(0)
+            m = mhagen.build(layer, t, batch=1, seq_len=24, weights=w, tuning=None)
+            x = _input(1, 24, 64)
+            assert_close(m(x), layer.reference(x, w))
+
 def _record(kernel, cpu_class, l2, q_tile, cpu=None):
     key = {"cpu_class": cpu_class, "l2_kib": l2, "l1d_kib": 32, "cpu": cpu, "dtype": "float32",
            "batch": 1, "seq": 64, "d_model": 64, "heads": 4, "kv_heads": 4, "head_dim": 16,
