@@ -16,10 +16,10 @@ DEFAULT_CACHES = {"l1d_kib": 32, "l2_kib": 1024, "l3_kib": 0}
 class Feature(NamedTuple):
     """How to tell whether this CPU has one feature: the flag the Linux kernel lists in
     /proc/cpuinfo (x86 "flags", aarch64 "Features"); the name numpy's CPU dispatch gives it
-    (numpy asks the CPU: CPUID and XGETBV on x86, AT_HWCAP on aarch64); and how the C API's
-    mha_create asks the CPU itself (mha_runtime.cc): x86 (CPUID leaf, subleaf, register
-    0-3 = eax..edx, bit, the XCR0 register state the OS must have enabled), aarch64 (its
-    AT_HWCAP bit,)."""
+    ("" where numpy does not detect it; numpy asks the CPU: CPUID and XGETBV on x86,
+    AT_HWCAP on aarch64); and how the C API's mha_create asks the CPU itself
+    (runtime/mha_cpu.h): x86 (CPUID leaf, subleaf, register 0-3 = eax..edx, bit, the XCR0
+    state the OS must have enabled, 0: none), aarch64 (the AT_HWCAP bit,)."""
     cpuinfo: str
     numpy: str
     probe: tuple
@@ -57,8 +57,6 @@ RUNTIME_FEATURES = {
     "avx512f": Feature("avx512f", "AVX512F", (7, 0, EBX, 16, AVX512_STATE)),
     "avx512dq": Feature("avx512dq", "AVX512DQ", (7, 0, EBX, 17, AVX512_STATE)),
     "avx512ifma": Feature("avx512ifma", "AVX512IFMA", (7, 0, EBX, 21, AVX512_STATE)),
-    "avx512pf": Feature("avx512pf", "AVX512PF", (7, 0, EBX, 26, AVX512_STATE)),
-    "avx512er": Feature("avx512er", "AVX512ER", (7, 0, EBX, 27, AVX512_STATE)),
     "avx512cd": Feature("avx512cd", "AVX512CD", (7, 0, EBX, 28, AVX512_STATE)),
     "avx512bw": Feature("avx512bw", "AVX512BW", (7, 0, EBX, 30, AVX512_STATE)),
     "avx512vl": Feature("avx512vl", "AVX512VL", (7, 0, EBX, 31, AVX512_STATE)),

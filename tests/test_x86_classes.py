@@ -461,6 +461,17 @@ def test_a_cpu_llvm_does_not_know_gets_the_x86_64_level_it_reaches(monkeypatch, 
             x = _input(1, 24, 64)
             assert_close(m(x), layer.reference(x, w))
 
+def test_every_checked_x86_feature_is_one_llvm_knows():
+    """The host preset turns features on and off by these names (-mattr); a name this LLVM
+    does not know is ignored with a warning (its LLVM dropped Xeon Phi's AVX-512 ER/PF)."""
+    import tvm
+    from mhagen.host import RUNTIME_FEATURES
+    x86 = [f for f, feat in RUNTIME_FEATURES.items() if len(feat.probe) == 5]
+    t = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": "x86-64",
+                           "mattr": [f"+{f}" for f in x86]})
+    known = {str(f) for f in tvm.target.codegen.llvm_get_cpu_features(t)}
+    assert set(x86) <= known, sorted(set(x86) - known)
+
 def _record(kernel, cpu_class, l2, q_tile, cpu=None):
     key = {"cpu_class": cpu_class, "l2_kib": l2, "l1d_kib": 32, "cpu": cpu, "dtype": "float32",
            "batch": 1, "seq": 64, "d_model": 64, "heads": 4, "kv_heads": 4, "head_dim": 16,

@@ -2,7 +2,7 @@
 runtime libraries in DIR/lib).
 
 The C API's code is C++17 source in this package, mhagen/artifact/runtime/ (mha_runtime.h,
-mha_runtime.cc), copied unchanged into the artifact. What is specific to one artifact is data,
+mha_runtime.cc, mha_cpu.h: the CPU feature check), copied unchanged into the artifact. What is specific to one artifact is data,
 generated here from the manifest into two headers:
   mha.h         the public header: shape macros, the status codes (from STATUS below), the API
   mha_config.h  the tables mha_runtime.cc reads: format version, content hash, shape, the
