@@ -253,4 +253,5 @@ def test_a_cpu_llvm_does_not_know_gets_avx2_code(qemu):
     named "k8-sse3" and got SSE3 code (class v128-r16); it now gets x86-64-v3 (AVX2)."""
     r = _on_cpu(qemu, "max", [sys.executable, "-c", BUILD_AND_CHECK])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "x86-64-v3 x86_64-v256-r16 matches the reference" in r.stdout, r.stdout
+    # qemu 7.2's max: x86-64-v3 (a later qemu's max may be a CPU LLVM knows: same class)
+    assert "x86_64-v256-r16 matches the reference" in r.stdout, r.stdout
