@@ -64,10 +64,10 @@ class Target:
     @property
     def machine_cpu(self) -> str:
         """The CPU (LLVM's name) whose tuning records suit this build best: this machine's
-        when the code runs here (a preset such as x86-avx2 on a Zen 4 runs on a Zen 4),
-        else the CPU the code is compiled for."""
+        as the host preset names it when the code runs here (a preset such as x86-avx2 on a
+        Zen 4 runs on a Zen 4), else the CPU the code is compiled for."""
         if self.device == "cpu" and self.arch == host_arch() and self.runs_here():
-            return host_llvm_cpu()
+            return host_cpu_name(self.arch)
         return self.cpu
 
     def missing_features(self) -> list:
@@ -262,6 +262,14 @@ def host_cpu(tvm_dict, arch) -> dict:
     if extra:
         d["mattr"] = [*tvm_dict.get("mattr", []), *extra]
     return d
+
+
+def host_cpu_name(arch) -> str:
+    """This CPU as the host preset names it: LLVM's name, or on x86 the x86-64 level that
+    stands in for a CPU LLVM does not know (host_cpu)."""
+    if arch == "x86_64":
+        return host_cpu({"kind": "llvm", "mtriple": "x86_64-linux-gnu"}, arch)["mcpu"]
+    return host_llvm_cpu()
 
 
 def _resolve_device(preset, tvm_dict) -> Target:

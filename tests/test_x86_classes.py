@@ -452,6 +452,7 @@ def test_a_cpu_llvm_does_not_know_gets_the_x86_64_level_it_reaches(monkeypatch, 
         t = resolve("x86")
         assert (t.cpu, t.cpu_class) == (cpu, cpu_class)
         assert sorted(t.required_features()) == sorted(have)     # exactly what the CPU has
+        assert resolve("x86-avx2").machine_cpu == cpu    # records: this CPU by that name
         monkeypatch.undo()
         monkeypatch.setattr("mhagen.target.host_llvm_cpu", lambda: llvm_name)
         if t.runs_here():
@@ -515,11 +516,10 @@ def test_machines_with_the_same_caches_keep_their_own_records(tmp_path):
 def test_a_preset_run_here_looks_for_this_cpus_records():
     """x86-avx2 compiles for `haswell`, but built on this machine it runs here: its records
     are looked up (and tuned) as this CPU's; a foreign architecture keeps its own CPU."""
-    from mhagen.target import host_llvm_cpu
     avx2 = resolve("x86-avx2")
     assert avx2.cpu == "haswell"
-    assert avx2.machine_cpu == (host_llvm_cpu() if avx2.runs_here() else "haswell")
-    assert resolve("x86").machine_cpu == host_llvm_cpu()
+    assert avx2.machine_cpu == (resolve("x86").cpu if avx2.runs_here() else "haswell")
+    assert resolve("x86").machine_cpu == resolve("x86").cpu
     assert resolve("arm-neon").machine_cpu == resolve("arm-neon").cpu
     layer = mhagen.mha(64, 4)
     key = mhagen.build(layer, "x86-avx2", batch=1, seq_len=8, tuning=None).program.key("qkv_projection")
