@@ -36,7 +36,7 @@ _EXT = 0x80000001                       # AMD's extended leaf
 # through intrinsics mhagen never writes (AES, SHA, AMX, ...) are left out. aarch64: NEON
 # and SVE (the NEON presets' half-precision code uses only base NEON conversions; checked
 # in tests/test_arm.py).
-RUNTIME_FEATURES = {
+X86_FEATURES = {
     "ssse3": Feature("ssse3", "SSSE3", (1, 0, ECX, 9, 0)),
     "sse4.1": Feature("sse4_1", "SSE41", (1, 0, ECX, 19, 0)),
     "sse4.2": Feature("sse4_2", "SSE42", (1, 0, ECX, 20, 0)),
@@ -68,9 +68,12 @@ RUNTIME_FEATURES = {
                                (7, 0, ECX, 14, AVX512_STATE)),
     "avx512fp16": Feature("avx512_fp16", "AVX512FP16", (7, 0, EDX, 23, AVX512_STATE)),
     "avx512bf16": Feature("avx512_bf16", "AVX512BF16", (7, 1, EAX, 5, AVX512_STATE)),
-    "avxvnni": Feature("avx_vnni", "", (7, 1, EAX, 4, AVX_STATE)),
+    "avxvnni": Feature("avx_vnni", "", (7, 1, EAX, 4, AVX_STATE))}
+AARCH64_FEATURES = {
     "neon": Feature("asimd", "ASIMD", (1,)),      # HWCAP_ASIMD
     "sve": Feature("sve", "SVE", (22,))}          # HWCAP_SVE
+FEATURES_OF_ARCH = {"x86_64": X86_FEATURES, "aarch64": AARCH64_FEATURES}
+RUNTIME_FEATURES = {**X86_FEATURES, **AARCH64_FEATURES}
 
 
 def host_arch() -> str:

@@ -2,8 +2,8 @@
 runtime libraries in DIR/lib).
 
 The C API's code is C++17 source in this package, mhagen/artifact/runtime/ (mha_runtime.h,
-mha_runtime.cc, mha_cpu.h: the CPU feature check), copied unchanged into the artifact. What is specific to one artifact is data,
-generated here from the manifest into two headers:
+mha_runtime.cc, mha_cpu.h: the CPU feature check), copied unchanged into the artifact. What
+is specific to one artifact is data, generated here from the manifest into two headers:
   mha.h         the public header: shape macros, the status codes (from STATUS below), the API
   mha_config.h  the tables mha_runtime.cc reads: format version, content hash, shape, the
                 buffer and kernel tables, param offsets, the files to check (size, sha256),
@@ -23,7 +23,7 @@ from mhagen.artifact.files import KERNEL_FILES, sha256_file
 from mhagen.artifact.toolchain import Toolchain
 from mhagen.artifact.tvm_runtime import RUNTIME_LIBS, find_tvm_runtime
 from mhagen.errors import ArtifactError
-from mhagen.host import RUNTIME_FEATURES
+from mhagen.host import FEATURES_OF_ARCH
 
 HEADER = "mha.h"
 CONFIG = "mha_config.h"
@@ -71,11 +71,10 @@ STATUS = (
 # left to mhagen.load, and the size check only catches an incomplete copy of the directory.
 CHECKED_FILES = (("kernel.so", "sha256"), ("params.bin", "sha256"), ("weights.bin", "size"))
 
-# The C API asks the CPU for each feature the kernels need the way RUNTIME_FEATURES' probe
-# says (x86: CPUID and XGETBV, no compiler builtin: gcc's __builtin_cpu_supports names
-# AVX-512 BF16 only from gcc 12 on); features without a probe for the artifact's
-# architecture are not checked at run time (the manifest still lists them).
-_PROBE_LENGTH = {"x86_64": 5, "aarch64": 1}
+# The C API asks the CPU for each feature the kernels need the way the feature table of the
+# artifact's architecture says (mhagen.host.FEATURES_OF_ARCH; x86: CPUID and XGETBV, no
+# compiler builtin: gcc's __builtin_cpu_supports names AVX-512 BF16 only from gcc 12 on);
+# features not in it are not checked at run time (the manifest still lists them).
 
 # The manifest's target device -> the DLPack device type mha_runtime.cc allocates on (its
 # device section).
@@ -409,8 +408,8 @@ def _cpu_features(manifest):
     what mha_create checks."""
     t = manifest["target"]
     feats = sorted(t.get("features") or [])
-    probed = [(f, *RUNTIME_FEATURES[f].probe) for f in feats if f in RUNTIME_FEATURES and
-              len(RUNTIME_FEATURES[f].probe) == _PROBE_LENGTH.get(t["arch"])]
+    table = FEATURES_OF_ARCH.get(t["arch"], {})
+    probed = [(f, *table[f].probe) for f in feats if f in table]
     x86 = probed if t["arch"] == "x86_64" else []
     arm = probed if t["arch"] == "aarch64" else []
     sve_bits = int(t.get("vector_bits") or 0) if any(p[0] == "sve" for p in arm) else 0
