@@ -251,13 +251,16 @@ def host_cpu(tvm_dict, arch) -> dict:
     have = set(host.runtime_features())
     d = dict(tvm_dict, mcpu=host_llvm_cpu())
     unknown = d["mcpu"] in ("generic", "")
-    if arch == "x86_64" and (unknown or (have - _checked_features(d)) & CLASS_FEATURES):
-        d["mcpu"] = next(level for level in X86_LEVELS
-                         if _checked_features(dict(d, mcpu=level)) <= have)
+    named = _checked_features(d)
+    if arch == "x86_64" and (unknown or (have - named) & CLASS_FEATURES):
+        for level in X86_LEVELS:      # best first; plain x86-64 checks nothing
+            named = _checked_features(dict(d, mcpu=level))
+            if named <= have:
+                d["mcpu"] = level
+                break
     elif unknown:
         raise TargetError("LLVM does not recognise this CPU; use a named preset instead of "
                           "the host preset")
-    named = _checked_features(d)
     extra = [f"+{f}" for f in sorted(have - named)] + [f"-{f}" for f in sorted(named - have)]
     if extra:
         d["mattr"] = [*tvm_dict.get("mattr", []), *extra]
