@@ -40,7 +40,9 @@ def qemu():
 
 
 def _on_cpu(qemu, cpu, argv):
-    r = subprocess.run([qemu, "-cpu", cpu, *map(str, argv)], capture_output=True, text=True,
+    """argv run under qemu's `cpu`, or natively where cpu is None; never SIGILL."""
+    emulate = [qemu, "-cpu", cpu] if cpu else []
+    r = subprocess.run([*emulate, *map(str, argv)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode not in SIGILL, f"SIGILL on {cpu}:\n{r.stdout}\n{r.stderr}"
     return r
@@ -208,13 +210,10 @@ def test_the_c_api_and_python_agree_on_what_a_cpu_lacks(qemu, cpu_probe, cpu):
     missing features, for every x86 feature, on this CPU and on emulated ones; a wrong CPUID
     bit in the table would show as a disagreement here."""
     probe, every = cpu_probe
-    run = (lambda argv: _on_cpu(qemu, cpu, argv)) if cpu else (
-        lambda argv: subprocess.run(list(map(str, argv)), capture_output=True, text=True,
-                                    timeout=600))
-    r = run([probe])
+    r = _on_cpu(qemu, cpu, [probe])
     assert r.returncode == 0, r.stderr
     c_missing = set(r.stdout.split())
-    r = run([sys.executable, "-c", PYTHON_FEATURES])
+    r = _on_cpu(qemu, cpu, [sys.executable, "-c", PYTHON_FEATURES])
     assert r.returncode == 0, r.stderr
     python_missing = set(every) - set(r.stdout.split())
     assert c_missing == python_missing, (cpu, sorted(c_missing ^ python_missing))
