@@ -9,10 +9,10 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
                    (such layers then do not compile for the family)
   gemm_tile        (rows, columns) of the packed GEMMs' register tile; weights are laid out
                    in panels of `columns` columns
-  gemm_rows        the rows a packed GEMM of rows x depth runs over (padded to whole register
-                   tiles where a partial one would cost more than the padding; the lowering
-                   sizes its temporaries with it); pairs=True for a GEMM over bfloat16 pairs
-                   of its depth
+  gemm_rows        the rows a packed GEMM of rows x depth x cols runs over (padded to whole
+                   register tiles where a partial one would cost more than the padding, or
+                   where its rows are split over the cores; the lowering sizes its
+                   temporaries with it); pairs=True for a GEMM over bfloat16 pairs of its depth
   head_dim_padded  the head width the attention template reads (each head padded)
   gemm_rule        the GEMM rule whose register-tile rows the autotuner samples first
   device           where kernels run and buffers live ("cpu", "cuda"): the runtime and the C API
@@ -63,7 +63,7 @@ class Backend:
     rules: list
     attention: object | None
     gemm_tile: Callable          # (target) -> (rows, columns)
-    gemm_rows: Callable          # (target, rows, depth, pairs=False) -> rows run over
+    gemm_rows: Callable          # (target, rows, depth, cols, pairs=False) -> rows run over
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object
     verify: Callable | None = None

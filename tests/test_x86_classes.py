@@ -188,6 +188,49 @@ def test_gemm_tasks_split_evenly_over_the_cores():
         assert_close(m(x, weights=w), layer.reference(x, w))
 
 
+def test_gemm_rows_that_fit_one_block_split_over_the_cores():
+    """A GEMM whose rows fit one row block runs a task per weight panel; where that leaves
+    cores idle or uneven (64 cores, the default layer's 16 output panels; 2 cores, 15 panels
+    of d_model 480) its rows are split into blocks too, padded to whole tiles. The benchmark
+    layers on 2 cores keep one block. The split builds keep the whole tiles' unguarded
+    loop and match the reference here."""
+    from mhagen.schedules.x86.matmul import core_blocks
+    assert core_blocks(16, 16, 64) == 4        # 64 tasks of 4 tiles, not 16 of 16
+    assert core_blocks(16, 15, 2) == 8         # 15 tasks of 8 tiles a thread, not 8 of 16
+    assert core_blocks(16, 16, 2) == 16        # 8 panels a thread either way
+    assert core_blocks(16, 45, 2) == 16        # 23 panels vs 22.5: under 5%, one block
+    assert core_blocks(3, 1, 64) == 3          # too few tiles to split
+
+    def blocks(preset, cores, d_model, heads, seq=128, run=False):
+        t = dataclasses.replace(resolve(preset), cores=cores)
+        layer = mhagen.mha(d_model, heads)
+        w = layer.init_weights(4)
+        m = mhagen.build(layer, t, batch=1, seq_len=seq, weights=w, tuning=None)
+        for kernel in ("qkv_projection", "output_projection"):
+            assert whole_tile_loops(m, kernel), f"{preset} {kernel}: tiles guarded per row"
+        if run and t.runs_here():
+            x = _input(1, seq, d_model, seed=cores)
+            assert_close(m(x), layer.reference(x, w))
+        return ({d["kernel"]: d["config"]["row_block"] for d in m.info.decisions
+                 if d["rule"] == "matmul"}, m.program.buffers["qkv"].shape[1])
+    from mhagen.schedules.x86.matmul import packed_blocking
+    for preset in ("x86-avx512", "x86-avx2"):   # the benchmark layers' GEMMs on 2 cores
+        t = dataclasses.replace(resolve(preset), cores=2)
+        for rows, d_model in ((128, 512), (512, 512), (2048, 768), (2048, 1024)):
+            for cols in (3 * d_model, d_model):
+                assert (packed_blocking(t, rows, d_model, cols)
+                        == packed_blocking(t, rows, d_model)), (preset, rows, d_model, cols)
+    assert blocks("x86-avx512", 2, 480, 8, run=True) == (
+        {"qkv_projection": 1, "output_projection": 8}, 128)
+    assert blocks("x86-avx512", 64, 512, 8, run=True) == (
+        {"qkv_projection": 4, "output_projection": 4}, 128)
+    # AVX2: 21 tiles of 6 and one of 2 rows in two blocks of 11: padded to 132
+    assert blocks("x86-avx2", 64, 512, 8, run=True) == (
+        {"qkv_projection": 11, "output_projection": 11}, 132)
+    assert blocks("x86-avx512", 64, 512, 8, seq=97, run=True) == (
+        {"qkv_projection": 4, "output_projection": 4}, 104)
+
+
 def test_gemm_rows_4kib_apart_are_packed_first():
     """A's rows 4 KiB apart (depth 1024) share one L1 set: such GEMMs copy A into row-tile
     panels first (both projections here); depth 512 does not. Exact and any-length builds
@@ -319,8 +362,8 @@ def test_the_tile_loop_check_sees_guarded_tiles(monkeypatch):
     import mhagen.schedules.x86.matmul as matmul
     exact = matmul.packed_blocking
 
-    def unpadded(target, rows, depth, whole_blocks=False):
-        return exact(target, rows, depth, whole_blocks)[:2] + (rows,)
+    def unpadded(target, rows, depth, cols=0, whole_blocks=False):
+        return exact(target, rows, depth, cols, whole_blocks)[:2] + (rows,)
     monkeypatch.setattr(matmul, "packed_blocking", unpadded)
     monkeypatch.setattr(x86, "packed_blocking", unpadded)
     m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=512, tuning=None)

@@ -176,13 +176,18 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     def pairs(depth):
         """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
         return bool(backend.gemm_pairs and backend.gemm_pairs(target, dtype, depth))
-    rows_qkv = backend.gemm_rows(target, rows, d_model, pairs=pairs(d_model))
-    rows_att = backend.gemm_rows(target, rows, hd, pairs=pairs(hd))
+    # qkv columns: every head's d columns padded to dp, what the attention template reads
+    dp = backend.head_dim_padded(d, target)
+    n_qkv_p = round_up(len(segments) * dp, nr)
+    kv_segments = kv_node.attrs["segments"] if cross else []
+    n_kv_p = round_up(len(kv_segments) * dp, nr)
+    rows_qkv = backend.gemm_rows(target, rows, d_model, n_qkv_p, pairs=pairs(d_model))
+    rows_att = backend.gemm_rows(target, rows, hd, d_out_p, pairs=pairs(hd))
     kv_rows = rows_kv = kv_dim = None
     if cross:
         kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
         kv_rows = batch * kv_seq
-        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim, pairs=pairs(kv_dim))
+        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim, n_kv_p, pairs=pairs(kv_dim))
 
     def pack(depth, half=False):
         """The row tile where a GEMM's rows are packed first: where the backend asks for
@@ -211,11 +216,6 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     qkv_temp = kv_temp = "bfloat16" if att_pairs else temp
     if not att_pairs:
         kv_temp = COMPUTE
-    # qkv columns: every head's d columns padded to dp, what the attention template reads
-    dp = backend.head_dim_padded(d, target)
-    n_qkv_p = round_up(len(segments) * dp, nr)
-    kv_segments = kv_node.attrs["segments"] if cross else []
-    n_kv_p = round_up(len(kv_segments) * dp, nr)
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
             "head_dim_padded": dp, "rows": rows_qkv, "att_rows": rows_att,

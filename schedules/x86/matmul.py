@@ -46,8 +46,9 @@ def packed_tile(target):
     return rows_that_fit(2, target.vector_registers), 2 * target.lanes
 
 
-def packed_blocking(target, rows, depth, whole_blocks=False):
-    """(tile_rows, row_block, rows run over) of a packed GEMM with `rows` rows and depth K.
+def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
+    """(tile_rows, row_block, rows run over) of a packed GEMM with `rows` rows, depth K and
+    `cols` columns (0: not known, or a symbolic build's: no blocks for the cores' sake).
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
     tiles), the rest holds a weight panel and the tile's output: every row block streams all
     the weights once, so larger blocks halve that traffic (Zen 3, L2 512 KiB, the 2048 x
@@ -64,7 +65,10 @@ def packed_blocking(target, rows, depth, whole_blocks=False):
     2.9x slower). They are not padded to whole blocks: the last block may hold fewer
     tiles, and the guard that skips the missing ones stands per tile, out of the k loop
     (AVX2 on Zen 4, 512 rows in 4 blocks of 22 tiles: 516 rows computed, not 528, the
-    GEMMs 2.5-3% faster). Waste: under one tile. whole_blocks: rows padded to whole blocks
+    GEMMs 2.5-3% faster). Waste: under one tile.
+    Rows that fit one block are split into blocks all the same where the panels alone do
+    not spread over the target's cores (core_blocks).
+    whole_blocks: rows padded to whole blocks
     (GEMMs over bfloat16 pairs: TVM's tensorize does not match a tile under a guard)."""
     tile_rows, _ = packed_tile(target)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
@@ -73,7 +77,11 @@ def packed_blocking(target, rows, depth, whole_blocks=False):
     fit = target.l2_kib * 1024 // 2 // (tile_rows * max(1, depth) * 4)
     most = max(1, min(24, fit))
     if tiles <= most:
-        return tile_rows, 1, tiles * tile_rows if whole_blocks else rows
+        row_block = core_blocks(tiles, cols // packed_tile(target)[1], target.cores)
+        if row_block == tiles:
+            return tile_rows, 1, tiles * tile_rows if whole_blocks else rows
+        blocks = -(-tiles // row_block)
+        return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
     # the block count (blocks of at least half the most) whose blocks cover the tiles the
     # most evenly, then the fewest blocks: 86 tiles of at most 21 -> 8 x 11, not 5 x 18
     fewest = -(-tiles // most)
@@ -93,6 +101,25 @@ def most_tiles_a_thread(tiles, row_block, panels, cores):
                for t in range(cores))
 
 
+def core_blocks(tiles, panels, cores):
+    """Row tiles per block of a GEMM whose rows fit one row block: all of them (one block,
+    a task per weight panel), or fewer where the panel tasks leave some core idle or one
+    core with 5% more than it would run with the rows split too. The 128 rows of the default
+    layer's output GEMM (AVX-512: 16 tiles, 16 panels) on 64 cores: 16 tasks, 48 cores idle;
+    in blocks of 4 tiles, 64 tasks of 4 tiles. On 2 cores, 15 panels (d_model 480): 8 and 7
+    panels a thread; in 2 blocks, 15 tasks of 8 tiles each. A task's tiles keep its weight
+    panel in L1/L2; each block streams every panel once more."""
+    if panels < 1 or cores < 2 or tiles < 4:
+        return tiles
+
+    def cost(row_block):
+        return most_tiles_a_thread(tiles, row_block, panels, cores)
+    # the largest block of the least cost; at least 2 tiles (a row_block of 1 means no
+    # blocking to the schedule)
+    best = min(range(tiles, 1, -1), key=cost)
+    return best if cost(best) < 0.95 * cost(tiles) else tiles
+
+
 class MatmulRule:
     name = "matmul"
 
@@ -107,8 +134,9 @@ class MatmulRule:
         if "panel" in workload:
             _, tile_cols = packed_tile(target)
             assert tile_cols == workload["panel"], (tile_cols, workload)
-            tile_rows, row_block, run_rows = packed_blocking(target, workload.get("rows", 0),
-                                                             workload.get("depth", 1))
+            tile_rows, row_block, run_rows = packed_blocking(
+                target, workload.get("rows", 0), workload.get("depth", 1),
+                0 if workload.get("symbolic") else workload.get("cols", 0))
             # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
             # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
             # second, and the two threads' halves of the parallel loop did 86% and 14% of the
