@@ -163,6 +163,26 @@ def test_short_unmasked_layers_take_query_tiles_of_64_where_they_pad_no_more():
     assert q_tile("x86-avx512", 128, causal=True) == 32
 
 
+def test_attention_query_tiles_leave_no_core_idle():
+    """Where the (batch, head, query tile) tasks are fewer than the cores, query tiles
+    shrink (to one S^T tile at least): 8 heads at seq 256 on 64 cores run 64 tasks of 32
+    queries, not 32 of 64; AVX2 at seq 128 on 64 cores tiles of 16. 2 cores keep theirs.
+    Checked against the reference."""
+    def q_tile(preset, seq, cores, causal=False):
+        t = dataclasses.replace(resolve(preset), cores=cores)
+        layer = mhagen.mha(512, 8, causal=causal)
+        w = layer.init_weights(6)
+        m = mhagen.build(layer, t, batch=1, seq_len=seq, weights=w, tuning=None)
+        if t.runs_here():
+            x = _input(1, seq, 512, seed=cores)
+            assert_close(m(x), layer.reference(x, w))
+        return _attention_config(m).q_tile
+    assert q_tile("x86-avx512", 256, 64) == 32
+    assert q_tile("x86-avx512", 256, 2) == 64
+    assert q_tile("x86-avx2", 128, 64, causal=True) == 16
+    assert q_tile("x86-avx512", 128, 64) == 32      # one S^T tile: no smaller
+
+
 def test_gemm_tasks_split_evenly_over_the_cores():
     """512 rows of 6-row tiles (86) in row blocks of 22, 22, 22, 20: with (block, panel)
     tasks split in halves one of two threads runs 44 tiles a panel, not 43, so the exact

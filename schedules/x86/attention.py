@@ -119,6 +119,12 @@ class AttentionRule:
             if (round_up(seq, wider) <= round_up(seq, q_tile)
                     and tasks >= 4 * target.cores):
                 q_tile = wider
+        # a task a core at least: smaller query tiles (down to one S^T tile wide) where the
+        # (batch, head, query tile) tasks would leave cores idle (8 heads at seq 256 on 64
+        # cores: 32 tasks of 64 queries, or 64 of 32)
+        while q_tile > tc and workload["batch"] * workload["heads"] * -(-seq // q_tile) \
+                < target.cores:
+            q_tile = max(tc, q_tile // 2 // tc * tc)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1)
         kv_goal = 128 if target.vector_registers >= 32 else 96
         kv_block = _balanced(keys, kv_goal, tr) if keys >= 128 else round_up(keys, tr)
