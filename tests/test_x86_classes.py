@@ -251,38 +251,57 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
         {"qkv_projection": 4, "output_projection": 4}, 104)
 
 
-def test_causal_query_tiles_spread_evenly_over_the_threads():
-    """TVM hands each thread a run of consecutive attention tasks; under a causal mask a
-    head's later query tiles have more key blocks, so the template runs a head's tiles as
-    0, n-1, 1, n-2, ... (query_tile_order). From the block tables of real builds: the most
-    blocks a thread runs stays within 5% of an even share where tile by tile order gave one
-    thread 1.47x (1 head on 2 cores), 1.16x (3 heads on 2), 1.44x (8 heads at seq 512 on
-    16 cores); an
-    odd number of tiles matches the reference."""
-    from mhagen.schedules.x86.attention import query_tile_order
+def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
+    """The most key blocks one of `cores` threads runs in module m's attention, over an even
+    share, when TVM splits its tasks into runs of consecutive ones; tile_of(task, batch,
+    heads, n_q) -> (batch row, head, query tile). Blocks the table skips or that start past
+    a row's key length (lens) do not count."""
+    table = m.program.buffers["blocks"].value
+    kv_block = _attention_config(m).kv_block
+    batch, n_q = len(lens), table.shape[2]
+    work = []
+    for task in range(batch * heads * n_q):
+        b, h, qt = tile_of(task, batch, heads, n_q)
+        row = table[b % table.shape[0], h % table.shape[1], qt]
+        work.append(sum(1 for kb, state in enumerate(row) if state and kb * kv_block < lens[b]))
+    step = -(-len(work) // cores)
+    return max(sum(work[t:t + step]) for t in range(0, len(work), step)) / (sum(work) / cores)
 
-    def most_blocks_a_thread(table, heads, cores, order):
-        n = table.shape[2]
-        work = [int(np.count_nonzero(table[0, h % table.shape[1], order(i, n)]))
-                for h in range(heads) for i in range(n)]
-        step = -(-len(work) // cores)
-        return max(sum(work[t:t + step]) for t in range(0, len(work), step)) / (
-            sum(work) / cores)
-    for d_model, heads, seq, cores in ((64, 1, 2048, 2), (192, 3, 1024, 2), (512, 8, 512, 16)):
+
+def test_attention_tasks_spread_evenly_over_the_threads():
+    """TVM hands each thread a run of consecutive attention tasks. Under a causal mask a
+    head's later query tiles have more key blocks, so a head's tiles run as 0, n-1, 1, n-2,
+    ...; with key lengths per call the batch row is the innermost index (task_tile). From
+    the block tables of real builds: the most blocks a thread runs stays within 5% of an
+    even share where the plain order (batch, head, tile) gave one thread 1.47x (1 causal
+    head on 2 cores), 1.16x (3 heads on 2), 1.44x (8 heads at seq 512 on 16 cores), 1.78x
+    (key lengths 512 and 64 on 2 cores); odd tile counts and lengths match the reference."""
+    from mhagen.schedules.x86.attention import task_tile
+
+    def plain(task, batch, heads, n_q):
+        return task // (heads * n_q), task // n_q % heads, task % n_q
+    cases = [((64, 1, True, False), 2048, [2048], 2, 1.47),
+             ((192, 3, True, False), 1024, [1024], 2, 1.15),
+             ((512, 8, True, False), 512, [512], 16, 1.44),
+             ((512, 8, False, True), 512, [512, 64], 2, 1.77),
+             ((512, 8, True, True), 512, [512, 400, 200, 100], 2, 1.2)]
+    for (d_model, heads, causal, key_padding), seq, lens, cores, before in cases:
         t = dataclasses.replace(resolve("x86-avx512"), cores=cores)
-        m = mhagen.build(mhagen.mha(d_model, heads, causal=True), t, batch=1, seq_len=seq,
-                         tuning=None)
-        table = m.program.buffers["blocks"].value
-        assert most_blocks_a_thread(table, heads, cores, query_tile_order) <= 1.05
-        assert most_blocks_a_thread(table, heads, cores, lambda i, n: i) > 1.15
-    layer = mhagen.mha(64, 1, causal=True)
-    w = layer.init_weights(5)
-    for preset in PRESETS:
-        m = mhagen.build(layer, preset, batch=1, seq_len=300, weights=w, tuning=None)
-        assert m.program.buffers["blocks"].shape[2] % 2 == 1
-        if m.target.runs_here():
-            x = _input(1, 300, 64, seed=5)
-            assert_close(m(x), layer.reference(x, w))
+        m = mhagen.build(mhagen.mha(d_model, heads, causal=causal, key_padding=key_padding),
+                         t, batch=len(lens), seq_len=seq, tuning=None)
+        assert _most_blocks_a_thread(m, heads, lens, cores, lambda *a: task_tile(
+            *a, batch_inner=key_padding)) <= 1.05, (d_model, heads, lens)
+        assert _most_blocks_a_thread(m, heads, lens, cores, plain) >= before, (d_model, heads, lens)
+    for causal, key_padding in ((True, False), (True, True)):
+        layer = mhagen.mha(64, 1, causal=causal, key_padding=key_padding)
+        w = layer.init_weights(5)
+        for preset in PRESETS:
+            m = mhagen.build(layer, preset, batch=3, seq_len=300, weights=w, tuning=None)
+            assert m.program.buffers["blocks"].shape[2] % 2 == 1
+            if m.target.runs_here():
+                x = _input(3, 300, 64, seed=5)
+                kw = {"kv_lens": np.array([300, 31, 170], np.int32)} if key_padding else {}
+                assert_close(m(x, **kw), layer.reference(x, w, **kw))
 
 
 def test_gemm_rows_4kib_apart_are_packed_first():
