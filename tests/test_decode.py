@@ -89,6 +89,32 @@ def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
     assert_close(cache.v, ref.v)
 
 
+def test_a_rows_key_splits_share_its_calls_keys():
+    """The split-KV template cuts each row's keys of this call (not the cache's) into its
+    splits, in whole key blocks: 1 K/V head, a cache of 1024 in 4 splits of 256; rows at
+    0, 1, 300, 700 and 1023 cached keys (one row's splits then hold 64, 64, 128, 192 and 256
+    keys each) match the reference, causal and not, for 1 and 3 new tokens."""
+    from mhagen.schedules.x86.decode import split_span
+    assert [split_span(n, 4, 64) for n in (1, 2, 301, 701, 1024)] == [64, 64, 128, 192, 256]
+    assert split_span(1024, 4, 64) * 4 >= 1024 and split_span(1023, 1, 64) == 1024
+    for causal in (False, True):
+        layer = mhagen.mha(64, 4, kv_heads=1, kv_cache=1024, causal=causal)
+        w = layer.init_weights(7)
+        for new_tokens in (1, 3):
+            m = mhagen.build(layer, "x86", batch=1, seq_len=new_tokens, weights=w)
+            cfg = next(d["config"] for d in m.info.decisions if d["rule"] == "decode_attention")
+            assert -(-1024 // cfg["split"]) == 4, cfg
+            rng = np.random.default_rng(new_tokens)
+            cache = m.new_cache()
+            cache.k[...] = rng.standard_normal(cache.k.shape)
+            cache.v[...] = rng.standard_normal(cache.v.shape)
+            for cached in (0, 1, 300, 700, 1024 - new_tokens):
+                cache.lens[...] = cached
+                ref = cache.copy()
+                x = rng.standard_normal((1, new_tokens, 64)).astype(np.float32)
+                assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
+
+
 def test_compiled_decoding_step_by_step_is_the_causal_layer():
     """Prefill (seq 9) and 12 decode steps (seq 1), two modules sharing one cache, match the
     causal layer's reference on all 21 tokens."""
