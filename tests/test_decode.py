@@ -1,5 +1,6 @@
 """Decoding with a K/V cache (mhagen.mha(..., kv_cache=N)): reference semantics, compiled
 cache append + split-KV attention against the reference, errors, artifacts."""
+import dataclasses
 import json
 
 import numpy as np
@@ -89,30 +90,38 @@ def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
     assert_close(cache.v, ref.v)
 
 
-def test_a_rows_key_splits_share_its_calls_keys():
-    """The split-KV template cuts each row's keys of this call (not the cache's) into its
-    splits, in whole key blocks: 1 K/V head, a cache of 1024 in 4 splits of 256; rows at
-    0, 1, 300, 700 and 1023 cached keys (one row's splits then hold 64, 64, 128, 192 and 256
-    keys each) match the reference, causal and not, for 1 and 3 new tokens."""
-    from mhagen.schedules.x86.decode import split_span
-    assert [split_span(n, 4, 64) for n in (1, 2, 301, 701, 1024)] == [64, 64, 128, 192, 256]
-    assert split_span(1024, 4, 64) * 4 >= 1024 and split_span(1023, 1, 64) == 1024
+def test_decode_tasks_share_the_calls_key_blocks_evenly():
+    """The split-KV template cuts the call's key blocks (every group's: batch row, K/V head,
+    row tile, in order) into one even, contiguous share per task, whatever the rows' cache
+    lengths: modelled for rows of 4000 and 100 cached keys on 2 threads (8 tasks), each
+    thread runs half the blocks, where splits of the cache left one thread 31x the other's.
+    Builds for 1, 2, 3 and 16 cores (4 to 64 tasks) match the reference on rows of 0, 1,
+    300, 700 and 1023 - S cached keys (pieces that start and end inside groups, and tasks
+    with nothing to do), causal and not, for 1 and 3 new tokens."""
+    from mhagen.schedules.x86.decode import balanced_share
+    blocks = [-(-4001 // 64)] * 8 + [-(-101 // 64)] * 8    # row 0's 8 K/V heads, row 1's
+    total = sum(blocks)
+    shares = [balanced_share(t, 8, total) for t in range(8)]
+    assert shares[0][0] == 0 and shares[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    threads = [sum(hi - lo for lo, hi in shares[4 * t:4 * t + 4]) for t in range(2)]
+    assert max(threads) - min(threads) <= 1
     for causal in (False, True):
         layer = mhagen.mha(64, 4, kv_heads=1, kv_cache=1024, causal=causal)
         w = layer.init_weights(7)
-        for new_tokens in (1, 3):
-            m = mhagen.build(layer, "x86", batch=1, seq_len=new_tokens, weights=w)
+        for cores, new_tokens in ((1, 1), (2, 3), (3, 1), (16, 3)):
+            t = dataclasses.replace(resolve("x86"), cores=cores)
+            m = mhagen.build(layer, t, batch=5, seq_len=new_tokens, weights=w)
             cfg = next(d["config"] for d in m.info.decisions if d["rule"] == "decode_attention")
-            assert -(-1024 // cfg["split"]) == 4, cfg
+            assert cfg["workers"] == 4 * cores, cfg
             rng = np.random.default_rng(new_tokens)
             cache = m.new_cache()
             cache.k[...] = rng.standard_normal(cache.k.shape)
             cache.v[...] = rng.standard_normal(cache.v.shape)
-            for cached in (0, 1, 300, 700, 1024 - new_tokens):
-                cache.lens[...] = cached
-                ref = cache.copy()
-                x = rng.standard_normal((1, new_tokens, 64)).astype(np.float32)
-                assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
+            cache.lens[...] = [0, 1, 300, 700, 1024 - new_tokens]
+            ref = cache.copy()
+            x = rng.standard_normal((5, new_tokens, 64)).astype(np.float32)
+            assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
 
 
 def test_compiled_decoding_step_by_step_is_the_causal_layer():

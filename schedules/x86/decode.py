@@ -7,19 +7,22 @@ cache_append  the new tokens' K and V rows (where the QKV GEMM wrote them, each 
 attention     a decode step has one query per head (or a few: S new tokens x the query heads
               sharing a K/V head), too few to fill the prefill template's vector lanes
               (there lanes are queries). Here lanes run along head_dim instead, and the keys
-              are split: one parallel task per (batch, K/V head, row tile, key split), where
-              the rows are the GROUP x S queries that read that K/V head. A task walks its
-              keys in blocks of kv_block with the online softmax (scores in log2 units, as
-              the prefill template) and leaves an unnormalised partial (O, m, l); a second
-              parallel loop merges the splits of each row: O = sum_s 2^(m_s - m) O_s,
-              l = sum_s 2^(m_s - m) l_s, out = O / l (0 for a row that saw no key). A
-              row's splits share the keys of its call, kv_len = cache_lens[b] + S, so a
-              short cache costs little in a long one and its splits stay even. Each K and
-              V row is read from memory once per task (the rows of a tile reuse it from
-              L1): the step is bound by reading the cache. Tasks run batch row outermost:
-              each thread then streams its own contiguous part of the cache (with the
-              split or the batch row innermost, 1.15x and 1.3x the time at full caches,
-              so rows of very different lengths are not balanced across threads).
+              are split ("flash-decoding"): the call's key blocks, group after group (a
+              group: batch row, K/V head, row tile, where the rows are the GROUP x S queries
+              that read that K/V head), are cut into `workers` even, contiguous shares
+              (balanced_share), one parallel task each, as Stream-K cuts a GEMM's k loops.
+              A task walks the pieces of groups its share meets with the online softmax
+              (scores in log2 units, as the prefill template), each leaving an unnormalised
+              partial (O, m, l); a second parallel loop merges each group's pieces: O = sum_p
+              2^(m_p - m) O_p, l = sum_p 2^(m_p - m) l_p, out = O / l (0 for a row that saw
+              no key). Only the call's keys (kv_len = cache_lens[b] + S) count, so every
+              thread runs the same work whatever the rows' cache lengths (rows of 4000 and
+              100 keys, 2 threads: 0.48x the time of splits of the cache, which left a
+              thread the long row; 1 K/V head at 1024 of 4096 keys: 0.56x; full caches and
+              1 thread 0.98-1.01x), and each task streams one stretch of the cache (splits
+              interleaved with the rows or with each other took 1.15-1.7x at full caches).
+              Each K and V row is read from memory once per piece (the rows of a tile reuse
+              it from L1): the step is bound by reading the cache.
 Positions are absolute: query t of row b is at q_idx = cache_lens[b] + t; every score goes
 through the mask (no block table: the cache length is known only per call).
 """
@@ -41,30 +44,29 @@ from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 class DecodeConfig:
     row_tile: int
     """query rows per task (of the GROUP x S rows that read one K/V head)."""
-    split: int
-    """keys per task (a multiple of kv_block): the cache is cut into max_len / split parts."""
+    workers: int
+    """parallel tasks (4 a core): each takes an even, contiguous share of the call's key
+    blocks over all (batch row, K/V head, row tile) groups, in order (balanced_share)."""
     kv_block: int
     """keys per online-softmax step."""
     lanes: int
     """floats per vector along head_dim."""
 
 
-def split_span(kv_len, n_splits, kv_block):
-    """Keys per split of a row whose call sees kv_len keys: the n_splits splits share them
-    in whole key blocks (at most the config's split, since kv_len <= the cache's length).
-    With splits of the cache's length, a step at 1024 of 4096 keys (1 K/V head, 8 splits of
-    512) left its work to the first 2 splits, both in one thread's run of 4: the attention
-    0.76x the time now (2 threads, AVX-512, Zen 4; 300 keys: 0.88x; a full cache 1.00x).
-    ints or TIR expressions."""
-    return ((kv_len + n_splits - 1) // n_splits + kv_block - 1) // kv_block * kv_block
+def balanced_share(worker, workers, total):
+    """[lo, hi) of the `total` work units (key blocks, every group's in a row) that
+    `worker` of `workers` runs: even shares, each a contiguous run. ints or TIR."""
+    return worker * total // workers, (worker + 1) * total // workers
 
 
 def decode_layout(w, cfg):
     rows = w["heads"] // w["kv_heads"] * w["seq"]
     n_row_tiles = -(-rows // cfg.row_tile)
-    n_splits = -(-w["cache"] // cfg.split)
-    tasks = w["batch"] * w["kv_heads"] * n_row_tiles * n_splits
-    return {"rows": rows, "n_row_tiles": n_row_tiles, "n_splits": n_splits, "tasks": tasks}
+    groups = w["batch"] * w["kv_heads"] * n_row_tiles
+    # a group's blocks split over the workers whose shares meet them: group j's piece of
+    # worker t is partial j + t (shares are contiguous runs, so no two pieces meet there)
+    return {"rows": rows, "n_row_tiles": n_row_tiles, "groups": groups,
+            "partials": groups + cfg.workers - 1}
 
 
 class DecodeRule:
@@ -77,23 +79,18 @@ class DecodeRule:
     def default_config(self, workload, target):
         rows = workload["heads"] // workload["kv_heads"] * workload["seq"]
         row_tile = min(rows, 16)
-        kv_block = 64
-        # enough tasks for every core several times over when the cache is full, in splits
-        # of at least 256 keys (a split's partial costs row_tile x head_dim floats to merge)
-        per_split = workload["batch"] * workload["kv_heads"] * -(-rows // row_tile)
-        want = -(-4 * target.cores // per_split)
-        split = max(256, -(-workload["cache"] // want))
-        split = min(round_up(split, kv_block), round_up(workload["cache"], kv_block))
-        return DecodeConfig(row_tile=row_tile, split=split, kv_block=kv_block,
+        # 4 workers a core: with one a core, a step over 4096 keys of 1 K/V head took 1.2x
+        # the time on 2 threads (1.0x on 1; not explained), with 4 or 8 a core 1.0x
+        return DecodeConfig(row_tile=row_tile, workers=4 * max(1, target.cores), kv_block=64,
                             lanes=target.lanes)
 
     def build(self, w, cfg, target):
         return build_decode(w, cfg)
 
     def partial_shapes(self, w, cfg):
-        """Shapes of the two temporaries of partial results: O [tasks, row_tile, padded d]
-        and (m, l) [tasks, 2, row_tile]."""
-        n = decode_layout(w, cfg)["tasks"]
+        """Shapes of the two temporaries of partial results: O [partials, row_tile, padded
+        d] and (m, l) [partials, 2, row_tile]."""
+        n = decode_layout(w, cfg)["partials"]
         return (n, cfg.row_tile, w["head_dim_padded"]), (n, 2, cfg.row_tile)
 
 
@@ -172,12 +169,11 @@ def build_decode(w, cfg):
     NP, M, MA = w["qkv_width"] // PW, w["rows"], w["att_rows"]
     Q_BASE, HD, GROUP = w["q_base"], H * d, H // G
     L = decode_layout(w, cfg)
-    R, NRT, NS, NT = L["rows"], L["n_row_tiles"], L["n_splits"], L["tasks"]
-    NT_MAX = NT                   # the partial temporaries: sized for the largest call
-    RT, SPLIT, KB, LN = cfg.row_tile, cfg.split, cfg.kv_block, cfg.lanes
+    R, NRT, NG, NP_MAX = L["rows"], L["n_row_tiles"], L["groups"], L["partials"]
+    RT, C, KB, LN = cfg.row_tile, cfg.workers, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
     QCH = DP // LN
-    assert SPLIT % KB == 0 and KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
+    assert KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
     mask = w.get("mask")
@@ -190,7 +186,7 @@ def build_decode(w, cfg):
     if rules.symbolic:
         R = GROUP * S
         NRT = (R + RT - 1) // RT
-        NT = B * G * NRT * NS
+        NG = B * G * NRT
         M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     assert LN in (4, 8, 16), LN
@@ -244,92 +240,127 @@ def build_decode(w, cfg):
                 part_o[task, r, NCH * LN + ln] = part_o[task, r, NCH * LN + ln] + p * v_cache[
                     b, g, kr, NCH * LN + ln]
 
+    def n_blocks(cache_lens, b):
+        """Key blocks of batch row b in this call: its cached keys and the new ones."""
+        return (T.min(cache_lens[b] + S, N) + KB - 1) // KB
+
+    @T.macro
+    def piece(qkv, cache_lens, k_cache, v_cache, part_o, part_ml, qb, s_buf, acc, st, ml, b,
+              g, rt, slot, first, end):
+        # key blocks first .. end of group (b, g, rt) into partial `slot`; (m, l) stay in
+        # ml until the end (one query row's partials lie 8 bytes apart: neighbouring tasks
+        # would store into one cache line every block)
+        kv_len = T.min(cache_lens[b] + S, N)
+        # the keys this tile may see: up to its last query's position when causal (its
+        # rows run over heads, then tokens: a tile within one head ends at token
+        # (last row) % S, one that crosses heads reaches token S - 1)
+        last = T.min(rt * RT + RT - 1, R - 1)
+        t_last = T.Select((rt * RT) // S == last // S, last % S, S - 1)
+        k_end = T.min(kv_len, cache_lens[b] + t_last + 1) if causal else kv_len
+        for r in range(RT):
+            row = T.min(rt * RT + r, R - 1)          # rows past R: copies, never stored
+            h = g * GROUP + row // S
+            t = row % S
+            for ch in range(QCH):
+                for ln in T.vectorized(LN):
+                    qb[r, ch * LN + ln] = qkv[(Q_BASE + h * DP + ch * LN) // PW, b * S + t,
+                                              (Q_BASE + h * DP + ch * LN) % PW + ln] * c_log2e
+            for c in T.vectorized(DP):
+                part_o[slot, r, c] = zero
+            ml[0, r] = neg_inf
+            ml[1, r] = zero
+        for kb in range(first, end):
+            k0 = kb * KB
+            if k0 < k_end:
+                for r in range(RT):
+                    row = T.min(rt * RT + r, R - 1)
+                    h = g * GROUP + row // S
+                    qpos = cache_lens[b] + row % S
+                    for j in range(KB):
+                        dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
+                        s_buf[j] = T.Select(
+                            rules.visible(b, h, qpos, k0 + j, kv_len=kv_len),
+                            rules.modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
+                    # m' = max(m, scores), P = 2^(S - m'), sum P: vectors over keys
+                    for ln in T.vectorized(LN):
+                        acc[ln] = ml[0, r]
+                    for jo in range(KB // LN):
+                        for ln in T.vectorized(LN):
+                            acc[ln] = T.max(acc[ln], s_buf[jo * LN + ln])
+                    lane_max(acc)
+                    st[0] = acc[0]
+                    st[3] = T.Select(st[0] == neg_inf, zero, st[0])
+                    st[1] = exp2(ml[0, r] - st[3])
+                    for ln in T.vectorized(LN):
+                        acc[ln] = zero
+                    for jo in range(KB // LN):
+                        for ln in T.vectorized(LN):
+                            # a masked score (-inf) gives exactly 0 (exp2)
+                            s_buf[jo * LN + ln] = exp2(s_buf[jo * LN + ln] - st[3])
+                            acc[ln] = acc[ln] + s_buf[jo * LN + ln]
+                    lane_sum(acc)
+                    st[2] = acc[0]
+                    ml[1, r] = ml[1, r] * st[1] + st[2]
+                    ml[0, r] = st[0]
+                    for c in T.vectorized(DP):
+                        part_o[slot, r, c] = part_o[slot, r, c] * st[1]
+                    for j in range(KB):
+                        if s_buf[j] != zero:
+                            add_values(part_o, v_cache, s_buf[j], slot, r, b, g,
+                                       T.min(k0 + j, N - 1))
+        for r in range(RT):
+            part_ml[slot, 0, r] = ml[0, r]
+            part_ml[slot, 1, r] = ml[1, r]
+
+
     @T.prim_func(check_well_formed=False)   # free scalars until with_scalars
     def attention(qkv: T.Buffer((NP, M, PW), "float32"),
                   cache_lens: T.Buffer((B,), "int32"),
                   k_cache: T.Buffer((B, G, N, d), "float32"),
                   v_cache: T.Buffer((B, G, N, d), "float32"),
-                  part_o: T.Buffer((NT_MAX, RT, DP), "float32"),
-                  part_ml: T.Buffer((NT_MAX, 2, RT), "float32"),
+                  part_o: T.Buffer((NP_MAX, RT, DP), "float32"),
+                  part_ml: T.Buffer((NP_MAX, 2, RT), "float32"),
                   out: T.Buffer((MA, HD), "float32")):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
-        for task in T.parallel(NT):
+        # the call's key blocks, group after group ((batch row, K/V head, row tile) in
+        # order), cut into one contiguous share per worker: every worker runs the same
+        # work whatever the rows' cache lengths, and streams one stretch of the cache
+        for worker in T.parallel(C):
             qb = T.decl_buffer((RT, DP), "float32")
             s_buf = T.decl_buffer((KB,), "float32")
             acc = T.decl_buffer((LN,), "float32")
             st = T.decl_buffer((4,), "float32")     # m', alpha, sum p, subtracted max
-            b = task // (G * NRT * NS)
-            g = task // (NRT * NS) % G
-            rt = task // NS % NRT
-            sp = task % NS
-            kv_len = T.min(cache_lens[b] + S, N)
-            # the row's splits share the call's keys evenly (in whole key blocks), not the
-            # cache's: a split past a short cache would do nothing while its neighbours in
-            # the same thread's run did the work (split_span)
-            span = split_span(kv_len, NS, KB)
-            # the keys this tile may see: up to its last query's position when causal (its
-            # rows run over heads, then tokens: a tile within one head ends at token
-            # (last row) % S, one that crosses heads reaches token S - 1)
-            last = T.min(rt * RT + RT - 1, R - 1)
-            t_last = T.Select((rt * RT) // S == last // S, last % S, S - 1)
-            k_end = T.min(kv_len, cache_lens[b] + t_last + 1) if causal else kv_len
-            for r in range(RT):
-                row = T.min(rt * RT + r, R - 1)          # rows past R: copies, never stored
-                h = g * GROUP + row // S
-                t = row % S
-                for ch in range(QCH):
-                    for ln in T.vectorized(LN):
-                        qb[r, ch * LN + ln] = qkv[(Q_BASE + h * DP + ch * LN) // PW, b * S + t,
-                                                  (Q_BASE + h * DP + ch * LN) % PW + ln] * c_log2e
-                for c in T.vectorized(DP):
-                    part_o[task, r, c] = zero
-                part_ml[task, 0, r] = neg_inf
-                part_ml[task, 1, r] = zero
-            for kb in range(SPLIT // KB):
-                k0 = sp * span + kb * KB
-                if kb * KB < span and k0 < k_end:
-                    for r in range(RT):
-                        row = T.min(rt * RT + r, R - 1)
-                        h = g * GROUP + row // S
-                        qpos = cache_lens[b] + row % S
-                        for j in range(KB):
-                            dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
-                            s_buf[j] = T.Select(
-                                rules.visible(b, h, qpos, k0 + j, kv_len=kv_len),
-                                rules.modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
-                        # m' = max(m, scores), P = 2^(S - m'), sum P: vectors over keys
-                        for ln in T.vectorized(LN):
-                            acc[ln] = part_ml[task, 0, r]
-                        for jo in range(KB // LN):
-                            for ln in T.vectorized(LN):
-                                acc[ln] = T.max(acc[ln], s_buf[jo * LN + ln])
-                        lane_max(acc)
-                        st[0] = acc[0]
-                        st[3] = T.Select(st[0] == neg_inf, zero, st[0])
-                        st[1] = exp2(part_ml[task, 0, r] - st[3])
-                        for ln in T.vectorized(LN):
-                            acc[ln] = zero
-                        for jo in range(KB // LN):
-                            for ln in T.vectorized(LN):
-                                # a masked score (-inf) gives exactly 0 (exp2)
-                                s_buf[jo * LN + ln] = exp2(s_buf[jo * LN + ln] - st[3])
-                                acc[ln] = acc[ln] + s_buf[jo * LN + ln]
-                        lane_sum(acc)
-                        st[2] = acc[0]
-                        part_ml[task, 1, r] = part_ml[task, 1, r] * st[1] + st[2]
-                        part_ml[task, 0, r] = st[0]
-                        for c in T.vectorized(DP):
-                            part_o[task, r, c] = part_o[task, r, c] * st[1]
-                        for j in range(KB):
-                            if s_buf[j] != zero:
-                                add_values(part_o, v_cache, s_buf[j], task, r, b, g,
-                                           T.min(k0 + j, N - 1))
-        # merge the splits of each row: out = sum_s 2^(m_s - m) O_s / sum_s 2^(m_s - m) l_s
-        for tile in T.parallel(B * G * NRT):
+            ml = T.decl_buffer((2, RT), "float32")  # a piece's running max and sum
+            cnt = T.decl_buffer((2,), "int32")      # all the blocks; the groups' before j
+            cnt[0] = 0
+            for bb in range(B):
+                cnt[0] = cnt[0] + G * NRT * n_blocks(cache_lens, bb)
+            lo, hi = T.meta_var(balanced_share(worker, C, cnt[0]))
+            cnt[1] = 0
+            for j in range(NG):
+                b = j // (G * NRT)
+                first = T.max(lo - cnt[1], 0)
+                end = T.min(hi - cnt[1], n_blocks(cache_lens, b))
+                if first < end:
+                    piece(qkv, cache_lens, k_cache, v_cache, part_o, part_ml, qb, s_buf, acc,
+                          st, ml, b, j // NRT % G, j % NRT, j + worker, first, end)
+                cnt[1] = cnt[1] + n_blocks(cache_lens, b)
+        # merge each row's pieces: out = sum_p 2^(m_p - m) O_p / sum_p 2^(m_p - m) l_p, the
+        # pieces of group j being partials j + t of the workers t whose shares meet it
+        for tile in T.parallel(NG):
             mg = T.decl_buffer((3,), "float32")       # max m, sum l, 1 / sum l
-            wt = T.decl_buffer((NS,), "float32")
+            wt = T.decl_buffer((C,), "float32")
             o = T.decl_buffer((DP,), "float32")
+            cnt = T.decl_buffer((2,), "int32")        # all the blocks; those before the tile
             b = tile // (G * NRT)
+            cnt[0] = 0
+            cnt[1] = 0
+            for bb in range(B):
+                cnt[0] = cnt[0] + G * NRT * n_blocks(cache_lens, bb)
+                if bb < b:
+                    cnt[1] = cnt[1] + G * NRT * n_blocks(cache_lens, bb)
+            begin = cnt[1] + tile % (G * NRT) * n_blocks(cache_lens, b)
+            stop = begin + n_blocks(cache_lens, b)
             g = tile // NRT % G
             rt = tile % NRT
             for r in range(RT):
@@ -338,19 +369,22 @@ def build_decode(w, cfg):
                     h = g * GROUP + row // S
                     t = row % S
                     mg[0] = neg_inf
-                    for s in range(NS):
-                        mg[0] = T.max(mg[0], part_ml[tile * NS + s, 0, r])
+                    for p in range(C):
+                        lo, hi = T.meta_var(balanced_share(p, C, cnt[0]))
+                        if lo < stop and begin < hi:
+                            mg[0] = T.max(mg[0], part_ml[tile + p, 0, r])
                     mg[0] = T.Select(mg[0] == neg_inf, zero, mg[0])
                     mg[1] = zero
-                    for s in range(NS):
-                        wt[s] = exp2(part_ml[tile * NS + s, 0, r] - mg[0])   # 0 for -inf
-                        mg[1] = mg[1] + wt[s] * part_ml[tile * NS + s, 1, r]
-                    mg[2] = T.Select(mg[1] > zero, T.float32(1) / mg[1], zero)
                     for c in T.vectorized(DP):
                         o[c] = zero
-                    for s in range(NS):
-                        for c in T.vectorized(DP):
-                            o[c] = o[c] + wt[s] * part_o[tile * NS + s, r, c]
+                    for p in range(C):
+                        lo, hi = T.meta_var(balanced_share(p, C, cnt[0]))
+                        if lo < stop and begin < hi:
+                            wt[p] = exp2(part_ml[tile + p, 0, r] - mg[0])   # 0 for -inf
+                            mg[1] = mg[1] + wt[p] * part_ml[tile + p, 1, r]
+                            for c in T.vectorized(DP):
+                                o[c] = o[c] + wt[p] * part_o[tile + p, r, c]
+                    mg[2] = T.Select(mg[1] > zero, T.float32(1) / mg[1], zero)
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
 
