@@ -106,6 +106,10 @@ def test_decode_tasks_share_the_calls_key_blocks_evenly():
     assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
     threads = [sum(hi - lo for lo, hi in shares[4 * t:4 * t + 4]) for t in range(2)]
     assert max(threads) - min(threads) <= 1
+    # computed without products past total or workers^2 (the kernel's int32), exactly
+    assert all(balanced_share(t, 256, 2**31 - 1) == (t * (2**31 - 1) // 256,
+                                                     (t + 1) * (2**31 - 1) // 256)
+               for t in range(256))
     for causal in (False, True):
         layer = mhagen.mha(64, 4, kv_heads=1, kv_cache=1024, causal=causal)
         w = layer.init_weights(7)

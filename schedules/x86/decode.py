@@ -55,8 +55,12 @@ class DecodeConfig:
 
 def balanced_share(worker, workers, total):
     """[lo, hi) of the `total` work units (key blocks, every group's in a row) that
-    `worker` of `workers` runs: even shares, each a contiguous run. ints or TIR."""
-    return worker * total // workers, (worker + 1) * total // workers
+    `worker` of `workers` runs: even shares, each a contiguous run. ints or TIR (int32:
+    t * total // workers as t * q + t * r // workers, total = q * workers + r, so no
+    product exceeds total or workers^2)."""
+    def start(t):
+        return total // workers * t + total % workers * t // workers
+    return start(worker), start(worker + 1)
 
 
 def decode_layout(w, cfg):
