@@ -193,9 +193,9 @@ def query_tile_order(i, n):
 
 
 def task_tile(task, batch, heads, n_q, batch_inner):
-    """(batch row, head, query tile) of parallel task `task`. Tasks run head by head, each
-    head's query tiles in query_tile_order; with key lengths per call (batch_inner), the
-    batch row is the innermost index, so a thread's run of tasks holds every row's alike,
+    """(batch row, head, query tile) of parallel task `task`: tasks run by batch row, head,
+    then query tile (in query_tile_order); with key lengths per call (batch_inner) by head,
+    query tile, then batch row, so a thread's run of tasks holds every row's alike,
     whatever each row's length (2 rows of lengths 512 and 64, 2 threads: one thread had run
     all the long row's tasks; the attention 0.58x the time; 4 causal rows of 512, 400, 200
     and 100 keys: 0.80x; AVX-512 on Zen 4; full lengths and 1 thread 1.00x). ints or TIR
