@@ -83,8 +83,9 @@ class DecodeRule:
     def default_config(self, workload, target):
         rows = workload["heads"] // workload["kv_heads"] * workload["seq"]
         row_tile = min(rows, 16)
-        # 4 workers a core: with one a core, a step over 4096 keys of 1 K/V head took 1.2x
-        # the time on 2 threads (1.0x on 1; not explained), with 4 or 8 a core 1.0x
+        # 4 workers a core: with one a core, a step over 4096 keys of 1 K/V head took
+        # 1.00-1.22x the time on 2 threads, run to run (1.0x on 1; not explained), with 4
+        # or 8 a core 1.0x
         return DecodeConfig(row_tile=row_tile, workers=4 * max(1, target.cores), kv_block=64,
                             lanes=target.lanes)
 
