@@ -256,6 +256,7 @@ def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
     share, when TVM splits its tasks into runs of consecutive ones; tile_of(task, batch,
     heads, n_q) -> (batch row, head, query tile). Blocks the table skips or that start past
     a row's key length (lens) do not count."""
+    from mhagen.schedules.x86.matmul import busiest_thread
     table = m.program.buffers["blocks"].value
     kv_block = _attention_config(m).kv_block
     batch, n_q = len(lens), table.shape[2]
@@ -264,8 +265,7 @@ def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
         b, h, qt = tile_of(task, batch, heads, n_q)
         row = table[b % table.shape[0], h % table.shape[1], qt]
         work.append(sum(1 for kb, state in enumerate(row) if state and kb * kv_block < lens[b]))
-    step = -(-len(work) // cores)
-    return max(sum(work[t:t + step]) for t in range(0, len(work), step)) / (sum(work) / cores)
+    return busiest_thread(work, cores) / (sum(work) / cores)
 
 
 def test_attention_tasks_spread_evenly_over_the_threads():

@@ -70,14 +70,14 @@ def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
     not spread over the target's cores (core_blocks).
     whole_blocks: rows padded to whole blocks
     (GEMMs over bfloat16 pairs: TVM's tensorize does not match a tile under a guard)."""
-    tile_rows, _ = packed_tile(target)
+    tile_rows, tile_cols = packed_tile(target)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
     tiles = -(-rows // tile_rows)
     fit = target.l2_kib * 1024 // 2 // (tile_rows * max(1, depth) * 4)
     most = max(1, min(24, fit))
     if tiles <= most:
-        row_block = core_blocks(tiles, cols // packed_tile(target)[1], target.cores)
+        row_block = core_blocks(tiles, cols // tile_cols, target.cores)
         if row_block == tiles:
             return tile_rows, 1, tiles * tile_rows if whole_blocks else rows
         blocks = -(-tiles // row_block)
@@ -90,15 +90,18 @@ def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
     return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
 
 
+def busiest_thread(work, threads):
+    """The most work one thread runs when a parallel loop over tasks of these works (in
+    loop order) is split as TVM splits it: consecutive runs of ceil(tasks / threads)."""
+    step = max(1, -(-len(work) // threads))
+    return max((sum(work[t:t + step]) for t in range(0, len(work), step)), default=0)
+
+
 def most_tiles_a_thread(tiles, row_block, panels, cores):
-    """The most row tiles x panels one thread runs when the parallel loop over (row block,
-    panel) tasks is split as TVM splits it: consecutive chunks of ceil(tasks / cores)."""
+    """The most row tiles x panels one thread runs over the (row block, panel) tasks."""
     blocks = -(-tiles // row_block)
-    tasks = blocks * panels
-    step = -(-tasks // cores)
-    return max(sum(min(row_block, tiles - i // panels * row_block)
-                   for i in range(t * step, min(tasks, (t + 1) * step)))
-               for t in range(cores))
+    return busiest_thread([min(row_block, tiles - i // panels * row_block)
+                           for i in range(blocks * panels)], cores)
 
 
 def core_blocks(tiles, panels, cores):
