@@ -95,9 +95,9 @@ def test_decode_tasks_share_the_calls_key_blocks_evenly():
     row tile, in order) into one even, contiguous share per task, whatever the rows' cache
     lengths: modelled for rows of 4000 and 100 cached keys on 2 threads (8 tasks), each
     thread runs half the blocks, where splits of the cache left one thread 31x the other's.
-    Builds for 1, 2, 3 and 16 cores (4 to 64 tasks) match the reference on rows of 0, 1,
-    300, 700 and 1023 - S cached keys (pieces that start and end inside groups, and tasks
-    with nothing to do), causal and not, for 1 and 3 new tokens."""
+    Builds for 1, 2 (x86), 3 and 16 cores (x86-avx2; 4 to 64 tasks) match the reference on
+    rows of 0, 1, 300, 700 and 1023 - S cached keys (pieces that start and end inside
+    groups, and tasks with nothing to do), causal and not, for 1 and 3 new tokens."""
     from mhagen.schedules.x86.decode import balanced_share
     blocks = [-(-4001 // 64)] * 8 + [-(-101 // 64)] * 8    # row 0's 8 K/V heads, row 1's
     total = sum(blocks)
@@ -113,8 +113,9 @@ def test_decode_tasks_share_the_calls_key_blocks_evenly():
     for causal in (False, True):
         layer = mhagen.mha(64, 4, kv_heads=1, kv_cache=1024, causal=causal)
         w = layer.init_weights(7)
-        for cores, new_tokens in ((1, 1), (2, 3), (3, 1), (16, 3)):
-            t = dataclasses.replace(resolve("x86"), cores=cores)
+        for preset, cores, new_tokens in (("x86", 1, 1), ("x86", 2, 3), ("x86-avx2", 3, 1),
+                                          ("x86-avx2", 16, 3)):
+            t = dataclasses.replace(resolve(runnable(preset)), cores=cores)
             m = mhagen.build(layer, t, batch=5, seq_len=new_tokens, weights=w)
             cfg = next(d["config"] for d in m.info.decisions if d["rule"] == "decode_attention")
             assert cfg["workers"] == 4 * cores, cfg

@@ -245,9 +245,13 @@ def build_decode(w, cfg):
                 part_o[task, r, NCH * LN + ln] = part_o[task, r, NCH * LN + ln] + p * v_cache[
                     b, g, kr, NCH * LN + ln]
 
+    def kv_len_of(cache_lens, b):
+        """The keys batch row b sees in this call: its cached keys and the new ones."""
+        return T.min(cache_lens[b] + S, N)
+
     def n_blocks(cache_lens, b):
-        """Key blocks of batch row b in this call: its cached keys and the new ones."""
-        return (T.min(cache_lens[b] + S, N) + KB - 1) // KB
+        """Key blocks of batch row b in this call."""
+        return (kv_len_of(cache_lens, b) + KB - 1) // KB
 
     @T.macro
     def piece(qkv, cache_lens, k_cache, v_cache, part_o, part_ml, qb, s_buf, acc, st, ml, b,
@@ -255,7 +259,7 @@ def build_decode(w, cfg):
         # key blocks first .. end of group (b, g, rt) into partial `slot`; (m, l) stay in
         # ml until the end (one query row's partials lie 8 bytes apart: neighbouring tasks
         # would store into one cache line every block)
-        kv_len = T.min(cache_lens[b] + S, N)
+        kv_len = kv_len_of(cache_lens, b)
         # the keys this tile may see: up to its last query's position when causal (its
         # rows run over heads, then tokens: a tile within one head ends at token
         # (last row) % S, one that crosses heads reaches token S - 1)
@@ -344,12 +348,13 @@ def build_decode(w, cfg):
             cnt[1] = 0
             for j in range(NG):
                 b = j // (G * NRT)
+                nb = n_blocks(cache_lens, b)
                 first = T.max(lo - cnt[1], 0)
-                end = T.min(hi - cnt[1], n_blocks(cache_lens, b))
+                end = T.min(hi - cnt[1], nb)
                 if first < end:
                     piece(qkv, cache_lens, k_cache, v_cache, part_o, part_ml, qb, s_buf, acc,
                           st, ml, b, j // NRT % G, j % NRT, j + worker, first, end)
-                cnt[1] = cnt[1] + n_blocks(cache_lens, b)
+                cnt[1] = cnt[1] + nb
         # merge each row's pieces: out = sum_p 2^(m_p - m) O_p / sum_p 2^(m_p - m) l_p, the
         # pieces of group j being partials j + t of the workers t whose shares meet it
         for tile in T.parallel(NG):
@@ -364,8 +369,9 @@ def build_decode(w, cfg):
                 cnt[0] = cnt[0] + G * NRT * n_blocks(cache_lens, bb)
                 if bb < b:
                     cnt[1] = cnt[1] + G * NRT * n_blocks(cache_lens, bb)
-            begin = cnt[1] + tile % (G * NRT) * n_blocks(cache_lens, b)
-            stop = begin + n_blocks(cache_lens, b)
+            nb = n_blocks(cache_lens, b)
+            begin = cnt[1] + tile % (G * NRT) * nb
+            stop = begin + nb
             g = tile // NRT % G
             rt = tile % NRT
             for r in range(RT):
