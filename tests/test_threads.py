@@ -69,9 +69,10 @@ def test_kernels_on_every_thread_match_the_reference(target, tmp_path):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_schedules_for_other_core_counts_match_the_reference(target):
-    """The rules partition work by the target's cores (GEMM panel groups, attention query
-    tiles, decoding splits); users have 3, 16 or 64 cores where CI has 2. Each build runs on
-    this machine's threads, and a schedule for any core count must stay correct."""
+    """The rules partition work by the target's cores (GEMM panel groups and row blocks,
+    attention query tiles; decoding's shares: tests/test_decode.py); users have 3, 16 or 64
+    cores where CI has 2. Each build runs on this machine's threads, and a schedule for any
+    core count must stay correct."""
     rng = np.random.default_rng(0)
     cases = [(dict(d_model=512, num_heads=8), dict(batch=1, seq_len=512), [(1, 512)]),
              (dict(d_model=160, num_heads=4, kv_heads=2, causal=True), dict(batch=3, seq_len=97),
