@@ -1,6 +1,8 @@
 """Aligned numpy arrays: what the kernels assume of every buffer they are given."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mhagen.dtypes import numpy_dtype
@@ -11,7 +13,7 @@ ALIGNMENT = 64   # bytes: what TVM assumes of every buffer it is given (aligned 
 def aligned_empty(shape, dtype="float32") -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
     dtype = numpy_dtype(dtype)
-    n = int(np.prod(shape))
+    n = math.prod(shape) if isinstance(shape, tuple) else int(np.prod(shape))
     raw = np.empty(n + ALIGNMENT // dtype.itemsize, dtype)
     start = (-raw.ctypes.data % ALIGNMENT) // dtype.itemsize
     return raw[start:start + n].reshape(shape)

@@ -6,6 +6,7 @@ needs only tvm-ffi and TVM's runtime library (mhagen/runtime.py), never the comp
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -252,7 +253,7 @@ class Module:
         full = self._temp(buffer)
         if shape == full.shape:
             return full
-        return full.reshape(-1)[:int(np.prod(shape))].reshape(shape)
+        return full.reshape(-1)[:math.prod(shape)].reshape(shape)
 
     def _check_x(self, x):
         x = check_input(self.graph, x)
