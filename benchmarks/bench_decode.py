@@ -2,25 +2,33 @@
 """Benchmark one KV-cache decode step of a whole layer against peers, in one process.
 
 A decode step: one new token per sequence; its Q/K/V projections, its K/V appended to a cache
-that already holds `cache - 1` tokens, attention over all `cache` tokens, the output
-projection. Every implementation keeps its own cache with the same contents and the same
-weights, and is checked against the float64 reference (mhagen's, with a float64 cache)
-before timing:
+that already holds `cache - 1` tokens (or, with --lens, each batch row its own count: a
+ragged batch, as a server decoding several requests at once has), attention over those
+tokens and the new one, the output projection. Every implementation keeps its own cache
+with the same contents and the same weights, and is checked against the float64 reference
+(mhagen's, with a float64 cache) before timing:
 
-  mhagen          mhagen.build(mhagen.mha(D, H, kv_cache=N, causal=True), seq_len=1):
-                  QKV GEMM, cache append, split-KV attention, output GEMM
-  torch_sdpa      Linear(QKV) -> cache[:, :, L] = k, v -> F.scaled_dot_product_attention over
-                  cache[:, :, :L+1] -> Linear (the cache preallocated, as mhagen's)
+  mhagen          mhagen.build(mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True),
+                  seq_len=1): QKV GEMM, cache append, split-KV attention, output GEMM
+  torch_sdpa      Linear(QKV) -> cache[b, :, L_b] = k, v -> F.scaled_dot_product_attention
+                  over cache[:, :, :max L_b + 1] (enable_gqa; a boolean key mask only when
+                  the rows' lengths differ) -> Linear (the cache preallocated, as mhagen's)
   ort_attention   ONNX Runtime: MatMul(QKV) -> opset-23 Attention(q, k, v, past_key,
-                  past_value) -> MatMul; ONNX's past/present form copies the cache into
-                  present_key/present_value on every step (that is how the op is defined)
+                  past_value[, attn_mask]) -> MatMul; ONNX's past/present form copies the
+                  cache into present_key/present_value on every step (that is how the op is
+                  defined); ragged rows: the past padded to the longest, masked
+  ort_gqa         ONNX Runtime: MatMul(QKV) -> com.microsoft.GroupQueryAttention(packed qkv,
+                  past_key, past_value, seqlens_k) -> MatMul, the cache bound in place
+                  (I/O binding, past and present one buffer, as onnxruntime-genai runs it):
+                  ORT's own op for decoding batches of any lengths
 
 Timing interleaves the implementations in rounds (medians). "GB/s" is the bytes one step
 must read at least (every weight once, the whole K/V cache once) over its time; "% read bw"
 compares that with a plain read of a 512 MiB array by torch in the same run (the machine's
 memory bandwidth at that thread count).
 
-Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--out DIR]
+Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--kv-heads G]
+         [--lens 4000,100] [--out DIR]
 """
 from __future__ import annotations
 
@@ -46,7 +54,15 @@ def random_cache(cache, seed=1):
     return cache
 
 
+def head_counts(w):
+    """(query heads, K/V heads, head_dim) of mhagen's weights."""
+    heads, _, head_dim = w["w_q"].shape
+    return heads, w["w_k"].shape[0], head_dim
+
+
 class MhagenStep:
+    """`past`: [batch] tokens cached before the step, per row."""
+
     def __init__(self, layer, w, batch, past, target):
         self.module = mhagen.build(layer, target, batch=batch, seq_len=1, weights=w)
         self.cache = random_cache(self.module.new_cache())
@@ -58,74 +74,150 @@ class MhagenStep:
 
 
 class TorchStep:
-    def __init__(self, layer, w, batch, past, target=None):
+    def __init__(self, layer, w, batch, past, target=None, threads=1):
         import torch
         import torch.nn.functional as F
         self.torch, self.sdpa = torch, F.scaled_dot_product_attention
-        self.heads, d_model, self.head_dim = w["w_q"].shape
+        self.heads, self.kv_heads, self.head_dim = head_counts(w)
         w_in, b_in = bm.torch_in_proj(w)
         w_out, b_out = bm.torch_out_proj(w)
         self.w_in, self.b_in = torch.from_numpy(w_in), torch.from_numpy(b_in)
         self.w_out, self.b_out = torch.from_numpy(w_out), torch.from_numpy(b_out)
         ref = random_cache(mhagen.KVCache.empty(layer, batch))
         self.k, self.v = torch.from_numpy(ref.k.copy()), torch.from_numpy(ref.v.copy())
-        self.past = past
+        self.rows, self.past = torch.arange(batch), torch.from_numpy(np.asarray(past, np.int64))
+        self.end = int(self.past.max()) + 1
+        ragged = bool((self.past != self.past[0]).any())
+        # a key is seen when it is cached for the row or is the row's new token
+        self.mask = (torch.arange(self.end)[None, :] <= self.past[:, None])[:, None, None] \
+            if ragged else None
 
     def __call__(self, x):
-        torch, L = self.torch, self.past
+        torch, E = self.torch, self.end
         with torch.inference_mode():
             t = torch.from_numpy(x)
             b = t.shape[0]
             qkv = torch.nn.functional.linear(t, self.w_in, self.b_in)
-            q, k, v = qkv.view(b, 1, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            self.k[:, :, L] = k[:, :, 0]
-            self.v[:, :, L] = v[:, :, 0]
-            o = self.sdpa(q, self.k[:, :, :L + 1], self.v[:, :, :L + 1])
+            H, G, d = self.heads, self.kv_heads, self.head_dim
+            q, k, v = qkv[:, 0].split([H * d, G * d, G * d], dim=-1)
+            self.k[self.rows, :, self.past] = k.view(b, G, d)
+            self.v[self.rows, :, self.past] = v.view(b, G, d)
+            o = self.sdpa(q.view(b, H, 1, d), self.k[:, :, :E], self.v[:, :, :E],
+                          attn_mask=self.mask, enable_gqa=G != H)
             y = torch.nn.functional.linear(o.transpose(1, 2).reshape(b, 1, -1), self.w_out,
                                            self.b_out)
             return y.numpy()
 
 
-def ort_decode_model(w, batch, past):
+def ort_decode_model(w, batch, past_len, op, cache_len=None, ragged=False):
+    """x -> MatMul(W_qkv) -> Add(b_qkv) -> attention -> MatMul(W_O) -> Add(b_O), as bytes.
+
+    op "ort_attention": Split -> opset-23 Attention(q, k, v, [attn_mask], past_key,
+    past_value) with a past of past_len tokens (attn_mask [B, 1, 1, past_len + 1] when
+    ragged). op "ort_gqa": com.microsoft.GroupQueryAttention on the packed qkv, past and
+    present [B, G, cache_len, d], seqlens_k [B] (cached tokens per row), total_len."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-    heads, d_model, head_dim = w["w_q"].shape
-    width = heads * head_dim
+    heads, kv_heads, head_dim = head_counts(w)
+    d_model = w["w_q"].shape[1]
     w_qkv, b_qkv = bm.packed_qkv(w)
     inits = [numpy_helper.from_array(w_qkv, "w_qkv"), numpy_helper.from_array(b_qkv, "b_qkv"),
              numpy_helper.from_array(np.ascontiguousarray(w["w_o"], np.float32), "w_o"),
-             numpy_helper.from_array(np.asarray(w["b_o"], np.float32), "b_o"),
-             numpy_helper.from_array(np.array([width] * 3, np.int64), "split")]
+             numpy_helper.from_array(np.asarray(w["b_o"], np.float32), "b_o")]
     nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv0"]),
-             helper.make_node("Add", ["qkv0", "b_qkv"], ["qkv"]),
-             helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
-             helper.make_node("Attention", ["q", "k", "v", "", "past_key", "past_value"],
-                              ["attn", "present_key", "present_value"], q_num_heads=heads,
-                              kv_num_heads=heads),
-             helper.make_node("MatMul", ["attn", "w_o"], ["y0"]),
-             helper.make_node("Add", ["y0", "b_o"], ["y"])]
-    cache = [batch, heads, past, head_dim]
+             helper.make_node("Add", ["qkv0", "b_qkv"], ["qkv"])]
+    f32 = TensorProto.FLOAT
+    if op == "ort_attention":
+        inits.append(numpy_helper.from_array(
+            np.array([heads * head_dim] + [kv_heads * head_dim] * 2, np.int64), "split"))
+        nodes += [helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
+                  helper.make_node("Attention", ["q", "k", "v", "attn_mask" if ragged else "",
+                                                 "past_key", "past_value"],
+                                   ["attn", "present_key", "present_value"],
+                                   q_num_heads=heads, kv_num_heads=kv_heads)]
+        cache = [batch, kv_heads, past_len, head_dim]
+        extra = [helper.make_tensor_value_info(n, f32, cache) for n in ("past_key", "past_value")]
+        if ragged:
+            extra.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL,
+                                                       [batch, 1, 1, past_len + 1]))
+        outputs, opsets = [], [helper.make_opsetid("", 23)]
+    elif op == "ort_gqa":
+        nodes.append(helper.make_node(
+            "GroupQueryAttention", ["qkv", "", "", "past_key", "past_value", "seqlens_k",
+                                    "total_len"], ["attn", "present_key", "present_value"],
+            domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads))
+        cache = [batch, kv_heads, cache_len, head_dim]
+        extra = [helper.make_tensor_value_info(n, f32, cache) for n in ("past_key", "past_value")]
+        extra += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [batch]),
+                  helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+        outputs = [helper.make_tensor_value_info(n, f32, cache)
+                   for n in ("present_key", "present_value")]
+        opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    else:
+        raise ValueError(op)
+    nodes += [helper.make_node("MatMul", ["attn", "w_o"], ["y0"]),
+              helper.make_node("Add", ["y0", "b_o"], ["y"])]
     graph = helper.make_graph(
-        nodes, "mha_decode",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 1, d_model]),
-         helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
-         helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 1, d_model])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+        nodes, f"mha_decode_{op}",
+        [helper.make_tensor_value_info("x", f32, [batch, 1, d_model])] + extra,
+        [helper.make_tensor_value_info("y", f32, [batch, 1, d_model])] + outputs, inits)
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     onnx.checker.check_model(model)
     return model.SerializeToString()
 
 
 class OrtStep:
+    """opset-23 Attention: the past is the rows' cached tokens, padded to the longest row
+    and masked when the rows differ (the new token then sits after the padding, which
+    attention without positions cannot tell from its place in mhagen's cache)."""
+
     def __init__(self, layer, w, batch, past, target=None, threads=1):
-        self.session = bm.ort_session(ort_decode_model(w, batch, past), threads)
+        longest = int(np.max(past))
+        ragged = bool(np.any(past != longest))
+        self.session = bm.ort_session(
+            ort_decode_model(w, batch, longest, "ort_attention", ragged=ragged), threads)
         ref = random_cache(mhagen.KVCache.empty(layer, batch))
-        self.feeds = {"past_key": np.ascontiguousarray(ref.k[:, :, :past]),
-                      "past_value": np.ascontiguousarray(ref.v[:, :, :past])}
+        self.feeds = {"past_key": np.ascontiguousarray(ref.k[:, :, :longest]),
+                      "past_value": np.ascontiguousarray(ref.v[:, :, :longest])}
+        if ragged:
+            seen = np.arange(longest + 1)[None, :] < np.asarray(past)[:, None]
+            seen[:, longest] = True                       # the row's new token
+            self.feeds["attn_mask"] = seen[:, None, None, :]
 
     def __call__(self, x):
         return self.session.run(["y"], dict(self.feeds, x=x))[0]
+
+
+class OrtGqaStep:
+    """GroupQueryAttention with the cache bound in place: each step writes the new K/V at
+    seqlens_k[b] of the one buffer and reads that row's tokens only."""
+
+    def __init__(self, layer, w, batch, past, target=None, threads=1):
+        import onnxruntime as ort
+        ref = random_cache(mhagen.KVCache.empty(layer, batch))
+        self.session = bm.ort_session(
+            ort_decode_model(w, batch, None, "ort_gqa", cache_len=ref.max_len), threads)
+        self.k = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ref.k))
+        self.v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(ref.v))
+        self.binding = b = self.session.io_binding()
+        b.bind_cpu_input("seqlens_k", np.asarray(past, np.int32))
+        b.bind_cpu_input("total_len", np.array(int(np.max(past)) + 1, np.int32))
+        b.bind_ortvalue_input("past_key", self.k)
+        b.bind_ortvalue_input("past_value", self.v)
+        b.bind_ortvalue_output("present_key", self.k)
+        b.bind_ortvalue_output("present_value", self.v)
+        self.y = np.empty((batch, 1, w["w_q"].shape[1]), np.float32)
+        b.bind_output("y", "cpu", element_type=np.float32, shape=self.y.shape,
+                      buffer_ptr=self.y.ctypes.data)
+
+    def __call__(self, x):
+        self.binding.bind_cpu_input("x", x)
+        self.session.run_with_iobinding(self.binding)
+        return self.y
+
+
+PEERS = {"torch_sdpa": TorchStep, "ort_attention": OrtStep, "ort_gqa": OrtGqaStep}
 
 
 def read_bandwidth(threads):
@@ -150,10 +242,14 @@ def main(argv=None):
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--cache", type=int, default=2048, help="tokens in the cache after the step")
+    p.add_argument("--kv-heads", type=int, help="K/V heads (grouped/multi-query); default heads")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--lens", type=bm.lengths_arg(0, "4000,100"),
+                   help="tokens each batch row has cached before the step, e.g. 4000,100 "
+                   "(a ragged batch; sets --batch; each < --cache)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--peers", default="torch_sdpa,ort_attention")
+    p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
                    help="idle gap before each implementation's turn when threads > 1 (other "
                    "libraries' worker threads stop spinning), as bench_mha.py")
@@ -161,9 +257,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     bm.runnable_target(p, args.target)
     bm.TARGET = args.target
-    D, H, N, B = args.d_model, args.heads, args.cache, args.batch
-    past = N - 1
-    layer = mhagen.mha(D, H, kv_cache=N, causal=True)
+    D, H, N = args.d_model, args.heads, args.cache
+    G = args.kv_heads or H
+    if args.lens is not None and max(args.lens) >= N:
+        p.error(f"--lens {max(args.lens)}: a row holds at most --cache - 1 = {N - 1} tokens "
+                "before the step")
+    past = np.array(args.lens if args.lens is not None else [N - 1] * args.batch, np.int32)
+    B = len(past)
+    layer = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True)
     w = layer.init_weights(0)
     x = bm.make_input(B, 1, D, seed=3)
 
@@ -171,16 +272,19 @@ def main(argv=None):
     ref_cache.lens[...] = past
     expected = layer.reference(x, w, cache=ref_cache)
     d = D // H
-    bytes_read = 4 * (4 * D * H * d + 4 * D) + 4 * 2 * B * H * N * d
+    bytes_read = 4 * (2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d) \
+        + 4 * 2 * G * d * int(np.sum(past + 1))
     peers = [s for s in args.peers.split(",") if s]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        p.error(f"--peers {','.join(unknown)}: unknown; choose among {', '.join(PEERS)}")
     rows, status = [], {}
     for threads in [int(t) for t in args.threads.split(",")]:
         bm.set_threads(threads)
         impls = {"mhagen": MhagenStep(layer, w, B, past, args.target)}
         for name in peers:
             try:
-                impls[name] = (TorchStep(layer, w, B, past) if name == "torch_sdpa" else
-                               OrtStep(layer, w, B, past, threads=threads))
+                impls[name] = PEERS[name](layer, w, B, past, threads=threads)
             except Exception as err:           # a peer that cannot run is reported, not fatal
                 status[name] = f"unavailable: {err}"
         checked = {}
@@ -204,7 +308,10 @@ def main(argv=None):
                          "gb_s": bytes_read / t / 1e9,
                          "read_bw_share": bytes_read / t / 1e9 / bw, "read_bw_gb_s": bw,
                          "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None})
-    meta = {"shape": f"batch {B}, d_model {D}, {H} heads, cache {N} (one new token)",
+    cached = (f"rows cache {', '.join(str(n + 1) for n in past)} of {N} tokens"
+              if args.lens is not None else f"cache {N}")
+    heads = f"{H} heads" + (f", {G} K/V heads" if G != H else "")
+    meta = {"shape": f"batch {B}, d_model {D}, {heads}, {cached} (one new token)",
             "target": args.target, "bytes_read": bytes_read, "status": status,
             "cpu": bm.cpu_summary(),
             "env": {k: os.environ[k] for k in ("MKL_ENABLE_INSTRUCTIONS", "OPENBLAS_CORETYPE",

@@ -103,6 +103,20 @@ def parse_shape(text: str):
     return (b, s, d, h)
 
 
+def lengths_arg(least, example):
+    """An argparse type: comma-separated integers >= least (one per batch row)."""
+    def parse(text):
+        try:
+            lens = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            lens = []
+        if not lens or min(lens) < least:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give one integer >= {least} per batch row, e.g. {example}")
+        return lens
+    return parse
+
+
 def make_input(batch, seq, d_model, seed=0):
     """The same input for every implementation, 64-byte aligned (mhagen.aligned_empty) as a
     caller who wants mhagen to read it in place allocates it; the peers take any array."""
@@ -254,6 +268,7 @@ class TorchSDPA:
         self.qkv.eval()
         self.out.eval()
         self.causal = causal
+        self.mask = None     # or a boolean mask (True = seen) that replaces is_causal
 
     def __call__(self, x):
         torch = self.torch
@@ -261,7 +276,8 @@ class TorchSDPA:
             t = torch.from_numpy(x)
             b, s, _ = t.shape
             qkv = self.qkv(t).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            o = self.sdpa(qkv[0], qkv[1], qkv[2], is_causal=self.causal)   # [B, H, S, d]
+            o = self.sdpa(qkv[0], qkv[1], qkv[2], attn_mask=self.mask,
+                          is_causal=self.causal and self.mask is None)   # [B, H, S, d]
             y = self.out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
             return y.numpy()
 
@@ -277,12 +293,15 @@ def ort_session(model_bytes, threads):
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 
-def onnx_model(w, batch, seq, causal, op):
+def onnx_model(w, batch, seq, causal, op, key_mask=False):
     """x -> MatMul(W_qkv) -> Split -> attention op -> MatMul(W_O) -> Add(b_O), as bytes.
 
     op "ort_mha": com.microsoft.MultiHeadAttention(q, k, v, bias=b_qkv; unidirectional=causal).
     op "ort_attention": Add(b_qkv) -> opset-23 Attention(q, k, v; q_num_heads, kv_num_heads,
-    is_causal) on 3-D [B, S, H*d] inputs."""
+    is_causal) on 3-D [B, S, H*d] inputs.
+    key_mask: a second input "key_mask" hides keys per batch row (key padding): int32
+    [B, S] (1 = seen) as MultiHeadAttention's key_padding_mask, bool [B, 1, S, S] as
+    Attention's attn_mask."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
     heads, d_model, head_dim = w["w_q"].shape
@@ -296,7 +315,8 @@ def onnx_model(w, batch, seq, causal, op):
     if op == "ort_mha":
         nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"]),
                  helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
-                 helper.make_node("MultiHeadAttention", ["q", "k", "v", "b_qkv"], ["attn"],
+                 helper.make_node("MultiHeadAttention",
+                                  ["q", "k", "v", "b_qkv"] + ["key_mask"] * key_mask, ["attn"],
                                   domain="com.microsoft", num_heads=heads,
                                   unidirectional=int(causal))]
         opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
@@ -304,16 +324,21 @@ def onnx_model(w, batch, seq, causal, op):
         nodes = [helper.make_node("MatMul", ["x", "w_qkv"], ["qkv0"]),
                  helper.make_node("Add", ["qkv0", "b_qkv"], ["qkv"]),
                  helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=-1),
-                 helper.make_node("Attention", ["q", "k", "v"], ["attn"], q_num_heads=heads,
+                 helper.make_node("Attention", ["q", "k", "v"] + ["key_mask"] * key_mask,
+                                  ["attn"], q_num_heads=heads,
                                   kv_num_heads=heads, is_causal=int(causal))]
         opsets = [helper.make_opsetid("", 23)]
     else:
         raise ValueError(op)
     nodes += [helper.make_node("MatMul", ["attn", "w_o"], ["y0"]),
               helper.make_node("Add", ["y0", "b_o"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, d_model])]
+    if key_mask:
+        inputs.append(helper.make_tensor_value_info("key_mask", *(
+            (TensorProto.INT32, [batch, seq]) if op == "ort_mha" else
+            (TensorProto.BOOL, [batch, 1, seq, seq]))))
     graph = helper.make_graph(
-        nodes, f"mha_{op}", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                            [batch, seq, d_model])],
+        nodes, f"mha_{op}", inputs,
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, d_model])], inits)
     model = helper.make_model(graph, opset_imports=opsets, producer_name="mhagen-bench")
     model.ir_version = 10

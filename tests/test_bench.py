@@ -267,3 +267,88 @@ def test_a_benchmark_of_code_this_machine_cannot_run_is_a_usage_error(script):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"--target {other}: the benchmark runs the code here, but" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def bench_decode():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_decode",
+                                                  ROOT / "benchmarks" / "bench_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kv_heads,past", [(4, [20, 20]), (2, [30, 0, 7]), (1, [38, 5])],
+                         ids=["full", "gqa-ragged", "mqa-ragged"])
+@pytest.mark.parametrize("peer", ["torch_sdpa", "ort_attention", "ort_gqa"])
+def test_decode_peer_matches_reference(bench_decode, peer, kv_heads, past):
+    """Each decode peer of bench_decode.py against the float64 reference: K/V heads fewer
+    than query heads, and rows with their own cached tokens (0 included); a second step
+    appends at the same place and answers the same."""
+    pytest.importorskip("torch" if peer == "torch_sdpa" else "onnxruntime")
+    layer = mhagen.mha(32, 4, kv_heads=kv_heads, kv_cache=40, causal=True)
+    w = layer.init_weights(5)
+    past = np.array(past, np.int32)
+    x = random_input(layer, len(past), 1, seed=6)
+    ref = bench_decode.random_cache(mhagen.KVCache.empty(layer, len(past), np.float64))
+    ref.lens[...] = past
+    expected = layer.reference(x, w, cache=ref)
+    step = bench_decode.PEERS[peer](layer, w, len(past), past, threads=1)
+    assert_close(step(x), expected)
+    assert_close(step(x), expected)
+    if len(set(past.tolist())) > 1:     # the rows' lengths change the answer
+        ref_long = bench_decode.random_cache(mhagen.KVCache.empty(layer, len(past), np.float64))
+        ref_long.lens[...] = past.max()
+        assert np.abs(layer.reference(x, w, cache=ref_long) - expected).max() > 1e-3
+
+
+def test_decode_benchmark_quick_run_of_a_ragged_batch(tmp_path):
+    """benchmarks/bench_decode.py end to end: rows of 30, 0 and 7 cached tokens, 2 K/V heads;
+    every peer checked against the reference (none excluded), then timed; a row longer than
+    the cache is a usage error."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    script = str(ROOT / "benchmarks" / "bench_decode.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--d-model", "32", "--heads", "4", "--kv-heads", "2",
+         "--cache", "40", "--lens", "30,0,7", "--threads", "1", "--rounds", "1",
+         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["impl"] for r in data["rows"]} == {"mhagen", "torch_sdpa", "ort_attention",
+                                                 "ort_gqa"}, data["meta"]["status"]
+    assert all(r["ms"] > 0 for r in data["rows"])
+    assert "rows cache 31, 1, 8 of 40 tokens" in data["meta"]["shape"]
+    refused = subprocess.run([sys.executable, script, "--cache", "40", "--lens", "40"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "at most --cache - 1 = 39" in refused.stderr
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["padding", "padding-causal"])
+def test_padding_benchmark_quick_run(tmp_path, causal):
+    """benchmarks/bench_padding.py end to end: rows of 64, 40, 9 and 1 tokens padded to 64;
+    mhagen and every peer (torch SDPA's and ORT's key masks) checked against the reference,
+    none excluded, then timed; lengths that do not fit the shape are a usage error."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    script = str(ROOT / "benchmarks" / "bench_padding.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--shape", "4x64x64x4", "--lens", "64,40,9,1", "--threads",
+         "1", "--rounds", "1", "--out", str(tmp_path)] + ["--causal"] * causal,
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {r["impl"] for r in data["rows"]} == {"mhagen", "mhagen_dense", "torch_sdpa",
+                                                 "ort_mha", "ort_attention"}, data["meta"]
+    assert all(r["ms"] > 0 and r["gflops"] > 0 for r in data["rows"])
+    spec = importlib.util.spec_from_file_location("bench_padding", script)
+    bp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bp)
+    seen = bp.seen_keys([64, 40, 9, 1], 64, causal)
+    assert seen.sum() == (64 * 65 // 2 + 40 * 41 // 2 + 40 * 24 + 9 * 10 // 2 + 9 * 55 + 64
+                          if causal else 64 * (64 + 40 + 9 + 1))
+    assert data["meta"]["useful_flops"] == bp.useful_flops(4, 64, 64, 4, [64, 40, 9, 1], causal)
+    refused = subprocess.run([sys.executable, script, "--shape", "2x64x64x4", "--lens", "64"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "give 2 lengths" in refused.stderr, refused.stderr
