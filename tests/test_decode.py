@@ -66,7 +66,10 @@ def test_reference_cache_holds_the_rows_by_hand():
     dict(d=80, heads=2, kv_heads=2, kw=dict(causal=True, rotary=True)),      # head_dim 40
     dict(d=160, heads=4, kv_heads=1, kw=dict(causal=True, score_mod=mhagen.alibi(4),
                                              mask=mhagen.sliding_window(20))),
-], ids=["hd40-rotary", "mqa-alibi-window"])
+    # 8 query heads a K/V head: rows in the lanes (8 rows; 5 tokens: 40 rows, tiles of 16)
+    dict(d=320, heads=8, kv_heads=1, kw=dict(causal=True, rotary=True,
+                                             score_mod=mhagen.softcap(5.0))),
+], ids=["hd40-rotary", "mqa-alibi-window", "mqa8-hd40-softcap"])
 @pytest.mark.parametrize("new_tokens", [1, 5])
 def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
     """Batch 2 with different cached lengths (random cache contents below them), 4 calls:

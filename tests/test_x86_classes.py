@@ -473,49 +473,53 @@ def test_the_spill_check_sees_spills():
 
 
 def accumulates_in_memory(asm: str) -> list:
-    """Vector multiply-adds whose sum goes back where an operand came from: `vfmadd*ps MEM,
-    a, b` then, before b is written again, `vmov* b, MEM` (an accumulator kept in memory:
-    each multiply-add waits on the last one's store)."""
+    """Rows of vectors summed in memory: vector multiply-adds `vfmadd*ps OFF(BASE), a, b`
+    followed, before b is written again, by `vmov* b, OFF(BASE)`, at 3 or more offsets of
+    one BASE (a row of O, 3+ vectors for head_dim >= 48: each multiply-add waits on the
+    last one's store). A single vector so updated (the softmax's running sum, once a key
+    block) is not such a row."""
     lines = [line.strip() for line in asm.splitlines()]
-    found = []
+    rows = {}
     for k, ins in enumerate(lines):
-        fma = re.match(r"vfmadd\w+ps\s+(-?\w*\(%[\w,%]+\)), %[xyz]mm\d+, (%[xyz]mm\d+)$", ins)
+        fma = re.match(r"vfmadd\w+ps\s+(-?\w*)(\(%[\w,%]+\)), %[xyz]mm\d+, (%[xyz]mm\d+)$",
+                       ins)
         if not fma:
             continue
-        mem, reg = fma.groups()
+        offset, base, reg = fma.groups()
         for nxt in lines[k + 1:k + 4]:
-            if re.match(rf"vmov\w+\s+{re.escape(reg)}, {re.escape(mem)}$", nxt):
-                found.append(f"{ins} / {nxt}")
+            if re.match(rf"vmov\w+\s+{re.escape(reg)}, {re.escape(offset + base)}$", nxt):
+                rows.setdefault(base, set()).add(offset)
             if nxt.endswith(", " + reg):
                 break
-    return found
+    return [f"{base} at {sorted(offsets)}" for base, offsets in rows.items()
+            if len(offsets) >= 3]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_decode_values_accumulate_in_registers(preset):
     """The split-KV decode template sums p * V rows in registers, not in its partial O
     (which made each key's multiply-adds wait on the last key's stores: GQA steps took
-    1.6-1.7x the time); for 1, 2, 4 and 8 query rows a K/V head and head_dim 40."""
-    for heads, kv_heads, d_model in ((4, 4, 256), (4, 2, 256), (8, 2, 320), (8, 1, 512)):
+    1.6-1.7x the time), and its row-lane scores (8 and 16 query rows a K/V head) keep their
+    sums in registers too; for 1, 2, 4, 8 and 16 rows and head_dim 40."""
+    for heads, kv_heads, d_model in ((4, 4, 256), (4, 2, 256), (8, 2, 320), (8, 1, 512),
+                                     (16, 1, 1024)):
         layer = mhagen.mha(d_model, heads, kv_heads=kv_heads, kv_cache=64, causal=True)
         asm = function_asm(_asm_of(layer, preset, 1), "attention_compute_")
         assert "vfmadd" in asm
         assert not accumulates_in_memory(asm), (preset, heads, kv_heads,
                                                 accumulates_in_memory(asm)[:3])
+        assert not spills_in_fma_loops(asm), (preset, heads, kv_heads)
 
 
 def test_the_memory_accumulator_check_sees_one():
     """The check above can fail: the listing of the template that summed into part_o."""
-    old = """
-	vmovaps	(%rbx,%rcx,4), %zmm1
-	vfmadd213ps	(%r12,%rax,4), %zmm0, %zmm1
-	vmovaps	%zmm1, (%r12,%rax,4)
-	vmovaps	64(%rbx,%rcx,4), %zmm1
-	vfmadd213ps	64(%r12,%rax,4), %zmm0, %zmm1
-	vmovaps	%zmm1, 64(%r12,%rax,4)"""
-    assert len(accumulates_in_memory(old)) == 2
-    assert not accumulates_in_memory(old.replace("%zmm1, (%r12", "%zmm1, 8(%r12").replace(
-        "%zmm1, 64(%r12", "%zmm1, 72(%r12"))
+    old = "".join(f"""
+\tvmovaps\t{o}(%rbx,%rcx,4), %zmm1
+\tvfmadd213ps\t{o}(%r12,%rax,4), %zmm0, %zmm1
+\tvmovaps\t%zmm1, {o}(%r12,%rax,4)""" for o in ("", "64", "128", "192"))
+    assert accumulates_in_memory(old) == ["(%r12,%rax,4) at ['', '128', '192', '64']"]
+    assert not accumulates_in_memory(old.replace("%zmm1, 128(%r12", "%zmm1, 136(%r12")
+                                     .replace("%zmm1, 192(%r12", "%zmm1, 200(%r12"))
 
 
 def test_avx512_code_on_an_avx2_host_raises_instead_of_sigill(monkeypatch, tmp_path):
