@@ -148,6 +148,41 @@ class Module:
                     ..., :self.out_shape[2]]
             return result
 
+    def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
+        """Bind one call's arrays once and get a callable that runs the kernels on them with
+        almost no Python work (ONNX Runtime's I/O binding, a CUDA graph): for decode loops,
+        where module(x, cache=...) spends ~35 us of Python per call. Between runs write the
+        next input into x (and kv_lens, context) in place; each run of a decoding call
+        advances cache.lens by seq_len, as module(x, cache=...) does. x (and context) must be
+        64-byte aligned arrays of the module's dtype (mhagen.aligned_empty), so the kernels
+        read them where they are; the output is `out`, or one array made here, returned by
+        every run. The weights are those bound now: a later bind() makes runs raise."""
+        for name, a in (("x", x), ("context", context)):
+            if a is not None and (type(a) is not np.ndarray or a.dtype != self.dtype
+                                  or not is_aligned(a)):
+                raise InputError(f"prepare() reads {name} in place: pass a C-contiguous, "
+                                 f"64-byte aligned {name_of(self.dtype)} array "
+                                 f"(mhagen.aligned_empty(shape, {name_of(self.dtype)!r}))")
+        with self._lock:
+            buffers, dims = self._buffers(x, None, kv_lens, cache, context)
+            result, target = self._output_array(out, dims, self.dtype)
+            buffers[self._output.name] = runtime.tensor(target)
+        # (the module's staging array, the caller's array, its largest valid value, what
+        # to tell) for the lengths the kernels read, copied and checked every run
+        staged = []
+        if kv_lens is not None:
+            staged.append((self._view(self.program.buffers[self.graph.lengths_input.name],
+                                      dims), kv_lens, dims.get("kv_seq", x.shape[1]),
+                           "kv_lens must lie in 0..{hi} (the sequence length), got {held}"))
+        if cache is not None:
+            staged.append((self._temp(self.program.buffers[self.graph.cache_lens_input.name]),
+                           cache.lens, cache.max_len - x.shape[1],
+                           "the cache holds {held} tokens per row; the new ones need lens <= "
+                           "{hi}: reset the cache or build with a larger kv_cache="))
+        return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
+                           for k in self.program.kernels], staged, cache, x.shape[1], result,
+                    target)
+
     def _output_array(self, out, dims, returns):
         """(the array returned, the aligned [rows, columns] array the kernels write);
         returns: the dtype of the array returned."""
@@ -405,6 +440,34 @@ class Module:
         also = "" if self.dtype == np.float32 else " or float32"
         raise InputError(f"{name} has dtype {a.dtype}; this module takes {name_of(self.dtype)}"
                          f"{also}: pass {name}.astype({_spelling(self.dtype)})")
+
+
+class Call:
+    """One call of a module with its arrays bound (Module.prepare): call it to run."""
+
+    def __init__(self, module, kernels, staged, cache, seq, result, target):
+        self.module, self.kernels, self.staged, self.cache = module, kernels, staged, cache
+        self.params, self.seq, self.result, self.target = module._params, seq, result, target
+
+    def __call__(self) -> np.ndarray:
+        m = self.module
+        if m._params is not self.params:
+            raise InputError("the module's weights were bound again after prepare(): "
+                             "prepare the call again")
+        with m._lock:
+            for staging, source, hi, message in self.staged:
+                staging[...] = source
+                held = staging.tolist()
+                if min(held) < 0 or max(held) > hi:
+                    raise InputError(message.format(hi=hi, held=held))
+            for func, args in self.kernels:
+                func(*args)
+            if self.cache is not None:
+                self.cache.lens += self.seq
+            if self.target is not self.result:
+                rows, seq, cols = self.result.shape
+                self.result[...] = self.target.reshape(rows, seq, -1)[..., :cols]
+        return self.result
 
 
 def _spelling(dtype) -> str:

@@ -258,3 +258,50 @@ def test_onnx_export_of_decoding_layers_refuses_what_it_cannot_carry(tmp_path):
         with pytest.raises(mhagen.MhagenError, match=match):
             mhagen.export_onnx(layer, tmp_path / "no.onnx", layer.init_weights(0), form="fused")
     assert not (tmp_path / "no.onnx").exists()
+
+
+def test_a_prepared_call_runs_decode_steps_in_place():
+    """module.prepare(x, cache=...) binds the arrays once: 6 steps, each writing the next
+    token into x in place, equal the reference step by step (cache rows and lens too); a
+    bad cache length, an unaligned x and weights bound again are refused with the fix."""
+    layer = mhagen.mha(64, 4, kv_heads=2, kv_cache=24, causal=True, rotary=True)
+    w = layer.init_weights(3)
+    m = mhagen.build(layer, "x86", batch=2, seq_len=1, weights=w)
+    cache, ref = m.new_cache(), KVCache.empty(layer, 2, np.float64)
+    cache.lens[...] = ref.lens[...] = [0, 5]
+    x = mhagen.aligned_empty((2, 1, 64))
+    step = m.prepare(x, cache=cache)
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        x[...] = rng.standard_normal(x.shape)
+        y = step()
+        assert y is step.result
+        assert_close(y, layer.reference(x, w, cache=ref))
+    assert cache.lens.tolist() == ref.lens.tolist() == [6, 11]
+    assert_close(cache.k, ref.k)
+    cache.lens[...] = [0, 24]
+    with pytest.raises(InputError, match="lens <= 23"):
+        step()
+    with pytest.raises(InputError, match="aligned"):      # 4 bytes past an allocation
+        m.prepare(np.zeros(2 * 64 + 1, np.float32)[1:].reshape(2, 1, 64), cache=cache)
+    cache.lens[...] = 0
+    m.bind(layer.init_weights(5))
+    with pytest.raises(InputError, match="prepare the call again"):
+        step()
+
+
+def test_a_prepared_call_with_key_lengths_reads_them_every_run():
+    """Key padding: kv_lens bound by prepare() are read anew each run (changed in place)."""
+    layer = mhagen.mha(64, 4, key_padding=True)
+    w = layer.init_weights(1)
+    m = mhagen.build(layer, "x86", batch=2, seq_len=9, weights=w)
+    x = mhagen.aligned_empty((2, 9, 64))
+    x[...] = np.random.default_rng(2).standard_normal(x.shape)
+    lens = np.array([9, 3], np.int32)
+    run = m.prepare(x, kv_lens=lens)
+    for now in ([9, 3], [1, 7], [0, 9]):
+        lens[...] = now
+        assert_close(run(), layer.reference(x, w, kv_lens=lens))
+    lens[...] = [10, 1]
+    with pytest.raises(InputError, match="0..9"):
+        run()
