@@ -172,7 +172,7 @@ class Module:
         staged = []
         if kv_lens is not None:
             staged.append((self._view(self.program.buffers[self.graph.lengths_input.name],
-                                      dims), kv_lens, dims.get("kv_seq", x.shape[1]),
+                                      dims), kv_lens, dims["kv_seq"],
                            "kv_lens must lie in 0..{hi} (the sequence length), got {held}"))
         if cache is not None:
             staged.append((self._temp(self.program.buffers[self.graph.cache_lens_input.name]),
