@@ -3,7 +3,8 @@
 A LLaMA-style layer (grouped K/V heads, rotary embeddings, causal) is built once from a
 decoding graph, `mhagen.mha(..., kv_cache=max_len)`, with seq_len=None: one module takes any
 number of new tokens per call (up to --max-prompt), so the prompt goes in one call and each
-decode step is a call of one token, all writing into one `mhagen.KVCache`. The outputs of the
+decode step is a run of one token through `module.prepare` (the step's arrays bound once),
+all writing into one `mhagen.KVCache`. The outputs of the
 prompt and of every step, side by side, must equal the same causal layer run on the whole
 sequence at once (float64 reference): exits 1 if they do not.
 
@@ -46,8 +47,11 @@ def main(argv=None) -> int:
     x = np.random.default_rng(0).standard_normal((1, tokens, args.d_model)).astype(np.float32)
     cache = module.new_cache()
     outs = [module(x[:, :args.prompt], cache=cache)]          # the prompt: one call
+    token = mhagen.aligned_empty((1, 1, args.d_model))
+    step = module.prepare(token, cache=cache)     # a step's arrays bound once (I/O binding)
     for t in range(args.prompt, tokens):
-        outs.append(module(x[:, t:t + 1], cache=cache))       # a decode step: one token
+        token[...] = x[:, t:t + 1]                            # a decode step: one token
+        outs.append(step().copy())                            # (every run reuses its output)
     generated = np.concatenate(outs, axis=1)
     print(f"cache after {args.steps} steps: {cache}")
 
