@@ -154,16 +154,16 @@ def test_decode_script_matches_the_whole_sequence():
 
 
 def test_decode_example_fails_loudly_on_a_mismatch(monkeypatch, capsys):
-    """The example's check can fail: break the cache between steps and it returns 1."""
+    """The example's check can fail: break the cache between steps (the prepared runs)
+    and it returns 1."""
     dec = load_example("decode")
-    from mhagen.module import Module
-    real_call = Module.__call__
+    from mhagen.module import Call
+    real_run = Call.__call__
 
-    def corrupt(self, x, *a, cache=None, **kw):
-        if cache is not None and cache.lens[0] > 13:
-            cache.k[:, :, 3] += 1.0
-        return real_call(self, x, *a, cache=cache, **kw)
-    monkeypatch.setattr(Module, "__call__", corrupt)
+    def corrupt(self):
+        self.cache.k[:, :, 3] += 1.0
+        return real_run(self)
+    monkeypatch.setattr(Call, "__call__", corrupt)
     assert dec.main(["--prompt", "13", "--steps", "4", "--max-len", "32"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
