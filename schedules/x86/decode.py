@@ -232,6 +232,11 @@ def build_decode(w, cfg, registers=16):
 
     assert LN in (4, 8, 16), LN
 
+    def masked_score(value, b, h, qpos, kv, kv_len):
+        """A scaled score with the score modifier applied, or -inf where the mask hides it."""
+        return T.Select(rules.visible(b, h, qpos, kv, kv_len=kv_len),
+                        rules.modified(value, b, h, qpos, kv, kv_len), neg_inf)
+
     @T.macro
     def lane_sum(acc):
         """acc[0] = the sum of acc's lanes, by halving (vector adds, no scalar chain)."""
@@ -301,9 +306,7 @@ def build_decode(w, cfg, registers=16):
                     h = g * GROUP + row // S
                     qpos = cache_lens[b] + row % S
                     kv = k0 + jo * JU + u
-                    sr[jo * JU + u, r] = T.Select(
-                        rules.visible(b, h, qpos, kv, kv_len=kv_len),
-                        rules.modified(sacc[u, r], b, h, qpos, kv, kv_len), neg_inf)
+                    sr[jo * JU + u, r] = masked_score(sacc[u, r], b, h, qpos, kv, kv_len)
         # the online softmax, vectors over rows: sm = m', the max subtracted, alpha, sum P
         for ln in T.vectorized(RT):
             sm[0, ln] = ml[0, ln]
@@ -378,9 +381,7 @@ def build_decode(w, cfg, registers=16):
                     qpos = cache_lens[b] + row % S
                     for j in range(KB):
                         dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
-                        s_buf[j] = T.Select(
-                            rules.visible(b, h, qpos, k0 + j, kv_len=kv_len),
-                            rules.modified(acc[0], b, h, qpos, k0 + j, kv_len), neg_inf)
+                        s_buf[j] = masked_score(acc[0], b, h, qpos, k0 + j, kv_len)
                     # m' = max(m, scores), P = 2^(S - m'), sum P: vectors over keys
                     for ln in T.vectorized(LN):
                         acc[ln] = ml[0, r]
