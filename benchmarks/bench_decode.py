@@ -47,7 +47,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402  (shared helpers: weights layouts, timing, threads)
 
 import mhagen  # noqa: E402
-from mhagen.tolerances import max_error, tolerance  # noqa: E402
 
 
 def random_cache(cache, seed=1):
@@ -308,16 +307,8 @@ def main(argv=None):
                 impls[name] = PEERS[name](layer, w, B, past, threads=threads)
             except Exception as err:           # a peer that cannot run is reported, not fatal
                 status[name] = f"unavailable: {err}"
-        checked = {}
-        for name, f in impls.items():
-            err, tol = max_error(f(x), expected), tolerance(expected)
-            status.setdefault(name, f"max error {err:.3g} (tolerance {tol:.3g})")
-            if err <= tol:
-                checked[name] = f
-            elif name.startswith("mhagen"):
-                raise SystemExit(f"{name} decode step is wrong: max error {err:.3g} > {tol:.3g}")
-            else:
-                status[name] = f"excluded: max error {err:.3g} > tolerance {tol:.3g}"
+        checked = bm.checked_impls(impls, x, lambda name: expected, status,
+                                   label="{} decode step")
         est = {n: 1e-3 for n in checked}
         samples, _ = bm.time_interleaved(checked, x, est, args.rounds, 0.05,
                                          args.gap_ms / 1e3 if threads > 1 else 0.0)

@@ -703,6 +703,32 @@ def wait_quiet(max_s, threshold=0.2, window_s=0.5):
     return time.perf_counter() - t0
 
 
+def checked_impls(impls, x, reference, status, label="{}"):
+    """The implementations whose output on x is within mhagen.tolerances of reference(name)
+    (the smaller scripts' check before timing). status[label] gets each one's max error;
+    a peer that raises or misses is reported there and left out; mhagen's own (names
+    starting "mhagen") failing ends the run."""
+    checked = {}
+    for name, f in impls.items():
+        key, ref = label.format(name), reference(name)
+        try:
+            y = f(x)
+        except Exception as err:     # a peer that cannot run is reported, not fatal
+            if name.startswith("mhagen"):
+                raise
+            status[key] = f"unavailable: {type(err).__name__}: {str(err)[-160:]}"
+            continue
+        err, tol = tolerances.max_error(y, ref), tolerances.tolerance(ref)
+        status.setdefault(key, f"max error {err:.3g} (tolerance {tol:.3g})")
+        if err <= tol:
+            checked[name] = f
+        elif name.startswith("mhagen"):
+            raise SystemExit(f"{key} is wrong: max error {err:.3g} > {tol:.3g}")
+        else:
+            status[key] = f"excluded: max error {err:.3g} > tolerance {tol:.3g}"
+    return checked
+
+
 def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0):
     """Rounds; in each every implementation (rotating order) waits gap_s idle (other
     libraries' worker threads stop spinning: OpenBLAS, OpenMP, ORT and TVM pools busy-wait a

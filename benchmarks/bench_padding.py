@@ -39,7 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402
 
 import mhagen  # noqa: E402
-from mhagen.tolerances import max_error, tolerance  # noqa: E402
 
 
 def seen_keys(lens, seq, causal):
@@ -117,6 +116,7 @@ def main(argv=None):
     w = layer.init_weights(0)
     x = bm.make_input(B, S, D)
     expected = layer.reference(x, w, kv_lens=np.array(lens))
+    dense_ref = dense.reference(x, w)
     flops = useful_flops(B, S, D, H, lens, args.causal)
     rows, status = [], {}
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -131,24 +131,8 @@ def main(argv=None):
                                else OrtPadded(w, B, S, lens, args.causal, name, threads))
             except Exception as err:     # a peer that cannot run is reported, not fatal
                 status[name] = f"unavailable: {type(err).__name__}: {str(err)[:120]}"
-        checked = {}
-        for name, f in impls.items():
-            ref = dense.reference(x, w) if name == "mhagen_dense" else expected
-            try:
-                y = f(x)
-            except Exception as err:     # a peer that cannot run is reported, not fatal
-                if name.startswith("mhagen"):
-                    raise
-                status[name] = f"unavailable: {type(err).__name__}: {str(err)[-160:]}"
-                continue
-            err, tol = max_error(y, ref), tolerance(ref)
-            status.setdefault(name, f"max error {err:.3g} (tolerance {tol:.3g})")
-            if err <= tol:
-                checked[name] = f
-            elif name.startswith("mhagen"):
-                raise SystemExit(f"{name} is wrong: max error {err:.3g} > {tol:.3g}")
-            else:
-                status[name] = f"excluded: max error {err:.3g} > {tol:.3g}"
+        checked = bm.checked_impls(
+            impls, x, lambda name: dense_ref if name == "mhagen_dense" else expected, status)
         samples, _ = bm.time_interleaved(checked, x, {n: 0.05 for n in checked}, args.rounds,
                                          0.2, args.gap_ms / 1e3 if threads > 1 else 0.0)
         med = {n: float(np.median(v)) for n, v in samples.items()}

@@ -37,7 +37,6 @@ import bench_mha as bm  # noqa: E402
 
 import mhagen  # noqa: E402
 from mhagen.ir.expr import alibi_slopes, t5_bucket  # noqa: E402
-from mhagen.tolerances import max_error, tolerance  # noqa: E402
 
 SOFTCAP = 30.0      # Gemma 2's attention softcap
 T5_BUCKETS, T5_MAX_DISTANCE = 32, 128     # T5's defaults
@@ -156,6 +155,7 @@ def main(argv=None):
         plain = mhagen.mha(D, H, causal=args.causal)
         w = layer.init_weights(0)
         expected = layer.reference(x, w)
+        plain_ref = plain.reference(x, w)
         for threads in [int(t) for t in args.threads.split(",")]:
             bm.set_threads(threads)
             impls = {"mhagen": mhagen.build(layer, args.target, batch=B, seq_len=S, weights=w),
@@ -172,18 +172,9 @@ def main(argv=None):
                     impls.pop(name, None)
                     status[f"{kind} {name}"] = f"unavailable: {type(err).__name__}: " \
                                                f"{str(err).splitlines()[0][:120] if str(err) else ''}"
-            checked = {}
-            for name, f in impls.items():
-                ref = plain.reference(x, w) if name == "mhagen_plain" else expected
-                err, tol = max_error(f(x), ref), tolerance(ref)
-                key = f"{kind} {name}"
-                status.setdefault(key, f"max error {err:.3g} (tolerance {tol:.3g})")
-                if err <= tol:
-                    checked[name] = f
-                elif name.startswith("mhagen"):
-                    raise SystemExit(f"{key} is wrong: max error {err:.3g} > {tol:.3g}")
-                else:
-                    status[key] = f"excluded: max error {err:.3g} > {tol:.3g}"
+            checked = bm.checked_impls(
+                impls, x, lambda name: plain_ref if name == "mhagen_plain" else expected,
+                status, label=f"{kind} {{}}")
             samples, _ = bm.time_interleaved(checked, x, {n: 0.05 for n in checked},
                                              args.rounds, 0.2,
                                              args.gap_ms / 1e3 if threads > 1 else 0.0)
