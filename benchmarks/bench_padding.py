@@ -72,8 +72,8 @@ class TorchPadded(bm.TorchSDPA):
     def __init__(self, layer, w, batch, seq, lens, causal):
         super().__init__(layer, w, batch, seq, causal)
         torch = self.torch
+        mask = torch.from_numpy(np.ascontiguousarray(seen_keys(lens, seq, False)[:, None, :1]))
         i = torch.arange(seq)
-        mask = (i[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
         self.mask = mask & (i[:, None] >= i[None, :]) if causal else mask
 
 
@@ -81,10 +81,10 @@ class OrtPadded:
     def __init__(self, w, batch, seq, lens, causal, op, threads):
         self.session = bm.ort_session(bm.onnx_model(w, batch, seq, causal, op, key_mask=True),
                                       threads)
-        seen = np.arange(seq)[None, :] < np.asarray(lens)[:, None]
+        seen = seen_keys(lens, seq, False)      # every query row alike
         # Attention's mask must spell out the query axis (ORT 1.32 broadcasts heads only)
-        self.mask = seen.astype(np.int32) if op == "ort_mha" else \
-            np.ascontiguousarray(np.broadcast_to(seen[:, None, None, :], (batch, 1, seq, seq)))
+        self.mask = seen[:, 0].astype(np.int32) if op == "ort_mha" else \
+            np.ascontiguousarray(seen[:, None])
 
     def __call__(self, x):
         return self.session.run(None, {"x": x, "key_mask": self.mask})[0]
