@@ -105,13 +105,19 @@ class KVCache:
             raise InputError(f"cache.lens must be an int32 array of shape ({batch},), got "
                              f"{getattr(lens, 'dtype', type(lens).__name__)} "
                              f"{getattr(lens, 'shape', '')}")
-        room = spec["max_len"] - new_tokens
-        held = lens.tolist()       # python min/max: a tenth of numpy's reductions per call
-        if held and (min(held) < 0 or max(held) > room):
-            raise InputError(f"the cache holds {held} tokens per row; {new_tokens} "
-                             f"new ones need lens <= {room} (max_len {spec['max_len']}): "
-                             "reset the cache or build with a larger kv_cache=")
+        check_room(lens, new_tokens, spec["max_len"])
 
     def __repr__(self):
         return (f"<mhagen.KVCache batch {self.batch}, max_len {self.max_len}, "
                 f"lens {self.lens.tolist()}, {self.k.dtype}>")
+
+
+def check_room(lens, new_tokens: int, max_len: int) -> None:
+    """Raise InputError unless every row of `lens` (cached tokens) has room for new_tokens
+    more in a cache of max_len (a module's call and a prepared run check each call)."""
+    room = max_len - new_tokens
+    held = lens.tolist()       # python min/max: a tenth of numpy's reductions per call
+    if held and (min(held) < 0 or max(held) > room):
+        raise InputError(f"the cache holds {held} tokens per row; {new_tokens} "
+                         f"new ones need lens <= {room} (max_len {max_len}): "
+                         "reset the cache or build with a larger kv_cache=")

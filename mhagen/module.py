@@ -19,9 +19,10 @@ from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
 from mhagen.dtypes import half_precision_path, name_of, numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
-from mhagen.kvcache import KVCache, cache_shape
+from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes, maps_graph
-from mhagen.reference import check_cache, check_context, check_input, check_lengths
+from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
+                              check_lengths)
 from mhagen.weights import check_weights
 
 @dataclass
@@ -167,18 +168,17 @@ class Module:
             buffers, dims = self._buffers(x, None, kv_lens, cache, context)
             result, target = self._output_array(out, dims, self.dtype)
             buffers[self._output.name] = runtime.tensor(target)
-        # (the module's staging array, the caller's array, its largest valid value, what
-        # to tell) for the lengths the kernels read, copied and checked every run
+        # (the module's staging array, the caller's array, its check) for the lengths the
+        # kernels read, copied and checked every run
         staged = []
         if kv_lens is not None:
             staged.append((self._view(self.program.buffers[self.graph.lengths_input.name],
-                                      dims), kv_lens, dims["kv_seq"],
-                           "kv_lens must lie in 0..{hi} (the sequence length), got {held}"))
+                                      dims), kv_lens,
+                           lambda lens: check_length_range(lens, dims["kv_seq"])))
         if cache is not None:
             staged.append((self._temp(self.program.buffers[self.graph.cache_lens_input.name]),
-                           cache.lens, cache.max_len - x.shape[1],
-                           "the cache holds {held} tokens per row; the new ones need lens <= "
-                           "{hi}: reset the cache or build with a larger kv_cache="))
+                           cache.lens,
+                           lambda lens: check_room(lens, x.shape[1], cache.max_len)))
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
                     target)
@@ -455,11 +455,9 @@ class Call:
             raise InputError("the module's weights were bound again after prepare(): "
                              "prepare the call again")
         with m._lock:
-            for staging, source, hi, message in self.staged:
+            for staging, source, check in self.staged:
                 staging[...] = source
-                held = staging.tolist()
-                if min(held) < 0 or max(held) > hi:
-                    raise InputError(message.format(hi=hi, held=held))
+                check(staging)
             for func, args in self.kernels:
                 func(*args)
             if self.cache is not None:

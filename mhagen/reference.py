@@ -119,10 +119,16 @@ def check_lengths(graph, kv_lens, batch: int, seq: int):
     if lens.shape != (batch,) or not np.issubdtype(lens.dtype, np.integer):
         raise InputError(f"kv_lens must be integers of shape ({batch},), got {lens.dtype} "
                          f"{lens.shape}")
-    if lens.min(initial=0) < 0 or lens.max(initial=0) > seq:
-        raise InputError(f"kv_lens must lie in 0..{seq} (the sequence length), got "
-                         f"{lens.tolist()}")
+    check_length_range(lens, seq)
     return np.ascontiguousarray(lens, dtype=np.int32)
+
+
+def check_length_range(lens, seq: int) -> None:
+    """Raise InputError unless every key length lies in 0..seq (a module's call and a
+    prepared run check each call)."""
+    held = lens.tolist()
+    if held and (min(held) < 0 or max(held) > seq):
+        raise InputError(f"kv_lens must lie in 0..{seq} (the sequence length), got {held}")
 
 
 def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
