@@ -144,10 +144,7 @@ class Module:
             self._run(buffers)
             if cache is not None:
                 cache.lens += dims["seq"]
-            if target is not result:   # padded columns, or an out= the kernels cannot fill
-                result[...] = target.reshape(dims["batch"], dims["seq"], -1)[
-                    ..., :self.out_shape[2]]
-            return result
+            return deliver(result, target)
 
     def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
         """Bind one call's arrays once and get a callable that runs the kernels on them with
@@ -442,6 +439,16 @@ class Module:
                          f"{also}: pass {name}.astype({_spelling(self.dtype)})")
 
 
+def deliver(result, target):
+    """The returned array: the kernels' [rows, columns] output copied into `result` [batch,
+    seq, features] unless they wrote it in place (padded columns, an out= they cannot fill,
+    a half layer answering in float32)."""
+    if target is not result:
+        batch, seq, features = result.shape
+        result[...] = target.reshape(batch, seq, -1)[..., :features]
+    return result
+
+
 class Call:
     """One call of a module with its arrays bound (Module.prepare): call it to run."""
 
@@ -462,10 +469,7 @@ class Call:
                 func(*args)
             if self.cache is not None:
                 self.cache.lens += self.seq
-            if self.target is not self.result:
-                rows, seq, cols = self.result.shape
-                self.result[...] = self.target.reshape(rows, seq, -1)[..., :cols]
-        return self.result
+            return deliver(self.result, self.target)
 
 
 def _spelling(dtype) -> str:
