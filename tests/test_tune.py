@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mhagen
@@ -151,6 +152,65 @@ def test_invalid_attention_config_falls_back(tuned, tmp_path):
     with pytest.warns(TuningWarning, match="invalid"):
         sources = _build_with(records, tmp_path)
     assert sources["attention"] == "default"
+
+
+DECODE_LAYER = dict(d_model=64, num_heads=8, kv_heads=2, kv_cache=97)
+
+
+def _decode_sources(layer, db, tmp_path):
+    """Build the decode step with the records `db`; check 3 steps of a ragged batch against
+    the reference; the attention decision."""
+    Database(tmp_path / "db.json", db).save()
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, batch=2, seq_len=1, weights=w, tuning=tmp_path / "db.json")
+    rng = np.random.default_rng(1)
+    cache = m.new_cache()
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    cache.lens[...] = [90, 7]
+    ref = cache.copy()
+    for _ in range(3):
+        x = rng.standard_normal((2, 1, 64)).astype(np.float32)
+        assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
+    return next(d for d in m.decisions if d["kernel"] == "attention")
+
+
+def test_decode_steps_sweep_their_template_on_a_full_cache(tmp_path, monkeypatch):
+    """A decoding layer's decode template is tuned as the attention template is (a config
+    sweep, timed on a cache full up to the step); a build uses its record, and refuses a
+    stale or invalid one with a warning."""
+    import mhagen.tuning.search as search
+    layer = mhagen.mha(**DECODE_LAYER)
+    seen, measure = [], search._measure
+
+    def spy(funcs, target, remote, fixed=None, errors=None):
+        seen.append(fixed)
+        return measure(funcs, target, remote, fixed=fixed, errors=errors)
+    monkeypatch.setattr(search, "_measure", spy)
+    report = tune(layer, shapes=[(2, 1)], trials=3, kernels=["attention"],
+                  database=tmp_path / "tuned.json", progress=False)
+    ((res,), (record,)) = report.results, Database.load(tmp_path / "tuned.json").records.values()
+    assert res.method == "config sweep" and res.trials == 3 and res.default_us > 0
+    # the cache_lens argument of every candidate: full up to the new token
+    assert [[a.tolist() for a in f.values()] for f in seen[0]] == [[[96, 96]]] * 3
+    default = record["default_config"]
+    assert default["row_tile"] == 4 and record["key"]["kernel"] == "attention"
+    assert _decode_sources(layer, [], tmp_path) == {
+        "kernel": "attention", "stage": "attention", "rule": "decode_attention",
+        "config": default, "source": "default"}
+
+    other = {**default, "workers": 3, "kv_block": 2 * default["lanes"], "row_tile": 3}
+    record.update(kind="config", config=other)
+    decision = _decode_sources(layer, [record], tmp_path)
+    assert (decision["source"], decision["config"]) == ("tuned", other)
+    with pytest.warns(TuningWarning, match="measured against the default"):
+        stale = _decode_sources(layer, [{**record, "default_config": {**default,
+                                                                      "workers": 99}}],
+                                tmp_path)
+    with pytest.warns(TuningWarning, match="invalid"):
+        invalid = _decode_sources(layer, [{**record, "config": {**other, "lanes": 4}}],
+                                  tmp_path)
+    assert stale["source"] == invalid["source"] == "default"
 
 
 def test_corrupt_database_file_is_ignored_with_a_warning(tmp_path):

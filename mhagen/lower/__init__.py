@@ -20,7 +20,8 @@ from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
           symbolic=None, kv_seq_len: int | None = None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel.
-    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config.
+    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config (the
+    decode template's, for a decoding layer).
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
     fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length
     of a cross-attention layer (its programs consult no tuning records yet)."""
@@ -37,7 +38,9 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
         "not fused: no attention template for this target"
     program = None
     if fusion.fused and rule is not None:
-        config = None if cross else _tuned_config(rule, tuning, key("attention"), target)
+        tuned_rule = backend.decode if graph.cache_lens_input is not None else rule
+        config = None if cross or tuned_rule is None else _tuned_config(
+            tuned_rule, tuning, key("attention"), target)
         try:
             program = lower_fused(fusion.graph, batch, seq_len, target, backend, config,
                                   symbolic=symbolic, kv_seq=kv_seq_len)

@@ -233,11 +233,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                               f"yet ({backend.family} has no decode template); build them "
                               "for a CPU target")
         work.update(cache=cache["max_len"], lengths=False)
-        cfg = backend.decode.default_config(work, target)
-    else:
-        default = backend.attention.default_config(work, target)
-        tuned = attention_config(default) if attention_config else None
-        cfg = tuned or default
+    rule = backend.attention if cache is None else backend.decode
+    default = rule.default_config(work, target)
+    tuned = attention_config(default) if attention_config else None
+    cfg = tuned or default
 
     # param recipes (mhagen.params): every head's d columns at i * dp
     w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp, pairs(d_model))
@@ -340,7 +339,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"rotary_dim={r['rotary_dim']})  # in place, cos/sin table "
                     f"[2, {positions}, {r['rotary_dim'] // 2}]")
     if cache is not None:
-        _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables)
+        _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables,
+                        tuned=tuned is not None)
     else:   # 3. attention template
         kernels.append(Kernel("attention", ["qkv"] + (["kv"] if cross else []) + ["blocks"] +
                               lengths + ["att"] + tables + extra,
@@ -414,10 +414,11 @@ def _placeholders(buf, scalars, tile_rows):
     return ph
 
 
-def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables=()):
+def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables=(),
+                    tuned=False):
     """A decoding layer's cache append and split-KV attention (templates of the backend);
     extra: the scalar arguments of a symbolic-length build; tables: the score modifier's
-    large tables (params)."""
+    large tables (params); tuned: cfg came from a tuning record."""
     kernels.append(Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"] + extra,
                           stages=[Stage("cache_append", "cache_append_template",
                                         att_node.name, (), work)],
@@ -429,7 +430,7 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables=(
                           + extra,
                           stages=[Stage("attention", "decode_template", att_node.name, (),
                                         work)],
-                          template="decode", workload=work, config=cfg))
+                          template="decode", workload=work, config=cfg, tuned=tuned))
     text.append(f"att = decode_attention(qkv, k_cache, v_cache)  # split-KV template: "
                 f"{work['heads']} heads, {work['kv_heads']} K/V heads, cache "
                 f"{work['cache']}, mask {work.get('mask')!r}; positions from cache_lens")

@@ -7,7 +7,8 @@ Per kernel of the lowered program:
     JSON database under the work dir, so an interrupted run (Ctrl-C, time budget) keeps every
     measurement and a re-run resumes.
   - the attention template: its few knobs (query tile, key block) are measured side by side
-    (each with its real block table).
+    (each with its real block table); a decoding layer's decode template likewise (tasks a
+    core, key block, row tile), on a full cache.
 The default schedule and the best tuned one are then measured side by side with the same
 steady-state timing the benchmark uses (interleaved rounds, medians); the record keeps the
 tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
@@ -519,7 +520,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
                     fixed.append(KernelResult((batch, seq), k.name, "vdpbf16ps", 0, None, None,
                                               "default (not tunable)"))
                 continue
-            if k.template == "attention" or gemms:
+            if k.template in ("attention", "decode") or gemms:
                 known.add(k.name)
                 if kernels is None or k.name in kernels:
                     plans.append(((batch, seq), program, k))
@@ -655,23 +656,27 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
 
 
 def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trials):
-    """The attention template's candidate configs (the default first, at most `trials` of
-    them), each built and timed; the fastest kept if right and faster by the margin in a
-    second measurement of it against the default alone."""
-    rule = backend_for(t).attention
+    """The attention (or decode) template's candidate configs (the default first, at most
+    `trials` of them), each built and timed; the fastest kept if right and faster by the
+    margin in a second measurement of it against the default alone. A decode step is timed
+    on a cache full up to its last `seq` rows (as module.latency() times it)."""
+    decoding = kernel.template == "decode"
+    rule = backend_for(t).decode if decoding else backend_for(t).attention
     candidates = rule.candidates(kernel.workload, t)[:max(2, trials)]
     bar.kernel(index, f"{kernel.name} {shape[0]}x{shape[1]}", len(candidates))
-    funcs, tables = [], []
+    funcs, fixed = [], []
     for cfg in candidates:
         program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key))
         k = next(k for k in program.kernels if k.name == kernel.name)
         funcs.append(rule.build(k.workload, cfg, t))
-        tables.append(program.buffers["blocks"].make(None))
-    slot = kernel.args.index("blocks")
-    # every candidate with its own block table (and the full key lengths, if any)
-    lengths = {i: np.full(shape[0], shape[1], np.int32) for i, a in enumerate(kernel.args)
-               if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32"}
-    fixed = [{slot: table, **lengths} for table in tables]
+        # every candidate with its own block table (and the full key lengths, if any)
+        fixed.append({} if decoding else
+                     {k.args.index("blocks"): program.buffers["blocks"].make(None)})
+    full = kernel.workload["cache"] - shape[1] if decoding else shape[1]
+    for i, a in enumerate(kernel.args):
+        if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32":
+            for f in fixed:
+                f[i] = np.full(shape[0], full, np.int32)
     errors = []
     times = _measure(funcs, t.tvm, remote, fixed=fixed, errors=errors)
     for s in times:
@@ -705,7 +710,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
 
 
 class _Fixed:
-    """A Tuning that answers one attention config (to lower a candidate)."""
+    """A Tuning that answers one attention (or decode) config (to lower a candidate)."""
 
     def __init__(self, cfg, key):
         self.record = {"key": key, "kind": "config", "config": asdict(cfg)}

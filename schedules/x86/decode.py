@@ -30,7 +30,7 @@ through the mask (no block table: the cache length is known only per call).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tvm.script import tirx as T
 
@@ -101,6 +101,34 @@ class DecodeRule:
         return DecodeConfig(row_tile=row_tile, workers=4 * max(1, target.cores),
                             kv_block=decode_kv_block(row_tile, target.lanes),
                             lanes=target.lanes)
+
+    def make_config(self, values: dict, target) -> DecodeConfig:
+        """A config from a tuning record, checked against the template's constraints."""
+        cfg = DecodeConfig(**{k: int(values[k]) for k in
+                              ("row_tile", "workers", "kv_block", "lanes")})
+        if (min(cfg.row_tile, cfg.workers, cfg.kv_block) < 1 or cfg.lanes != target.lanes
+                or cfg.kv_block % cfg.lanes):
+            raise ValueError(f"{cfg} breaks the template's constraints for {target.name} "
+                             f"({target.lanes} lanes)")
+        return cfg
+
+    def candidates(self, workload, target) -> list:
+        """Configs worth measuring (the tuning space of this template), the default first:
+        1, 2, 4 or 8 tasks a core; key blocks of 16 to 128 (whole vectors); row tiles of
+        the default's, and of 4 and 8 rows where a K/V head has more query rows (smaller
+        tiles read the head's keys once per tile, but give more tasks)."""
+        default = self.default_config(workload, target)
+        cores = max(1, target.cores)
+        tiles = [default.row_tile] + [t for t in (8, 4) if t < default.row_tile]
+        out = [default]
+        for row_tile in tiles:
+            for per_core in (1, 2, 4, 8):
+                for kv_goal in (16, 32, 64, 128):
+                    c = replace(default, row_tile=row_tile, workers=per_core * cores,
+                                kv_block=round_up(kv_goal, target.lanes))
+                    if c not in out:
+                        out.append(c)
+        return out
 
     def build(self, w, cfg, target):
         return build_decode(w, cfg, target.vector_registers)
