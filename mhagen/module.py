@@ -149,7 +149,7 @@ class Module:
     def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
         """Bind one call's arrays once and get a callable that runs the kernels on them with
         almost no Python work (ONNX Runtime's I/O binding, a CUDA graph): for decode loops,
-        where module(x, cache=...) spends ~35 us of Python per call. Between runs write the
+        where module(x, cache=...) spends 20-80 us of Python per call. Between runs write the
         next input into x (and kv_lens, context) in place; each run of a decoding call
         advances cache.lens by seq_len, as module(x, cache=...) does. x (and context) must be
         64-byte aligned arrays of the module's dtype (mhagen.aligned_empty), so the kernels

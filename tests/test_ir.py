@@ -219,6 +219,22 @@ def test_builder_returns_names_and_node_lookup():
         g.node("missing")
 
 
+def test_input_queries_see_nodes_added_after_them():
+    """inputs / lengths_input / cache_lens_input keep an index by kind, rebuilt when the
+    graph grows (a module call asks for them several times)."""
+    g = Graph("t")
+    g.input("x", d_model=8)
+    assert [n.name for n in g.inputs] == ["x"] and g.lengths_input is None
+    assert g.cache_lens_input is None
+    g.lengths("kv_lens")
+    g.cache_lens("pos")
+    g.input("ctx", d_model=8)
+    assert [n.name for n in g.inputs] == ["x", "ctx"]
+    assert (g.lengths_input.name, g.cache_lens_input.name) == ("kv_lens", "pos")
+    g.inputs.clear()   # a copy: the graph keeps its inputs
+    assert len(g.inputs) == 2
+
+
 def test_verify_binds_dims():
     g = mhagen.mha(32, 4)
     assert mhagen.verify(g, batch=3, seq=11)["p2"] == [3, 11, 11]
