@@ -113,8 +113,9 @@ def parser() -> argparse.ArgumentParser:
                                    "re-run resumes.")
     _layer_options(t)
     t.add_argument("--target", default="x86", help="target preset (default x86)")
-    t.add_argument("--shapes", nargs="+", default=["1x128"],
-                   help="BATCHxSEQ shapes to tune (default 1x128)")
+    t.add_argument("--shapes", nargs="+",
+                   help="BATCHxSEQ shapes to tune (default 1x128; with --kv-cache 1x1, a "
+                        "decode step of one new token)")
     t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per GEMM kernel (and at most that many attention "
                         "template configs)")
     t.add_argument("--time-budget", type=float, help="stop after this many seconds")
@@ -143,7 +144,8 @@ def _shape_arg(text):
 
 def _cmd_tune(args):
     layer = _layer(args)
-    shapes = [_shape_arg(s) for s in args.shapes]
+    default = "1x1" if getattr(args, "kv_cache", None) else "1x128"
+    shapes = [_shape_arg(s) for s in args.shapes or [default]]
     if args.trials < 1:
         raise _Fail("--trials must be >= 1")
     rpc = None

@@ -102,3 +102,20 @@ def test_ctrl_c_gives_one_line_and_status_130(monkeypatch, capsys):
     assert main(["build", "--d-model", "32", "--heads", "2"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mhagen tune: interrupted", "mhagen build: interrupted"]
+
+
+@pytest.mark.parametrize("extra,shapes", [([], [(1, 128)]), (["--kv-cache", "64"], [(1, 1)]),
+                                          (["--kv-cache", "64", "--shapes", "2x1", "1x4"],
+                                           [(2, 1), (1, 4)])])
+def test_tune_tunes_decode_steps_of_a_decoding_layer_by_default(monkeypatch, extra, shapes):
+    """mhagen tune of a --kv-cache layer tunes a step of one new token unless --shapes says."""
+    import mhagen
+    seen = {}
+
+    def capture(layer, target, **kwargs):
+        seen.update(kwargs, kv_cache=layer.options.get("kv_cache"))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mhagen, "tune", capture)
+    assert main(["tune", "--d-model", "32", "--heads", "2", *extra]) == 130
+    assert seen["shapes"] == shapes
+    assert seen["kv_cache"] == (64 if extra else None)
