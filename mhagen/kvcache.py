@@ -2,7 +2,8 @@
 calls, and the layout its kernels read.
 
     k, v   [batch, kv_heads, max_len, head_dim]  (Hugging Face's layout; float32 for modules,
-           any float dtype for the reference), 64-byte aligned, C-contiguous
+           half-precision layers included: the K/V rows their float32-accumulating QKV GEMM
+           wrote; any float dtype for the reference), 64-byte aligned, C-contiguous
     lens   [batch] int32: tokens already cached per batch row
 
 A call with S new tokens writes their K/V rows at lens[b] .. lens[b] + S - 1 in place,

@@ -410,19 +410,21 @@ LENGTHS_DRIVER = r"""
 
 #include "mha.h"
 
-static float *aligned(size_t n) { return aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64); }
+static void *aligned(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 int main(int argc, char **argv) {
   if (argc != 5) return 2;
   const char *c = argv[1];
   mha_handle *h = mha_create(argv[2]);
   if (!h) { printf("%s|%s|\n", mha_status_name(mha_last_error_code()), mha_last_error()); return 0; }
-  float *x = aligned(MHA_INPUT_SIZE), *y = aligned(MHA_OUTPUT_SIZE);
+  mha_value *x = aligned(MHA_INPUT_SIZE * sizeof(mha_value));
+  mha_value *y = aligned(MHA_OUTPUT_SIZE * sizeof(mha_value));
   FILE *f = fopen(argv[3], "rb");
-  if (!f || fread(x, sizeof(float), MHA_INPUT_SIZE, f) != MHA_INPUT_SIZE) return 3;
+  if (!f || fread(x, sizeof(mha_value), MHA_INPUT_SIZE, f) != MHA_INPUT_SIZE) return 3;
   fclose(f);
   size_t cache_size = MHA_CACHE_SIZE ? MHA_CACHE_SIZE : 1;
-  float *k = aligned(cache_size + 16), *v = aligned(cache_size + 16);
+  float *k = aligned((cache_size + 16) * sizeof(float));
+  float *v = aligned((cache_size + 16) * sizeof(float));
   memset(k, 0, (cache_size + 16) * sizeof(float));
   memset(v, 0, (cache_size + 16) * sizeof(float));
   int32_t lens[MHA_BATCH];
@@ -451,7 +453,7 @@ int main(int argc, char **argv) {
   printf("\n");
   if (rc == MHA_OK) {
     f = fopen(argv[4], "wb");
-    fwrite(y, sizeof(float), MHA_OUTPUT_SIZE, f);
+    fwrite(y, sizeof(mha_value), MHA_OUTPUT_SIZE, f);
     if (MHA_CACHE_SIZE) {
       fwrite(k, sizeof(float), MHA_CACHE_SIZE, f);
       fwrite(v, sizeof(float), MHA_CACHE_SIZE, f);
@@ -470,15 +472,16 @@ def lengths_artifacts(root):
     cache 16), each with the lengths driver built against it."""
     (root / "lengths_driver.c").write_text(LENGTHS_DRIVER)
     out = {}
+    decoding = dict(kv_cache=16, kv_heads=2, causal=True, rotary=True)
     for key, kwargs, seq in (("padded", dict(key_padding=True, causal=True), 9),
-                             ("cached", dict(kv_cache=16, kv_heads=2, causal=True,
-                                             rotary=True), 3)):
+                             ("cached", decoding, 3),
+                             ("cached-bfloat16", dict(decoding, dtype="bfloat16"), 3)):
         layer = mhagen.mha(64, 4, **kwargs)
         w = layer.init_weights(2)
         module = mhagen.build(layer, "x86", batch=2, seq_len=seq, weights=w)
         d = module.save(root / f"lengths-{key}")
         exe = build_c_app(CC, d, root / f"lengths-{key}.driver", root / "lengths_driver.c")
-        x = random_input(layer, 2, seq, seed=4)
+        x = random_input(layer, 2, seq, seed=4).astype(module.dtype)
         x.tofile(root / f"lengths-{key}.x")
         out[key] = (layer, w, module, exe, x)
     return out
@@ -505,21 +508,25 @@ def test_c_api_key_padding_matches_python(root, lengths_artifacts):
     assert "MHA_KEY_PADDING 1" in (root / "lengths-padded" / "mha.h").read_text()
 
 
-def test_c_api_decoding_matches_python(root, lengths_artifacts):
+@pytest.mark.parametrize("key", ["cached", "cached-bfloat16"])
+def test_c_api_decoding_matches_python(root, lengths_artifacts, key):
     """Two calls of 3 new tokens on rows cached 0 and 3 deep: the second call's output, the
-    caches and the lengths equal the Python module's."""
-    layer, w, module, exe, x = lengths_artifacts["cached"]
-    status, message, lens, yfile = _drive(root, lengths_artifacts, "cached", "cached")
+    caches and the lengths equal the Python module's (a bfloat16 layer: bfloat16 x and y,
+    float32 caches)."""
+    layer, w, module, exe, x = lengths_artifacts[key]
+    status, message, lens, yfile = _drive(root, lengths_artifacts, key, "cached")
     assert status == "MHA_OK" and lens == [6, 9], (message, lens)
     cache = module.new_cache()
     cache.lens[...] = [0, 3]
     module(x, cache=cache)
     expected = module(x, cache=cache)
-    data = np.fromfile(yfile, np.float32)
-    n = expected.size
-    np.testing.assert_array_equal(data[:n].reshape(expected.shape), expected)
-    np.testing.assert_array_equal(data[n:n + cache.k.size].reshape(cache.k.shape), cache.k)
-    np.testing.assert_array_equal(data[n + cache.k.size:].reshape(cache.v.shape), cache.v)
+    raw = yfile.read_bytes()
+    n = expected.nbytes
+    got = np.frombuffer(raw[:n], expected.dtype).reshape(expected.shape)
+    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+    caches = np.frombuffer(raw[n:], np.float32)
+    np.testing.assert_array_equal(caches[:cache.k.size].reshape(cache.k.shape), cache.k)
+    np.testing.assert_array_equal(caches[cache.k.size:].reshape(cache.v.shape), cache.v)
 
 
 @pytest.mark.parametrize("key,case,status,message", [

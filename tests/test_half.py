@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mhagen
+from mhagen import KVCache
 from mhagen.errors import GraphError, InputError
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
@@ -141,11 +142,44 @@ def test_half_against_torch():
     assert np.abs(got - want.numpy()).max() <= tolerance(want.numpy(), "float16")
 
 
-def test_kv_cache_layers_refuse_half_precision():
-    with pytest.raises(GraphError, match="float32 cache"):
-        mhagen.build(mhagen.mha(64, 2, kv_cache=32, dtype="float16"), "x86-avx2", seq_len=1)
+def test_unsupported_dtypes_are_refused():
     with pytest.raises(GraphError, match="dtype 'float64' is not supported"):
         mhagen.mha(64, 2, dtype="float64")
+
+
+@pytest.mark.parametrize("preset", sorted({"x86-avx2", NATIVE} & set(RUNNABLE)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_decoding_matches_the_reference(preset, dtype):
+    """A half-precision decoding layer: x, weights and output in the dtype, the K/V cache
+    float32 (the rows the float32-accumulating QKV GEMM wrote). GQA, head_dim 40, causal,
+    rotary; 3 steps of 1 and of 3 new tokens on rows cached 0 and 40 deep: outputs within
+    the dtype's tolerance and 2x a half-precision reference's error, caches as the
+    reference's; a prepared run gives the plain call's output."""
+    layer = mhagen.mha(80, 4, head_dim=40, kv_heads=2, causal=True, rotary=True, kv_cache=97,
+                       dtype=dtype)
+    w = layer.init_weights(3)
+    for new in (1, 3):
+        m = mhagen.build(layer, preset, batch=2, seq_len=new, weights=w)
+        cache = m.new_cache()
+        assert cache.k.dtype == np.float32
+        cache.lens[...] = [0, 40]
+        ref, half_ref, prepared = cache.copy(), cache.copy(), cache.copy()
+        x_in = mhagen.aligned_empty((2, new, 80), dtype)
+        step = m.prepare(x_in, cache=prepared)
+        for i in range(3):
+            x = _x((2, new, 80), dtype, seed=i)
+            y = m(x, cache=cache)
+            assert y.dtype == DTYPES[dtype]
+            expected = layer.reference(x, w, cache=ref)
+            assert_close(y, expected, dtype)
+            err, bound = within_half_reference(
+                y, expected, layer.reference(x, w, cache=half_ref, rounded_to=dtype))
+            assert err <= bound, f"error {err:.3g} > 2x the half reference's ({bound:.3g})"
+            x_in[...] = x
+            np.testing.assert_array_equal(step().view(np.uint16), y.view(np.uint16))
+        assert cache.lens.tolist() == ref.lens.tolist() == [3 * new, 40 + 3 * new]
+        assert_close(cache.k, ref.k)
+        assert_close(cache.v, ref.v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,23 +210,28 @@ def test_half_artifacts_in_python_and_c(dtype, tmp_path):
 
 
 def _ort_run(path, feeds):
-    """Run an exported model in ONNX Runtime; bfloat16 goes in as OrtValues (onnxruntime's
-    numpy bridge has no bfloat16) and y comes out through an appended Cast to float32."""
+    """Run an exported model in ONNX Runtime; half-precision feeds go in as OrtValues
+    (onnxruntime's numpy bridge has no bfloat16), float32 ones as they are; y comes out
+    through an appended Cast to float32, after it the model's other outputs (a decoding
+    layer's float32 present_key, present_value)."""
     import onnx
     ort = pytest.importorskip("onnxruntime")
     model = onnx.load(str(path))
     model.graph.node.append(onnx.helper.make_node("Cast", ["y"], ["y_f32"],
                                                   to=onnx.TensorProto.FLOAT))
+    others = [o for o in model.graph.output if o.name != "y"]
     del model.graph.output[:]
     model.graph.output.append(onnx.helper.make_tensor_value_info(
         "y_f32", onnx.TensorProto.FLOAT, None))
+    model.graph.output.extend(others)
     s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     types = {np.dtype(ml_dtypes.bfloat16): onnx.TensorProto.BFLOAT16,
              np.dtype(np.float16): onnx.TensorProto.FLOAT16}
-    values = {k: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(np.uint16),
-                                                                  types[v.dtype])
+    values = {k: ort.OrtValue.ortvalue_from_numpy(v) if v.dtype == np.float32 else
+              ort.OrtValue.ortvalue_from_numpy_with_onnx_type(v.view(np.uint16), types[v.dtype])
               for k, v in feeds.items()}
-    return s.run_with_ort_values(None, values)[0].numpy()
+    outs = [o.numpy() for o in s.run_with_ort_values(None, values)]
+    return outs[0] if len(outs) == 1 else outs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -213,6 +252,28 @@ def test_half_onnx_export_runs_in_onnxruntime(dtype, form, tmp_path):
     assert_close(y, layer.reference(x, w), dtype)
     # the same rounding of the same float32 numbers: at most one ulp apart
     assert np.abs(y - m(x).astype(np.float32)).max() <= 2 * tolerance(y, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_decoding_onnx_export_runs_in_onnxruntime(dtype, tmp_path):
+    """ONNX's past/present form of a half-precision decoding layer: x and y in the dtype,
+    past and present float32 (mhagen's cache); onnxruntime against the reference."""
+    layer = mhagen.mha(64, 4, kv_heads=2, causal=True, kv_cache=40, dtype=dtype)
+    w = layer.init_weights(8)
+    path = mhagen.export_onnx(layer, tmp_path / "dec.onnx", w, form="fused", batch=2,
+                              seq_len=3)
+    cache = KVCache.empty(layer, 2, np.float64)
+    rng = np.random.default_rng(0)
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    cache.lens[...] = 11
+    x = _x((2, 3, 64), dtype)
+    y, present_k, present_v = _ort_run(path, {
+        "x": x, "past_key": cache.k[:, :, :11].astype(np.float32),
+        "past_value": cache.v[:, :, :11].astype(np.float32)})
+    assert_close(y, layer.reference(x, w, cache=cache), dtype)
+    assert_close(present_k, cache.k[:, :, :14])
+    assert_close(present_v, cache.v[:, :, :14])
 
 
 def test_cli_builds_a_half_layer_and_says_how_it_computes(tmp_path, capsys):

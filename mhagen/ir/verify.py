@@ -105,10 +105,6 @@ def check_dtype(dtype) -> None:
 def verify(graph, **dims) -> dict:
     """Check `graph`; return {node name: shape}. Raises GraphError saying how to fix problems."""
     check_dtype(graph.dtype)
-    if graph.dtype != "float32" and any(n.attrs.get("cache") for n in graph.nodes):
-        raise GraphError(f"decoding layers (kv_cache=) keep a float32 cache and compute in "
-                         f"float32 only so far; build dtype={graph.dtype!r} layers without "
-                         "kv_cache, or dtype='float32'")
     shapes = infer_shapes(graph)
     if graph.output is None:
         raise GraphError("the graph has no output; call graph.set_output(name)")
