@@ -14,6 +14,9 @@ with the same contents and the same weights, and is checked against the float64 
                   I/O binding; a step copies the new token into the bound x)
   mhagen_call     the same module called as module(x, cache=cache) every step (not a
                   contender: the ratio to mhagen is the Python work of a call)
+  mhagen_bfloat16, mhagen_float16   with --half: the layer in that dtype (x, weights and
+                  output; the cache stays float32), prepared as mhagen, checked against
+                  the reference of the same rounded weights with the dtype's tolerance
   torch_sdpa      Linear(QKV) -> cache[b, :, L_b] = k, v -> F.scaled_dot_product_attention
                   over cache[:, :, :max L_b + 1] (enable_gqa; a boolean key mask only when
                   the rows' lengths differ) -> Linear (the cache preallocated, as mhagen's)
@@ -32,7 +35,7 @@ compares that with a plain read of a 512 MiB array by torch in the same run (the
 memory bandwidth at that thread count).
 
 Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--kv-heads G]
-         [--lens 4000,100] [--out DIR]
+         [--lens 4000,100] [--half bfloat16,float16] [--out DIR]
 """
 from __future__ import annotations
 
@@ -78,11 +81,11 @@ class MhagenCall:
 
 class MhagenStep(MhagenCall):
     """The arrays bound once (module.prepare, as ORT's I/O binding for ort_gqa): a step
-    copies the new token into the bound x and runs."""
+    copies the new token into the bound x (rounded to a half layer's dtype) and runs."""
 
     def __init__(self, layer, w, batch, past, target):
         super().__init__(layer, w, batch, past, target)
-        self.x = mhagen.aligned_empty(self.module.in_shape)
+        self.x = mhagen.aligned_empty(self.module.in_shape, self.module.dtype)
         self.cache.lens[...] = past
         self.run = self.module.prepare(self.x, cache=self.cache)
 
@@ -267,6 +270,8 @@ def main(argv=None):
                    help="tokens each batch row has cached before the step, e.g. 4000,100 "
                    "(a ragged batch; sets --batch; each < --cache)")
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--half", default="", help="also mhagen with the layer in these dtypes "
+                   "(bfloat16,float16: half-precision weights, float32 cache)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
@@ -291,8 +296,19 @@ def main(argv=None):
     ref_cache.lens[...] = past
     expected = layer.reference(x, w, cache=ref_cache)
     d = D // H
-    bytes_read = 4 * (2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d) \
-        + 4 * 2 * G * d * int(np.sum(past + 1))
+    weights = 2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d   # and biases
+    cache_bytes = 4 * 2 * G * d * int(np.sum(past + 1))
+    bytes_read = 4 * weights + cache_bytes
+    halves = [s for s in args.half.split(",") if s]
+    if set(halves) - {"bfloat16", "float16"}:
+        p.error(f"--half {args.half}: give bfloat16 and/or float16")
+    half_layers = {}
+    for dt in halves:
+        hl = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True, dtype=dt)
+        hw = hl.init_weights(0)
+        hc = random_cache(mhagen.KVCache.empty(hl, B, np.float64))
+        hc.lens[...] = past
+        half_layers[f"mhagen_{dt}"] = (hl, hw, hl.reference(x, hw, cache=hc), dt)
     peers = [s for s in args.peers.split(",") if s]
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -302,13 +318,16 @@ def main(argv=None):
         bm.set_threads(threads)
         impls = {"mhagen": MhagenStep(layer, w, B, past, args.target),
                  "mhagen_call": MhagenCall(layer, w, B, past, args.target)}
+        impls.update((n, MhagenStep(hl, hw, B, past, args.target))
+                     for n, (hl, hw, _, _) in half_layers.items())
         for name in peers:
             try:
                 impls[name] = PEERS[name](layer, w, B, past, threads=threads)
             except Exception as err:           # a peer that cannot run is reported, not fatal
                 status[name] = f"unavailable: {err}"
-        checked = bm.checked_impls(impls, x, lambda name: expected, status,
-                                   label="{} decode step")
+        checked = bm.checked_impls(
+            impls, x, lambda name: half_layers[name][2] if name in half_layers else expected,
+            status, label="{} decode step", dtypes={n: v[3] for n, v in half_layers.items()})
         est = {n: 1e-3 for n in checked}
         samples, _ = bm.time_interleaved(checked, x, est, args.rounds, 0.05,
                                          args.gap_ms / 1e3 if threads > 1 else 0.0)
@@ -317,9 +336,10 @@ def main(argv=None):
         fastest_peer = min((n for n in med if not n.startswith("mhagen")), key=med.get,
                            default=None)
         for n, t in med.items():
+            read = 2 * weights + cache_bytes if n in half_layers else bytes_read
             rows.append({"threads": threads, "impl": n, "ms": t * 1e3,
-                         "gb_s": bytes_read / t / 1e9,
-                         "read_bw_share": bytes_read / t / 1e9 / bw, "read_bw_gb_s": bw,
+                         "gb_s": read / t / 1e9,
+                         "read_bw_share": read / t / 1e9 / bw, "read_bw_gb_s": bw,
                          "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None})
     cached = (f"rows cache {', '.join(str(n + 1) for n in past)} of {N} tokens"
               if args.lens is not None else f"cache {N}")
@@ -338,11 +358,13 @@ def main(argv=None):
 
 def markdown(rows, meta):
     lines = [f"Decode step: {meta['shape']}; target {meta['target']}; "
-             f"{meta['bytes_read'] / 1e6:.1f} MB read at least per step",
+             f"{meta['bytes_read'] / 1e6:.1f} MB read at least per step (float32 weights; "
+             "half-precision rows: their weights' 2 bytes)",
              "", "| threads | impl | ms | GB/s | % read bw | / fastest peer |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        ratio = "—" if r["vs_fastest_peer"] is None or r["impl"] != "mhagen" else \
+        contender = r["impl"].startswith("mhagen") and r["impl"] != "mhagen_call"
+        ratio = "—" if r["vs_fastest_peer"] is None or not contender else \
             f"{r['vs_fastest_peer']:.2f}"
         lines.append(f"| {r['threads']} | {r['impl']} | {r['ms']:.3f} | {r['gb_s']:.1f} | "
                      f"{100 * r['read_bw_share']:.0f}% | {ratio} |")

@@ -703,9 +703,10 @@ def wait_quiet(max_s, threshold=0.2, window_s=0.5):
     return time.perf_counter() - t0
 
 
-def checked_impls(impls, x, reference, status, label="{}"):
+def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
     """The implementations whose output on x is within mhagen.tolerances of reference(name)
-    (the smaller scripts' check before timing). status[label] gets each one's max error;
+    (the smaller scripts' check before timing; dtypes: name -> the layer dtype whose
+    tolerance row applies, default float32). status[label] gets each one's max error;
     a peer that raises or misses is reported there and left out; mhagen's own (names
     starting "mhagen") failing ends the run."""
     checked = {}
@@ -718,7 +719,8 @@ def checked_impls(impls, x, reference, status, label="{}"):
                 raise
             status[key] = f"unavailable: {type(err).__name__}: {str(err)[-160:]}"
             continue
-        err, tol = tolerances.max_error(y, ref), tolerances.tolerance(ref)
+        err = tolerances.max_error(y, ref)
+        tol = tolerances.tolerance(ref, (dtypes or {}).get(name))
         status.setdefault(key, f"max error {err:.3g} (tolerance {tol:.3g})")
         if err <= tol:
             checked[name] = f
