@@ -14,9 +14,11 @@ with the same contents and the same weights, and is checked against the float64 
                   I/O binding; a step copies the new token into the bound x)
   mhagen_call     the same module called as module(x, cache=cache) every step (not a
                   contender: the ratio to mhagen is the Python work of a call)
-  mhagen_bfloat16, mhagen_float16   with --half: the layer in that dtype (x, weights and
-                  output; the cache stays float32), prepared as mhagen, checked against
-                  the reference of the same rounded weights with the dtype's tolerance
+  mhagen_<dtype>[_cache_<cache dtype>]   with --half: the layer in that dtype (x, weights
+                  and output) keeping a cache of that dtype (default float32), e.g.
+                  --half bfloat16,float16,float32:bfloat16,bfloat16:bfloat16; prepared as
+                  mhagen, checked against the reference of the same rounded weights (and
+                  cache rows) with the layer dtype's tolerance
   torch_sdpa      Linear(QKV) -> cache[b, :, L_b] = k, v -> F.scaled_dot_product_attention
                   over cache[:, :, :max L_b + 1] (enable_gqa; a boolean key mask only when
                   the rows' lengths differ) -> Linear (the cache preallocated, as mhagen's)
@@ -35,7 +37,7 @@ compares that with a plain read of a 512 MiB array by torch in the same run (the
 memory bandwidth at that thread count).
 
 Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--kv-heads G]
-         [--lens 4000,100] [--half bfloat16,float16] [--out DIR]
+         [--lens 4000,100] [--half bfloat16,float32:bfloat16] [--out DIR]
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402  (shared helpers: weights layouts, timing, threads)
 
 import mhagen  # noqa: E402
+from mhagen.tolerances import judged_as  # noqa: E402
 
 
 def random_cache(cache, seed=1):
@@ -270,8 +273,9 @@ def main(argv=None):
                    help="tokens each batch row has cached before the step, e.g. 4000,100 "
                    "(a ragged batch; sets --batch; each < --cache)")
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--half", default="", help="also mhagen with the layer in these dtypes "
-                   "(bfloat16,float16: half-precision weights, float32 cache)")
+    p.add_argument("--half", default="", help="also mhagen with half-precision weights "
+                   "and/or cache: DTYPE[:CACHE_DTYPE],... (e.g. bfloat16,float32:bfloat16; "
+                   "the cache float32 unless given)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
@@ -299,16 +303,21 @@ def main(argv=None):
     weights = 2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d   # and biases
     cache_bytes = 4 * 2 * G * d * int(np.sum(past + 1))
     bytes_read = 4 * weights + cache_bytes
-    halves = [s for s in args.half.split(",") if s]
-    if set(halves) - {"bfloat16", "float16"}:
-        p.error(f"--half {args.half}: give bfloat16 and/or float16")
     half_layers = {}
-    for dt in halves:
-        hl = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True, dtype=dt)
+    for variant in (s for s in args.half.split(",") if s):
+        dt, _, cd = variant.partition(":")
+        cd = cd or "float32"
+        if {dt, cd} - {"float32", "bfloat16", "float16"} or (dt, cd) == ("float32",) * 2:
+            p.error(f"--half {variant}: give DTYPE[:CACHE_DTYPE] of float32, bfloat16 and "
+                    "float16, not both float32")
+        hl = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True, dtype=dt, cache_dtype=cd)
         hw = hl.init_weights(0)
-        hc = random_cache(mhagen.KVCache.empty(hl, B, np.float64))
+        hc = random_cache(mhagen.KVCache.empty(hl, B))   # the old rows as the cache holds them
         hc.lens[...] = past
-        half_layers[f"mhagen_{dt}"] = (hl, hw, hl.reference(x, hw, cache=hc), dt)
+        name = f"mhagen_{dt}" + (f"_cache_{cd}" if cd != "float32" else "")
+        half_layers[name] = (hl, hw, hl.reference(x, hw, cache=hc), judged_as(hl),
+                             (2 if dt != "float32" else 4) * weights
+                             + cache_bytes // (2 if cd != "float32" else 1))
     peers = [s for s in args.peers.split(",") if s]
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -319,7 +328,7 @@ def main(argv=None):
         impls = {"mhagen": MhagenStep(layer, w, B, past, args.target),
                  "mhagen_call": MhagenCall(layer, w, B, past, args.target)}
         impls.update((n, MhagenStep(hl, hw, B, past, args.target))
-                     for n, (hl, hw, _, _) in half_layers.items())
+                     for n, (hl, hw, *_) in half_layers.items())
         for name in peers:
             try:
                 impls[name] = PEERS[name](layer, w, B, past, threads=threads)
@@ -336,7 +345,7 @@ def main(argv=None):
         fastest_peer = min((n for n in med if not n.startswith("mhagen")), key=med.get,
                            default=None)
         for n, t in med.items():
-            read = 2 * weights + cache_bytes if n in half_layers else bytes_read
+            read = half_layers[n][4] if n in half_layers else bytes_read
             rows.append({"threads": threads, "impl": n, "ms": t * 1e3,
                          "gb_s": read / t / 1e9,
                          "read_bw_share": read / t / 1e9 / bw, "read_bw_gb_s": bw,
@@ -359,7 +368,7 @@ def main(argv=None):
 def markdown(rows, meta):
     lines = [f"Decode step: {meta['shape']}; target {meta['target']}; "
              f"{meta['bytes_read'] / 1e6:.1f} MB read at least per step (float32 weights; "
-             "half-precision rows: their weights' 2 bytes)",
+             "half-precision rows: 2 bytes a value of theirs)",
              "", "| threads | impl | ms | GB/s | % read bw | / fastest peer |",
              "|---|---|---:|---:|---:|---:|"]
     for r in rows:

@@ -14,7 +14,7 @@ from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
-from mhagen.tolerances import tolerance
+from mhagen.tolerances import judged_as, tolerance
 from mhagen.tuning.records import describe_record
 
 
@@ -42,6 +42,8 @@ def _layer_options(p):
                    help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
                         "new tokens per call; checked on a half-full cache, timed on a full "
                         "one)")
+    g.add_argument("--cache-dtype", choices=("float32", "float16", "bfloat16"),
+                   help="what the K/V cache stores (--kv-cache; default float32)")
     g.add_argument("--cross", action="store_true",
                    help="cross-attention: keys and values from a second input, the context "
                         "(its length: --kv-seq-len)")
@@ -75,7 +77,8 @@ def _layer(args):
                       causal=args.causal, bias=not args.no_bias,
                       kv_cache=getattr(args, "kv_cache", None),
                       cross=getattr(args, "cross", False), kv_dim=getattr(args, "kv_dim", None),
-                      dtype=getattr(args, "dtype", "float32"))
+                      dtype=getattr(args, "dtype", "float32"),
+                      cache_dtype=getattr(args, "cache_dtype", None))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -204,7 +207,7 @@ def _build_checked(args, layer):
     expected = layer.reference(x, weights, cache=reference_cache, context=context)
     args.x, args.context = x, context    # what latency and GFLOP/s are measured at
     return module, mhagen.max_error(module(x, cache=cache, context=context), expected), \
-        tolerance(expected, layer.dtype)
+        tolerance(expected, judged_as(layer))
 
 
 def _shape(args) -> dict:

@@ -11,7 +11,7 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
-from mhagen.ir.verify import check_head_tables
+from mhagen.ir.verify import check_dtype, check_head_tables
 
 
 def _divisors(n):
@@ -22,7 +22,7 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
         score_mod=None, rotary=None, key_padding: bool = False, kv_cache: int | None = None,
         cross: bool = False, kv_dim: int | None = None, bias: bool = True,
-        dtype: str = "float32", name: str = "mha") -> Graph:
+        dtype: str = "float32", cache_dtype: str | None = None, name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
@@ -66,7 +66,10 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             "bfloat16" (mhagen/dtypes.py: kernels compute in float32 and round the output).
             A half-precision module takes arrays of its dtype (ml_dtypes.bfloat16 for
             bfloat16) and returns that dtype; float32 arrays are rounded on the way in and
-            the result comes back as float32. Not with kv_cache yet (the cache is float32).
+            the result comes back as float32.
+        cache_dtype: what a decoding layer's K/V cache stores: "float32" (default), "float16"
+            or "bfloat16" (half the bytes a step reads from the cache; the new K/V rows are
+            rounded to it, nearest even, and read back as float32). Any layer dtype.
 
     Weights (see `Graph.init_weights`): w_q [H, D, d], w_k, w_v [kv_heads, D, d] (cross:
     [kv_heads, kv_dim, d]), w_o [H*d, D], and with bias b_q [H, d], b_k, b_v [kv_heads, d],
@@ -118,6 +121,12 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     rotary = rotary or None
     if rotary is not None:
         rope.check_attrs(rotary.attrs(head_dim), head_dim, "mha(rotary=...)")
+    if cache_dtype is not None:
+        if kv_cache is None:
+            raise GraphError("cache_dtype= is what a decoding layer's K/V cache stores: pass "
+                             "kv_cache=N too, or drop cache_dtype")
+        check_dtype(cache_dtype)
+    cache_dtype = cache_dtype or "float32"
     if kv_cache is not None:
         positive_int("kv_cache", kv_cache)
         if key_padding:
@@ -153,6 +162,8 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options["key_padding"] = True
     if kv_cache is not None:
         options["kv_cache"] = kv_cache
+    if cache_dtype != "float32":
+        options["cache_dtype"] = cache_dtype
     if cross:
         options.update(cross=True, kv_dim=kv_dim)
     if dtype != "float32":
@@ -167,14 +178,16 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
                            score_mod=score_mod,
                            rotary=None if rotary is None else rotary.attrs(head_dim),
-                           lengths=lengths, max_len=kv_cache, context=context))
+                           lengths=lengths, max_len=kv_cache, context=context,
+                           cache_dtype=cache_dtype))
     g.shapes()
     return g
 
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
               bias: bool, score_mod=None, rotary: dict | None = None, lengths=None,
-              max_len: int | None = None, context: str | None = None) -> str:
+              max_len: int | None = None, context: str | None = None,
+              cache_dtype: str = "float32") -> str:
     """Add multi-head attention over input node x to g; return the output projection's name.
 
     Query head h (len(scales) of them) computes softmax(masks[h](Q_h K^T * scales[h])) V with
@@ -183,7 +196,8 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
     a rotary node after every Q and K projection; lengths (a lengths node, optional) feeds
     every mask its kv_len per batch; max_len (with lengths a cache_lens node) makes a
     decoding layer: K/V heads go through caches of max_len rows, and the rotary, score_mod
-    and mask nodes read the positions; context (an input node, optional) is what K and V
+    and mask nodes read the positions (cache_dtype: what the caches store); context (an
+    input node, optional) is what K and V
     project (cross-attention), else x. Heads are concatenated and projected to d_out. Node
     and weight names are those of mha().
     """
@@ -201,7 +215,8 @@ def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_o
 
     def cached(name, which, i):
         return name if max_len is None else g.cache(name, lengths, f"{which}_cache", i,
-                                                     max_len, name=f"{which}_cache{i}")
+                                                     max_len, name=f"{which}_cache{i}",
+                                                     dtype=cache_dtype)
 
     keys = [cached(rotated(proj("k", i)), "k", i) for i in range(kv_heads)]
     values = [cached(proj("v", i), "v", i) for i in range(kv_heads)]

@@ -16,18 +16,19 @@ from __future__ import annotations
 import numpy as np
 
 from mhagen.arrays import ALIGNMENT, aligned_empty, aligned_zeros, is_aligned
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
 
 
 def cache_shape(graph) -> dict | None:
-    """{kv_heads, max_len, head_dim} of a decoding graph (one with cache nodes, or its fused
-    form), else None."""
+    """{kv_heads, max_len, head_dim, dtype} of a decoding graph (one with cache nodes, or its
+    fused form), else None. dtype: what the cache stores (float32 unless the graph says)."""
     caches = [n for n in graph.nodes if n.kind == "cache"]
     fused = [n for n in graph.nodes if n.kind == "attention" and n.attrs.get("cache")]
     if fused:
         a = fused[0].attrs
         return {"kv_heads": len(set(a["k_offsets"])), "max_len": a["cache"]["max_len"],
-                "head_dim": a["head_dim"]}
+                "head_dim": a["head_dim"], "dtype": a["cache"].get("dtype", "float32")}
     if not caches:
         return None
     nodes = {n.name: n for n in graph.nodes}
@@ -37,7 +38,8 @@ def cache_shape(graph) -> dict | None:
     head_dim = (src.attrs["out_features"] if src.kind == "head_projection" else
                 graph.shapes_partial(caches[0].inputs[0])[-1])
     return {"kv_heads": 1 + max(n.attrs["head"] for n in caches),
-            "max_len": caches[0].attrs["max_len"], "head_dim": head_dim}
+            "max_len": caches[0].attrs["max_len"], "head_dim": head_dim,
+            "dtype": caches[0].attrs.get("dtype", "float32")}
 
 
 class KVCache:
@@ -47,14 +49,17 @@ class KVCache:
         self.k, self.v, self.lens = k, v, lens
 
     @classmethod
-    def empty(cls, layer, batch: int = 1, dtype=np.float32) -> "KVCache":
-        """An empty cache for `layer` (a decoding graph, or a Module built from one)."""
+    def empty(cls, layer, batch: int = 1, dtype=None) -> "KVCache":
+        """An empty cache for `layer` (a decoding graph, or a Module built from one); dtype:
+        its arrays' (default what the layer's cache stores, mhagen.mha(cache_dtype=);
+        np.float64 for a reference that keeps every digit of the rows it is given)."""
         graph = getattr(layer, "graph", layer)
         spec = cache_shape(graph)
         if spec is None:
             raise InputError(f"layer {graph.name!r} keeps no K/V cache; build it with "
                              "mhagen.mha(..., kv_cache=max_len)")
         shape = (int(batch), spec["kv_heads"], spec["max_len"], spec["head_dim"])
+        dtype = numpy_dtype(spec["dtype"]) if dtype is None else dtype
         return cls(aligned_zeros(shape, dtype), aligned_zeros(shape, dtype),
                    np.zeros(int(batch), np.int32))
 

@@ -72,6 +72,7 @@ class Module:
         self.out_shape = tuple(graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))[
             graph.output])
         self._cache_spec = cache_shape(graph)     # a decoding layer's cache, else None
+        self._cache_dtype = self._cache_spec and numpy_dtype(self._cache_spec["dtype"])
         self.symbolic = program.symbolic           # {"batch": bool, "seq": bool, ...} or None
         self.dtype = numpy_dtype(graph.dtype)      # storage of x, out and the weights
         self._input = program.role("input")[0]
@@ -219,7 +220,7 @@ class Module:
         kv_seq = seq if context is None else context.shape[1]
         dims = self.program.call_dims(batch, seq, kv_seq)
         lens = check_lengths(self.graph, kv_lens, batch, kv_seq)
-        cache = check_cache(self.graph, cache, batch, seq, np.float32, self._cache_spec)
+        cache = check_cache(self.graph, cache, batch, seq, self._cache_dtype, self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=self.dtype))
         elif self._params is not None:

@@ -200,9 +200,13 @@ def _stored(graph, a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def _append(cache, name, head, new, offsets):
-    """Write new [batch, S, d] rows of K/V head `head` at offsets[b] into cache.k or cache.v;
-    return that head's whole cache [batch, max_len, d] in float64."""
+def _append(cache, name, head, new, offsets, dtype="float32"):
+    """Write new [batch, S, d] rows of K/V head `head` at offsets[b] into cache.k or cache.v,
+    rounded to what the graph's cache stores (`dtype`: a half-precision cache keeps the rows
+    rounded, whatever the arrays given here hold); return that head's whole cache [batch,
+    max_len, d] in float64."""
+    if dtype != "float32":
+        new = new.astype(numpy_dtype(dtype))
     store = getattr(cache, name[0])
     for b, o in enumerate(offsets):
         store[b, head, o:o + new.shape[1]] = new[b]
@@ -269,8 +273,9 @@ def _attention(n, a, w, cache):
         if n.attrs.get("cache"):
             if ko not in kv_heads:
                 g = len(kv_heads)
-                kv_heads[ko] = (_append(cache, "k_cache", g, k, offsets),
-                                _append(cache, "v_cache", g, v, offsets))
+                dtype = n.attrs["cache"].get("dtype", "float32")
+                kv_heads[ko] = (_append(cache, "k_cache", g, k, offsets, dtype),
+                                _append(cache, "v_cache", g, v, offsets, dtype))
             k, v = kv_heads[ko]
         s = q @ np.swapaxes(k, -1, -2) * n.attrs["scale"]
         if n.attrs.get("score_mod") is not None:
@@ -289,7 +294,7 @@ _EVAL = {
     "rotary": lambda n, a, w, x: rope.apply(a[0], n.attrs["rotary_dim"], n.attrs["base"],
                                             _second(a)[1]),
     "cache": lambda n, a, w, cache: _append(cache, n.attrs["cache"], n.attrs["head"], a[0],
-                                            a[1]),
+                                            a[1], n.attrs.get("dtype", "float32")),
     "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
     "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
     "mask": _mask,

@@ -7,14 +7,28 @@ the error is the output's rounding (half an ulp: eps/2 relative) plus float32's.
 eps of the dtype (2x that), as FlashAttention's tests allow a small multiple of a
 half-precision reference's own error; tests also check that multiple directly
 (`within_half_reference`: error <= 2x that of mhagen.run_reference(..., rounded_to=dtype)).
+A decoding layer with a half-precision K/V cache is judged by its cache dtype's row
+(`judged_as`).
 """
 import numpy as np
+
+from mhagen.kvcache import cache_shape
 
 TOLERANCES = {
     "float32": {"atol": 1e-5, "rtol": 2e-5},
     "float16": {"atol": 1e-4, "rtol": 2.0 ** -10},    # eps(float16) = 2^-10
     "bfloat16": {"atol": 1e-3, "rtol": 2.0 ** -7},    # eps(bfloat16) = 2^-7
 }
+
+
+def judged_as(graph) -> str:
+    """The row a layer's results are judged by: its dtype, or its K/V cache's when that holds
+    less. A half-precision cache stores rounded keys and values; rounding the float32 rows
+    of a kernel and the float64 rows of the reference can land an ulp apart (2^-8 relative
+    in bfloat16), and the output inherits that."""
+    spec = cache_shape(graph)
+    names = [graph.dtype] + ([spec["dtype"]] if spec else [])
+    return max(names, key=lambda name: TOLERANCES[name]["rtol"])
 
 
 def max_error(actual, expected) -> float:

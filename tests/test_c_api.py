@@ -11,7 +11,7 @@ import pytest
 import mhagen
 from mhagen.artifact.describe import describe
 from mhagen.artifact.manifest import content_hash
-from mhagen.tolerances import assert_close, max_error
+from mhagen.tolerances import assert_close, judged_as, max_error
 from tests.conftest import build_c_app, random_input
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,10 +423,10 @@ int main(int argc, char **argv) {
   if (!f || fread(x, sizeof(mha_value), MHA_INPUT_SIZE, f) != MHA_INPUT_SIZE) return 3;
   fclose(f);
   size_t cache_size = MHA_CACHE_SIZE ? MHA_CACHE_SIZE : 1;
-  float *k = aligned((cache_size + 16) * sizeof(float));
-  float *v = aligned((cache_size + 16) * sizeof(float));
-  memset(k, 0, (cache_size + 16) * sizeof(float));
-  memset(v, 0, (cache_size + 16) * sizeof(float));
+  mha_cache_value *k = aligned((cache_size + 32) * sizeof(mha_cache_value));
+  mha_cache_value *v = aligned((cache_size + 32) * sizeof(mha_cache_value));
+  memset(k, 0, (cache_size + 32) * sizeof(mha_cache_value));
+  memset(v, 0, (cache_size + 32) * sizeof(mha_cache_value));
   int32_t lens[MHA_BATCH];
   for (int b = 0; b < MHA_BATCH; ++b) lens[b] = b == 0 ? 0 : 3;
   int rc;
@@ -455,8 +455,8 @@ int main(int argc, char **argv) {
     f = fopen(argv[4], "wb");
     fwrite(y, sizeof(mha_value), MHA_OUTPUT_SIZE, f);
     if (MHA_CACHE_SIZE) {
-      fwrite(k, sizeof(float), MHA_CACHE_SIZE, f);
-      fwrite(v, sizeof(float), MHA_CACHE_SIZE, f);
+      fwrite(k, sizeof(mha_cache_value), MHA_CACHE_SIZE, f);
+      fwrite(v, sizeof(mha_cache_value), MHA_CACHE_SIZE, f);
     }
     fclose(f);
   }
@@ -475,7 +475,9 @@ def lengths_artifacts(root):
     decoding = dict(kv_cache=16, kv_heads=2, causal=True, rotary=True)
     for key, kwargs, seq in (("padded", dict(key_padding=True, causal=True), 9),
                              ("cached", decoding, 3),
-                             ("cached-bfloat16", dict(decoding, dtype="bfloat16"), 3)):
+                             ("cached-bfloat16", dict(decoding, dtype="bfloat16"), 3),
+                             ("cached-float16-cache", dict(decoding, cache_dtype="float16"),
+                              3)):
         layer = mhagen.mha(64, 4, **kwargs)
         w = layer.init_weights(2)
         module = mhagen.build(layer, "x86", batch=2, seq_len=seq, weights=w)
@@ -508,11 +510,11 @@ def test_c_api_key_padding_matches_python(root, lengths_artifacts):
     assert "MHA_KEY_PADDING 1" in (root / "lengths-padded" / "mha.h").read_text()
 
 
-@pytest.mark.parametrize("key", ["cached", "cached-bfloat16"])
+@pytest.mark.parametrize("key", ["cached", "cached-bfloat16", "cached-float16-cache"])
 def test_c_api_decoding_matches_python(root, lengths_artifacts, key):
     """Two calls of 3 new tokens on rows cached 0 and 3 deep: the second call's output, the
     caches and the lengths equal the Python module's (a bfloat16 layer: bfloat16 x and y,
-    float32 caches)."""
+    float32 caches; a float16 cache: mha_cache_value holds binary16)."""
     layer, w, module, exe, x = lengths_artifacts[key]
     status, message, lens, yfile = _drive(root, lengths_artifacts, key, "cached")
     assert status == "MHA_OK" and lens == [6, 9], (message, lens)
@@ -524,9 +526,11 @@ def test_c_api_decoding_matches_python(root, lengths_artifacts, key):
     n = expected.nbytes
     got = np.frombuffer(raw[:n], expected.dtype).reshape(expected.shape)
     np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
-    caches = np.frombuffer(raw[n:], np.float32)
+    caches = np.frombuffer(raw[n:], cache.k.dtype)
     np.testing.assert_array_equal(caches[:cache.k.size].reshape(cache.k.shape), cache.k)
     np.testing.assert_array_equal(caches[cache.k.size:].reshape(cache.v.shape), cache.v)
+    header = (root / f"lengths-{key}" / "mha.h").read_text()
+    assert f'#define MHA_CACHE_DTYPE "{cache.k.dtype}"' in header
 
 
 @pytest.mark.parametrize("key,case,status,message", [
@@ -545,19 +549,23 @@ def test_c_api_length_errors(root, lengths_artifacts, key, case, status, message
         assert lens[1] == 3      # nothing advanced on an error
 
 
-@pytest.mark.parametrize("seq_len,calls", [(1, 29), (None, 17)], ids=["step", "any-length"])
-def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls):
+@pytest.mark.parametrize("seq_len,calls,cache_dtype", [(1, 29, "float32"),
+                                                      (None, 17, "float32"),
+                                                      (None, 17, "bfloat16")],
+                         ids=["step", "any-length", "bfloat16-cache"])
+def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls, cache_dtype):
     """examples/c_app/decode.c, built with its one-line command against a decoding artifact
     (batch 1; seq_len 1, or any number of new tokens up to 16), feeds 29 tokens: a prompt of
     13 (in one call when the artifact takes it), then 16 decode steps. Equals the causal
-    layer on all 29."""
+    layer on all 29 (a bfloat16 cache: the reference fed the same calls, its cache rows
+    rounded as the layer says)."""
     kw = dict(kv_heads=2, causal=True, rotary=True)
-    layer = mhagen.mha(64, 4, kv_cache=40, **kw)
+    layer = mhagen.mha(64, 4, kv_cache=40, cache_dtype=cache_dtype, **kw)
     w = layer.init_weights(0)
     lengths = dict(seq_len=1) if seq_len else dict(seq_len=None, max_seq_len=16)
-    d = mhagen.build(layer, "x86", batch=1, weights=w, **lengths).save(
-        root / f"decode-{seq_len}")
-    exe = build_c_app(CC, d, root / f"decode-{seq_len}.exe", APP / "decode.c", extra=["-Wextra"])
+    name = f"decode-{seq_len}-{cache_dtype}"
+    d = mhagen.build(layer, "x86", batch=1, weights=w, **lengths).save(root / name)
+    exe = build_c_app(CC, d, root / f"{name}.exe", APP / "decode.c", extra=["-Wextra"])
     x = random_input(layer, 1, 29, seed=6)
     x.tofile(root / "decode.x")
     r = subprocess.run([str(exe), str(d), str(root / "decode.x"), "29", str(root / "decode.y"),
@@ -565,7 +573,13 @@ def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"29 tokens in {calls} calls" in r.stdout and "the cache holds 29 of 40" in r.stdout
     y = np.fromfile(root / "decode.y", np.float32).reshape(x.shape)
-    assert_close(y, mhagen.mha(64, 4, **kw).reference(x, w))
+    if cache_dtype == "float32":
+        assert_close(y, mhagen.mha(64, 4, **kw).reference(x, w))
+    else:
+        cache = mhagen.KVCache.empty(layer, 1, np.float64)
+        assert_close(y, np.concatenate([layer.reference(x[:, :13], w, cache=cache)] + [
+            layer.reference(x[:, t:t + 1], w, cache=cache) for t in range(13, 29)], axis=1),
+            judged_as(layer))
     if seq_len is None:
         return
     # a decode.c built against a non-decoding artifact stops at compile time, with the reason

@@ -9,9 +9,10 @@ import pytest
 import mhagen
 from mhagen import KVCache
 from mhagen.errors import GraphError, InputError, TargetError
+from mhagen.dtypes import numpy_dtype
 from mhagen.target import resolve
 from mhagen.ir import rope
-from mhagen.tolerances import assert_close
+from mhagen.tolerances import assert_close, judged_as
 
 from conftest import mha_by_hand
 
@@ -305,3 +306,60 @@ def test_a_prepared_call_with_key_lengths_reads_them_every_run():
     lens[...] = [10, 1]
     with pytest.raises(InputError, match="0..9"):
         run()
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("target", ["x86", "x86-avx2"])
+def test_half_precision_caches_match_the_reference(target, cache_dtype):
+    """cache_dtype: the cache stores the new K/V rows rounded to it (nearest even) and the
+    kernels read them back as float32. 8 query heads on 2 and on 1 K/V head (head_dim lanes,
+    rows in lanes), head_dim 40, rotary, causal; 1 and 3 new tokens, 3 calls on rows cached
+    0 and 40 deep: outputs and the cache rows match the float64 reference, whose cache rows
+    are rounded the same way (the graph says so), whatever its arrays hold; within the cache
+    dtype's tolerance (rows rounded from float32 here and float64 there may fall an ulp
+    apart)."""
+    target = runnable(target)
+    for kv_heads, new in ((2, 1), (1, 3)):
+        layer = mhagen.mha(80, 8, head_dim=40, kv_heads=kv_heads, causal=True, rotary=True,
+                           kv_cache=97, cache_dtype=cache_dtype)
+        w = layer.init_weights(0)
+        m = mhagen.build(layer, target, batch=2, seq_len=new, weights=w)
+        cache = m.new_cache()
+        assert cache.k.dtype == cache.v.dtype == numpy_dtype(cache_dtype)
+        cache.lens[...] = [0, 40]
+        ref = KVCache.empty(layer, 2, np.float64)
+        ref.lens[...] = [0, 40]
+        rng = np.random.default_rng(5)
+        for _ in range(3):
+            x = rng.standard_normal((2, new, 80)).astype(np.float32)
+            assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref),
+                         judged_as(layer))
+        assert judged_as(layer) == cache_dtype
+        assert np.array_equal(ref.k, ref.k.astype(numpy_dtype(cache_dtype)).astype(np.float64))
+        assert_close(cache.k, ref.k, cache_dtype)
+        assert_close(cache.v, ref.v, cache_dtype)
+
+
+def test_a_half_precision_cache_halves_what_a_step_reads_and_refuses_other_arrays(tmp_path):
+    """A bfloat16 cache: KVCache.empty gives bfloat16 arrays, a float32 cache is refused with
+    the fix, a saved module keeps its cache dtype, ONNX export says what it cannot carry."""
+    layer = mhagen.mha(32, 2, kv_cache=8, causal=True, cache_dtype="bfloat16")
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w)
+    x = np.ones((1, 1, 32), np.float32)
+    wrong = KVCache.empty(layer, 1, np.float32)
+    with pytest.raises(InputError, match="aligned bfloat16"):
+        m(x, cache=wrong)
+    cache = m.new_cache()
+    y = m(x, cache=cache)
+    loaded = mhagen.load(m.save(tmp_path / "m"))
+    again = loaded.new_cache()
+    assert again.k.dtype == cache.k.dtype
+    np.testing.assert_array_equal(loaded(x, cache=again), y)
+    np.testing.assert_array_equal(again.k.view(np.uint16), cache.k.view(np.uint16))
+    with pytest.raises(mhagen.MhagenError, match="cache_dtype='float32'"):
+        mhagen.export_onnx(layer, tmp_path / "never.onnx", w, form="fused")
+    with pytest.raises(GraphError, match="pass kv_cache=N too"):
+        mhagen.mha(32, 2, cache_dtype="float16")
+    with pytest.raises(GraphError, match="not supported"):
+        mhagen.mha(32, 2, kv_cache=8, cache_dtype="int8")

@@ -19,10 +19,13 @@
 #if MHA_KV_CACHE == 0 || MHA_BATCH != 1 || (MHA_SEQ_LEN != 1 && !MHA_SYMBOLIC_SEQ_LEN)
 #error "decode.c needs the mha.h of a decoding artifact built with batch 1 and seq_len None or 1"
 #endif
+#if MHA_FLOAT16 || MHA_BFLOAT16
+#error "decode.c reads and writes float32 x and y: build the layer with dtype float32 (its cache may be half)"
+#endif
 
-static float *aligned_floats(size_t n) {
-  size_t bytes = (n * sizeof(float) + 63) / 64 * 64;   /* aligned_alloc: a multiple of 64 */
-  return (float *)aligned_alloc(64, bytes);
+static mha_cache_value *aligned_cache(size_t n) {   /* MHA_CACHE_DTYPE values */
+  size_t bytes = (n * sizeof(mha_cache_value) + 63) / 64 * 64;   /* a multiple of 64 */
+  return (mha_cache_value *)aligned_alloc(64, bytes);
 }
 
 int main(int argc, char **argv) {
@@ -45,8 +48,8 @@ int main(int argc, char **argv) {
   const int chunk = prompt <= MHA_SEQ_LEN ? prompt : 1;
   float *x = malloc((size_t)tokens * MHA_D_MODEL * sizeof(float));
   float *y = malloc((size_t)tokens * MHA_OUT_D_MODEL * sizeof(float));
-  float *k_cache = aligned_floats(MHA_CACHE_SIZE);
-  float *v_cache = aligned_floats(MHA_CACHE_SIZE);
+  mha_cache_value *k_cache = aligned_cache(MHA_CACHE_SIZE);
+  mha_cache_value *v_cache = aligned_cache(MHA_CACHE_SIZE);
   int32_t cache_len = 0;   /* tokens in the cache: no clearing needed, rows past it are unread */
   if (!x || !y || !k_cache || !v_cache) {
     fprintf(stderr, "out of memory\n");

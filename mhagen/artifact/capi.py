@@ -166,6 +166,7 @@ def _layout(manifest):
                 lengths_kind=(2 if states else 1) if lengths else 0,
                 k_cache=states.get("k_cache", -1), v_cache=states.get("v_cache", -1),
                 kv_heads=cache[1], max_len=cache[2], head_dim=cache[3],
+                cache_dtype=bufs[states["k_cache"]]["dtype"] if states else "float32",
                 context=ins[1] if context else -1, kv_seq=kv_seq, kv_dim=kv_dim)
 
 
@@ -188,6 +189,8 @@ def generate_header(manifest) -> str:
                       "mhagen build --batch B --seq-len S ...).")
     dtype = lay["dtype"]
     ctype, cdoc = _VALUE_TYPES[dtype]
+    cache_doc = "" if lay["cache_dtype"] == "float32" else \
+        f" ({_VALUE_TYPES[lay['cache_dtype']][1]})"
     if dtype == "float32":
         cdoc = "IEEE 754 single precision"
     status = "\n".join(f"  {n} = {v},{' ' * (24 - len(n))}/* {doc} */" for n, v, doc in STATUS)
@@ -251,6 +254,9 @@ extern "C" {{
 /* What x, y and a context hold: {dtype} ({cdoc}). The kernels compute in float32. */
 typedef {ctype} mha_value;
 #define MHA_DTYPE "{dtype}"
+/* What a decoding layer's k_cache and v_cache hold: {lay['cache_dtype']}{cache_doc}. */
+typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
+#define MHA_CACHE_DTYPE "{lay['cache_dtype']}"
 #define MHA_FLOAT16 {int(dtype == "float16")}    /* 1: mha_value holds binary16 bits */
 #define MHA_BFLOAT16 {int(dtype == "bfloat16")}   /* 1: mha_value holds bfloat16 bits */
 
@@ -268,7 +274,7 @@ typedef {ctype} mha_value;
 #define MHA_KV_CACHE {n}   /* > 0: a decoding layer (mha_run_cached) caching this many tokens */
 #define MHA_KV_HEADS {g}
 #define MHA_HEAD_DIM {hd}
-#define MHA_CACHE_SIZE {b * g * n * hd}   /* floats in each of k_cache and v_cache */
+#define MHA_CACHE_SIZE {b * g * n * hd}   /* values in each of k_cache and v_cache */
 #define MHA_CROSS {int(lay['context'] >= 0)}   /* 1: a cross-attention layer (mha_run_cross) */
 #define MHA_KV_SEQ_LEN {lay['kv_seq']}   /* its context's length (the most, when symbolic) */
 #define MHA_SYMBOLIC_KV_SEQ_LEN {int(bool(sym.get('kv_seq')))}   /* 1: any kv_seq_len 1..MHA_KV_SEQ_LEN */
@@ -303,16 +309,16 @@ MHA_API int mha_run_padded(mha_handle *handle, const mha_value *x, int batch, in
 
 /* Decoding layers (MHA_KV_CACHE > 0): x holds seq_len new tokens per batch row, which sit at
  * positions cache_lens[b] + t. k_cache and v_cache are the caller's
- * [batch, MHA_KV_HEADS, MHA_KV_CACHE, MHA_HEAD_DIM] floats (MHA_CACHE_SIZE each, 64-byte
- * aligned, e.g. aligned_alloc(64, ...)), written in place at rows cache_lens[b] ..
+ * [batch, MHA_KV_HEADS, MHA_KV_CACHE, MHA_HEAD_DIM] mha_cache_value arrays (MHA_CACHE_SIZE
+ * each, 64-byte aligned, e.g. aligned_alloc(64, ...)), written in place at rows cache_lens[b] ..
  * cache_lens[b] + seq_len - 1; rows past that are never read, so they need no clearing.
  * cache_lens [batch] int32, each in 0..MHA_KV_CACHE - seq_len, is advanced by seq_len on
  * success. A length out of range or an unaligned cache: MHA_ERR_ARGUMENT, nothing written.
  * A prefill artifact (seq_len = prompt length) and a step artifact (seq_len 1) of the same
  * layer share one cache. */
 MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, int seq_len,
-                           float *k_cache, float *v_cache, int32_t *cache_lens,
-                           mha_value *y);
+                           mha_cache_value *k_cache, mha_cache_value *v_cache,
+                           int32_t *cache_lens, mha_value *y);
 
 /* Cross-attention layers (MHA_CROSS 1): queries from x, keys and values from context
  * [batch, kv_seq_len, MHA_KV_DIM] values (kv_seq_len: MHA_KV_SEQ_LEN, or at most that when

@@ -124,10 +124,15 @@ class Graph:
         the positions of a decoding layer's new tokens start there (mhagen/kvcache.py)."""
         return self.add("cache_lens", (), name, batch=batch)
 
-    def cache(self, x, lens, cache: str, head: int, max_len: int, name=None) -> str:
+    def cache(self, x, lens, cache: str, head: int, max_len: int, name=None,
+              dtype: str = "float32") -> str:
         """K or V head `head` [B,S,d] appended to the cache state `cache` ("k_cache" or
-        "v_cache") at lens[b]: the whole cache [B, max_len, d] for the scores to read."""
-        return self.add("cache", (x, lens), name, cache=cache, head=head, max_len=max_len)
+        "v_cache") at lens[b]: the whole cache [B, max_len, d] for the scores to read.
+        dtype: what the cache stores ("float16", "bfloat16": the new rows rounded to it,
+        nearest even; read back as float32)."""
+        extra = {} if dtype == "float32" else {"dtype": dtype}
+        return self.add("cache", (x, lens), name, cache=cache, head=head, max_len=max_len,
+                        **extra)
 
     def mask(self, s, mask: ex.Expr, head: int, name=None, lengths=None) -> str:
         return self.add("mask", (s,) + ((lengths,) if lengths else ()), name, mask=mask,

@@ -39,10 +39,11 @@ KINDS = {
         "decoding layer's positions; the scores, masks, modifiers and rotary nodes that read "
         "it see q_idx = cache_lens[b] + t and kv_len = cache_lens[b] + S (mhagen/kvcache.py)"),
     "cache": KindSpec(
-        2, ("cache", "head", "max_len"), (),
+        2, ("cache", "head", "max_len"), ("dtype",),
         "new [B,S,d], cache_lens [B] -> [B,max_len,d]: K/V head `head` of the cache state "
         "`cache` (k_cache or v_cache [B, kv_heads, max_len, d]) after writing the S new rows "
-        "at cache_lens[b] (in place); rows from cache_lens[b] + S on are never visible"),
+        "at cache_lens[b] (in place; rounded to `dtype`, default float32); rows from "
+        "cache_lens[b] + S on are never visible"),
     "head_projection": KindSpec(
         1, ("weight", "head", "out_features"), ("bias",),
         "[B,S,D] @ weight[head] ([D,d]) (+ bias[head]) -> [B,S,d]: one head's Q, K or V"),

@@ -228,6 +228,9 @@ def _infer(n, ins, graph):
             if not isinstance(v, int) or isinstance(v, bool) or v < (attr == "max_len"):
                 raise GraphError(f"cache {n.name!r}: {attr} must be an int >= "
                                  f"{int(attr == 'max_len')}, got {v!r}")
+        if a.get("dtype", "float32") not in SUPPORTED_DTYPES:
+            raise GraphError(f"cache {n.name!r}: dtype must be one of {list(SUPPORTED_DTYPES)}, "
+                             f"got {a['dtype']!r}")
         if len(x) != 3:
             raise GraphError(f"cache {n.name!r} takes one K or V head [B, S, d], got {_fmt(x)}")
         return [x[0], a["max_len"], x[2]]
@@ -247,10 +250,12 @@ def _infer(n, ins, graph):
     if k == "attention" and n.attrs.get("cache") is not None:
         c = n.attrs["cache"]
         if len(n.inputs) != 2 or not isinstance(c, dict) or not isinstance(
-                c.get("max_len"), int) or c["max_len"] < 1 or next(
+                c.get("max_len"), int) or c["max_len"] < 1 or c.get(
+                "dtype", "float32") not in SUPPORTED_DTYPES or next(
                 m for m in graph.nodes if m.name == n.inputs[1]).kind != "cache_lens":
-            raise GraphError(f"attention {n.name!r}: cache must be {{'max_len': N}} with a "
-                             "cache_lens node as the second input")
+            raise GraphError(f"attention {n.name!r}: cache must be {{'max_len': N}} (and "
+                             "optionally a 'dtype' of the supported ones) with a cache_lens "
+                             "node as the second input")
     if k in ("scale", "mask", "score_mod", "softmax"):
         (s,) = ins
         if len(s) != 3:

@@ -233,6 +233,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                               f"yet ({backend.family} has no decode template); build them "
                               "for a CPU target")
         work.update(cache=cache["max_len"], lengths=False)
+        if cache.get("dtype", "float32") != "float32":
+            work["cache_dtype"] = cache["dtype"]
     rule = backend.attention if cache is None else backend.decode
     default = rule.default_config(work, target)
     tuned = attention_config(default) if attention_config else None
@@ -260,9 +262,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         part_o, part_ml = backend.decode.partial_shapes(work, cfg)
         cache_shape = (batch, kv_heads, cache["max_len"], d)
         attention_buffers = [
-            Buffer("k_cache", cache_shape, "state", doc="keys of every K/V head by position "
-                   "(the caller's KVCache, written in place)"),
-            Buffer("v_cache", cache_shape, "state", doc="values, as k_cache"),
+            Buffer("k_cache", cache_shape, "state", dtype=cache.get("dtype", "float32"),
+                   doc="keys of every K/V head by position (the caller's KVCache, written "
+                   "in place)"),
+            Buffer("v_cache", cache_shape, "state", dtype=cache.get("dtype", "float32"),
+                   doc="values, as k_cache"),
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
     # the score modifier's large tables (relative_bias): constant params the template reads

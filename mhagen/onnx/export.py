@@ -74,6 +74,7 @@ from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
+from mhagen.kvcache import cache_shape
 from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
 from mhagen.passes.fuse_attention import fuse_attention
 from mhagen.reference import mask_grid
@@ -133,6 +134,11 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     if layer.cache_lens_input is not None and form != "fused":
         raise OnnxError("decoding layers (a K/V cache) export in the fused form only (opset-23 "
                         "Attention with past_key/past_value): pass form='fused' (--form fused)")
+    spec = cache_shape(layer)
+    if spec is not None and spec["dtype"] != "float32":
+        raise OnnxError(f"this decoding layer's cache stores {spec['dtype']}; ONNX's "
+                        "past/present form carries a float32 cache here (past_key, "
+                        "present_key): export the layer with cache_dtype='float32'")
     if past_len is not None:
         positive_int("past_len", past_len)
     cross = layer.context_input is not None

@@ -110,7 +110,7 @@ def _fuse(g: Graph) -> Graph:
         _need(node.attrs["cache"] == f"{which}_cache", f"{name!r} caches a {which.upper()} "
               f"head in {node.attrs['cache']}")
         matched.add(name)
-        caches.add((node.inputs[1], node.attrs["max_len"]))
+        caches.add((node.inputs[1], node.attrs["max_len"], node.attrs.get("dtype", "float32")))
         if name not in cache_heads[which]:
             cache_heads[which][name] = node.attrs["head"]
         return node.inputs[0]
@@ -151,7 +151,7 @@ def _fuse(g: Graph) -> Graph:
           "base/rotary_dim (the fused kernels rotate every Q and K head alike)")
     rotation = rotations.pop()
     _need(len(caches) == 1, "only some K/V heads go through a cache, or caches of different "
-          "lengths")
+          "lengths or dtypes")
     cache = caches.pop()
     if cache is not None:   # a decoding layer: positions come from its cache_lens everywhere
         _need(lengths == cache[0], "a decoding layer's mask must read its cache_lens (kv_len "
@@ -220,7 +220,8 @@ def _fuse(g: Graph) -> Graph:
     if rotation is not None:
         attrs["rotary"] = {"base": rotation[0], "rotary_dim": rotation[1]}
     if cache is not None:
-        attrs["cache"] = {"max_len": cache[1]}
+        attrs["cache"] = {"max_len": cache[1], **({"dtype": cache[2]}
+                                                  if cache[2] != "float32" else {})}
     if cross:
         attrs["cross"] = True
     lens = () if lengths is None else (f.add(nodes[lengths].kind, (), lengths,

@@ -175,25 +175,32 @@ def build_cache_append(w, cfg):
     K_BASE, V_BASE = w["k_base"], w["v_base"]
     LN = cfg.lanes
     NCH, TAIL = _chunks(d, LN)
+    CD = w.get("cache_dtype", "float32")
     assert PW % LN == 0 and DP % LN == 0 and K_BASE % LN == 0 and V_BASE % LN == 0
+
+    def stored(value):
+        """A K/V value as the cache stores it (a half cache: rounded, nearest even)."""
+        return value if CD == "float32" else T.Cast(CD, value)
 
     @T.macro
     def copy_head(qkv, cache, base, b, g, t, pos):
         for ch in range(NCH):
             for ln in T.vectorized(LN):
-                cache[b, g, pos, ch * LN + ln] = qkv[(base + g * DP + ch * LN) // PW, b * S + t,
-                                                     (base + g * DP + ch * LN) % PW + ln]
+                cache[b, g, pos, ch * LN + ln] = stored(qkv[(base + g * DP + ch * LN) // PW,
+                                                            b * S + t,
+                                                            (base + g * DP + ch * LN) % PW + ln])
         if TAIL > 0:
             for ln in T.vectorized(TAIL):
-                cache[b, g, pos, NCH * LN + ln] = qkv[(base + g * DP + NCH * LN) // PW,
-                                                      b * S + t,
-                                                      (base + g * DP + NCH * LN) % PW + ln]
+                cache[b, g, pos, NCH * LN + ln] = stored(qkv[(base + g * DP + NCH * LN) // PW,
+                                                             b * S + t,
+                                                             (base + g * DP + NCH * LN) % PW
+                                                             + ln])
 
     @T.prim_func(check_well_formed=False)   # free scalars until they become parameters
     def cache_append(qkv: T.Buffer((NP, M, PW), "float32"),
                      cache_lens: T.Buffer((B,), "int32"),
-                     k_cache: T.Buffer((B, G, N, d), "float32"),
-                     v_cache: T.Buffer((B, G, N, d), "float32")):
+                     k_cache: T.Buffer((B, G, N, d), CD),
+                     v_cache: T.Buffer((B, G, N, d), CD)):
         T.func_attr({"global_symbol": "cache_append", "tirx.noalias": True})
         for task in T.parallel(B * S):
             b = task // S
@@ -242,6 +249,7 @@ def build_decode(w, cfg, registers=16):
     QCH = DP // LN
     ROW_LANES = rows_in_lanes(RT)
     JU = keys_in_flight(RT, LN, registers, KB)
+    CD = w.get("cache_dtype", "float32")
     assert KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
     c_log2e = f32(w["scale"] * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
@@ -259,6 +267,10 @@ def build_decode(w, cfg, registers=16):
         M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
 
     assert LN in (4, 8, 16), LN
+
+    def loaded(value):
+        """A K/V value read from the cache, as float32 (a half cache converts it)."""
+        return value if CD == "float32" else T.Cast("float32", value)
 
     def masked_score(value, b, h, qpos, kv, kv_len):
         """A scaled score with the score modifier applied, or -inf where the mask hides it."""
@@ -297,10 +309,11 @@ def build_decode(w, cfg, registers=16):
             acc[ln] = zero
         for ch in range(NCH):
             for ln in T.vectorized(LN):
-                acc[ln] = acc[ln] + qb[r, ch * LN + ln] * k_cache[b, g, kr, ch * LN + ln]
+                acc[ln] = acc[ln] + qb[r, ch * LN + ln] * loaded(k_cache[b, g, kr, ch * LN + ln])
         if TAIL > 0:
             for ln in T.vectorized(TAIL):
-                acc[ln] = acc[ln] + qb[r, NCH * LN + ln] * k_cache[b, g, kr, NCH * LN + ln]
+                acc[ln] = acc[ln] + qb[r, NCH * LN + ln] * loaded(
+                    k_cache[b, g, kr, NCH * LN + ln])
         lane_sum(acc)
 
     @T.macro
@@ -309,10 +322,11 @@ def build_decode(w, cfg, registers=16):
         # part_o, each key's FMAs waited on the last key's stores: GQA steps 1.6x slower)
         for ch in T.unroll(NCH):
             for ln in T.vectorized(LN):
-                o[ch * LN + ln] = o[ch * LN + ln] + p * v_cache[b, g, kr, ch * LN + ln]
+                o[ch * LN + ln] = o[ch * LN + ln] + p * loaded(v_cache[b, g, kr, ch * LN + ln])
         if TAIL > 0:
             for ln in T.vectorized(TAIL):
-                o[NCH * LN + ln] = o[NCH * LN + ln] + p * v_cache[b, g, kr, NCH * LN + ln]
+                o[NCH * LN + ln] = o[NCH * LN + ln] + p * loaded(
+                    v_cache[b, g, kr, NCH * LN + ln])
 
     @T.macro
     def block_rows_in_lanes(cache_lens, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row,
@@ -326,8 +340,8 @@ def build_decode(w, cfg, registers=16):
             for c in range(d):
                 for u in T.unroll(JU):
                     for ln in T.vectorized(RT):
-                        sacc[u, ln] = sacc[u, ln] + qt[c, ln] * k_cache[
-                            b, g, T.min(k0 + jo * JU + u, N - 1), c]
+                        sacc[u, ln] = sacc[u, ln] + qt[c, ln] * loaded(k_cache[
+                            b, g, T.min(k0 + jo * JU + u, N - 1), c])
             for u in T.unroll(JU):
                 for r in range(RT):
                     row = T.min(rt * RT + r, R - 1)
@@ -446,8 +460,8 @@ def build_decode(w, cfg, registers=16):
     @T.prim_func(check_well_formed=False)   # free scalars until with_scalars
     def attention(qkv: T.Buffer((NP, M, PW), "float32"),
                   cache_lens: T.Buffer((B,), "int32"),
-                  k_cache: T.Buffer((B, G, N, d), "float32"),
-                  v_cache: T.Buffer((B, G, N, d), "float32"),
+                  k_cache: T.Buffer((B, G, N, d), CD),
+                  v_cache: T.Buffer((B, G, N, d), CD),
                   part_o: T.Buffer((NP_MAX, RT, DP), "float32"),
                   part_ml: T.Buffer((NP_MAX, 2, RT), "float32"),
                   out: T.Buffer((MA, HD), "float32")):

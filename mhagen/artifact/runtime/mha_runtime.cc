@@ -588,8 +588,8 @@ MHA_API int mha_run_padded(mha_handle *handle, const mha_value *x, int batch, in
 }
 
 MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, int seq_len,
-                           float *k_cache, float *v_cache, int32_t *cache_lens,
-                           mha_value *y) {
+                           mha_cache_value *k_cache, mha_cache_value *v_cache,
+                           int32_t *cache_lens, mha_value *y) {
   const mha::Runtime *r = mha::runtime();
   if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cached");
   mha::g_forwarded = true;
@@ -823,8 +823,8 @@ mha_handle *create(const char *dir_c) {
 struct Extras {
   const char *fn;
   const int32_t *lengths;      // key lengths, or the tokens already cached
-  float *k_cache;
-  float *v_cache;
+  mha_cache_value *k_cache;
+  mha_cache_value *v_cache;
   const mha_value *context = nullptr;   // cross-attention: keys' and values' input
   int kv_seq_len = 0;
 };
@@ -1085,8 +1085,8 @@ MHA_API int mha_run_padded(mha_handle *handle, const mha_value *x, int batch, in
 }
 
 MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, int seq_len,
-                           float *k_cache, float *v_cache, int32_t *cache_lens,
-                           mha_value *y) {
+                           mha_cache_value *k_cache, mha_cache_value *v_cache,
+                           int32_t *cache_lens, mha_value *y) {
   return mha::guarded("mha_run_cached", [&] {
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
