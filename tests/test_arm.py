@@ -20,7 +20,7 @@ import mhagen
 from mhagen import cross
 from mhagen.errors import ArtifactError, TargetError
 from mhagen.target import host_arch, resolve
-from mhagen.tolerances import assert_close, max_error
+from mhagen.tolerances import assert_close, judged_as, max_error
 from tests.conftest import random_input, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,15 +337,17 @@ def test_every_backend_names_its_own_attention_and_gemm_rules():
     assert cuda.attention.name == "attention" and hasattr(cuda.gemm_rule, "schedule_whole")
 
 
-@pytest.mark.parametrize("target", RUN_TARGETS)
+@pytest.mark.parametrize("target,cache_dtype", [(t, "float32") for t in RUN_TARGETS] +
+                         [("arm-neon", "bfloat16")])
 def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_runtime,
-                                                        target):
+                                                        target, cache_dtype):
     """A decoding layer (cache append + split-KV template) cross-built for NEON / SVE with
     symbolic lengths (any number of new tokens per call), examples/c_app/decode.c
     cross-compiled against it, under qemu: a prompt of 9 tokens in one call, then 12 single
-    tokens; the causal layer on all 21 tokens."""
+    tokens; the causal layer on all 21 tokens (a bfloat16 cache: the reference fed the same
+    calls, its rows rounded as the layer says)."""
     kw = dict(kv_heads=2, causal=True, rotary=True)
-    layer = mhagen.mha(96, 4, kv_cache=32, **kw)        # head_dim 24: a vector tail on NEON
+    layer = mhagen.mha(96, 4, kv_cache=32, cache_dtype=cache_dtype, **kw)   # head_dim 24
     w = layer.init_weights(1)
     module = mhagen.build(layer, target, batch=1, seq_len=None, max_seq_len=16, weights=w)
     d = module.save(tmp_path / "step")
@@ -359,4 +361,10 @@ def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_
     assert r.returncode == 0, r.stdout + r.stderr
     assert "21 tokens in 13 calls" in r.stdout and "the cache holds 21 of 32" in r.stdout
     y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(x.shape)
-    assert_close(y, mhagen.mha(96, 4, **kw).reference(x, w))
+    if cache_dtype == "float32":
+        assert_close(y, mhagen.mha(96, 4, **kw).reference(x, w))
+    else:
+        cache = mhagen.KVCache.empty(layer, 1, np.float64)
+        assert_close(y, np.concatenate([layer.reference(x[:, :9], w, cache=cache)] + [
+            layer.reference(x[:, t:t + 1], w, cache=cache) for t in range(9, 21)], axis=1),
+            judged_as(layer))
