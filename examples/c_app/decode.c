@@ -20,7 +20,8 @@
 #error "decode.c needs the mha.h of a decoding artifact built with batch 1 and seq_len None or 1"
 #endif
 #if MHA_FLOAT16 || MHA_BFLOAT16
-#error "decode.c reads and writes float32 x and y: build the layer with dtype float32 (its cache may be half)"
+/* x and y are float32 here; the cache may be any mha_cache_value */
+#error "decode.c reads and writes float32 x and y: build the layer with dtype float32"
 #endif
 
 static mha_cache_value *aligned_cache(size_t n) {   /* MHA_CACHE_DTYPE values */
