@@ -21,7 +21,9 @@ refused too (``Attention`` carries neither; opset 23's ``RotaryEmbedding`` is no
 Decoding layers (``kv_cache=``) export in the fused form only, as ONNX's past/present form:
 inputs ``x`` [batch, seq, d_model], ``past_key`` and ``past_value`` [batch, kv_heads,
 past_seq, head_dim] (``past_seq`` a symbolic dim unless ``past_len`` is given); outputs ``y``,
-``present_key`` and ``present_value`` [batch, kv_heads, past_seq + seq, head_dim]. That is
+``present_key`` and ``present_value`` [batch, kv_heads, past_seq + seq, head_dim], in the
+layer's cache dtype (a half-precision cache: Cast to float32 around ``Attention``, the new
+K/V rounded to it first, as mhagen's kernels read them from the cache). That is
 mhagen's cache with every batch row holding the same number of tokens (``cache.lens`` all
 ``past_seq``): the new tokens sit at positions past_seq + t, and ``is_causal`` is bottom-right
 aligned from the past length, as mhagen's decoding positions are. Causal or no mask only
@@ -74,7 +76,6 @@ from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
-from mhagen.kvcache import cache_shape
 from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
 from mhagen.passes.fuse_attention import fuse_attention
 from mhagen.reference import mask_grid
@@ -134,11 +135,6 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     if layer.cache_lens_input is not None and form != "fused":
         raise OnnxError("decoding layers (a K/V cache) export in the fused form only (opset-23 "
                         "Attention with past_key/past_value): pass form='fused' (--form fused)")
-    spec = cache_shape(layer)
-    if spec is not None and spec["dtype"] != "float32":
-        raise OnnxError(f"this decoding layer's cache stores {spec['dtype']}; ONNX's "
-                        "past/present form carries a float32 cache here (past_key, "
-                        "present_key): export the layer with cache_dtype='float32'")
     if past_len is not None:
         positive_int("past_len", past_len)
     cross = layer.context_input is not None
@@ -226,7 +222,8 @@ class _Builder:
         lengths = layer.lengths_input
         self.kv_lens = self.fresh(lengths.name) if lengths is not None else None  # int32 [B]
         self.used.add("y")
-        self.extra_inputs, self.extra_outputs = [], []   # decoding: past / present K and V
+        # decoding: past / present K and V, (name, shape, ONNX element type)
+        self.extra_inputs, self.extra_outputs = [], []
         # a half-precision layer: x, a context and y in its dtype, Cast to/from float32
         self.storage = {"float16": onnx.TensorProto.FLOAT16,
                         "bfloat16": onnx.TensorProto.BFLOAT16}.get(layer.dtype)
@@ -331,10 +328,10 @@ class _Builder:
         if self.kv_lens is not None:
             inputs.append(h.make_tensor_value_info(self.kv_lens, onnx.TensorProto.INT32,
                                                    [self.batch]))
-        for name, shape in self.extra_inputs:
-            inputs.append(h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
-        for name, shape in self.extra_outputs:
-            outputs.append(h.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+        for name, shape, elem in self.extra_inputs:
+            inputs.append(h.make_tensor_value_info(name, elem, shape))
+        for name, shape, elem in self.extra_outputs:
+            outputs.append(h.make_tensor_value_info(name, elem, shape))
         graph = h.make_graph(self.nodes, self.layer.name, inputs, outputs, self.inits,
                              doc_string=f"mhagen layer {self.layer!r}, {form} form")
         opsets = [h.make_opsetid("", self.opset)]
@@ -746,7 +743,8 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
         else:
             inputs.append(b.mask_computed(mask, None, rank=4))
     if decoding:
-        y = _attention_with_past(b, inputs, attrs, kv_heads, d)
+        y = _attention_with_past(b, inputs, attrs, kv_heads, d,
+                                 att.attrs["cache"].get("dtype", "float32"))
     else:
         y = b.op("Attention", inputs, "attention", **attrs)
     wt = b.weight(out.attrs["weight"], w[out.attrs["weight"]])
@@ -756,17 +754,32 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     return y
 
 
-def _attention_with_past(b: _Builder, inputs, attrs, kv_heads, head_dim) -> str:
+def _attention_with_past(b: _Builder, inputs, attrs, kv_heads, head_dim,
+                         cache_dtype="float32") -> str:
     """Attention(q, k, v, no mask, past_key, past_value) -> (y, present_key, present_value),
-    the past and present as graph inputs and outputs."""
+    the past and present as graph inputs and outputs. A half-precision cache (cache_dtype):
+    past and present in that dtype, Cast to float32 around the op, and the new K and V
+    rounded to it before the op reads them (as mhagen's kernels read them from the cache)."""
+    tp = b.onnx.TensorProto
+    elem = {"float32": tp.FLOAT, "float16": tp.FLOAT16, "bfloat16": tp.BFLOAT16}[cache_dtype]
     past = [b.batch, kv_heads, b.past, head_dim]
     total = (b.past + b.seq if isinstance(b.past, int) and isinstance(b.seq, int)
              else f"{b.past}_plus_{b.seq}")
     names = [b.fresh(n) for n in ("past_key", "past_value", "present_key", "present_value")]
-    b.extra_inputs += [(names[0], past), (names[1], past)]
-    b.extra_outputs += [(names[2], past[:2] + [total, head_dim]),
-                        (names[3], past[:2] + [total, head_dim])]
+    b.extra_inputs += [(names[0], past, elem), (names[1], past, elem)]
+    b.extra_outputs += [(names[2], past[:2] + [total, head_dim], elem),
+                        (names[3], past[:2] + [total, head_dim], elem)]
+    ins, outs = inputs[:3] + ["", names[0], names[1]], [names[2], names[3]]
+    if cache_dtype != "float32":
+        for i in (1, 2):   # the new K, V: rounded as the cache stores them
+            ins[i] = b.op("Cast", [b.op("Cast", [ins[i]], f"{ins[i]}_{cache_dtype}", to=elem)],
+                          f"{ins[i]}_rounded", to=tp.FLOAT)
+        for i in (4, 5):
+            ins[i] = b.op("Cast", [ins[i]], f"{ins[i]}_f32", to=tp.FLOAT)
+        outs = [b.fresh(n + "_f32") for n in outs]
     y = b.fresh("attention")
-    b.nodes.append(b.h.make_node("Attention", inputs[:3] + ["", names[0], names[1]],
-                                 [y, names[2], names[3]], name=y, **attrs))
+    b.nodes.append(b.h.make_node("Attention", ins, [y] + outs, name=y, **attrs))
+    if cache_dtype != "float32":
+        for f32, name in zip(outs, names[2:]):
+            b.nodes.append(b.h.make_node("Cast", [f32], [name], name=name, to=elem))
     return y
