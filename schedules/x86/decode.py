@@ -9,10 +9,11 @@ attention     a decode step has one query per head (or a few: S new tokens x the
               (there lanes are queries). Here lanes run along head_dim instead (a score is
               a dot product and a horizontal sum; tiles of 8 or more rows, the query heads
               of a K/V head x the tokens, put the rows in the lanes for the scores:
-              rows_in_lanes), and the keys are split ("flash-decoding"): the call's key blocks, group after group (a
-              group: batch row, K/V head, row tile, where the rows are the GROUP x S queries
-              that read that K/V head), are cut into `workers` even, contiguous shares
-              (balanced_share), one parallel task each, as Stream-K cuts a GEMM's k loops.
+              rows_in_lanes), and the keys are split ("flash-decoding"): the call's key
+              blocks, group after group (a group: batch row, K/V head, row tile, where the
+              rows are the GROUP x S queries that read that K/V head), are cut into
+              `workers` even, contiguous shares (balanced_share), one parallel task each
+              (one a core by default), as Stream-K cuts a GEMM's k loops.
               A task walks the pieces of groups its share meets with the online softmax
               (scores in log2 units, as the prefill template), each leaving an unnormalised
               partial (O, m, l); a second parallel loop merges each group's pieces: O = sum_p
@@ -47,8 +48,9 @@ class DecodeConfig:
     row_tile: int
     """query rows per task (of the GROUP x S rows that read one K/V head)."""
     workers: int
-    """parallel tasks (4 a core): each takes an even, contiguous share of the call's key
-    blocks over all (batch row, K/V head, row tile) groups, in order (balanced_share)."""
+    """parallel tasks (one a core by default): each takes an even, contiguous share of the
+    call's key blocks over all (batch row, K/V head, row tile) groups, in order
+    (balanced_share)."""
     kv_block: int
     """keys per online-softmax step."""
     lanes: int
@@ -95,10 +97,13 @@ class DecodeRule:
     def default_config(self, workload, target):
         rows = workload["heads"] // workload["kv_heads"] * workload["seq"]
         row_tile = min(rows, 16)
-        # 4 workers a core: with one a core, a step over 4096 keys of 1 K/V head took
-        # 1.00-1.22x the time on 2 threads, run to run (1.0x on 1; not explained), with 4
-        # or 8 a core 1.0x
-        return DecodeConfig(row_tile=row_tile, workers=4 * max(1, target.cores),
+        # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
+        # thread, so more tasks balance nothing and add partials to merge. Zen 4, attention
+        # kernel against 4 a core over 7 steps (1-16 K/V heads, caches of 100-4095 keys, 1
+        # and 2 threads): 0.76-0.87x on caches of 100-300 keys, 0.86-1.01x on full ones
+        # (an older run had 1 a core at 1.00-1.22x on 4096 keys of one K/V head, 2
+        # threads; 4 runs now: 0.93-1.01x)
+        return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores),
                             kv_block=decode_kv_block(row_tile, target.lanes),
                             lanes=target.lanes)
 
