@@ -379,7 +379,7 @@ def test_onnx_past_present_of_a_half_precision_cache(tmp_path, cache_dtype):
     np.testing.assert_array_equal(present_v, cache.v[:, :, :14].astype(np.float32))
 
 
-def test_a_half_precision_cache_halves_what_a_step_reads_and_refuses_other_arrays(tmp_path):
+def test_a_half_precision_cache_refuses_other_arrays_and_survives_save_load(tmp_path):
     """A bfloat16 cache: KVCache.empty gives bfloat16 arrays, a float32 cache is refused with
     the fix, a saved module keeps its cache dtype."""
     layer = mhagen.mha(32, 2, kv_cache=8, causal=True, cache_dtype="bfloat16")
