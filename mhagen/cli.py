@@ -12,6 +12,7 @@ import mhagen
 from mhagen.artifact.describe import damaged_files, describe
 from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
+from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
 from mhagen.tolerances import judged_as, tolerance
@@ -36,13 +37,13 @@ def _layer_options(p):
     g.add_argument("--kv-heads", type=int, help="K/V heads for grouped/multi-query attention")
     g.add_argument("--causal", action="store_true", help="causal mask")
     g.add_argument("--no-bias", action="store_true", help="projections without bias")
-    g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+    g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES,
                    help="storage of x, the output and the weights (compute is float32)")
     g.add_argument("--kv-cache", type=int, metavar="N",
                    help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
                         "new tokens per call; checked on a half-full cache, timed on a full "
                         "one)")
-    g.add_argument("--cache-dtype", choices=("float32", "float16", "bfloat16"),
+    g.add_argument("--cache-dtype", choices=SUPPORTED_DTYPES,
                    help="what the K/V cache stores (--kv-cache; default float32)")
     g.add_argument("--cross", action="store_true",
                    help="cross-attention: keys and values from a second input, the context "

@@ -141,7 +141,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     if cross and not backend.cross:
         raise TargetError(f"cross-attention does not compile fused for {target.name} yet "
                           f"({backend.family}); build it with fuse=False or for a CPU target")
-    cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N}
+    cache = att_node.attrs.get("cache")     # a decoding layer: {"max_len": N[, "dtype"]}
+    cache_dtype = (cache or {}).get("dtype", "float32")   # what its K/V cache stores
     if symbolic and symbolic["batch"] and cache is not None:
         raise GraphError("decoding layers (kv_cache=) run a fixed batch (the cache's): build "
                          "them with batch=B (seq_len=None serves any number of new tokens)")
@@ -233,8 +234,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                               f"yet ({backend.family} has no decode template); build them "
                               "for a CPU target")
         work.update(cache=cache["max_len"], lengths=False)
-        if cache.get("dtype", "float32") != "float32":
-            work["cache_dtype"] = cache["dtype"]
+        if cache_dtype != "float32":
+            work["cache_dtype"] = cache_dtype
     rule = backend.attention if cache is None else backend.decode
     default = rule.default_config(work, target)
     tuned = attention_config(default) if attention_config else None
@@ -262,10 +263,10 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         part_o, part_ml = backend.decode.partial_shapes(work, cfg)
         cache_shape = (batch, kv_heads, cache["max_len"], d)
         attention_buffers = [
-            Buffer("k_cache", cache_shape, "state", dtype=cache.get("dtype", "float32"),
+            Buffer("k_cache", cache_shape, "state", dtype=cache_dtype,
                    doc="keys of every K/V head by position (the caller's KVCache, written "
                    "in place)"),
-            Buffer("v_cache", cache_shape, "state", dtype=cache.get("dtype", "float32"),
+            Buffer("v_cache", cache_shape, "state", dtype=cache_dtype,
                    doc="values, as k_cache"),
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]

@@ -225,8 +225,7 @@ class _Builder:
         # decoding: past / present K and V, (name, shape, ONNX element type)
         self.extra_inputs, self.extra_outputs = [], []
         # a half-precision layer: x, a context and y in its dtype, Cast to/from float32
-        self.storage = {"float16": onnx.TensorProto.FLOAT16,
-                        "bfloat16": onnx.TensorProto.BFLOAT16}.get(layer.dtype)
+        self.storage = None if layer.dtype == "float32" else self.elem_type(layer.dtype)
 
     # names, constants, ops
     def fresh(self, base):
@@ -263,6 +262,11 @@ class _Builder:
                 base = "c_" + arr.dtype.name
             self._consts[key] = self.init(base, arr)
         return self._consts[key]
+
+    def elem_type(self, dtype: str) -> int:
+        """The ONNX element type of a storage dtype (mhagen/dtypes.py)."""
+        return getattr(self.onnx.TensorProto, {"float32": "FLOAT", "float16": "FLOAT16",
+                                               "bfloat16": "BFLOAT16"}[dtype])
 
     def op(self, op_type, inputs, base=None, **attrs):
         name = self.fresh(base or op_type)
@@ -761,7 +765,7 @@ def _attention_with_past(b: _Builder, inputs, attrs, kv_heads, head_dim,
     past and present in that dtype, Cast to float32 around the op, and the new K and V
     rounded to it before the op reads them (as mhagen's kernels read them from the cache)."""
     tp = b.onnx.TensorProto
-    elem = {"float32": tp.FLOAT, "float16": tp.FLOAT16, "bfloat16": tp.BFLOAT16}[cache_dtype]
+    elem = b.elem_type(cache_dtype)
     past = [b.batch, kv_heads, b.past, head_dim]
     total = (b.past + b.seq if isinstance(b.past, int) and isinstance(b.seq, int)
              else f"{b.past}_plus_{b.seq}")
