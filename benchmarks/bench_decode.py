@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402  (shared helpers: weights layouts, timing, threads)
 
 import mhagen  # noqa: E402
+from mhagen.dtypes import numpy_dtype  # noqa: E402
+from mhagen.ir.kinds import SUPPORTED_DTYPES  # noqa: E402
 from mhagen.tolerances import judged_as  # noqa: E402
+
+
+# one layer mhagen runs: its weights, the reference output, its tolerance row
+# (mhagen.tolerances.judged_as), the bytes a step reads at least
+Variant = namedtuple("Variant", "layer weights expected judged bytes_read")
 
 
 def random_cache(cache, seed=1):
@@ -292,32 +300,35 @@ def main(argv=None):
                 "before the step")
     past = np.array(args.lens if args.lens is not None else [N - 1] * args.batch, np.int32)
     B = len(past)
-    layer = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True)
-    w = layer.init_weights(0)
     x = bm.make_input(B, 1, D, seed=3)
-
-    ref_cache = random_cache(mhagen.KVCache.empty(layer, B, np.float64))
-    ref_cache.lens[...] = past
-    expected = layer.reference(x, w, cache=ref_cache)
     d = D // H
-    weights = 2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d   # and biases
-    cache_bytes = 4 * 2 * G * d * int(np.sum(past + 1))
-    bytes_read = 4 * weights + cache_bytes
-    half_layers = {}
-    for variant in (s for s in args.half.split(",") if s):
-        dt, _, cd = variant.partition(":")
+    weight_values = 2 * D * H * d + 2 * D * G * d + D + H * d + 2 * G * d   # and biases
+    cache_values = 2 * G * d * int(np.sum(past + 1))     # the K and V rows a step reads
+
+    def variant(dtype, cache_dtype, reference_cache_dtype=None):
+        """The layer with its weights and cache in these dtypes: its weights, the float64
+        reference's output on x (the cache's old rows as an array of reference_cache_dtype
+        holds them, default the cache's own), its tolerance row, the bytes a step reads."""
+        vl = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True, dtype=dtype,
+                        cache_dtype=cache_dtype)
+        vw = vl.init_weights(0)
+        vc = random_cache(mhagen.KVCache.empty(vl, B, reference_cache_dtype))
+        vc.lens[...] = past
+        return Variant(vl, vw, vl.reference(x, vw, cache=vc), judged_as(vl),
+                       numpy_dtype(dtype).itemsize * weight_values
+                       + numpy_dtype(cache_dtype).itemsize * cache_values)
+
+    base = variant("float32", "float32", np.float64)   # mhagen's, mhagen_call's, the peers'
+    layer, w, bytes_read = base.layer, base.weights, base.bytes_read
+    variants = {"mhagen": base}
+    for spec in (s for s in args.half.split(",") if s):
+        dt, _, cd = spec.partition(":")
         cd = cd or "float32"
-        if {dt, cd} - {"float32", "bfloat16", "float16"} or (dt, cd) == ("float32",) * 2:
-            p.error(f"--half {variant}: give DTYPE[:CACHE_DTYPE] of float32, bfloat16 and "
-                    "float16, not both float32")
-        hl = mhagen.mha(D, H, kv_heads=G, kv_cache=N, causal=True, dtype=dt, cache_dtype=cd)
-        hw = hl.init_weights(0)
-        hc = random_cache(mhagen.KVCache.empty(hl, B))   # the old rows as the cache holds them
-        hc.lens[...] = past
-        name = f"mhagen_{dt}" + (f"_cache_{cd}" if cd != "float32" else "")
-        half_layers[name] = (hl, hw, hl.reference(x, hw, cache=hc), judged_as(hl),
-                             (2 if dt != "float32" else 4) * weights
-                             + cache_bytes // (2 if cd != "float32" else 1))
+        if {dt, cd} - set(SUPPORTED_DTYPES) or (dt, cd) == ("float32",) * 2:
+            p.error(f"--half {spec}: give DTYPE[:CACHE_DTYPE] of {', '.join(SUPPORTED_DTYPES)}, "
+                    "not both float32")
+        variants[f"mhagen_{dt}" + (f"_cache_{cd}" if cd != "float32" else "")] = \
+            variant(dt, cd)
     peers = [s for s in args.peers.split(",") if s]
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -327,16 +338,16 @@ def main(argv=None):
         bm.set_threads(threads)
         impls = {"mhagen": MhagenStep(layer, w, B, past, args.target),
                  "mhagen_call": MhagenCall(layer, w, B, past, args.target)}
-        impls.update((n, MhagenStep(hl, hw, B, past, args.target))
-                     for n, (hl, hw, *_) in half_layers.items())
+        impls.update((n, MhagenStep(v.layer, v.weights, B, past, args.target))
+                     for n, v in variants.items() if n != "mhagen")
         for name in peers:
             try:
                 impls[name] = PEERS[name](layer, w, B, past, threads=threads)
             except Exception as err:           # a peer that cannot run is reported, not fatal
                 status[name] = f"unavailable: {err}"
         checked = bm.checked_impls(
-            impls, x, lambda name: half_layers[name][2] if name in half_layers else expected,
-            status, label="{} decode step", dtypes={n: v[3] for n, v in half_layers.items()})
+            impls, x, lambda name: variants.get(name, base).expected, status,
+            label="{} decode step", dtypes={n: v.judged for n, v in variants.items()})
         est = {n: 1e-3 for n in checked}
         samples, _ = bm.time_interleaved(checked, x, est, args.rounds, 0.05,
                                          args.gap_ms / 1e3 if threads > 1 else 0.0)
@@ -345,7 +356,7 @@ def main(argv=None):
         fastest_peer = min((n for n in med if not n.startswith("mhagen")), key=med.get,
                            default=None)
         for n, t in med.items():
-            read = half_layers[n][4] if n in half_layers else bytes_read
+            read = variants.get(n, base).bytes_read
             rows.append({"threads": threads, "impl": n, "ms": t * 1e3,
                          "gb_s": read / t / 1e9,
                          "read_bw_share": read / t / 1e9 / bw, "read_bw_gb_s": bw,
