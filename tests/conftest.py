@@ -52,6 +52,25 @@ def rng():
     return np.random.default_rng(0)
 
 
+def random_cache(cache, rng):
+    """Fill a KVCache's k, then v, with standard normal values from rng; return it."""
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    return cache
+
+
+def in_chunks(layer, module_or_none, w, x, chunks, cache):
+    """Feed x [B, S, D] to a decoding module (None: the layer's reference) in chunks of new
+    tokens; the outputs side by side."""
+    outs, t = [], 0
+    for n in chunks:
+        part = x[:, t:t + n]
+        outs.append(layer.reference(part, w, cache=cache) if module_or_none is None
+                     else module_or_none(part, cache=cache))
+        t += n
+    return np.concatenate(outs, axis=1)
+
+
 def random_input(layer, batch, seq_len, seed=0):
     d_model = layer.inputs[0].attrs["shape"][2]
     return np.random.default_rng(seed).standard_normal((batch, seq_len, d_model)).astype(

@@ -21,7 +21,7 @@ from mhagen import cross
 from mhagen.errors import ArtifactError, TargetError
 from mhagen.target import host_arch, resolve
 from mhagen.tolerances import assert_close, judged_as, max_error
-from tests.conftest import random_input, unavailable
+from tests.conftest import in_chunks, random_input, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "c_app" / "mha_app.c"
@@ -364,7 +364,5 @@ def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_
     if cache_dtype == "float32":
         assert_close(y, mhagen.mha(96, 4, **kw).reference(x, w))
     else:
-        cache = mhagen.KVCache.empty(layer, 1, np.float64)
-        assert_close(y, np.concatenate([layer.reference(x[:, :9], w, cache=cache)] + [
-            layer.reference(x[:, t:t + 1], w, cache=cache) for t in range(9, 21)], axis=1),
-            judged_as(layer))
+        assert_close(y, in_chunks(layer, None, w, x, [9] + [1] * 12,
+                                  mhagen.KVCache.empty(layer, 1, np.float64)), judged_as(layer))

@@ -14,7 +14,7 @@ from mhagen.target import resolve
 from mhagen.ir import rope
 from mhagen.tolerances import assert_close, judged_as
 
-from conftest import mha_by_hand
+from conftest import in_chunks, mha_by_hand, random_cache
 
 
 
@@ -25,17 +25,6 @@ def runnable(preset):
     return preset
 
 
-def _steps(layer, module_or_none, w, x, chunks, cache):
-    """Feed x [B, S, D] in chunks of new tokens; the outputs side by side."""
-    outs, t = [], 0
-    for n in chunks:
-        part = x[:, t:t + n]
-        outs.append(layer.reference(part, w, cache=cache) if module_or_none is None
-                     else module_or_none(part, cache=cache))
-        t += n
-    return np.concatenate(outs, axis=1)
-
-
 def test_reference_decoding_step_by_step_is_the_causal_layer():
     """A prompt of 7 then 13 single tokens through the cache == the causal layer on all 20
     tokens (rotary and ALiBi at absolute positions, grouped K/V)."""
@@ -44,7 +33,7 @@ def test_reference_decoding_step_by_step_is_the_causal_layer():
     w = full.init_weights(0)
     x = np.random.default_rng(0).standard_normal((2, 20, 64)).astype(np.float32)
     cache = KVCache.empty(dec, 2, np.float64)
-    got = _steps(dec, None, w, x, [7] + [1] * 13, cache)
+    got = in_chunks(dec, None, w, x, [7] + [1] * 13, cache)
     np.testing.assert_allclose(got, full.reference(x, w), rtol=1e-12, atol=1e-12)
     assert cache.lens.tolist() == [20, 20]
 
@@ -82,8 +71,7 @@ def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
     m = mhagen.build(layer, target, batch=2, seq_len=new_tokens, weights=w)
     rng = np.random.default_rng(2)
     cache = m.new_cache()
-    cache.k[...] = rng.standard_normal(cache.k.shape)
-    cache.v[...] = rng.standard_normal(cache.v.shape)
+    random_cache(cache, rng)
     cache.lens[...] = [0, 61]
     ref = cache.copy()
     for _ in range(4):
@@ -126,8 +114,7 @@ def test_decode_tasks_share_the_calls_key_blocks_evenly():
             assert cfg["workers"] == cores, cfg
             rng = np.random.default_rng(new_tokens)
             cache = m.new_cache()
-            cache.k[...] = rng.standard_normal(cache.k.shape)
-            cache.v[...] = rng.standard_normal(cache.v.shape)
+            random_cache(cache, rng)
             cache.lens[...] = [0, 1, 300, 700, 1024 - new_tokens]
             ref = cache.copy()
             x = rng.standard_normal((5, new_tokens, 64)).astype(np.float32)
@@ -240,8 +227,7 @@ def test_onnx_past_present_export_runs_in_onnxruntime(tmp_path, causal):
     rng = np.random.default_rng(0)
     for past in (0, 11):
         cache = KVCache.empty(layer, 2, np.float64)
-        cache.k[...] = rng.standard_normal(cache.k.shape)
-        cache.v[...] = rng.standard_normal(cache.v.shape)
+        random_cache(cache, rng)
         cache.lens[...] = past
         x = rng.standard_normal((2, 3, 64)).astype(np.float32)
         feeds = {"x": x, "past_key": cache.k[:, :, :past].astype(np.float32),
@@ -363,8 +349,7 @@ def test_onnx_past_present_of_a_half_precision_cache(tmp_path, cache_dtype):
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     cache = KVCache.empty(layer, 2)             # arrays of the cache dtype
-    cache.k[...] = rng.standard_normal(cache.k.shape)
-    cache.v[...] = rng.standard_normal(cache.v.shape)
+    random_cache(cache, rng)
     cache.lens[...] = 11
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     past = {n: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(

@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 import mhagen
 from mhagen.ir import expr as ex
 from mhagen.tolerances import assert_close
-from tests.conftest import x86_targets
+from tests.conftest import random_cache, x86_targets
 from tests.test_arm import Artifact, aarch64_runtime, qemu, toolchain  # noqa: F401 - fixtures
 
 EXAMPLES = int(os.environ.get("MHAGEN_FUZZ_EXAMPLES", "30"))
@@ -219,8 +219,7 @@ def test_random_decoding_layers_match_the_reference(options, batch, new, room, t
     w = layer.init_weights(seed)
     kernel = mhagen.build(layer, target, batch=batch, seq_len=new, weights=w)
     cache = kernel.new_cache()
-    cache.k[...] = rng.standard_normal(cache.k.shape)
-    cache.v[...] = rng.standard_normal(cache.v.shape)
+    random_cache(cache, rng)
     cache.lens[...] = rng.integers(0, max_len - 2 * new + 1, batch)
     expected_cache = cache.copy()
     for _ in range(2):

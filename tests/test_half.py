@@ -14,7 +14,7 @@ from mhagen import KVCache
 from mhagen.errors import GraphError, InputError
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
-from tests.conftest import build_c_app
+from tests.conftest import build_c_app, random_cache
 from test_x86_classes import multiply_add_loops, spills_in_fma_loops
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -264,8 +264,7 @@ def test_half_decoding_onnx_export_runs_in_onnxruntime(dtype, tmp_path):
                               seq_len=3)
     cache = KVCache.empty(layer, 2, np.float64)
     rng = np.random.default_rng(0)
-    cache.k[...] = rng.standard_normal(cache.k.shape)
-    cache.v[...] = rng.standard_normal(cache.v.shape)
+    random_cache(cache, rng)
     cache.lens[...] = 11
     x = _x((2, 3, 64), dtype)
     y, present_k, present_v = _ort_run(path, {

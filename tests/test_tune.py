@@ -18,7 +18,7 @@ from mhagen.tolerances import assert_close
 from mhagen import tune
 from mhagen.tuning import Database, Tuning, TuningWarning
 from mhagen.tuning.search import _Remote, _wrong_result
-from tests.conftest import random_input
+from tests.conftest import random_cache, random_input
 
 LAYER = dict(d_model=64, num_heads=4, causal=True)
 BATCH, SEQ = 1, 32
@@ -165,8 +165,7 @@ def _decode_sources(layer, db, tmp_path):
     m = mhagen.build(layer, batch=2, seq_len=1, weights=w, tuning=tmp_path / "db.json")
     rng = np.random.default_rng(1)
     cache = m.new_cache()
-    cache.k[...] = rng.standard_normal(cache.k.shape)
-    cache.v[...] = rng.standard_normal(cache.v.shape)
+    random_cache(cache, rng)
     cache.lens[...] = [90, 7]
     ref = cache.copy()
     for _ in range(3):
