@@ -11,8 +11,9 @@ prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS be
 from mhagen.artifact.load import load as _load
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
-from mhagen.ir import (Graph, alibi, causal, combine, head, kv_idx, q_idx, relative_bias,
-                       rotary, score, sliding_window, softcap, table, tanh, verify, where)
+from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, kv_len, maximum,
+                       minimum, q_idx, q_len, relative_bias, rotary, score, sliding_window,
+                       softcap, table, tanh, verify, where)
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
 from mhagen.onnx import export_onnx, import_onnx
@@ -45,7 +46,8 @@ def load(path):
 
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",
            "MhagenError",
-           "TOLERANCES", "TargetError", "aligned_empty", "alibi", "build", "causal", "combine",
-           "export_onnx", "head", "import_onnx", "kv_idx", "load", "max_error", "mha", "q_idx",
-           "relative_bias", "rotary", "score", "sliding_window", "softcap", "table", "tanh",
-           "tune", "verify", "weights_from_torch", "where"]
+           "TOLERANCES", "TargetError", "aligned_empty", "alibi", "batch", "build", "causal",
+           "combine", "exp", "export_onnx", "head", "import_onnx", "kv_idx", "kv_len", "load",
+           "max_error", "maximum", "mha", "minimum", "q_idx", "q_len", "relative_bias",
+           "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
+           "weights_from_torch", "where"]

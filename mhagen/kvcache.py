@@ -1,9 +1,9 @@
 """KVCache: the keys and values a decoding layer (`mhagen.mha(..., kv_cache=N)`) keeps between
 calls, and the layout its kernels read.
 
-    k, v   [batch, kv_heads, max_len, head_dim]  (Hugging Face's layout; float32 for modules,
-           half-precision layers included: the K/V rows their float32-accumulating QKV GEMM
-           wrote; any float dtype for the reference), 64-byte aligned, C-contiguous
+    k, v   [batch, kv_heads, max_len, head_dim]  (Hugging Face's layout; the cache dtype:
+           float32 unless the layer says `cache_dtype=`, whatever the layer's dtype; any
+           float dtype for the reference), 64-byte aligned, C-contiguous
     lens   [batch] int32: tokens already cached per batch row
 
 A call with S new tokens writes their K/V rows at lens[b] .. lens[b] + S - 1 in place,

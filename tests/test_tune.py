@@ -448,7 +448,8 @@ def test_shipped_records_were_measured_against_todays_defaults(preset):
         k = r["key"]
         machine = dataclasses.replace(t, l2_kib=k["l2_kib"], l1d_kib=k["l1d_kib"],
                                       cores=r["measured_on"]["cores"])
-        layer = mhagen.mha(k["d_model"], k["heads"], causal=k["mask"] == "causal")
+        layer = mhagen.mha(k["d_model"], k["heads"], kv_heads=k["kv_heads"],
+                           causal=k["mask"] == "causal", kv_cache=k.get("kv_cache"))
         assert workload_key(layer, machine, k["batch"], k["seq"], k["kernel"])["graph"] == \
             k["graph"], k
         with warnings.catch_warnings():

@@ -49,7 +49,8 @@ class TuningWarning(UserWarning):
 def workload_key(graph, target, batch, seq, kernel) -> dict:
     """The readable key of one kernel: layer shape fields, CPU class, kernel name, and the
     target's cache sizes and CPU (Target.machine_cpu: to choose among records of several
-    machines)."""
+    machines). A decoding layer's key also says its cache length (`kv_cache`: readable, so
+    a record's layer can be rebuilt; the graph hash already tells cache lengths apart)."""
     o = graph.options
     canonical = json.dumps([n.to_json() for n in graph.nodes], sort_keys=True)
     return {"cpu_class": target.cpu_class, "l2_kib": target.l2_kib,
@@ -58,7 +59,8 @@ def workload_key(graph, target, batch, seq, kernel) -> dict:
             "heads": o.get("num_heads"), "kv_heads": o.get("kv_heads"),
             "head_dim": o.get("head_dim"),
             "mask": "causal" if o.get("causal") and "mask" not in o else o.get("mask", "none"),
-            "graph": hashlib.sha256(canonical.encode()).hexdigest()[:16], "kernel": kernel}
+            "graph": hashlib.sha256(canonical.encode()).hexdigest()[:16], "kernel": kernel,
+            **({"kv_cache": o["kv_cache"]} if o.get("kv_cache") else {})}
 
 
 def _key_str(key: dict) -> str:
