@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 import mhagen
 from mhagen.ir import expr as ex
-from mhagen.tolerances import assert_close
+from mhagen.tolerances import assert_close, judged_as
 from tests.conftest import random_cache, x86_targets
 from tests.test_arm import Artifact, aarch64_runtime, qemu, toolchain  # noqa: F401 - fixtures
 
@@ -208,13 +208,20 @@ def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, targ
 @shard
 @settings(FUZZ, max_examples=max(1, EXAMPLES // 3))
 @given(options=layers(), batch=st.integers(1, 3), new=st.sampled_from([1, 1, 2, 3, 5, 16]),
-       room=st.integers(0, 90), target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16))
-def test_random_decoding_layers_match_the_reference(options, batch, new, room, target, seed):
-    """The same random layers as decoding layers (kv_cache=): two calls of `new` tokens on a
-    cache holding random rows up to per-row random lengths; outputs and caches match."""
+       room=st.integers(0, 90), target=st.sampled_from(TARGETS), seed=st.integers(0, 2 ** 16),
+       dtype=st.sampled_from(["float32", "float32", "float32", "float16", "bfloat16"]),
+       cache_dtype=st.sampled_from([None, None, None, "float16", "bfloat16"]))
+def test_random_decoding_layers_match_the_reference(options, batch, new, room, target, seed,
+                                                    dtype, cache_dtype):
+    """The same random layers as decoding layers (kv_cache=), some with half-precision
+    storage or caches: two calls of `new` tokens on a cache holding random rows up to
+    per-row random lengths; outputs and caches match (judged by the dtype or cache dtype
+    that holds less: tolerances.judged_as)."""
     max_len = 2 * new + room + 1
-    layer = mhagen.mha(**options, kv_cache=max_len)
-    event(f"new tokens {new}")
+    layer = mhagen.mha(**options, kv_cache=max_len, dtype=dtype, cache_dtype=cache_dtype)
+    judged = judged_as(layer)
+    for what in (f"new tokens {new}", f"dtype {dtype}", f"cache {cache_dtype or 'float32'}"):
+        event(what)
     rng = np.random.default_rng(seed)
     w = layer.init_weights(seed)
     kernel = mhagen.build(layer, target, batch=batch, seq_len=new, weights=w)
@@ -224,10 +231,11 @@ def test_random_decoding_layers_match_the_reference(options, batch, new, room, t
     expected_cache = cache.copy()
     for _ in range(2):
         x = rng.standard_normal((batch, new, options["d_model"])).astype(np.float32)
-        assert_close(kernel(x, cache=cache), layer.reference(x, w, cache=expected_cache))
+        assert_close(kernel(x, cache=cache), layer.reference(x, w, cache=expected_cache),
+                     judged)
     assert cache.lens.tolist() == expected_cache.lens.tolist()
-    assert_close(cache.k, expected_cache.k)
-    assert_close(cache.v, expected_cache.v)
+    assert_close(cache.k, expected_cache.k, judged)
+    assert_close(cache.v, expected_cache.v, judged)
 
 
 @shard

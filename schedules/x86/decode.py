@@ -68,12 +68,18 @@ def balanced_share(worker, workers, total):
 
 
 def decode_kv_block(row_tile, lanes):
-    """Keys per online-softmax step: 8 per query row of the tile, 16 to 64. A block's
-    fixed cost per row (its max, exp2 and rescale of O) wants many keys when rows are
-    many; with one or two rows the step streams the cache, and short blocks keep the K and
-    V streams both in flight (Zen 4, 1 thread, full 4096-key caches, against 32 keys:
-    1 row 16 keys 0.91x, 64 keys 1.19x; 2 rows 0.90x / 1.36x; 4 rows 16 keys 1.23x, 64
-    keys 1.03x; 8 rows 64 keys 0.95x, 16 keys 1.25x)."""
+    """Keys per online-softmax step. Lanes along head_dim: 8 per query row of the tile, 16
+    to 64: a block's fixed cost per row (its max, exp2 and rescale of O) wants many keys
+    when rows are many; with one or two rows the step streams the cache, and short blocks
+    keep the K and V streams both in flight (Zen 4, 1 thread, full 4096-key caches, against
+    32 keys: 1 row 16 keys 0.91x, 64 keys 1.19x; 2 rows 0.90x / 1.36x; 4 rows 16 keys
+    1.23x, 64 keys 1.03x). Rows in the lanes (rows_in_lanes): 16 keys, whose K and V
+    blocks (4 KiB each at head_dim 64) stay in L1 while every row of the tile reads V
+    (Zen 4, against 64 keys, attention kernel, caches of 2 MiB and 16-32 MiB: AVX-512
+    0.55-1.00x at 1 thread, 0.87-1.04x at 2; AVX2 0.59-1.06x and 0.81-1.04x; the big wins
+    on the caches that stream from memory)."""
+    if rows_in_lanes(row_tile, lanes):
+        return round_up(16, lanes)
     return round_up(min(64, max(16, 8 * row_tile)), lanes)
 
 
@@ -219,21 +225,24 @@ def build_cache_append(w, cfg):
     return with_scalars(cache_append, scalars)
 
 
-def rows_in_lanes(row_tile):
+def rows_in_lanes(row_tile, lanes):
     """Whether a tile's scores put its query rows in the vector lanes (8, 12 or 16 rows:
     the query heads of a K/V head x the new tokens): a multiply-add per head_dim column
     then makes a score for every row, with no horizontal sum per score. Attention kernel on
     Zen 4 against lanes along head_dim: 8 rows 0.79x (AVX2 0.79-0.80x), 12 rows 0.80x, 16
     rows 0.68-0.71x (AVX2 0.66-0.68x), a 512-token prompt's layer 0.87x; 4 rows 1.09-1.12x,
-    so fewer than 8 rows keep the lanes along head_dim."""
-    return row_tile >= 8 and row_tile % 4 == 0
+    so fewer than 8 rows keep the lanes along head_dim. A row vector fits one register or is
+    whole registers: 12 rows on 8 lanes (AVX2) came out of LLVM as lane inserts through the
+    stack (the kernel 4.4x the time of lanes along head_dim, 1 thread)."""
+    return row_tile >= 8 and row_tile % 4 == 0 and (row_tile <= lanes or row_tile % lanes == 0)
 
 
 def keys_in_flight(row_tile, lanes, registers, kv_block):
     """Keys whose row-lane scores accumulate at once: as many as the registers hold (4 kept
     for Q^T and K's broadcasts), at most 8, a power of two dividing kv_block (AVX2, 8 rows:
-    4 keys took 1.13x the time of 8, 16 rows 2 keys 1.22x that of 4)."""
-    fit = max(1, (registers - 4) * lanes // row_tile)
+    4 keys took 1.13x the time of 8, 16 rows 2 keys 1.22x that of 4). A key's row vector
+    takes whole registers: 12 rows on 8 lanes take 2 (8 keys of them spilled)."""
+    fit = max(1, (registers - 4) // -(-row_tile // lanes))
     ju = 1
     while ju * 2 <= min(8, fit) and kv_block % (ju * 2) == 0:
         ju *= 2
@@ -252,7 +261,7 @@ def build_decode(w, cfg, registers=16):
     RT, C, KB, LN = cfg.row_tile, cfg.workers, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
     QCH = DP // LN
-    ROW_LANES = rows_in_lanes(RT)
+    ROW_LANES = rows_in_lanes(RT, LN)
     JU = keys_in_flight(RT, LN, registers, KB)
     CD = w.get("cache_dtype", "float32")
     assert KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
