@@ -233,7 +233,7 @@ def rows_in_lanes(row_tile, lanes):
     rows 0.68-0.71x (AVX2 0.66-0.68x), a 512-token prompt's layer 0.87x; 4 rows 1.09-1.12x,
     so fewer than 8 rows keep the lanes along head_dim. A row vector fits one register or is
     whole registers: 12 rows on 8 lanes (AVX2) came out of LLVM as lane inserts through the
-    stack (the kernel 4.4x the time of lanes along head_dim, 1 thread)."""
+    stack (the kernel 3.3-4.5x the time of lanes along head_dim)."""
     return row_tile >= 8 and row_tile % 4 == 0 and (row_tile <= lanes or row_tile % lanes == 0)
 
 
