@@ -54,12 +54,16 @@ def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
     the weights once, so larger blocks halve that traffic (Zen 3, L2 512 KiB, the 2048 x
     1024 x 3072 QKV GEMM: 9-tile blocks 7-10% faster than 6-tile ones; AVX-512 2048 x 768:
     16 tiles 1.1x faster than 8). The blocks are balanced.
-    Rows in one block are not padded: the last tile is partial, and its guard (row < rows)
-    depends only on the task's serial tile loop, so LLVM hoists it out of the k loop and
-    gives the last tile a loop of its own rows (AVX2, 128 rows = 21 tiles of 6 + 2 rows,
-    not 132: the GEMMs 2-4% faster; AVX-512 at 97 rows, not 104: 5%). LLVM does so for
-    this loop nest only (with k split and unrolled by 2 it did not: 2.25x slower); a test
-    reads the assembly for the whole tile's unguarded loop.
+    Rows in one block are not padded where the last tile is partial by 1 or 2 rows, or the
+    rows make 2 tiles: the guard (row < rows) depends only on the task's serial tile loop,
+    so LLVM hoists it out of the k loop and gives the last tile a loop of its own rows
+    (AVX2, 128 rows = 21 tiles of 6 + 2 rows, not 132: the GEMMs 2-4% faster; AVX-512 at
+    97 rows, not 104: 5%). LLVM does so for this loop nest only (with k split and unrolled
+    by 2 it did not: 2.25x slower); a test reads the assembly for the whole tile's
+    unguarded loop. With 3 or more tiles and 3 or more rows in the last, LLVM kept the
+    whole tiles' accumulators of the guarded rows in memory (Zen 4, 1 thread, 512 wide:
+    AVX2 at 15-112 rows 47-59 GFLOP/s, padded 77-110; AVX-512 at 27-100 rows 59-87,
+    padded 96-110): those rows are padded to whole tiles.
     Rows in several blocks are padded to whole tiles: there the guard depends on the
     parallel (block, panel) index, LLVM leaves it on every multiply-add (AVX2, 512 rows:
     2.9x slower). They are not padded to whole blocks: the last block may hold fewer
@@ -79,7 +83,8 @@ def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
     if tiles <= most:
         row_block = core_blocks(tiles, cols // tile_cols, target.cores)
         if row_block == tiles:
-            return tile_rows, 1, tiles * tile_rows if whole_blocks else rows
+            pad = whole_blocks or (tiles >= 3 and rows % tile_rows >= 3)
+            return tile_rows, 1, tiles * tile_rows if pad else rows
         blocks = -(-tiles // row_block)
         return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
     # the block count (blocks of at least half the most) whose blocks cover the tiles the
