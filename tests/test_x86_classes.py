@@ -451,6 +451,28 @@ def test_a_last_tile_of_3_or_more_rows_pads_the_rows_to_whole_tiles(preset):
         assert_close(m(x), layer.reference(x, w))
 
 
+def fma_accumulators(loop) -> int:
+    """Distinct registers a multiply-add loop accumulates into."""
+    return len({i.split(",")[-1].strip() for i in loop if i.startswith("vfmadd")})
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_decode_step_gemms_keep_8_or_more_accumulators(preset):
+    """A decode step's GEMMs (1 or 2 rows) put several weight panels in one register tile:
+    8-12 accumulators in the multiply-add loop, where one panel gave 2 or 4 and each
+    multiply-add waited on the last (AVX2 steps' GEMMs 0.63-0.85x the time now)."""
+    for batch in (1, 2):
+        m = mhagen.build(mhagen.mha(1024, 16, kv_cache=64), preset, batch=batch, seq_len=1,
+                         tuning=None)
+        asm = m.inspect("source")
+        for kernel in ("qkv_projection", "output_projection"):
+            (cfg,) = [d["config"] for d in m.decisions if d["kernel"] == kernel]
+            assert cfg["tile_panels"] >= 2, (preset, batch, kernel, cfg)
+            loops = [loop for loop in multiply_add_loops(function_asm(asm, kernel + "_compute_"))
+                     if _multiplies_broadcast_data(loop)]
+            assert loops and min(map(fma_accumulators, loops)) >= 8, (preset, batch, kernel)
+
+
 def test_the_accumulator_check_sees_a_guarded_tile_in_memory(monkeypatch):
     """The check above can fail: AVX2 at 16 rows (2 tiles of 6 and one of 4) unpadded,
     as built before: rows 4 and 5 of the whole tiles summed in memory."""

@@ -31,6 +31,28 @@ class MatmulConfig:
     (one a core): with symbolic lengths, so each thread's share holds real rows whatever
     the call's length; in exact builds, where the row blocks split unevenly over the
     cores."""
+    tile_panels: int = 1
+    """packed form: weight panels side by side in one register tile (few_rows_panels: a
+    decode step's 1-7 rows would otherwise leave 2-8 accumulators, too few to hide the
+    multiply-add latency)."""
+
+
+def few_rows_panels(rows, panels, lanes_per_panel, registers, cores=1):
+    """Panels per register tile of a GEMM of fewer rows than a tile: accumulators (rows x
+    2 vectors a panel) up to 12, with the panels' B vectors (held when rows > 1; one row
+    reads each once, from memory) and one broadcast within the registers; a divisor of the
+    panel count leaving 2 tasks a core or more. A tile of one panel had 2 accumulators at 1 row, 4 at 2: each multiply-add
+    waited on the last (AVX2 decode steps' GEMMs 1.3-1.9x the AVX-512 ones' time)."""
+    vectors = lanes_per_panel
+    best = 1
+    for p in range(1, panels + 1):
+        acc = rows * vectors * p
+        held = vectors * p if rows > 1 else 0
+        if acc > 12 or acc + held + 1 > registers or panels // p < 2 * cores:
+            break
+        if panels % p == 0:
+            best = p
+    return best
 
 
 def rows_that_fit(vectors, registers):
@@ -165,8 +187,12 @@ class MatmulRule:
                     tiles, row_block, panels, cores) > 1.01 * tiles * panels / cores else 1
             if groups < 2 or panels % groups:
                 groups = 1
+            tile_panels = 1
+            if tile_rows < packed_tile(target)[0] and not workload.get("pairs"):
+                tile_panels = few_rows_panels(tile_rows, panels, tile_cols // lanes,
+                                              target.vector_registers, cores)
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
-                                panel_groups=groups)
+                                panel_groups=groups, tile_panels=tile_panels)
         cols = workload["cols"]
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
         while tile_cols > 1 and tile_cols > cols:   # never wider than the output
@@ -185,11 +211,16 @@ class MatmulRule:
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
+                if cfg.tile_panels > 1:
+                    jo, jp = sch.split(jo, [None, cfg.tile_panels])
             else:
                 i, j, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
-                jo, ji = sch.split(j, [None, cfg.tile_cols])
-            inner = [ii, ji]
+                if cfg.tile_panels > 1:
+                    jo, jp, ji = sch.split(j, [None, cfg.tile_panels, cfg.tile_cols])
+                else:
+                    jo, ji = sch.split(j, [None, cfg.tile_cols])
+            inner = [ii, jp, ji] if cfg.tile_panels > 1 else [ii, ji]
             if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
                 jv, jl = sch.split(ji, [None, BF16_LANES])
                 inner = [ii, jv, jl, kp]
@@ -249,6 +280,8 @@ class MatmulRule:
             sch.set_scope(blk, 0, "local")
         sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
         sch.unroll(ii)
+        if cfg.tile_panels > 1:
+            sch.unroll(inner[1])
         if pairs:
             init = sch.decompose_reduction(blk, k)
             sch.tensorize(jl, BF16_DOT)
