@@ -451,6 +451,35 @@ def test_a_last_tile_of_3_or_more_rows_pads_the_rows_to_whole_tiles(preset):
         assert_close(m(x), layer.reference(x, w))
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_sliding_window_takes_aligned_32_wide_tiles(preset):
+    """A band of keys per query (sliding window 64 at seq 256) computes far fewer scores in
+    aligned tiles of 32 queries x 32 keys (AVX2: S^T tiles of 4 key rows, 32 not being a
+    multiple of 6) than in the default 64-wide ones (AVX2's 66-key blocks straddled the
+    query tiles); a causal mask keeps the default; both checked against the reference."""
+    from mhagen.program import round_up
+    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.schedules.x86.matmul import packed_tile
+    rows = packed_tile(resolve(preset))[0]      # the S^T tile's key rows by default
+    for mask, causal in ((mhagen.sliding_window(64), False), (None, True)):
+        layer = mhagen.mha(256, 4, mask=mask, causal=causal)
+        w = layer.init_weights(3)
+        m = mhagen.build(layer, preset, batch=1, seq_len=256, weights=w, tuning=None)
+        cfg = _attention_config(m)
+        if mask is not None:
+            assert (cfg.q_tile, cfg.kv_block) == (32, 32), cfg
+            assert 32 % cfg.tile_rows == 0 and cfg.tile_rows >= 4, cfg
+            work = next(k for k in m.program.kernels if k.name == "attention").workload
+            wide = dataclasses.replace(cfg, q_tile=64, kv_block=round_up(64, rows),
+                                       tile_rows=rows)
+            assert computed_scores(work, cfg) <= 0.8 * computed_scores(work, wide)
+        else:
+            assert cfg.q_tile == 64 and cfg.kv_block >= 64, cfg
+        if m.target.runs_here():
+            x = _input(1, 256, 256, seed=4)
+            assert_close(m(x), layer.reference(x, w))
+
+
 def fma_accumulators(loop) -> int:
     """Distinct registers a multiply-add loop accumulates into."""
     return len({i.split(",")[-1].strip() for i in loop if i.startswith("vfmadd")})
