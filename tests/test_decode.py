@@ -59,7 +59,10 @@ def test_reference_cache_holds_the_rows_by_hand():
     # 8 query heads a K/V head: rows in the lanes (8 rows; 5 tokens: 40 rows, tiles of 16)
     dict(d=320, heads=8, kv_heads=1, kw=dict(causal=True, rotary=True,
                                              score_mod=mhagen.softcap(5.0))),
-], ids=["hd40-rotary", "mqa-alibi-window", "mqa8-hd40-softcap"])
+    # 12 and 13 query rows a K/V head: tiles of 16 rows (AVX2; 13 on AVX-512), 3-4 copies
+    dict(d=384, heads=12, kv_heads=1, kw=dict(causal=True)),
+    dict(d=208, heads=13, kv_heads=1, kw=dict(causal=True)),
+], ids=["hd40-rotary", "mqa-alibi-window", "mqa8-hd40-softcap", "mqa12", "mqa13"])
 @pytest.mark.parametrize("new_tokens", [1, 5])
 def test_compiled_decoding_matches_the_reference(target, case, new_tokens):
     """Batch 2 with different cached lengths (random cache contents below them), 4 calls:

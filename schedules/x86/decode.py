@@ -103,6 +103,12 @@ class DecodeRule:
     def default_config(self, workload, target):
         rows = workload["heads"] // workload["kv_heads"] * workload["seq"]
         row_tile = min(rows, 16)
+        padded = round_up(row_tile, target.lanes)
+        if (row_tile >= 8 and not rows_in_lanes(row_tile, target.lanes) and padded <= 16
+                and rows_in_lanes(padded, target.lanes) and 3 * padded <= 4 * row_tile):
+            # rows in the lanes pay for a few copied rows: AVX2, 12 rows a K/V head in a
+            # tile of 16, 0.84-0.91x the time of lanes along head_dim (1 and 2 threads)
+            row_tile = padded
         # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
         # thread, so more tasks balance nothing and add partials to merge. Zen 4, attention
         # kernel against 4 a core over 7 steps (1-16 K/V heads, caches of 100-4095 keys, 1
