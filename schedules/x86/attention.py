@@ -103,10 +103,11 @@ def narrow_band_tiles(workload, cfg):
     """Query tiles and key blocks of BAND_TILE, aligned (S^T tiles of fewer key rows where
     the target's do not divide it: AVX2 4 x 16), when the mask's block table leaves them at
     most 0.8x the scores of cfg to compute: a band of keys per query, as a sliding window,
-    whose wider tiles compute mostly hidden scores. Window 64 at seq 256 and 1024, Zen 4, 1
-    thread: AVX-512 0.78-0.82x the time of 64 x 64 tiles (32 x 40 ones: 1.02x, misaligned),
-    AVX2 0.54-0.63x that of its 64 x 66 ones. A causal mask saves too little (0.94x the
-    scores at seq 512; the timings of 32-wide tiles 0.97-1.02x): cfg stays. None: cfg."""
+    whose wider tiles compute mostly hidden scores. Windows of 64-256 at seq 256-2048, Zen 4,
+    1 and 2 threads: AVX-512 0.84-0.88x the attention's time in 64 x 64 tiles, AVX2
+    0.62-0.81x that in its 64 x 66 ones (AVX-512, tiles of 32 x 40, misaligned: 1.02x). A
+    causal mask saves too little (0.94x the scores at seq 512; 32-wide tiles timed at
+    0.97-1.02x): cfg stays. None: keep cfg."""
     tr = cfg.tile_rows
     while BAND_TILE % tr:
         tr -= 1

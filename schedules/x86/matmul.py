@@ -41,8 +41,10 @@ def few_rows_panels(rows, panels, lanes_per_panel, registers, cores=1):
     """Panels per register tile of a GEMM of fewer rows than a tile: accumulators (rows x
     2 vectors a panel) up to 12, with the panels' B vectors (held when rows > 1; one row
     reads each once, from memory) and one broadcast within the registers; a divisor of the
-    panel count leaving 2 tasks a core or more. A tile of one panel had 2 accumulators at 1 row, 4 at 2: each multiply-add
-    waited on the last (AVX2 decode steps' GEMMs 1.3-1.9x the AVX-512 ones' time)."""
+    panel count leaving 2 tasks a core or more. A tile of one panel had 2 accumulators at 1
+    row, 4 at 2: each multiply-add waited on the last (AVX2 decode steps' GEMMs took
+    1.3-1.9x the AVX-512 ones' time; with several panels 0.63-0.85x their former time,
+    AVX-512 0.82-1.01x; Zen 4, 1 and 2 threads)."""
     vectors = lanes_per_panel
     best = 1
     for p in range(1, panels + 1):

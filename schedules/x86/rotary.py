@@ -3,9 +3,9 @@
 The fused program runs this kernel between the packed QKV GEMM and the attention template
 (mhagen/lower/fused.py), so the attention kernels read rotated Q and K where they always do.
 One parallel task per block of ROW_BLOCK rows of batch * seq; it walks the Q and K heads,
-each head down its rows: per row, the head's first rotary_dim columns are loaded in whole vectors (a head
-starts on a vector boundary and a vector never straddles a GEMM column panel), rotated with
-the position's cos/sin (a constant table [2, seq, rotary_dim / 2] built at build time in
+each head down its rows: per row, the head's first rotary_dim columns are loaded in whole
+vectors (a head starts on a vector boundary and a vector never straddles a GEMM column
+panel), rotated with the position's cos/sin (a constant table [2, seq, rotary_dim / 2] built at build time in
 float64) and stored back. A head's columns lie in a few column panels, each a contiguous
 [rows, panel] array, so a task streams those panels down (and the block's cos/sin rows stay
 in L1 from head to head); a task per row, across every head, had jumped a panel's rows x
@@ -25,7 +25,7 @@ from mhagen.lower.te import call_scalars
 from mhagen.schedules.attention_common import with_scalars
 
 
-ROW_BLOCK = 32   # rows of one head per task
+ROW_BLOCK = 32   # rows per task
 
 
 @dataclass(frozen=True)
