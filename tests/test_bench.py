@@ -212,6 +212,24 @@ def test_score_mods_benchmark_quick_run(tmp_path):
     assert not [k for k, v in data["status"].items() if "excluded" in v], data["status"]
 
 
+def test_class_ratio_scan_quick_run():
+    """benchmarks/class_ratios.py on two layers: every kernel of both classes' builds,
+    checked against the reference, then a ratio per kernel; on an AVX2-only host (both
+    targets the same class) a usage error says so."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "class_ratios.py"), "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if mhagen.target.resolve("x86").cpu_class == mhagen.target.resolve("x86-avx2").cpu_class:
+        assert proc.returncode == 2 and "compare two classes it runs" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout.split("largest x86-avx2 / x86:")[1].strip().splitlines()
+    lines = [line for line in table if line.strip()]
+    kernels = {line.split()[-5] for line in lines}
+    assert {"qkv_projection", "attention", "output_projection", "cache_append"} <= kernels
+    assert all(float(line.split()[0]) > 0 for line in lines)
+
+
 def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
     """benchmarks/register_tiles.c compiles warning-free and prints, for each tile this host
     runs, best >= median >= the speed 9 rounds in 10 reach >= worst (GFLOP/s, no timing
