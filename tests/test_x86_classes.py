@@ -502,9 +502,9 @@ def test_decode_step_gemms_keep_8_or_more_accumulators(preset):
             assert loops and min(map(fma_accumulators, loops)) >= 8, (preset, batch, kernel)
 
 
-def test_the_accumulator_check_sees_a_guarded_tile_in_memory(monkeypatch):
-    """The check above can fail: AVX2 at 16 rows (2 tiles of 6 and one of 4) unpadded,
-    as built before: rows 4 and 5 of the whole tiles summed in memory."""
+def _unpadded_avx2_build(monkeypatch, seq):
+    """The default layer for x86-avx2 with its GEMM rows never padded to whole tiles (the
+    packed blocking's run rows replaced by the rows themselves)."""
     import mhagen.schedules.x86 as x86
     import mhagen.schedules.x86.matmul as matmul
     exact = matmul.packed_blocking
@@ -513,24 +513,22 @@ def test_the_accumulator_check_sees_a_guarded_tile_in_memory(monkeypatch):
         return exact(target, rows, depth, cols, whole_blocks)[:2] + (rows,)
     monkeypatch.setattr(matmul, "packed_blocking", unpadded)
     monkeypatch.setattr(x86, "packed_blocking", unpadded)
-    m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=16, tuning=None)
-    assert m.program.buffers["qkv"].shape[1] == 16
+    m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=seq, tuning=None)
+    assert m.program.buffers["qkv"].shape[1] == seq
+    return m
+
+
+def test_the_accumulator_check_sees_a_guarded_tile_in_memory(monkeypatch):
+    """The check above can fail: AVX2 at 16 rows (2 tiles of 6 and one of 4) unpadded,
+    as built before: rows 4 and 5 of the whole tiles summed in memory."""
+    m = _unpadded_avx2_build(monkeypatch, 16)
     assert accumulates_in_memory(function_asm(m.inspect("source"), "qkv_projection_compute_"))
 
 
 def test_the_tile_loop_check_sees_guarded_tiles(monkeypatch):
     """The check above can fail: rows in several row blocks left unpadded put the guard on
     every multiply-add (AVX2, 512 rows: LLVM does not hoist it; 2.9x slower)."""
-    import mhagen.schedules.x86 as x86
-    import mhagen.schedules.x86.matmul as matmul
-    exact = matmul.packed_blocking
-
-    def unpadded(target, rows, depth, cols=0, whole_blocks=False):
-        return exact(target, rows, depth, cols, whole_blocks)[:2] + (rows,)
-    monkeypatch.setattr(matmul, "packed_blocking", unpadded)
-    monkeypatch.setattr(x86, "packed_blocking", unpadded)
-    m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=512, tuning=None)
-    assert m.program.buffers["qkv"].shape[1] == 512
+    m = _unpadded_avx2_build(monkeypatch, 512)
     assert not whole_tile_loops(m, "qkv_projection")
 
 
