@@ -71,6 +71,20 @@ def in_chunks(layer, module_or_none, w, x, chunks, cache):
     return np.concatenate(outs, axis=1)
 
 
+def decoding_reference(layer, plain, w, x, chunks):
+    """(expected, tolerance row) of a decoding layer fed x [B, S, D] in chunks of new tokens:
+    a float32 cache gives the whole sequence through `plain` (the layer without its cache);
+    a half-precision one the layer's reference fed the same calls, its cache rows rounded as
+    the layer says (judged by the cache dtype's row)."""
+    import mhagen
+    from mhagen.kvcache import cache_shape
+    from mhagen.tolerances import judged_as
+    if cache_shape(layer)["dtype"] == "float32":
+        return plain.reference(x, w), layer.dtype
+    cache = mhagen.KVCache.empty(layer, x.shape[0], np.float64)
+    return in_chunks(layer, None, w, x, chunks, cache), judged_as(layer)
+
+
 def random_input(layer, batch, seq_len, seed=0):
     d_model = layer.inputs[0].attrs["shape"][2]
     return np.random.default_rng(seed).standard_normal((batch, seq_len, d_model)).astype(

@@ -20,8 +20,8 @@ import mhagen
 from mhagen import cross
 from mhagen.errors import ArtifactError, TargetError
 from mhagen.target import host_arch, resolve
-from mhagen.tolerances import assert_close, judged_as, max_error
-from tests.conftest import in_chunks, random_input, unavailable
+from mhagen.tolerances import assert_close, max_error
+from tests.conftest import decoding_reference, random_input, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "c_app" / "mha_app.c"
@@ -361,8 +361,4 @@ def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_
     assert r.returncode == 0, r.stdout + r.stderr
     assert "21 tokens in 13 calls" in r.stdout and "the cache holds 21 of 32" in r.stdout
     y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(x.shape)
-    if cache_dtype == "float32":
-        assert_close(y, mhagen.mha(96, 4, **kw).reference(x, w))
-    else:
-        assert_close(y, in_chunks(layer, None, w, x, [9] + [1] * 12,
-                                  mhagen.KVCache.empty(layer, 1, np.float64)), judged_as(layer))
+    assert_close(y, *decoding_reference(layer, mhagen.mha(96, 4, **kw), w, x, [9] + [1] * 12))

@@ -11,8 +11,8 @@ import pytest
 import mhagen
 from mhagen.artifact.describe import describe
 from mhagen.artifact.manifest import content_hash
-from mhagen.tolerances import assert_close, judged_as, max_error
-from tests.conftest import build_c_app, in_chunks, random_input
+from mhagen.tolerances import assert_close, max_error
+from tests.conftest import build_c_app, decoding_reference, random_input
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "c_app"
@@ -573,11 +573,7 @@ def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls, cache
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"29 tokens in {calls} calls" in r.stdout and "the cache holds 29 of 40" in r.stdout
     y = np.fromfile(root / "decode.y", np.float32).reshape(x.shape)
-    if cache_dtype == "float32":
-        assert_close(y, mhagen.mha(64, 4, **kw).reference(x, w))
-    else:
-        assert_close(y, in_chunks(layer, None, w, x, [13] + [1] * 16,
-                                  mhagen.KVCache.empty(layer, 1, np.float64)), judged_as(layer))
+    assert_close(y, *decoding_reference(layer, mhagen.mha(64, 4, **kw), w, x, [13] + [1] * 16))
     if seq_len is None:
         return
     # a decode.c built against a non-decoding artifact stops at compile time, with the reason
