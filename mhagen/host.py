@@ -4,7 +4,9 @@ compiled code runs here (those the kernel lists in /proc/cpuinfo that the CPU it
 too, as the C API asks the CPU)."""
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
 import os
 import platform
 from typing import NamedTuple
@@ -166,16 +168,84 @@ def cpu_reported_features() -> dict:
             if feat.numpy in found}
 
 
+# x86-64 machine code (System V ABI) for the two instructions the C API's check runs:
+# void cpuid(unsigned leaf, unsigned subleaf, unsigned out[4]) -- out = eax, ebx, ecx, edx
+_CPUID = bytes.fromhex("53" "4989d0" "89f8" "89f1" "0fa2" "418900" "41895804" "41894808"
+                       "4189500c" "5b" "c3")
+# unsigned long long xgetbv0(void) -- XCR0
+_XGETBV = bytes.fromhex("31c9" "0f01d0" "48c1e220" "4809d0" "c3")
+
+
+@functools.lru_cache(maxsize=None)
+def _x86_instructions():
+    """(cpuid, xgetbv) as ctypes functions over a page of the code above, or None where
+    this is not x86-64 Linux or the OS refuses to make a page executable."""
+    if host_arch() != "x86_64" or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if page in (None, ctypes.c_void_p(-1).value):
+            return None
+        ctypes.memmove(page, _CPUID, len(_CPUID))
+        ctypes.memmove(page + 64, _XGETBV, len(_XGETBV))
+        if libc.mprotect(page, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    cpuid = ctypes.CFUNCTYPE(None, ctypes.c_uint, ctypes.c_uint,
+                             ctypes.POINTER(ctypes.c_uint))(page)
+    xgetbv = ctypes.CFUNCTYPE(ctypes.c_ulonglong)(page + 64)
+    return cpuid, xgetbv
+
+
+def cpuid_features() -> dict:
+    """{LLVM name: bool} for every X86_FEATURES entry, asked of the CPU exactly as the C
+    API's mha_create asks it (runtime/mha_cpu.h: the CPUID bit, a leaf beyond the CPU's
+    highest reads as absent, the register state enabled in XCR0); empty off x86-64 Linux or
+    where the OS refuses executable memory. numpy detects no AVX-VNNI: under qemu -cpu
+    SandyBridge on an AVX-VNNI host, trusting /proc/cpuinfo for it built +avxvnni, which
+    implies AVX2, for a CPU without AVX2."""
+    code = _x86_instructions()
+    if code is None:
+        return {}
+    cpuid, xgetbv = code
+
+    def regs(leaf, subleaf=0):
+        out = (ctypes.c_uint * 4)()
+        cpuid(leaf, subleaf, out)
+        return list(out)
+
+    highest = {0: regs(0)[0], 0x80000000: regs(0x80000000)[0]}
+    osxsave = bool(regs(1)[ECX] >> 27 & 1)
+    xcr0 = xgetbv() if osxsave else 0
+
+    def has(leaf, subleaf, reg, bit, state):
+        if leaf > highest[leaf & 0x80000000] or not regs(leaf, subleaf)[reg] >> bit & 1:
+            return False
+        return state == 0 or (osxsave and xcr0 & state == state)
+
+    return {f: has(*feat.probe) for f, feat in X86_FEATURES.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def runtime_features() -> tuple:
     """The RUNTIME_FEATURES this CPU has, by their LLVM names: listed by the kernel and not
-    denied by the CPU. The two disagree where a process runs on another CPU than the one
-    /proc/cpuinfo describes: under qemu-x86_64 -cpu EPYC (an AVX2-only Zen 1) the file still
-    lists the host's AVX-512, and trusting it alone ran AVX-512 code into SIGILL."""
+    denied by the CPU (asked through CPUID as the C API asks it, and numpy's detection).
+    They disagree where a process runs on another CPU than the one /proc/cpuinfo
+    describes: under qemu-x86_64 -cpu EPYC (an AVX2-only Zen 1) the file still lists the
+    host's AVX-512, and trusting it alone ran AVX-512 code into SIGILL. Where neither CPUID
+    nor numpy can be asked about a feature, the kernel's list stands."""
     listed = set(_cpuinfo_field("flags", "Features").split())
-    reported = cpu_reported_features()
+    reported, asked = cpu_reported_features(), cpuid_features()
     return tuple(sorted(f for f, feat in RUNTIME_FEATURES.items()
-                        if feat.cpuinfo in listed and reported.get(f, True)))
+                        if feat.cpuinfo in listed and reported.get(f, True)
+                        and asked.get(f, True)))
 
 
 def missing_features(arch: str, required) -> list:

@@ -61,23 +61,28 @@ def _c_app(tmp_path, artifact):
 
 
 def test_features_the_cpu_denies_are_missing_whatever_cpuinfo_lists(monkeypatch):
-    """A feature counts when /proc/cpuinfo lists it and the CPU (numpy's CPUID/XGETBV
-    detection) does not deny it."""
+    """A feature counts when /proc/cpuinfo lists it and the CPU (mhagen's CPUID/XGETBV
+    probe, numpy's detection) does not deny it."""
     reported = cpu_reported_features()
     if "avx2" in reported:     # numpy says what this x86 CPU has
         assert reported["avx2"] == ("avx2" in runtime_features())
     runtime_features.cache_clear()
     try:
-        monkeypatch.setattr("mhagen.host.cpu_reported_features",
-                            lambda: {f: False for f in ("avx512f", "avx512bw", "avx2")})
         monkeypatch.setattr("mhagen.host._cpuinfo_field",
                             lambda *keys: "fpu sse2 avx avx2 fma avx512f avx512bw")
+        monkeypatch.setattr("mhagen.host.cpuid_features", lambda: {})    # CPUID not asked
+        monkeypatch.setattr("mhagen.host.cpu_reported_features",
+                            lambda: {f: False for f in ("avx512f", "avx512bw", "avx2")})
         assert runtime_features() == ("avx", "fma")
         monkeypatch.setattr("mhagen.host.cpu_reported_features", lambda: {})   # numpy silent
         runtime_features.cache_clear()
         assert runtime_features() == ("avx", "avx2", "avx512bw", "avx512f", "fma")
+        monkeypatch.setattr("mhagen.host.cpuid_features", lambda: {"avx512f": False})
+        runtime_features.cache_clear()
+        assert runtime_features() == ("avx", "avx2", "avx512bw", "fma")
     finally:
         monkeypatch.undo()
+        runtime_features.cache_clear()
         runtime_features.cache_clear()
 
 
@@ -178,7 +183,12 @@ PROBE = """#include <cstdio>
 #include "mha_cpu.h"
 int main() { std::printf("%s\\n", mha::missing_cpu_features().c_str()); }
 """
-PYTHON_FEATURES = "from mhagen.host import runtime_features; print(' '.join(runtime_features()))"
+PYTHON_FEATURES = """
+from mhagen.host import cpu_reported_features, cpuid_features, runtime_features
+print(' '.join(runtime_features()))
+asked, numpy = cpuid_features(), cpu_reported_features()
+print(len(asked), ' '.join(sorted(f for f in numpy if f in asked and asked[f] != numpy[f])))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -206,17 +216,20 @@ def cpu_probe(tmp_path_factory):
 
 @pytest.mark.parametrize("cpu", [None, AVX2_ONLY_CPU, "SandyBridge-v1", "Nehalem-v1"])
 def test_the_c_api_and_python_agree_on_what_a_cpu_lacks(qemu, cpu_probe, cpu):
-    """The C API's CPUID/XGETBV check and mhagen's (/proc/cpuinfo and numpy) name the same
-    missing features, for every x86 feature, on this CPU and on emulated ones; a wrong CPUID
-    bit in the table would show as a disagreement here."""
+    """The C API's CPUID/XGETBV check and mhagen's (/proc/cpuinfo, its own CPUID probe
+    and numpy) name the same missing features, for every x86 feature, on this CPU and on
+    emulated ones; the probe's table (shared with the C API) agrees with numpy's
+    independent detection on every feature numpy knows, so a wrong CPUID bit in it shows."""
     probe, every = cpu_probe
     r = _on_cpu(qemu, cpu, [probe])
     assert r.returncode == 0, r.stderr
     c_missing = set(r.stdout.split())
     r = _on_cpu(qemu, cpu, [sys.executable, "-c", PYTHON_FEATURES])
     assert r.returncode == 0, r.stderr
-    python_missing = set(every) - set(r.stdout.split())
+    features, (asked, *disagree) = (line.split() for line in r.stdout.splitlines())
+    python_missing = set(every) - set(features)
     assert c_missing == python_missing, (cpu, sorted(c_missing ^ python_missing))
+    assert int(asked) == len(every) and not disagree, (cpu, disagree)
     assert "avx512bf16" in c_missing or "avx512f" not in c_missing    # BF16 needs AVX-512
     if cpu:      # what each emulated CPU is
         has = {AVX2_ONLY_CPU: {"avx2", "fma", "movbe", "lzcnt"}, "SandyBridge-v1": {"avx"},

@@ -829,12 +829,14 @@ def test_a_short_causal_sequence_skips_key_blocks(preset):
 def test_a_short_last_row_block_matches_the_reference(preset):
     """150 rows at depth 1024 (A packed first): 25 AVX2 tiles in blocks of 13, 19 AVX-512
     tiles in blocks of 10, the last block one tile short in both; rows padded to whole
-    tiles only."""
+    tiles only. The L2 is pinned to 1 MiB: the blocks take half of it (a 2 MiB L2 holds
+    all 19 AVX-512 tiles in one block)."""
     from mhagen.program import round_up
     from mhagen.schedules.x86.matmul import packed_blocking
     layer = mhagen.mha(1024, 16)
     w = layer.init_weights(6)
-    m = mhagen.build(layer, preset, batch=1, seq_len=150, weights=w, tuning=None)
+    target = dataclasses.replace(resolve(preset), l2_kib=1024)
+    m = mhagen.build(layer, target, batch=1, seq_len=150, weights=w, tuning=None)
     tile_rows, row_block, rows = packed_blocking(m.target, 150, 1024)
     assert rows == round_up(150, tile_rows) == m.program.buffers["qkv"].shape[1]
     assert -(-rows // tile_rows) % row_block, "the last block is not short"
