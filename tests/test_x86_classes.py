@@ -47,6 +47,12 @@ def test_both_presets_match_the_reference_or_refuse_clearly(preset, layer_args, 
 RUNNABLE = [p for p in PRESETS if resolve(p).runs_here()]
 
 
+def l2_of_1mib(preset):
+    """The preset's target with a 1 MiB L2, whatever this host's: for tests whose shapes
+    pick row blocks (half the L2) of a given size."""
+    return dataclasses.replace(resolve(preset), l2_kib=1024)
+
+
 def _attention_config(module):
     return next(k.config for k in module.program.kernels if k.name == "attention")
 
@@ -415,11 +421,13 @@ def test_a_partial_last_row_tile_leaves_the_whole_tiles_unguarded(preset):
     """GEMM rows in one row block are not padded to whole tiles: 128 rows run as 21 AVX2
     tiles of 6 and one of 2, 97 rows as 12 AVX-512 tiles of 8 and one of 1 (depth 1024: A
     packed first). The guard of the partial tile is hoisted out of the k loop, so the whole
-    tiles keep their unguarded loop; checked against the reference."""
+    tiles keep their unguarded loop; checked against the reference. The L2 is pinned to
+    1 MiB (on a 512 KiB L2 the 22 AVX2 tiles take two row blocks)."""
     for d_model, seq in ((512, 128), (1024, 97)):
         layer = mhagen.mha(d_model, 8)
         w = layer.init_weights(1)
-        m = mhagen.build(layer, preset, batch=1, seq_len=seq, weights=w, tuning=None)
+        m = mhagen.build(layer, l2_of_1mib(preset), batch=1, seq_len=seq, weights=w,
+                         tuning=None)
         assert m.program.buffers["qkv"].shape[1] == seq
         for kernel in ("qkv_projection", "output_projection"):
             assert whole_tile_loops(m, kernel), f"{preset} {kernel}: tiles guarded per row"
@@ -829,14 +837,13 @@ def test_a_short_causal_sequence_skips_key_blocks(preset):
 def test_a_short_last_row_block_matches_the_reference(preset):
     """150 rows at depth 1024 (A packed first): 25 AVX2 tiles in blocks of 13, 19 AVX-512
     tiles in blocks of 10, the last block one tile short in both; rows padded to whole
-    tiles only. The L2 is pinned to 1 MiB: the blocks take half of it (a 2 MiB L2 holds
-    all 19 AVX-512 tiles in one block)."""
+    tiles only. The L2 is pinned to 1 MiB (a 2 MiB L2 holds all 19 AVX-512 tiles in one
+    block)."""
     from mhagen.program import round_up
     from mhagen.schedules.x86.matmul import packed_blocking
     layer = mhagen.mha(1024, 16)
     w = layer.init_weights(6)
-    target = dataclasses.replace(resolve(preset), l2_kib=1024)
-    m = mhagen.build(layer, target, batch=1, seq_len=150, weights=w, tuning=None)
+    m = mhagen.build(layer, l2_of_1mib(preset), batch=1, seq_len=150, weights=w, tuning=None)
     tile_rows, row_block, rows = packed_blocking(m.target, 150, 1024)
     assert rows == round_up(150, tile_rows) == m.program.buffers["qkv"].shape[1]
     assert -(-rows // tile_rows) % row_block, "the last block is not short"
