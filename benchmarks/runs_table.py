@@ -16,7 +16,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 AVX2_PEERS = ("numpy", "torch_mha", "torch_sdpa")
 ORT = ("ort_mha", "ort_attention")
 CPUS = {"skylake-avx512": "Intel Skylake-SP", "znver3": "AMD Zen 3", "znver4": "AMD Zen 4",
-        "znver5": "AMD Zen 5"}
+        "znver5": "AMD Zen 5",
+        # an Intel Xeon with AMX and AVX512-FP16 (Sapphire Rapids or later) whose hypervisor
+        # reports model 167, which LLVM names rocketlake
+        "rocketlake": "Intel Xeon with AMX"}
 HEADER = ("| results | date | CPU: class | peers | rows <= 1.00 | mhagen / fastest peer "
           "| % sgemm peak | rows <= ONNX Runtime |\n|---|---|---|---|---:|---:|---:|---:|")
 
