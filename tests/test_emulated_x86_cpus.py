@@ -83,7 +83,6 @@ def test_features_the_cpu_denies_are_missing_whatever_cpuinfo_lists(monkeypatch)
     finally:
         monkeypatch.undo()
         runtime_features.cache_clear()
-        runtime_features.cache_clear()
 
 
 @pytest.mark.slow
