@@ -266,7 +266,9 @@ def build_decode(w, cfg, registers=16):
     R, NRT, NG, NP_MAX = L["rows"], L["n_row_tiles"], L["groups"], L["partials"]
     RT, C, KB, LN = cfg.row_tile, cfg.workers, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
-    QCH = DP // LN
+    QCH = DP // LN    # O rows are scaled, stored and merged QCH vectors at a time: as one
+    # vector of DP floats, a DP not a power of two (40-112) was legalised lane by lane by
+    # LLVM (vinsertps; 8 heads on one K/V head at head_dim 80: 11x the time of now)
     ROW_LANES = rows_in_lanes(RT, LN)
     JU = keys_in_flight(RT, LN, registers, KB)
     CD = w.get("cache_dtype", "float32")
@@ -387,13 +389,15 @@ def build_decode(w, cfg, registers=16):
             ml[1, ln] = ml[1, ln] * sm[2, ln] + sm[3, ln]
             ml[0, ln] = sm[0, ln]
         for r in range(RT):
-            for c in T.vectorized(DP):
-                o_row[c] = part_o[slot, r, c] * sm[2, r]
+            for ch in T.unroll(QCH):
+                for ln in T.vectorized(LN):
+                    o_row[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * sm[2, r]
             for j in range(KB):
                 if sr[j, r] != zero:
                     add_values(o_row, v_cache, sr[j, r], b, g, T.min(k0 + j, N - 1))
-            for c in T.vectorized(DP):
-                part_o[slot, r, c] = o_row[c]
+            for ch in T.unroll(QCH):
+                for ln in T.vectorized(LN):
+                    part_o[slot, r, ch * LN + ln] = o_row[ch * LN + ln]
 
     def kv_len_of(cache_lens, b):
         """The keys batch row b sees in this call: its cached keys and the new ones."""
@@ -424,8 +428,9 @@ def build_decode(w, cfg, registers=16):
                 for ln in T.vectorized(LN):
                     qb[r, ch * LN + ln] = qkv[(Q_BASE + h * DP + ch * LN) // PW, b * S + t,
                                               (Q_BASE + h * DP + ch * LN) % PW + ln] * c_log2e
-            for c in T.vectorized(DP):
-                part_o[slot, r, c] = zero
+            for ch in T.unroll(QCH):
+                for ln in T.vectorized(LN):
+                    part_o[slot, r, ch * LN + ln] = zero
             ml[0, r] = neg_inf
             ml[1, r] = zero
             if ROW_LANES:
@@ -465,13 +470,15 @@ def build_decode(w, cfg, registers=16):
                     st[2] = acc[0]
                     ml[1, r] = ml[1, r] * st[1] + st[2]
                     ml[0, r] = st[0]
-                    for c in T.vectorized(DP):
-                        o_row[c] = part_o[slot, r, c] * st[1]
+                    for ch in T.unroll(QCH):
+                        for ln in T.vectorized(LN):
+                            o_row[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * st[1]
                     for j in range(KB):
                         if s_buf[j] != zero:
                             add_values(o_row, v_cache, s_buf[j], b, g, T.min(k0 + j, N - 1))
-                    for c in T.vectorized(DP):
-                        part_o[slot, r, c] = o_row[c]
+                    for ch in T.unroll(QCH):
+                        for ln in T.vectorized(LN):
+                            part_o[slot, r, ch * LN + ln] = o_row[ch * LN + ln]
         for r in range(RT):
             part_ml[slot, 0, r] = ml[0, r]
             part_ml[slot, 1, r] = ml[1, r]
@@ -547,15 +554,18 @@ def build_decode(w, cfg, registers=16):
                             mg[0] = T.max(mg[0], part_ml[tile + p, 0, r])
                     mg[0] = T.Select(mg[0] == neg_inf, zero, mg[0])
                     mg[1] = zero
-                    for c in T.vectorized(DP):
-                        o[c] = zero
+                    for ch in T.unroll(QCH):
+                        for ln in T.vectorized(LN):
+                            o[ch * LN + ln] = zero
                     for p in range(C):
                         lo, hi = T.meta_var(balanced_share(p, C, cnt[0]))
                         if lo < stop and begin < hi:
                             wt[p] = exp2(part_ml[tile + p, 0, r] - mg[0])   # 0 for -inf
                             mg[1] = mg[1] + wt[p] * part_ml[tile + p, 1, r]
-                            for c in T.vectorized(DP):
-                                o[c] = o[c] + wt[p] * part_o[tile + p, r, c]
+                            for ch in T.unroll(QCH):
+                                for ln in T.vectorized(LN):
+                                    o[ch * LN + ln] = (o[ch * LN + ln] + wt[p]
+                                                       * part_o[tile + p, r, ch * LN + ln])
                     mg[2] = T.Select(mg[1] > zero, T.float32(1) / mg[1], zero)
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
