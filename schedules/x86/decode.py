@@ -266,9 +266,7 @@ def build_decode(w, cfg, registers=16):
     R, NRT, NG, NP_MAX = L["rows"], L["n_row_tiles"], L["groups"], L["partials"]
     RT, C, KB, LN = cfg.row_tile, cfg.workers, cfg.kv_block, cfg.lanes
     NCH, TAIL = _chunks(d, LN)
-    QCH = DP // LN    # O rows are scaled, stored and merged QCH vectors at a time: as one
-    # vector of DP floats, a DP not a power of two (40-112) was legalised lane by lane by
-    # LLVM (vinsertps; 8 heads on one K/V head at head_dim 80: 11x the time of now)
+    QCH = DP // LN    # vectors of an O row (rows go a vector at a time: see rescaled_row)
     ROW_LANES = rows_in_lanes(RT, LN)
     JU = keys_in_flight(RT, LN, registers, KB)
     CD = w.get("cache_dtype", "float32")
@@ -351,6 +349,21 @@ def build_decode(w, cfg, registers=16):
                     v_cache[b, g, kr, NCH * LN + ln])
 
     @T.macro
+    def rescaled_row(o, part_o, slot, r, scale):
+        # o = a row of part_o x scale, QCH vectors (as one vector of DP floats, a DP not a
+        # power of two, 40-112, was legalised lane by lane by LLVM: vinsertps; 8 heads on
+        # one K/V head at head_dim 80 took 11x the time)
+        for ch in T.unroll(QCH):
+            for ln in T.vectorized(LN):
+                o[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * scale
+
+    @T.macro
+    def stored_row(part_o, slot, r, o):
+        for ch in T.unroll(QCH):
+            for ln in T.vectorized(LN):
+                part_o[slot, r, ch * LN + ln] = o[ch * LN + ln]
+
+    @T.macro
     def block_rows_in_lanes(cache_lens, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row,
                             b, g, rt, slot, k0, kv_len):
         # scores of JU keys at a time for all RT rows, rows in the lanes: S[j, rows] +=
@@ -389,15 +402,11 @@ def build_decode(w, cfg, registers=16):
             ml[1, ln] = ml[1, ln] * sm[2, ln] + sm[3, ln]
             ml[0, ln] = sm[0, ln]
         for r in range(RT):
-            for ch in T.unroll(QCH):
-                for ln in T.vectorized(LN):
-                    o_row[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * sm[2, r]
+            rescaled_row(o_row, part_o, slot, r, sm[2, r])
             for j in range(KB):
                 if sr[j, r] != zero:
                     add_values(o_row, v_cache, sr[j, r], b, g, T.min(k0 + j, N - 1))
-            for ch in T.unroll(QCH):
-                for ln in T.vectorized(LN):
-                    part_o[slot, r, ch * LN + ln] = o_row[ch * LN + ln]
+            stored_row(part_o, slot, r, o_row)
 
     def kv_len_of(cache_lens, b):
         """The keys batch row b sees in this call: its cached keys and the new ones."""
@@ -470,15 +479,11 @@ def build_decode(w, cfg, registers=16):
                     st[2] = acc[0]
                     ml[1, r] = ml[1, r] * st[1] + st[2]
                     ml[0, r] = st[0]
-                    for ch in T.unroll(QCH):
-                        for ln in T.vectorized(LN):
-                            o_row[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * st[1]
+                    rescaled_row(o_row, part_o, slot, r, st[1])
                     for j in range(KB):
                         if s_buf[j] != zero:
                             add_values(o_row, v_cache, s_buf[j], b, g, T.min(k0 + j, N - 1))
-                    for ch in T.unroll(QCH):
-                        for ln in T.vectorized(LN):
-                            part_o[slot, r, ch * LN + ln] = o_row[ch * LN + ln]
+                    stored_row(part_o, slot, r, o_row)
         for r in range(RT):
             part_ml[slot, 0, r] = ml[0, r]
             part_ml[slot, 1, r] = ml[1, r]
