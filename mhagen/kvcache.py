@@ -47,6 +47,16 @@ class KVCache:
 
     def __init__(self, k, v, lens):
         self.k, self.v, self.lens = k, v, lens
+        self._tensors = None
+
+    def tensors(self):
+        """TVM tensors over k and v (what a module call passes its kernels), made once
+        while k and v stay the same arrays: new ones each decode step cost ~2 us."""
+        held = self._tensors
+        if held is None or held[0] is not self.k or held[1] is not self.v:
+            from mhagen.runtime import tensor
+            held = self._tensors = (self.k, self.v, tensor(self.k), tensor(self.v))
+        return held[2], held[3]
 
     @classmethod
     def empty(cls, layer, batch: int = 1, dtype=None) -> "KVCache":

@@ -77,6 +77,11 @@ class Module:
         self.dtype = numpy_dtype(graph.dtype)      # storage of x, out and the weights
         self._input = program.role("input")[0]
         self._output = program.role("output")[0]
+        # the graph's optional inputs, looked up once: a call checks each
+        self._lengths_node = graph.lengths_input
+        self._cache_lens_node = graph.cache_lens_input
+        self._context_node = graph.context_input
+        self._staged_tensors = {}    # (buffer, shape) -> (staging array, TVM tensor over it)
         self._calls = None
         self._lock = threading.Lock()
         self._temps = None
@@ -170,11 +175,11 @@ class Module:
         # kernels read, copied and checked every run
         staged = []
         if kv_lens is not None:
-            staged.append((self._view(self.program.buffers[self.graph.lengths_input.name],
-                                      dims), kv_lens,
+            staged.append((self._view(self.program.buffers[self._lengths_node.name], dims),
+                           kv_lens,
                            lambda lens: check_length_range(lens, dims["kv_seq"])))
         if cache is not None:
-            staged.append((self._temp(self.program.buffers[self.graph.cache_lens_input.name]),
+            staged.append((self._temp(self.program.buffers[self._cache_lens_node.name]),
                            cache.lens,
                            lambda lens: check_room(lens, x.shape[1], cache.max_len)))
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
@@ -216,11 +221,17 @@ class Module:
         if type(x) is not np.ndarray or x.dtype != self.dtype or x.shape != self.in_shape:
             x = self._check_x(x)
         batch, seq = x.shape[:2]
-        context = self._check_context(context, batch)
+        # each check also refuses an argument the layer takes none of
+        if context is not None or self._context_node is not None:
+            context = self._check_context(context, batch)
         kv_seq = seq if context is None else context.shape[1]
         dims = self.program.call_dims(batch, seq, kv_seq)
-        lens = check_lengths(self.graph, kv_lens, batch, kv_seq)
-        cache = check_cache(self.graph, cache, batch, seq, self._cache_dtype, self._cache_spec)
+        lens = None
+        if kv_lens is not None or self._lengths_node is not None:
+            lens = check_lengths(self.graph, kv_lens, batch, kv_seq)
+        if cache is not None or self._cache_lens_node is not None:
+            cache = check_cache(self.graph, cache, batch, seq, self._cache_dtype,
+                                self._cache_spec)
         if weights is not None:
             params = self._pack(check_weights(self.graph, weights, dtype=self.dtype))
         elif self._params is not None:
@@ -235,18 +246,17 @@ class Module:
                            for b in self.program.role("temp") if b.symbolic)
         buffers[self._input.name] = self._input_tensor(self._input, x, dims)
         if context is not None:
-            node = self.program.buffers[self.graph.context_input.name]
+            node = self.program.buffers[self._context_node.name]
             buffers[node.name] = self._input_tensor(node, context, dims)
         if lens is not None:
-            staged = self._view(self.program.buffers[self.graph.lengths_input.name], dims)
+            name = self._lengths_node.name
+            staged, buffers[name] = self._staged(self.program.buffers[name], dims)
             staged[...] = lens
-            buffers[self.graph.lengths_input.name] = runtime.tensor(staged)
         if cache is not None:
-            staged = self._temp(self.program.buffers[self.graph.cache_lens_input.name])
+            name = self._cache_lens_node.name
+            staged, buffers[name] = self._staged(self.program.buffers[name], None)
             staged[...] = cache.lens
-            buffers[self.graph.cache_lens_input.name] = runtime.tensor(staged)
-            buffers["k_cache"], buffers["v_cache"] = (runtime.tensor(cache.k),
-                                                      runtime.tensor(cache.v))
+            buffers["k_cache"], buffers["v_cache"] = cache.tensors()
         return buffers, dims
 
     def _input_tensor(self, buffer, array, dims):
@@ -278,6 +288,17 @@ class Module:
             # be denormals (a decode step's output GEMM ran 16x slower on them)
             self._temps[buffer.name] = aligned_zeros(buffer.shape, buffer.dtype)
         return self._temps[buffer.name]
+
+    def _staged(self, buffer, dims):
+        """(the module's staging array for `buffer`, shaped for one call as _view, or whole
+        where dims is None; a TVM tensor over it), the tensor made once per shape: a decode
+        step's cache lengths take no new tensor each call."""
+        key = (buffer.name, None if dims is None else buffer.call_shape(dims))
+        held = self._staged_tensors.get(key)
+        if held is None:
+            array = self._temp(buffer) if dims is None else self._view(buffer, dims)
+            held = self._staged_tensors[key] = (array, runtime.tensor(array))
+        return held
 
     def _view(self, buffer, dims) -> np.ndarray:
         """The module's array for `buffer` shaped for one call (symbolic builds: the front

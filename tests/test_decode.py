@@ -142,6 +142,32 @@ def test_compiled_decoding_step_by_step_is_the_causal_layer():
                                   rotate=lambda t: rope.apply(t, 24, 10000.0)))
 
 
+def test_a_cache_whose_arrays_are_replaced_is_written_where_they_now_are():
+    """A call keeps the TVM tensors over a cache's k and v for the next call; arrays put in
+    their place (cache.k = ...) are the ones the next step reads and writes, and two caches
+    in turn each keep their own rows."""
+    layer = mhagen.mha(64, 4, kv_heads=2, kv_cache=16, causal=True)
+    w = layer.init_weights(1)
+    m = mhagen.build(layer, "x86", batch=1, seq_len=1, weights=w)
+    a, b = m.new_cache(), m.new_cache()
+    ref_a, ref_b = KVCache.empty(layer, 1, np.float64), KVCache.empty(layer, 1, np.float64)
+    rng = np.random.default_rng(5)
+    for step in range(4):
+        if step == 2:        # new arrays holding the same rows
+            old_k, old_v = a.k, a.v
+            fresh = KVCache.from_arrays(a.k, a.v, a.lens)
+            a.k, a.v = fresh.k, fresh.v
+        for cache, ref in ((a, ref_a), (b, ref_b)):
+            x = rng.standard_normal((1, 1, 64)).astype(np.float32)
+            assert_close(m(x, cache=cache), layer.reference(x, w, cache=ref))
+    assert a.lens.tolist() == b.lens.tolist() == [4]
+    assert_close(a.k[:, :, :4], ref_a.k[:, :, :4])
+    assert_close(a.v[:, :, :4], ref_a.v[:, :, :4])
+    assert_close(b.k[:, :, :4], ref_b.k[:, :, :4])
+    # rows 2 and 3 went to the new arrays only
+    assert not old_k[:, :, 2:4].any() and not old_v[:, :, 2:4].any()
+
+
 def test_a_full_cache_and_rows_that_see_nothing():
     """A row at max_len - 1 (the last free slot) and a non-causal window that hides every
     key of the other row: zeros, not NaN."""
