@@ -2,8 +2,10 @@
  * when memory is out of the way (the ceiling for mhagen's GEMM and attention FMA loops).
  *   6 x 16 AVX2     (mhagen's x86-avx2 tile: 12 ymm accumulators, 6 broadcasts + 2 loads)
  *   4 x 24 AVX2     (the BLIS/MLAS-like alternative: 4 broadcasts + 3 loads for 12 FMAs)
- *   8 x 32 AVX-512  (mhagen's x86 tile on AVX-512 hosts: 16 zmm accumulators)
- * Build and run (the AVX-512 tile only runs where the CPU has AVX-512F):
+ *   8 x 32 AVX-512  (the attention's S^T and P V tiles on AVX-512 hosts: 16 zmm accumulators)
+ *   12 x 32 AVX-512 (mhagen's GEMM tile on AVX-512 hosts: 24 zmm accumulators, 12 broadcasts
+ *                    + 2 loads for 24 FMAs)
+ * Build and run (the AVX-512 tiles only run where the CPU has AVX-512F):
  *   gcc -O3 -mavx2 -mfma -o /tmp/register_tiles benchmarks/register_tiles.c && /tmp/register_tiles
  * An argument sets the rounds (at most 400).
  * Prints GFLOP/s (one thread) over 400 interleaved rounds of ~3 ms: the best, the median, the
@@ -17,7 +19,7 @@
 #include <time.h>
 
 #define K 256
-static float A[8 * K] __attribute__((aligned(64)));
+static float A[12 * K] __attribute__((aligned(64)));
 static float B[32 * K] __attribute__((aligned(64)));
 static float C[256] __attribute__((aligned(64)));
 
@@ -80,38 +82,58 @@ __attribute__((target("avx512f"), noinline)) static void tile_8x32(long reps) {
     }
 }
 
+__attribute__((target("avx512f"), noinline)) static void tile_12x32(long reps) {
+    for (long r = 0; r < reps; r++) {
+        __m512 c[24];
+        for (int i = 0; i < 24; i++) c[i] = _mm512_setzero_ps();
+        for (int k = 0; k < K; k++) {
+            __m512 b0 = _mm512_load_ps(B + 32 * k), b1 = _mm512_load_ps(B + 32 * k + 16);
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) {
+                __m512 a = _mm512_set1_ps(A[12 * k + i]);
+                c[2 * i] = _mm512_fmadd_ps(a, b0, c[2 * i]);
+                c[2 * i + 1] = _mm512_fmadd_ps(a, b1, c[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 24; i++) _mm512_store_ps(C + 16 * (i % 16), _mm512_add_ps(_mm512_load_ps(C + 16 * (i % 16)), c[i]));
+    }
+}
+
 static int descending(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x < y) - (x > y);
 }
 
 int main(int argc, char **argv) {
-    for (int i = 0; i < 8 * K; i++) A[i] = 1e-3f * (i % 7);
+    for (int i = 0; i < 12 * K; i++) A[i] = 1e-3f * (i % 7);
     for (int i = 0; i < 32 * K; i++) B[i] = 1e-3f * (i % 5);
     int avx512 = __builtin_cpu_supports("avx512f");
     const long reps = 7000;
-    const char *names[3] = {"6 x 16 AVX2", "4 x 24 AVX2", "8 x 32 AVX-512"};
-    double flops[3] = {2.0 * 6 * 16 * K * reps, 2.0 * 4 * 24 * K * reps, 2.0 * 8 * 32 * K * reps};
+    enum { TILES = 4 };
+    const char *names[TILES] = {"6 x 16 AVX2", "4 x 24 AVX2", "8 x 32 AVX-512", "12 x 32 AVX-512"};
+    double flops[TILES] = {2.0 * 6 * 16 * K * reps, 2.0 * 4 * 24 * K * reps,
+                           2.0 * 8 * 32 * K * reps, 2.0 * 12 * 32 * K * reps};
     enum { MOST = 400 };
     int ROUNDS = argc > 1 ? atoi(argv[1]) : MOST;   /* rounds: 1 .. 400 (default 400) */
     if (ROUNDS < 1 || ROUNDS > MOST) {
         fprintf(stderr, "usage: %s [rounds, 1..%d]\n", argv[0], MOST);
         return 2;
     }
-    static double rate[3][MOST];
+    static double rate[TILES][MOST];
     for (int round = 0; round < ROUNDS; round++) {
-        for (int t = 0; t < 3; t++) {
-            if (t == 2 && !avx512) continue;
+        for (int t = 0; t < TILES; t++) {
+            if (t >= 2 && !avx512) continue;
             double t0 = now();
             if (t == 0) tile_6x16(reps);
             else if (t == 1) tile_4x24(reps);
-            else tile_8x32(reps);
+            else if (t == 2) tile_8x32(reps);
+            else tile_12x32(reps);
             rate[t][round] = flops[t] / (now() - t0) / 1e9;
         }
     }
     int ninth = ROUNDS * 9 / 10 > 0 ? ROUNDS * 9 / 10 - 1 : 0;   /* 9 rounds in 10 as fast */
-    for (int t = 0; t < 3; t++) {
-        if (t == 2 && !avx512) printf("%-15s (no AVX-512F on this CPU)\n", names[t]);
+    for (int t = 0; t < TILES; t++) {
+        if (t >= 2 && !avx512) printf("%-15s (no AVX-512F on this CPU)\n", names[t]);
         else {
             qsort(rate[t], ROUNDS, sizeof(double), descending);
             printf("%-15s best %6.1f  median %6.1f  9 in 10 >= %6.1f  worst %6.1f GFLOP/s\n", names[t],

@@ -18,6 +18,7 @@ import numpy as np
 from mhagen.arrays import ALIGNMENT, aligned_empty, aligned_zeros, is_aligned
 from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
+from mhagen.runtime import tensor
 
 
 def cache_shape(graph) -> dict | None:
@@ -54,7 +55,6 @@ class KVCache:
         while k and v stay the same arrays: new ones each decode step cost ~2 us."""
         held = self._tensors
         if held is None or held[0] is not self.k or held[1] is not self.v:
-            from mhagen.runtime import tensor
             held = self._tensors = (self.k, self.v, tensor(self.k), tensor(self.v))
         return held[2], held[3]
 

@@ -85,8 +85,12 @@ def test_register_tiles_fit_each_class():
     avx2, avx512 = resolve("x86-avx2"), resolve("x86-avx512")
     assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)
     # GEMM: 2 vectors wide, rows = what the registers hold after 2 B vectors + 1 broadcast
+    # (at most 12 on 16 lanes)
     tile = backend_for(avx2).gemm_tile
-    assert tile(avx2) == (6, 16) and tile(avx512) == (8, 32)
+    assert tile(avx2) == (6, 16) and tile(avx512) == (12, 32)
+    for t in (avx2, avx512):
+        rows, cols = tile(t)
+        assert rows * (cols // t.lanes) + cols // t.lanes + 1 <= t.vector_registers
     # attention (S^T keys x queries, P V queries x head columns), head_dim 64
     assert register_tiles(avx2, 64, 16) == (6, 16, 6, 16)
     assert register_tiles(avx512, 64, 32) == (8, 32, 8, 32)
@@ -192,22 +196,24 @@ def test_attention_query_tiles_leave_no_core_idle():
 def test_gemm_tasks_split_evenly_over_the_cores():
     """512 rows of 6-row tiles (86) in row blocks of 22, 22, 22, 20: with (block, panel)
     tasks split in halves one of two threads runs 44 tiles a panel, not 43, so the exact
-    build gives each core a group of panels instead; 64 tiles of 8 rows (AVX-512) in blocks
-    of 16 split evenly and keep one group. Checked against the reference."""
+    build gives each core a group of panels instead, as AVX-512 does at 512 rows (43 tiles
+    of 12 in blocks of 22 and 21); at 576 rows its 48 tiles in blocks of 24 split evenly
+    and keep one group. Checked against the reference."""
     from mhagen.schedules.x86.matmul import most_tiles_a_thread
     assert most_tiles_a_thread(86, 22, 96, 2) == 44 * 96    # an even share: 43 * 96
-    assert most_tiles_a_thread(64, 16, 96, 2) == 32 * 96
+    assert most_tiles_a_thread(48, 24, 96, 2) == 24 * 96
     layer = mhagen.mha(64, 4)
 
-    def groups(preset, cores):
+    def groups(preset, cores, seq=512):
         t = dataclasses.replace(resolve(preset), cores=cores)
-        m = mhagen.build(layer, t, batch=1, seq_len=512, tuning=None)
+        m = mhagen.build(layer, t, batch=1, seq_len=seq, tuning=None)
         return m, {d["kernel"]: d["config"]["panel_groups"] for d in m.info.decisions
                    if d["rule"] == "matmul"}
     m, avx2 = groups("x86-avx2", 2)
     assert avx2 == {"qkv_projection": 2, "output_projection": 2}
     assert set(groups("x86-avx2", 1)[1].values()) == {1}
-    assert set(groups("x86-avx512", 2)[1].values()) == {1}
+    assert set(groups("x86-avx512", 2)[1].values()) == {2}
+    assert set(groups("x86-avx512", 2, seq=576)[1].values()) == {1}
     if m.target.runs_here():
         w = layer.init_weights(0)
         x = _input(1, 512, 64)
@@ -247,15 +253,17 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
             for cols in (3 * d_model, d_model):
                 assert (packed_blocking(t, rows, d_model, cols)
                         == packed_blocking(t, rows, d_model)), (preset, rows, d_model, cols)
-    assert blocks("x86-avx512", 2, 480, 8, run=True) == (
-        {"qkv_projection": 1, "output_projection": 8}, 128)
-    assert blocks("x86-avx512", 64, 512, 8, run=True) == (
-        {"qkv_projection": 4, "output_projection": 4}, 128)
+    # AVX-512: 16 tiles of 12 rows
+    assert blocks("x86-avx512", 2, 480, 8, seq=192, run=True) == (
+        {"qkv_projection": 1, "output_projection": 8}, 192)
+    assert blocks("x86-avx512", 64, 512, 8, seq=192, run=True) == (
+        {"qkv_projection": 4, "output_projection": 4}, 192)
     # AVX2: 21 tiles of 6 and one of 2 rows in two blocks of 11: padded to 132
     assert blocks("x86-avx2", 64, 512, 8, run=True) == (
         {"qkv_projection": 11, "output_projection": 11}, 132)
+    # AVX-512: 8 tiles of 12 and one of 1 row, in blocks of 2 (48 panels) and 3 (16)
     assert blocks("x86-avx512", 64, 512, 8, seq=97, run=True) == (
-        {"qkv_projection": 4, "output_projection": 4}, 104)
+        {"qkv_projection": 2, "output_projection": 3}, 108)
 
 
 def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
@@ -419,12 +427,15 @@ def whole_tile_loops(m, kernel) -> list:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_partial_last_row_tile_leaves_the_whole_tiles_unguarded(preset):
-    """GEMM rows in one row block are not padded to whole tiles: 128 rows run as 21 AVX2
-    tiles of 6 and one of 2, 97 rows as 12 AVX-512 tiles of 8 and one of 1 (depth 1024: A
-    packed first). The guard of the partial tile is hoisted out of the k loop, so the whole
-    tiles keep their unguarded loop; checked against the reference. The L2 is pinned to
-    1 MiB (on a 512 KiB L2 the 22 AVX2 tiles take two row blocks)."""
-    for d_model, seq in ((512, 128), (1024, 97)):
+    """GEMM rows in one row block are not padded to whole tiles: 16 tiles and 2 rows run
+    as 16 whole tiles and one of 2 (AVX2: 98 rows; AVX-512: 194, tiles of 12), 97 rows as 8
+    AVX-512 tiles of 12 and one of 1 (AVX2: 16 of 6 and 1; depth 1024: A packed first). The
+    guard of the partial tile is hoisted out of the k loop, so the whole tiles keep their
+    unguarded loop; checked against the reference. The L2 is pinned to 1 MiB (on a 512 KiB
+    L2 the 17 AVX-512 tiles take two row blocks)."""
+    from mhagen.schedules.x86.matmul import packed_tile
+    tile_rows = packed_tile(resolve(preset))[0]
+    for d_model, seq in ((512, 16 * tile_rows + 2), (1024, 97)):
         layer = mhagen.mha(d_model, 8)
         w = layer.init_weights(1)
         m = mhagen.build(layer, l2_of_1mib(preset), batch=1, seq_len=seq, weights=w,

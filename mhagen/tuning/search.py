@@ -94,11 +94,12 @@ KEEP_MARGIN = 0.97
 
 def template_rows(target) -> tuple:
     """The matmul template's tuning knob: register tile rows (columns follow the weight
-    panels), from 2 up to what the vector registers hold (AVX-512: 2, 4, 6, 8; AVX2: 2, 3,
-    4, 6). Never 1: a unit loop changes the trace's loop count, which MetaSchedule's
-    mutators cannot replay."""
+    panels), from 2 up to the default's (AVX-512: 3, 6, 8, 10, 12, the 8 of the former
+    default among them; AVX2: 2, 3, 4, 6). Never 1: a unit loop changes the trace's loop
+    count, which MetaSchedule's mutators cannot replay."""
     top = max(2, backend_for(target).gemm_tile(target)[0])
-    return tuple(sorted({max(2, top // 4), max(2, top // 2), max(2, top - 2), top}))
+    return tuple(sorted({max(2, top // 4), max(2, top // 2), max(2, 2 * top // 3),
+                         max(2, top - 2), top}))
 
 
 class _Stop(Exception):

@@ -43,7 +43,7 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, IMPORT, PACK, ZIP
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
-from mhagen.schedules.x86.matmul import packed_tile, rows_that_fit
+from mhagen.schedules.x86.matmul import rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
 ON_STACK = {"disable_lower_builtin": True}
@@ -68,11 +68,13 @@ class AttentionConfig:
 
 def register_tiles(target, head_dim_padded, panel):
     """(tile_rows, tile_cols, out_rows, out_cols) for this target's registers.
-    S^T: two vectors of queries, as many key rows as fit: AVX-512 (32 zmm) 8 x 32,
-    AVX2 (16 ymm) 6 x 16, NEON 8 x 8. P V: the width (of 32, 16, 8 head columns dividing the
-    padded head_dim and the panel) with the most accumulators: AVX-512 8 x 32, AVX2 6 x 16."""
+    S^T: two vectors of queries, as many key rows as fit, at most 8: AVX-512 (32 zmm)
+    8 x 32, AVX2 (16 ymm) 6 x 16, NEON 8 x 8 (the GEMMs' AVX-512 tile is 12 rows; key
+    blocks here are whole S^T tiles, and 8 divides the block sizes and windows of 32 the
+    defaults take). P V: the width (of 32, 16, 8 head columns dividing the padded head_dim
+    and the panel) with the most accumulators: AVX-512 8 x 32, AVX2 6 x 16."""
     lanes, regs = target.lanes, target.vector_registers
-    tile_rows, tile_cols = packed_tile(target)       # the GEMM's tile: 2 vectors wide
+    tile_rows, tile_cols = rows_that_fit(2, regs), 2 * lanes
     best = None
     for width in (32, 16, 8):
         if head_dim_padded % width or panel % width or width % lanes:

@@ -8,8 +8,9 @@ Two forms, one schedule:
 Inside a task: a tile_rows x tile_cols accumulator in registers (rows unrolled, columns
 vectorised), k innermost-but-two. Elementwise epilogues that follow (bias, scale, mask) are
 folded into the tile's write-back, so they cost no extra pass over memory.
-Measured here (1 thread, AVX-512, 512x512x1536): 8x32 tiles ~150-160 GFLOP/s, 12x32 ~95,
-6x64 ~70 (LLVM spills), 8x16 ~130. At 2048x768x2304, blocks of 16 row tiles: 163 vs 146.
+First measurements (1 thread, AVX-512, 512x512x1536, the first template, before row
+blocks and padded tiles): 8x32 tiles ~150-160 GFLOP/s, 12x32 ~95 (see packed_tile), 6x64 ~70
+(LLVM spills), 8x16 ~130. At 2048x768x2304, blocks of 16 row tiles: 163 vs 146.
 """
 from dataclasses import dataclass
 
@@ -57,17 +58,29 @@ def few_rows_panels(rows, panels, lanes_per_panel, registers, cores=1):
     return best
 
 
-def rows_that_fit(vectors, registers):
+def rows_that_fit(vectors, registers, most=8):
     """Unrolled rows of a register tile `vectors` vectors wide: the accumulators, the
-    `vectors` operand vectors and one broadcast fit in `registers` (at most 8 rows)."""
-    return max(1, min(8, (registers - vectors - 1) // vectors))
+    `vectors` operand vectors and one broadcast fit in `registers` (at most `most` rows)."""
+    return max(1, min(most, (registers - vectors - 1) // vectors))
 
 
 def packed_tile(target):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
-    vector registers hold after the 2 B vectors and the A broadcast (at most 8).
-    AVX-512 (32 regs, 16 lanes): 8 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8."""
-    return rows_that_fit(2, target.vector_registers), 2 * target.lanes
+    vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
+    and 8 on fewer. AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators); AVX2 (16, 8):
+    6 x 16; NEON (32, 4): 8 x 8 (14 rows would fit; not measured).
+    AVX-512 12 x 32 against 8 x 32 (Intel Xeon with AMX, two 512-bit FMA pipes; the GEMMs of
+    the benchmark layers alone, alternated, 7 rounds): 0.91-0.99x the time at 1 thread,
+    0.90-0.99x at 2; 14 x 32 (28 accumulators, 31 registers) 0.87-1.00x: 12 leaves registers
+    for the write-back. A taller tile loads the 2 B vectors once per 24 multiply-adds, not
+    16, and runs fewer tiles. (The first template's 12 x 32 ran at ~60% of 8 x 32 before the
+    GEMM rows were padded to whole tiles: a partial last tile's guard kept accumulators in
+    memory, see packed_blocking.)"""
+    most = GEMM_ROWS_MOST if target.lanes >= 16 else 8
+    return rows_that_fit(2, target.vector_registers, most), 2 * target.lanes
+
+
+GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_tile)
 
 
 def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
@@ -160,8 +173,8 @@ class MatmulRule:
 
     def default_config(self, workload, target):
         # Accumulators take tile_rows * tile_cols / lanes vector registers; 4 stay free for
-        # the A broadcast and the B loads. AVX-512 (32 regs, 16 lanes): 8 x 32; AVX2 (16, 8):
-        # 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
+        # the A broadcast and the B loads. Packed (packed_tile): AVX-512 (32 regs, 16 lanes)
+        # 12 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
         lanes, budget = target.lanes, target.vector_registers - 4
         if "panel" in workload:
             _, tile_cols = packed_tile(target)
