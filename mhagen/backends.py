@@ -62,7 +62,7 @@ class Backend:
     device: str
     rules: list
     attention: object | None
-    gemm_tile: Callable          # (target) -> (rows, columns)
+    gemm_tile: Callable          # (target, pairs=False) -> (rows, columns)
     gemm_rows: Callable          # (target, rows, depth, cols, pairs=False) -> rows run over
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object

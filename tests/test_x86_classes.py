@@ -88,6 +88,7 @@ def test_register_tiles_fit_each_class():
     # (at most 12 on 16 lanes)
     tile = backend_for(avx2).gemm_tile
     assert tile(avx2) == (6, 16) and tile(avx512) == (12, 32)
+    assert tile(avx512, pairs=True) == (8, 32)      # bfloat16 pairs (vdpbf16ps): 8 rows
     for t in (avx2, avx512):
         rows, cols = tile(t)
         assert rows * (cols // t.lanes) + cols // t.lanes + 1 <= t.vector_registers
@@ -529,8 +530,8 @@ def _unpadded_avx2_build(monkeypatch, seq):
     import mhagen.schedules.x86.matmul as matmul
     exact = matmul.packed_blocking
 
-    def unpadded(target, rows, depth, cols=0, whole_blocks=False):
-        return exact(target, rows, depth, cols, whole_blocks)[:2] + (rows,)
+    def unpadded(target, rows, depth, cols=0, pairs=False):
+        return exact(target, rows, depth, cols, pairs)[:2] + (rows,)
     monkeypatch.setattr(matmul, "packed_blocking", unpadded)
     monkeypatch.setattr(x86, "packed_blocking", unpadded)
     m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=seq, tuning=None)

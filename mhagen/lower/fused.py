@@ -172,11 +172,14 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     d_out = out_node.attrs["out_features"]
     d_out_p = round_up(d_out, nr)
     hd = heads * d
-    tile_rows = backend.gemm_tile(target)[0]
 
     def pairs(depth):
         """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
         return bool(backend.gemm_pairs and backend.gemm_pairs(target, dtype, depth))
+
+    def row_tile(depth):
+        """The register tile rows of the GEMM of this depth (pair GEMMs have their own)."""
+        return backend.gemm_tile(target, pairs=pairs(depth))[0]
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
@@ -189,13 +192,16 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
         kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
         kv_rows = batch * kv_seq
         rows_kv = backend.gemm_rows(target, kv_rows, kv_dim, n_kv_p, pairs=pairs(kv_dim))
+    # symbolic lengths pad each call's rows to one row tile: the shortest of the GEMMs'
+    tile_rows = min(row_tile(depth) for depth in (d_model, hd, kv_dim) if depth)
 
     def pack(depth, half=False):
         """The row tile where a GEMM's rows are packed first: where the backend asks for
         that depth, for half-precision rows (converted to float32 once, by the copy, not
         six times per tile step), and for GEMMs over pairs of the depth."""
         asks = backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth)
-        return tile_rows if asks or pairs(depth) or (half and backend.gemm_packs_rows) else None
+        return (row_tile(depth) if asks or pairs(depth) or (half and backend.gemm_packs_rows)
+                else None)
 
     def panels(width, depth):
         """A packed weight's shape and dtype: [width / nr, depth, nr] in the layer's dtype,

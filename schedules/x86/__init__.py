@@ -20,7 +20,7 @@ def cpu_backend(family: str) -> Backend:
     return Backend(family=family, device="cpu", rules=RULES, attention=ATTENTION,
                    gemm_tile=packed_tile,
                    gemm_rows=lambda target, rows, depth, cols, pairs=False: packed_blocking(
-                       target, rows, depth, cols, whole_blocks=pairs)[2],
+                       target, rows, depth, cols, pairs=pairs)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
                    gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True,
                    gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs)

@@ -64,11 +64,13 @@ def rows_that_fit(vectors, registers, most=8):
     return max(1, min(most, (registers - vectors - 1) // vectors))
 
 
-def packed_tile(target):
+def packed_tile(target, pairs=False):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
-    and 8 on fewer. AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators); AVX2 (16, 8):
-    6 x 16; NEON (32, 4): 8 x 8 (14 rows would fit; not measured).
+    and 8 on fewer or for GEMMs over bfloat16 pairs (`pairs`: AVX-512 BF16's vdpbf16ps;
+    12 rows took 1.02-1.04x the time of 8 there, 1x128-1x2048, 1 thread, the Intel Xeon).
+    AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators); AVX2 (16, 8): 6 x 16; NEON
+    (32, 4): 8 x 8 (14 rows would fit; not measured).
     AVX-512 12 x 32 against 8 x 32 (Intel Xeon with AMX, two 512-bit FMA pipes; the GEMMs of
     the benchmark layers alone, alternated, 7 rounds): 0.91-0.99x the time at 1 thread,
     0.90-0.99x at 2; 14 x 32 (28 accumulators, 31 registers) 0.87-1.00x: 12 leaves registers
@@ -76,14 +78,14 @@ def packed_tile(target):
     16, and runs fewer tiles. (The first template's 12 x 32 ran at ~60% of 8 x 32 before the
     GEMM rows were padded to whole tiles: a partial last tile's guard kept accumulators in
     memory, see packed_blocking.)"""
-    most = GEMM_ROWS_MOST if target.lanes >= 16 else 8
+    most = GEMM_ROWS_MOST if target.lanes >= 16 and not pairs else 8
     return rows_that_fit(2, target.vector_registers, most), 2 * target.lanes
 
 
 GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_tile)
 
 
-def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
+def packed_blocking(target, rows, depth, cols=0, pairs=False):
     """(tile_rows, row_block, rows run over) of a packed GEMM with `rows` rows, depth K and
     `cols` columns (0: not known, or a symbolic build's: no blocks for the cores' sake).
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
@@ -109,9 +111,10 @@ def packed_blocking(target, rows, depth, cols=0, whole_blocks=False):
     GEMMs 2.5-3% faster). Waste: under one tile.
     Rows that fit one block are split into blocks all the same where the panels alone do
     not spread over the target's cores (core_blocks).
-    whole_blocks: rows padded to whole blocks
-    (GEMMs over bfloat16 pairs: TVM's tensorize does not match a tile under a guard)."""
-    tile_rows, tile_cols = packed_tile(target)
+    pairs: a GEMM over bfloat16 pairs (packed_tile's pair tile), its rows padded to whole
+    blocks (TVM's tensorize does not match a tile under a guard)."""
+    whole_blocks = pairs
+    tile_rows, tile_cols = packed_tile(target, pairs)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
     tiles = -(-rows // tile_rows)
@@ -181,7 +184,8 @@ class MatmulRule:
             assert tile_cols == workload["panel"], (tile_cols, workload)
             tile_rows, row_block, run_rows = packed_blocking(
                 target, workload.get("rows", 0), workload.get("depth", 1),
-                0 if workload.get("symbolic") else workload.get("cols", 0))
+                0 if workload.get("symbolic") else workload.get("cols", 0),
+                pairs=bool(workload.get("pairs")))
             # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
             # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
             # second, and the two threads' halves of the parallel loop did 86% and 14% of the
