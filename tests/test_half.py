@@ -326,7 +326,7 @@ def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
     assert paired.shape[-1] == 2 and paired.dtype == "bfloat16"
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=16, weights=w)
     assert "vdpbf16ps" not in plain.inspect("source")
-    # the pair GEMMs keep 8-row tiles (12 took 1.02-1.04x their time); float32 ones take 12
+    # the pair GEMMs keep 8-row tiles (12 took 1.00-1.04x their time); float32 ones take 12
     for module, rows in ((m, 8), (plain, 12)):
         assert {d["config"]["tile_rows"] for d in module.decisions
                 if d["rule"] == "matmul"} == {rows}, module.decisions

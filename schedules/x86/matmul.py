@@ -68,7 +68,7 @@ def packed_tile(target, pairs=False):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
     and 8 on fewer or for GEMMs over bfloat16 pairs (`pairs`: AVX-512 BF16's vdpbf16ps;
-    12 rows took 1.02-1.04x the time of 8 there, 1x128-1x2048, 1 thread, the Intel Xeon).
+    12 rows took 1.00-1.04x the time of 8 there, 1x128-1x2048, 1 thread, the Intel Xeon).
     AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators); AVX2 (16, 8): 6 x 16; NEON
     (32, 4): 8 x 8 (14 rows would fit; not measured).
     AVX-512 12 x 32 against 8 x 32 (Intel Xeon with AMX, two 512-bit FMA pipes; the GEMMs of
