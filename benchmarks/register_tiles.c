@@ -65,39 +65,28 @@ __attribute__((noinline)) static void tile_4x24(long reps) {
     }
 }
 
-__attribute__((target("avx512f"), noinline)) static void tile_8x32(long reps) {
-    for (long r = 0; r < reps; r++) {
-        __m512 c[16];
-        for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
-        for (int k = 0; k < K; k++) {
-            __m512 b0 = _mm512_load_ps(B + 32 * k), b1 = _mm512_load_ps(B + 32 * k + 16);
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) {
-                __m512 a = _mm512_set1_ps(A[8 * k + i]);
-                c[2 * i] = _mm512_fmadd_ps(a, b0, c[2 * i]);
-                c[2 * i + 1] = _mm512_fmadd_ps(a, b1, c[2 * i + 1]);
-            }
-        }
-        for (int i = 0; i < 16; i++) _mm512_store_ps(C + 16 * (i % 8), _mm512_add_ps(_mm512_load_ps(C + 16 * (i % 8)), c[i]));
-    }
-}
-
-__attribute__((target("avx512f"), noinline)) static void tile_12x32(long reps) {
+/* rows x 32 AVX-512 (2 * rows zmm accumulators), inlined into each tile below with rows a
+ * constant, so the row loop unrolls fully */
+__attribute__((target("avx512f"), always_inline)) static inline void tile_x32(long reps, int rows) {
     for (long r = 0; r < reps; r++) {
         __m512 c[24];
-        for (int i = 0; i < 24; i++) c[i] = _mm512_setzero_ps();
+        for (int i = 0; i < 2 * rows; i++) c[i] = _mm512_setzero_ps();
         for (int k = 0; k < K; k++) {
             __m512 b0 = _mm512_load_ps(B + 32 * k), b1 = _mm512_load_ps(B + 32 * k + 16);
 #pragma GCC unroll 12
-            for (int i = 0; i < 12; i++) {
-                __m512 a = _mm512_set1_ps(A[12 * k + i]);
+            for (int i = 0; i < rows; i++) {
+                __m512 a = _mm512_set1_ps(A[rows * k + i]);
                 c[2 * i] = _mm512_fmadd_ps(a, b0, c[2 * i]);
                 c[2 * i + 1] = _mm512_fmadd_ps(a, b1, c[2 * i + 1]);
             }
         }
-        for (int i = 0; i < 24; i++) _mm512_store_ps(C + 16 * (i % 16), _mm512_add_ps(_mm512_load_ps(C + 16 * (i % 16)), c[i]));
+        for (int i = 0; i < 2 * rows; i++) _mm512_store_ps(C + 16 * (i % 16), _mm512_add_ps(_mm512_load_ps(C + 16 * (i % 16)), c[i]));
     }
 }
+
+__attribute__((target("avx512f"), noinline)) static void tile_8x32(long reps) { tile_x32(reps, 8); }
+
+__attribute__((target("avx512f"), noinline)) static void tile_12x32(long reps) { tile_x32(reps, 12); }
 
 static int descending(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

@@ -175,12 +175,12 @@ class Module:
         # kernels read, copied and checked every run
         staged = []
         if kv_lens is not None:
-            staged.append((self._view(self.program.buffers[self._lengths_node.name], dims),
-                           kv_lens,
+            staged.append((self._staged(self.program.buffers[self._lengths_node.name],
+                                        dims)[0], kv_lens,
                            lambda lens: check_length_range(lens, dims["kv_seq"])))
         if cache is not None:
-            staged.append((self._temp(self.program.buffers[self._cache_lens_node.name]),
-                           cache.lens,
+            staged.append((self._staged(self.program.buffers[self._cache_lens_node.name],
+                                        None)[0], cache.lens,
                            lambda lens: check_room(lens, x.shape[1], cache.max_len)))
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,

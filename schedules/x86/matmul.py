@@ -64,6 +64,9 @@ def rows_that_fit(vectors, registers, most=8):
     return max(1, min(most, (registers - vectors - 1) // vectors))
 
 
+GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_tile)
+
+
 def packed_tile(target, pairs=False):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
@@ -80,9 +83,6 @@ def packed_tile(target, pairs=False):
     memory, see packed_blocking.)"""
     most = GEMM_ROWS_MOST if target.lanes >= 16 and not pairs else 8
     return rows_that_fit(2, target.vector_registers, most), 2 * target.lanes
-
-
-GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_tile)
 
 
 def packed_blocking(target, rows, depth, cols=0, pairs=False):
@@ -113,7 +113,6 @@ def packed_blocking(target, rows, depth, cols=0, pairs=False):
     not spread over the target's cores (core_blocks).
     pairs: a GEMM over bfloat16 pairs (packed_tile's pair tile), its rows padded to whole
     blocks (TVM's tensorize does not match a tile under a guard)."""
-    whole_blocks = pairs
     tile_rows, tile_cols = packed_tile(target, pairs)
     if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
@@ -123,16 +122,16 @@ def packed_blocking(target, rows, depth, cols=0, pairs=False):
     if tiles <= most:
         row_block = core_blocks(tiles, cols // tile_cols, target.cores)
         if row_block == tiles:
-            pad = whole_blocks or (tiles >= 3 and rows % tile_rows >= 3)
+            pad = pairs or (tiles >= 3 and rows % tile_rows >= 3)
             return tile_rows, 1, tiles * tile_rows if pad else rows
         blocks = -(-tiles // row_block)
-        return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
+        return tile_rows, row_block, (blocks * row_block if pairs else tiles) * tile_rows
     # the block count (blocks of at least half the most) whose blocks cover the tiles the
     # most evenly, then the fewest blocks: 86 tiles of at most 21 -> 8 x 11, not 5 x 18
     fewest = -(-tiles // most)
     blocks = min(range(fewest, 2 * fewest + 1), key=lambda n: (n * -(-tiles // n), n))
     row_block = -(-tiles // blocks)
-    return tile_rows, row_block, (blocks * row_block if whole_blocks else tiles) * tile_rows
+    return tile_rows, row_block, (blocks * row_block if pairs else tiles) * tile_rows
 
 
 def busiest_thread(work, threads):
