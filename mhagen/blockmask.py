@@ -6,6 +6,8 @@ Keys past the sequence (block padding) count as hidden, so a block crossing the 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mhagen.ir import expr as ex
@@ -60,8 +62,19 @@ def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False,
         static, _, others = split_lengths(mask, symbolic)
         table = block_table(static, batch, heads, seq, q_tile, kv_block, kv_seq=kv_seq)
         if others:
-            table[table == FULL] = PARTIAL
+            table = np.where(table == FULL, PARTIAL, table).astype(np.int32)
         return table
+    try:
+        return _evaluated_table(mask, batch, heads, seq, q_tile, kv_block, kv_seq)
+    except TypeError:       # an unhashable mask: evaluated, not kept
+        return _evaluated_table.__wrapped__(mask, batch, heads, seq, q_tile, kv_block, kv_seq)
+
+
+@functools.lru_cache(maxsize=16)
+def _evaluated_table(mask, batch, heads, seq, q_tile, kv_block, kv_seq) -> np.ndarray:
+    """block_table of a mask without per-call lengths, kept (read-only): a build asks for
+    the same table in the attention's default config and again in the lowering (a sliding
+    window at seq 16384 in 32 x 32 tiles: 0.6 s a table)."""
     tb, th = table_dims(mask, batch, heads)
     n_q, n_kv = -(-seq // q_tile), -(-kv_seq // kv_block)
     table = np.empty((tb, th, n_q, n_kv), np.int32)
@@ -80,4 +93,5 @@ def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False,
                 any_ = blocks.any(axis=(0, 2))
                 all_ = blocks.all(axis=(0, 2))
                 table[b, h, qt] = np.where(all_, FULL, np.where(any_, PARTIAL, SKIP))
+    table.flags.writeable = False
     return table
