@@ -5,7 +5,10 @@
  *   8 x 32 AVX-512  (the attention's S^T and P V tiles on AVX-512 hosts: 16 zmm accumulators)
  *   12 x 32 AVX-512 (mhagen's GEMM tile on AVX-512 hosts: 24 zmm accumulators, 12 broadcasts
  *                    + 2 loads for 24 FMAs)
- * Build and run (the AVX-512 tiles only run where the CPU has AVX-512F):
+ *   8 x 32 BF16     (the bfloat16 pair GEMMs' tile: 16 accumulators, vdpbf16ps on pairs of
+ *                    the depth, 2 multiply-adds a lane; where it beats the 8 x 32 FMA tile,
+ *                    pairs pay: schedules/x86/bf16_dot.py's PAIRS_PAY)
+ * Build and run (the AVX-512 tiles only run where the CPU has AVX-512F, the BF16 one AVX-512 BF16):
  *   gcc -O3 -mavx2 -mfma -o /tmp/register_tiles benchmarks/register_tiles.c && /tmp/register_tiles
  * An argument sets the rounds (at most 400).
  * Prints GFLOP/s (one thread) over 400 interleaved rounds of ~3 ms: the best, the median, the
@@ -22,6 +25,8 @@
 static float A[12 * K] __attribute__((aligned(64)));
 static float B[32 * K] __attribute__((aligned(64)));
 static float C[256] __attribute__((aligned(64)));
+static int AP[8 * K / 2] __attribute__((aligned(64)));    /* bfloat16 pairs, as 32-bit words */
+static int BP[32 * K / 2] __attribute__((aligned(64)));
 
 static double now(void) {
     struct timespec t;
@@ -88,6 +93,25 @@ __attribute__((target("avx512f"), noinline)) static void tile_8x32(long reps) { 
 
 __attribute__((target("avx512f"), noinline)) static void tile_12x32(long reps) { tile_x32(reps, 12); }
 
+/* 8 x 32 on bfloat16 pairs: K / 2 pairs of the depth, the same multiply-adds as 8 x 32 */
+__attribute__((target("avx512f,avx512bf16"), noinline)) static void tile_8x32_bf16(long reps) {
+    for (long r = 0; r < reps; r++) {
+        __m512 c[16];
+        for (int i = 0; i < 16; i++) c[i] = _mm512_setzero_ps();
+        for (int k = 0; k < K / 2; k++) {
+            __m512bh b0 = (__m512bh)_mm512_load_si512(BP + 32 * k),
+                     b1 = (__m512bh)_mm512_load_si512(BP + 32 * k + 16);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) {
+                __m512bh a = (__m512bh)_mm512_set1_epi32(AP[8 * k + i]);
+                c[2 * i] = _mm512_dpbf16_ps(c[2 * i], a, b0);
+                c[2 * i + 1] = _mm512_dpbf16_ps(c[2 * i + 1], a, b1);
+            }
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_ps(C + 16 * i, _mm512_add_ps(_mm512_load_ps(C + 16 * i), c[i]));
+    }
+}
+
 static int descending(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x < y) - (x > y);
@@ -96,12 +120,18 @@ static int descending(const void *a, const void *b) {
 int main(int argc, char **argv) {
     for (int i = 0; i < 12 * K; i++) A[i] = 1e-3f * (i % 7);
     for (int i = 0; i < 32 * K; i++) B[i] = 1e-3f * (i % 5);
+    for (int i = 0; i < 8 * K / 2; i++) AP[i] = 0x3c003c00 + (i % 7);   /* ~2^-7 each */
+    for (int i = 0; i < 32 * K / 2; i++) BP[i] = 0x3c003c00 + (i % 5);
     int avx512 = __builtin_cpu_supports("avx512f");
+    int bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
     const long reps = 7000;
-    enum { TILES = 4 };
-    const char *names[TILES] = {"6 x 16 AVX2", "4 x 24 AVX2", "8 x 32 AVX-512", "12 x 32 AVX-512"};
+    enum { TILES = 5 };
+    const char *names[TILES] = {"6 x 16 AVX2", "4 x 24 AVX2", "8 x 32 AVX-512", "12 x 32 AVX-512",
+                                "8 x 32 BF16"};
+    const char *lacks[TILES] = {"", "", "AVX-512F", "AVX-512F", "AVX-512 BF16"};
     double flops[TILES] = {2.0 * 6 * 16 * K * reps, 2.0 * 4 * 24 * K * reps,
-                           2.0 * 8 * 32 * K * reps, 2.0 * 12 * 32 * K * reps};
+                           2.0 * 8 * 32 * K * reps, 2.0 * 12 * 32 * K * reps,
+                           2.0 * 8 * 32 * K * reps};
     enum { MOST = 400 };
     int ROUNDS = argc > 1 ? atoi(argv[1]) : MOST;   /* rounds: 1 .. 400 (default 400) */
     if (ROUNDS < 1 || ROUNDS > MOST) {
@@ -111,18 +141,20 @@ int main(int argc, char **argv) {
     static double rate[TILES][MOST];
     for (int round = 0; round < ROUNDS; round++) {
         for (int t = 0; t < TILES; t++) {
-            if (t >= 2 && !avx512) continue;
+            if ((t >= 2 && !avx512) || (t == 4 && !bf16)) continue;
             double t0 = now();
             if (t == 0) tile_6x16(reps);
             else if (t == 1) tile_4x24(reps);
             else if (t == 2) tile_8x32(reps);
-            else tile_12x32(reps);
+            else if (t == 3) tile_12x32(reps);
+            else tile_8x32_bf16(reps);
             rate[t][round] = flops[t] / (now() - t0) / 1e9;
         }
     }
     int ninth = ROUNDS * 9 / 10 > 0 ? ROUNDS * 9 / 10 - 1 : 0;   /* 9 rounds in 10 as fast */
     for (int t = 0; t < TILES; t++) {
-        if (t >= 2 && !avx512) printf("%-15s (no AVX-512F on this CPU)\n", names[t]);
+        if ((t >= 2 && !avx512) || (t == 4 && !bf16))
+            printf("%-15s (no %s on this CPU)\n", names[t], lacks[t]);
         else {
             qsort(rate[t], ROUNDS, sizeof(double), descending);
             printf("%-15s best %6.1f  median %6.1f  9 in 10 >= %6.1f  worst %6.1f GFLOP/s\n", names[t],

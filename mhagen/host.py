@@ -53,6 +53,10 @@ X86_FEATURES = {
     "avx2": Feature("avx2", "AVX2", (7, 0, EBX, 5, AVX_STATE)),
     "fma4": Feature("fma4", "FMA4", (_EXT, 0, ECX, 16, AVX_STATE)),
     "xop": Feature("xop", "XOP", (_EXT, 0, ECX, 11, AVX_STATE)),
+    # AMD only: LLVM writes SSE4a's insertq/extrq for shuffles in code for Zen (a bfloat16
+    # layer for znver4 had insertq: SIGILL on an Intel Xeon with every other feature)
+    "sse4a": Feature("sse4a", "", (_EXT, 0, ECX, 6, 0)),
+    "tbm": Feature("tbm", "", (_EXT, 0, ECX, 21, 0)),
     "gfni": Feature("gfni", "GFNI", (7, 0, ECX, 8, 0)),
     "vaes": Feature("vaes", "VAES", (7, 0, ECX, 9, AVX_STATE)),
     "vpclmulqdq": Feature("vpclmulqdq", "VPCLMULQDQ", (7, 0, ECX, 10, AVX_STATE)),

@@ -2,6 +2,7 @@
 the float64 reference of the same rounded inputs and weights, on every runnable x86 preset,
 fused, unfused and symbolic; the tolerance table's row and FlashAttention's criterion (error
 within 2x a half-precision reference's own); Python and C entry points, artifacts, bad input."""
+import dataclasses
 import shutil
 import subprocess
 
@@ -12,6 +13,7 @@ import pytest
 import mhagen
 from mhagen import KVCache
 from mhagen.errors import GraphError, InputError
+from mhagen.schedules.x86.bf16_dot import PAIRS_PAY, bf16_pairs
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
 from tests.conftest import build_c_app, random_cache
@@ -20,7 +22,7 @@ from test_x86_classes import multiply_add_loops, spills_in_fma_loops
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16")
             if resolve(p).runs_here()]
-NATIVE = "x86-avx512-bf16"    # bfloat16 GEMMs on vdpbf16ps (schedules/x86/bf16_dot.py)
+NATIVE = "x86-avx512-bf16"    # Zen 4: bfloat16 GEMMs on vdpbf16ps (schedules/x86/bf16_dot.py)
 
 
 def _x(shape, dtype, seed=1):
@@ -53,7 +55,7 @@ def test_half_layers_match_the_reference(preset, dtype, build):
     kw = {"fused": {}, "unfused": dict(fuse=False),
           "any-length": dict(seq_len=None, max_seq_len=128)}[build]
     m = mhagen.build(layer, preset, **{"batch": 2, "seq_len": 97, **kw}, weights=w)
-    if dtype == "bfloat16" and "avx512bf16" in resolve(preset).features:
+    if bf16_pairs(resolve(preset), dtype, 80):
         assert "w_qkv, w_o multiply bfloat16 pairs" in m.precision
     else:
         assert m.precision.startswith(f"{dtype} storage, converted to float32 on load")
@@ -339,9 +341,26 @@ def test_bfloat16_gemms_compile_to_vdpbf16ps_on_any_host():
         assert "vdpbf16ps" not in m.inspect("source")
 
 
+def test_bfloat16_pairs_only_where_vdpbf16ps_beats_the_fma():
+    """Compile-only: an AVX-512 BF16 CPU whose vdpbf16ps does fewer multiply-adds a cycle
+    than its float32 FMA (the Intel Xeon with AMX: 0.50x in register-only loops, the
+    bfloat16 layer on pairs 1.5-1.6x the float32 layer's time) converts on load, and says
+    why; the same code for Zen 4 multiplies pairs."""
+    layer = _paired_layer()
+    w = layer.init_weights(0)
+    intel = dataclasses.replace(resolve(NATIVE), cpu="sapphirerapids")
+    assert "avx512bf16" in intel.features and intel.cpu not in PAIRS_PAY
+    m = mhagen.build(layer, intel, batch=1, seq_len=16, weights=w)
+    assert "vdpbf16ps" not in m.inspect("source")
+    assert not [b for b in m.program.buffers.values() if (b.pack or {}).get("pairs")]
+    assert "avx512bf16 is present but not used: vdpbf16ps does no more" in m.precision
+    assert "on sapphirerapids" in m.precision
+    assert "znver4" in PAIRS_PAY and bf16_pairs(resolve(NATIVE), "bfloat16", 80)
+
+
 @pytest.mark.skipif(not resolve(NATIVE).runs_here(),
-                    reason="needs a CPU with AVX-512 BF16 (Zen 4+, Cooper Lake, Sapphire "
-                           "Rapids); compiled on every host by the test above")
+                    reason="needs a CPU that runs Zen 4 code (AVX-512 BF16, VBMI, ...: Zen 4+, "
+                           "Sapphire Rapids); compiled on every host by the test above")
 @pytest.mark.parametrize("build", ["any-length", "cross", "odd rows", "artifact"])
 def test_bfloat16_pair_gemms_match_the_reference(build, tmp_path):
     """The vdpbf16ps GEMMs run: any-length builds, cross-attention (the K/V GEMM too), rows

@@ -96,8 +96,19 @@ with cheap_stack():   # parsed at import: 2.9 s with TVM's own stack lookups
 TensorIntrin.register(INTRIN, _desc, _impl, override=True)
 
 
+# CPUs (LLVM's names) whose vdpbf16ps does more multiply-adds a cycle than the float32 FMA,
+# so pairs pay (benchmarks/bf16_dot_rate.c: register-only loops of 20 accumulators, FLOP/s
+# of vdpbf16ps / vfmadd231ps). Zen 5: 2.26x; Zen 4 runs a 512-bit FMA as two 256-bit halves
+# (the bfloat16 layer at 1.67-1.77x the float32 layer's throughput). Not on the Intel Xeon
+# with AMX that LLVM calls `rocketlake` (0.50x: vdpbf16ps issues every other cycle, the FMA
+# twice a cycle; the bfloat16 layer on pairs took 1.5-1.6x the float32 layer's time, converted
+# on load 1.01-1.04x), nor where unmeasured (Cooper Lake, Sapphire Rapids): converted on load.
+PAIRS_PAY = ("znver4", "znver5")
+
+
 def bf16_pairs(target, dtype: str, depth: int) -> bool:
     """A GEMM of this depth in a layer of this storage dtype runs on vdpbf16ps pairs: a
-    bfloat16 layer, 512-bit vectors, AVX-512 BF16 in the target's features, an even depth."""
+    bfloat16 layer, 512-bit vectors, AVX-512 BF16 in the target's features, a CPU whose
+    vdpbf16ps beats its FMA (PAIRS_PAY), an even depth."""
     return (dtype == "bfloat16" and target.lanes == LANES and depth % 2 == 0
-            and "avx512bf16" in (target.features or ()))
+            and "avx512bf16" in (target.features or ()) and target.cpu in PAIRS_PAY)
