@@ -93,7 +93,8 @@ def half_precision_path(name: str, target, paired=(), attention_pairs=False) -> 
                 f"rounded to {name}")
     note = (f"; {have[0]} is present but not used yet" if have else "")
     if "avx512bf16" in have:
-        note = (f"; avx512bf16 is present but not used: vdpbf16ps does no more multiply-adds "
-                f"a cycle than the float32 FMA on {target.cpu} (schedules/x86/bf16_dot.py)")
+        note = ("; avx512bf16 is present but not used (bfloat16 pairs run only on CPUs whose "
+                "vdpbf16ps beats their float32 FMA, over even depths: "
+                "schedules/x86/bf16_dot.py)")
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

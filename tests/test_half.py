@@ -353,8 +353,7 @@ def test_bfloat16_pairs_only_where_vdpbf16ps_beats_the_fma():
     m = mhagen.build(layer, intel, batch=1, seq_len=16, weights=w)
     assert "vdpbf16ps" not in m.inspect("source")
     assert not [b for b in m.program.buffers.values() if (b.pack or {}).get("pairs")]
-    assert "avx512bf16 is present but not used: vdpbf16ps does no more" in m.precision
-    assert "on sapphirerapids" in m.precision
+    assert "avx512bf16 is present but not used (bfloat16 pairs run only on CPUs" in m.precision
     assert "znver4" in PAIRS_PAY and bf16_pairs(resolve(NATIVE), "bfloat16", 80)
 
 
