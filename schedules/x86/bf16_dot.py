@@ -97,12 +97,13 @@ TensorIntrin.register(INTRIN, _desc, _impl, override=True)
 
 
 # CPUs (LLVM's names) whose vdpbf16ps does more multiply-adds a cycle than the float32 FMA,
-# so pairs pay (benchmarks/bf16_dot_rate.c: register-only loops of 20 accumulators, FLOP/s
-# of vdpbf16ps / vfmadd231ps). Zen 5: 2.26x; Zen 4 runs a 512-bit FMA as two 256-bit halves
-# (the bfloat16 layer at 1.67-1.77x the float32 layer's throughput). Not on the Intel Xeon
-# with AMX that LLVM calls `rocketlake` (0.50x: vdpbf16ps issues every other cycle, the FMA
-# twice a cycle; the bfloat16 layer on pairs took 1.5-1.6x the float32 layer's time, converted
-# on load 1.01-1.04x), nor where unmeasured (Cooper Lake, Sapphire Rapids): converted on load.
+# so pairs pay (FLOP/s of vdpbf16ps / vfmadd231ps in register-only loops of 20 accumulators;
+# benchmarks/register_tiles.c times the 8 x 32 tiles of both). Zen 5: 2.26x; Zen 4 runs a
+# 512-bit FMA as two 256-bit halves (the bfloat16 layer at 1.67-1.77x the float32 layer's
+# throughput). Not the Intel Xeon with AMX that LLVM calls `rocketlake` (Sapphire Rapids
+# class; 0.50x: vdpbf16ps issues every other cycle, the FMA twice a cycle; the tiles 115
+# against 201 GFLOP/s; the bfloat16 layer on pairs took 1.5-1.6x the float32 layer's time,
+# converted on load 1.01-1.04x), nor unmeasured ones (Cooper Lake, Granite Rapids).
 PAIRS_PAY = ("znver4", "znver5")
 
 
