@@ -41,6 +41,7 @@ from mhagen.blockmask import FULL, PARTIAL, SKIP, block_table
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
+from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, IMPORT, PACK, ZIP
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import rows_that_fit
@@ -213,7 +214,7 @@ class AttentionRule:
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes)
+        return build_attention(w, cfg, target.lanes, flush=target.arch == "x86_64")
 
 
 def padded_head_dim(head_dim, lanes):
@@ -255,8 +256,9 @@ def layout(w, cfg):
             "head_dim_padded": w["head_dim_padded"]}
 
 
-def build_attention(w, cfg, lanes):
-    """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
+def build_attention(w, cfg, lanes, flush=False):
+    """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields).
+    flush: each task runs with denormals flushed to zero (x86: denormals.py)."""
     H, G, d = w["heads"], w["kv_heads"], w["head_dim"]
     L = layout(w, cfg)
     NQT, NKB, DP = L["n_q_tiles"], L["n_kv_blocks"], L["head_dim_padded"]   # table extents
@@ -461,6 +463,9 @@ def build_attention(w, cfg, lanes):
         # int32 views of the bfloat16 pairs (used when PAIRS)
         kv32 = T.decl_buffer((kv.shape[0], kv.shape[1], PW // 2), "int32", data=kv.data)
         for task in T.parallel(B * H * NQ):
+            csr = T.decl_buffer((1,), "int32")
+            if flush:
+                csr[0] = T.call_extern("int32", denormals.ENTER)
             q_t = T.decl_buffer((1 if PAIRS else d, MQ), "float32")
             q_t32 = T.decl_buffer((d // 2 if PAIRS else 1, MQ), "int32")
             p32 = T.decl_buffer((KB // 2 if PAIRS else 1, MQ), "int32")
@@ -516,10 +521,14 @@ def build_attention(w, cfg, lanes):
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
+            if flush:
+                T.evaluate(T.call_extern("int32", denormals.EXIT, csr[0]))
 
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
-    if PAIRS:   # the dot product's LLVM IR, linked into the kernel (bf16_dot.py)
+    # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
+    imports = (HELPERS if PAIRS else "") + (denormals.HELPERS if flush else "")
+    if imports:
         func = func.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT,
-                                            tvm.ir.StringImm(HELPERS), func.body))
+                                            tvm.ir.StringImm(imports), func.body))
     return func

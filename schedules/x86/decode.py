@@ -33,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import conjuncts
@@ -40,6 +42,8 @@ from mhagen.ir import expr as ex
 from mhagen.lower.te import LOG2E, call_scalars
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, with_scalars
+from mhagen.schedules.x86 import denormals
+from mhagen.schedules.x86.bf16_dot import IMPORT
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 
 
@@ -148,7 +152,7 @@ class DecodeRule:
         return out
 
     def build(self, w, cfg, target):
-        return build_decode(w, cfg, target.vector_registers)
+        return build_decode(w, cfg, target.vector_registers, flush=target.arch == "x86_64")
 
     def partial_shapes(self, w, cfg):
         """Shapes of the two temporaries of partial results: O [partials, row_tile, padded
@@ -255,9 +259,10 @@ def keys_in_flight(row_tile, lanes, registers, kv_block):
     return ju
 
 
-def build_decode(w, cfg, registers=16):
+def build_decode(w, cfg, registers=16, flush=False):
     """The decode attention PrimFunc (qkv, cache_lens, k_cache, v_cache, part_o, part_ml,
-    att) for workload w; registers: the target's vector registers."""
+    att) for workload w; registers: the target's vector registers; flush: the workers run
+    with denormals flushed to zero (x86: denormals.py)."""
     H, G, d = w["heads"], w["kv_heads"], w["head_dim"]
     DP, N, PW = w["head_dim_padded"], w["cache"], w["panel"]
     NP, M, MA = w["qkv_width"] // PW, w["rows"], w["att_rows"]
@@ -502,6 +507,9 @@ def build_decode(w, cfg, registers=16):
         # order), cut into one contiguous share per worker: every worker runs the same
         # work whatever the rows' cache lengths, and streams one stretch of the cache
         for worker in T.parallel(C):
+            csr = T.decl_buffer((1,), "int32")
+            if flush:
+                csr[0] = T.call_extern("int32", denormals.ENTER)
             qb = T.decl_buffer((RT, DP), "float32")
             s_buf = T.decl_buffer((KB,), "float32")
             acc = T.decl_buffer((LN,), "float32")
@@ -528,6 +536,8 @@ def build_decode(w, cfg, registers=16):
                           st, ml, o_row, qt, sr, sacc, sm, b, j // NRT % G, j % NRT,
                           j + worker, first, end)
                 cnt[1] = cnt[1] + nb
+            if flush:
+                T.evaluate(T.call_extern("int32", denormals.EXIT, csr[0]))
         # merge each row's pieces: out = sum_p 2^(m_p - m) O_p / sum_p 2^(m_p - m) l_p, the
         # pieces of group j being partials j + t of the workers t whose shares meet it
         for tile in T.parallel(NG):
@@ -575,4 +585,8 @@ def build_decode(w, cfg, registers=16):
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
 
+    if flush:   # the MXCSR helpers' LLVM IR, linked into the kernel
+        attention = attention.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT,
+                                                      tvm.ir.StringImm(denormals.HELPERS),
+                                                      attention.body))
     return with_scalars(attention, rules.scalars, rules.tables)
