@@ -11,7 +11,8 @@ heads fall to one core), flushed 1.06x / 1.02x; plain layers alike with and with
 time before this). Each task saves its thread's MXCSR, sets FTZ | DAZ and puts
 the saved value back at its end: the caller's floating-point state is left as it was (the
 calling thread runs tasks too). What is flushed lies below 2^-126 of the row's largest
-probability: below anything a float32 output shows.
+probability: below anything a float32 output shows; inputs already denormal (|q|, |k|, |v|
+under 2^-126) read as zero in these kernels, as in a GPU kernel built with flush-to-zero.
 """
 ENTER = "mhagen_flush_denormals"    # () -> the MXCSR it found; sets FTZ (bit 15), DAZ (bit 6)
 EXIT = "mhagen_restore_mxcsr"       # (saved) -> 0
