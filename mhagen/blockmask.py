@@ -65,9 +65,10 @@ def block_table(mask, batch, heads, seq, q_tile, kv_block, lengths=False,
             table = np.where(table == FULL, PARTIAL, table).astype(np.int32)
         return table
     try:
-        return _evaluated_table(mask, batch, heads, seq, q_tile, kv_block, kv_seq)
+        hash(mask)
     except TypeError:       # an unhashable mask: evaluated, not kept
         return _evaluated_table.__wrapped__(mask, batch, heads, seq, q_tile, kv_block, kv_seq)
+    return _evaluated_table(mask, batch, heads, seq, q_tile, kv_block, kv_seq)
 
 
 @functools.lru_cache(maxsize=16)

@@ -91,10 +91,11 @@ def half_precision_path(name: str, target, paired=(), attention_pairs=False) -> 
                 f"(AVX-512 BF16 vdpbf16ps, float32 accumulation; the attention output is "
                 f"rounded to bfloat16 before the output projection); {attention}; output "
                 f"rounded to {name}")
-    note = (f"; {have[0]} is present but not used yet" if have else "")
     if "avx512bf16" in have:
         note = ("; avx512bf16 is present but not used (bfloat16 pairs run only on CPUs whose "
                 "vdpbf16ps beats their float32 FMA, over even depths: "
                 "schedules/x86/bf16_dot.py)")
+    else:
+        note = f"; {have[0]} is present but not used yet" if have else ""
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

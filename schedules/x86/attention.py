@@ -33,8 +33,6 @@ V rows zipped likewise; the softmax stays float32.
 from dataclasses import dataclass, replace
 
 import numpy as np
-import tvm
-from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL, SKIP, block_table
@@ -42,7 +40,7 @@ from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86 import denormals
-from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, IMPORT, PACK, ZIP
+from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import rows_that_fit
 
@@ -527,8 +525,4 @@ def build_attention(w, cfg, lanes, flush=False):
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
-    imports = (HELPERS if PAIRS else "") + (denormals.HELPERS if flush else "")
-    if imports:
-        func = func.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT,
-                                            tvm.ir.StringImm(imports), func.body))
-    return func
+    return with_llvm_ir(func, (HELPERS if PAIRS else "") + (denormals.HELPERS if flush else ""))

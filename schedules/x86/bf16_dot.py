@@ -23,8 +23,10 @@ always-inline, so each call is one instruction). The earlier way, float32 operan
 in registers by `vcvtne2ps2bf16` (the one intrinsic that hands TVM a bfloat vector), spent a
 conversion per B vector and per A broadcast: 1.36x float32 on Zen 5, 1.05x on Zen 4.
 """
-from tvm.script import tirx as T
+import tvm
+from tvm import tirx
 from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
 
 from mhagen.schedules.tvmscript import cheap_stack
 
@@ -94,6 +96,15 @@ with cheap_stack():   # parsed at import: 2.9 s with TVM's own stack lookups
 
 
 TensorIntrin.register(INTRIN, _desc, _impl, override=True)
+
+
+def with_llvm_ir(func, ir: str):
+    """A template's PrimFunc with LLVM IR functions (HELPERS here, denormals.HELPERS) linked
+    into its kernel (IMPORT; TVM makes them always-inline); `ir` empty: func as it is."""
+    if not ir:
+        return func
+    return func.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT, tvm.ir.StringImm(ir),
+                                        func.body))
 
 
 # CPUs (LLVM's names) whose vdpbf16ps does more multiply-adds a cycle than the float32 FMA,

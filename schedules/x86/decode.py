@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import tvm
-from tvm import tirx
 from tvm.script import tirx as T
 
 from mhagen.blockmask import conjuncts
@@ -43,7 +41,7 @@ from mhagen.lower.te import LOG2E, call_scalars
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, with_scalars
 from mhagen.schedules.x86 import denormals
-from mhagen.schedules.x86.bf16_dot import IMPORT
+from mhagen.schedules.x86.bf16_dot import with_llvm_ir
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 
 
@@ -585,8 +583,5 @@ def build_decode(w, cfg, registers=16, flush=False):
                     for c in range(d):
                         out[b * S + t, h * d + c] = o[c] * mg[2]
 
-    if flush:   # the MXCSR helpers' LLVM IR, linked into the kernel
-        attention = attention.with_body(tirx.AttrStmt(tirx.const(0, "int32"), IMPORT,
-                                                      tvm.ir.StringImm(denormals.HELPERS),
-                                                      attention.body))
+    attention = with_llvm_ir(attention, denormals.HELPERS if flush else "")   # MXCSR helpers
     return with_scalars(attention, rules.scalars, rules.tables)
