@@ -29,6 +29,11 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
   gemm_pairs       (optional) (target, dtype, depth) -> bool: the packed GEMM multiplies
                    pairs of its depth in one instruction (x86 AVX-512 BF16 vdpbf16ps):
                    weights packed [N / nr, K / 2, nr, 2], A's rows packed likewise
+  gemm_amx         (optional) (target, dtype, depth) -> bool: the packed GEMM runs on AMX
+                   tiles (x86 AMX-BF16): weights as for pairs, A packed in 32 x 32 tiles;
+                   gemm_tile and gemm_rows take on_amx=True for it
+  finalize         (optional) (scheduled PrimFunc) -> PrimFunc: what the family's templates
+                   need around a scheduled kernel (x86: AMX's per-task tile configuration)
 
 A family is a folder of schedules/ (installed as mhagen.schedules.<folder>) whose __init__
 defines BACKEND. The table below is all that is known of a family without importing it
@@ -62,8 +67,8 @@ class Backend:
     device: str
     rules: list
     attention: object | None
-    gemm_tile: Callable          # (target, pairs=False) -> (rows, columns)
-    gemm_rows: Callable          # (target, rows, depth, cols, pairs=False) -> rows run over
+    gemm_tile: Callable          # (target, pairs=False, on_amx=False) -> (rows, columns)
+    gemm_rows: Callable          # (target, rows, depth, cols, pairs=, on_amx=) -> rows run
     head_dim_padded: Callable    # (head_dim, target) -> padded head width
     gemm_rule: object
     verify: Callable | None = None
@@ -73,6 +78,8 @@ class Backend:
     cross: bool = False          # its attention template reads K/V from a second GEMM's output
     gemm_packs_rows: Callable | None = None   # (target, depth) -> copy A into row-tile panels
     gemm_pairs: Callable | None = None        # (target, dtype, depth) -> depth pairs (bf16)
+    gemm_amx: Callable | None = None          # (target, dtype, depth) -> AMX tiles (bf16)
+    finalize: Callable | None = None          # (scheduled PrimFunc) -> PrimFunc
     half_temps: bool = False     # qkv and att in a half layer's dtype (tensor-core GEMMs read
     #                              them); else float32, converted once by the QKV GEMM
 

@@ -39,7 +39,7 @@ def _layer_options(p):
     g.add_argument("--no-bias", action="store_true", help="projections without bias")
     g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES,
                    help="storage of x, the output and the weights (compute: float32, or "
-                        "bfloat16 pairs on AVX-512 BF16)")
+                        "bfloat16 on AMX tiles or AVX-512 BF16 pairs)")
     g.add_argument("--kv-cache", type=int, metavar="N",
                    help="a decoding layer with a K/V cache of N tokens (--seq-len is then the "
                         "new tokens per call; checked on a half-full cache, timed on a full "

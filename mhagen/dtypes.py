@@ -70,10 +70,12 @@ def to_storage(what: str, a, name: str) -> np.ndarray:
     return rounded
 
 
-def half_precision_path(name: str, target, paired=(), attention_pairs=False) -> str | None:
+def half_precision_path(name: str, target, paired=(), attention_pairs=False,
+                        tiles=()) -> str | None:
     """What a half-precision build does on `target`, for the build's output (None: float32).
     paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps);
-    attention_pairs: the attention multiplies them too (Q K^T and P V)."""
+    attention_pairs: the attention multiplies them too (Q K^T and P V); tiles: the weights
+    whose GEMMs run on AMX tiles (AMX-BF16 tdpbf16ps)."""
     if not is_half(name):
         return None
     features = set(getattr(target, "features", ()) or ())
@@ -82,15 +84,18 @@ def half_precision_path(name: str, target, paired=(), attention_pairs=False) -> 
     arm = getattr(target, "arch", "") == "aarch64"
     how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
            "bfloat16": "a 16-bit shift"}[name]
-    if paired:
+    if paired or tiles:
         attention = ("the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
                      "softmax in float32" if attention_pairs else
                      f"the attention converts to float32 on load ({how}): float32 FMAs and "
                      "softmax")
-        return (f"{name} storage; the GEMMs of {', '.join(paired)} multiply bfloat16 pairs "
-                f"(AVX-512 BF16 vdpbf16ps, float32 accumulation; the attention output is "
-                f"rounded to bfloat16 before the output projection); {attention}; output "
-                f"rounded to {name}")
+        gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (
+            (tiles, "run on AMX tiles (AMX-BF16 tdpbf16ps)"),
+            (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names]
+        output = ("the attention output is rounded to bfloat16 before the output projection"
+                  if "w_o" in (*tiles, *paired) else "")
+        return (f"{name} storage; {' and '.join(gemms)}, with float32 accumulation"
+                f"{'; ' + output if output else ''}; {attention}; output rounded to {name}")
     if "avx512bf16" in have:
         note = ("; avx512bf16 is present but not used (bfloat16 pairs run only on CPUs whose "
                 "vdpbf16ps beats their float32 FMA, over even depths: "

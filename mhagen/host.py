@@ -29,13 +29,15 @@ class Feature(NamedTuple):
 
 EAX, EBX, ECX, EDX = range(4)
 AVX_STATE, AVX512_STATE = 0x06, 0xE6    # XCR0: xmm, ymm; and the opmask and zmm state
+AMX_STATE = 0x60000                     # XCR0: AMX's tile configuration and tile data
 _EXT = 0x80000001                       # AMD's extended leaf
 
 # The features compiled code may need, by the name LLVM gives them. x86: every extension
 # an -mcpu lets LLVM's code generator use (it picks instructions from all of them: a
 # bfloat16 layer built for Zen 4 runs AVX-512 BF16 vdpbf16ps, and it listed only AVX-512
 # F/BW/DQ/VL), so code for one CPU needs all of that CPU's; extensions reachable only
-# through intrinsics mhagen never writes (AES, SHA, AMX, ...) are left out. aarch64: NEON
+# through intrinsics mhagen never writes (AES, SHA, AMX-INT8, ...) are left out; AMX-TILE
+# and AMX-BF16 are in: bfloat16 GEMMs run on them (schedules/x86/amx.py). aarch64: NEON
 # and SVE (the NEON presets' half-precision code uses only base NEON conversions; checked
 # in tests/test_arm.py).
 X86_FEATURES = {
@@ -74,7 +76,9 @@ X86_FEATURES = {
                                (7, 0, ECX, 14, AVX512_STATE)),
     "avx512fp16": Feature("avx512_fp16", "AVX512FP16", (7, 0, EDX, 23, AVX512_STATE)),
     "avx512bf16": Feature("avx512_bf16", "AVX512BF16", (7, 1, EAX, 5, AVX512_STATE)),
-    "avxvnni": Feature("avx_vnni", "", (7, 1, EAX, 4, AVX_STATE))}
+    "avxvnni": Feature("avx_vnni", "", (7, 1, EAX, 4, AVX_STATE)),
+    "amx-tile": Feature("amx_tile", "", (7, 0, EDX, 24, AMX_STATE)),
+    "amx-bf16": Feature("amx_bf16", "", (7, 0, EDX, 22, AMX_STATE))}
 AARCH64_FEATURES = {
     "neon": Feature("asimd", "ASIMD", (1,)),      # HWCAP_ASIMD
     "sve": Feature("sve", "SVE", (22,))}          # HWCAP_SVE
@@ -261,11 +265,30 @@ def missing_features(arch: str, required) -> list:
 
 
 def cannot_run_reason(arch: str, required, what: str) -> str | None:
-    """None when code for `arch` needing `required` runs here, else why not."""
+    """None when code for `arch` needing `required` runs here, else why not. Code using
+    AMX asks Linux for the tile state first (amx_permitted)."""
     if arch != host_arch():
         return f"{what} is {arch} code; this machine is {host_arch()}: run it on a {arch} machine"
     missing = missing_features(arch, required)
     if missing:
         return (f"{what} needs CPU features {', '.join(missing)} that this machine lacks "
                 "(an instruction it lacks would kill the process with SIGILL)")
+    if "amx-tile" in required and not amx_permitted():
+        return (f"{what} runs AMX tiles, and Linux refused this process their state "
+                "(arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it): build the "
+                "layer for a target without amx-tile (e.g. x86-avx512)")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tiles: Linux (5.16+) enables their 8 KiB of state
+    per process on request (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without
+    it the first tile instruction raises SIGILL. Asked once; granted for the process."""
+    if host_arch() != "x86_64" or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(ctypes.c_long(158), ctypes.c_long(0x1023), ctypes.c_long(18)) == 0
+    except (OSError, AttributeError):
+        return False

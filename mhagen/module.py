@@ -102,11 +102,12 @@ class Module:
     @property
     def precision(self) -> str | None:
         """How a half-precision module computes on its target (None: a float32 layer)."""
-        paired = [b.name for b in self.program.buffers.values()
-                  if (b.pack or {}).get("pairs")]
+        packs = {b.name: b.pack or {} for b in self.program.buffers.values()}
+        tiles = [n for n, p in packs.items() if p.get("amx")]
+        paired = [n for n, p in packs.items() if p.get("pairs") and not p.get("amx")]
         qkv = self.program.buffers.get("qkv")    # bfloat16 when the attention runs on pairs
-        attention = bool(paired) and qkv is not None and qkv.dtype == "bfloat16"
-        return half_precision_path(self.graph.dtype, self.target, paired, attention)
+        attention = qkv is not None and qkv.dtype == "bfloat16"
+        return half_precision_path(self.graph.dtype, self.target, paired, attention, tiles)
 
     @property
     def bound_params(self) -> dict | None:

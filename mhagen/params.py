@@ -7,7 +7,8 @@ keeps, so a loaded artifact repacks new weights exactly as its build did:
    "columns": [{"weight": "w_q", "head": 0, "at": 0}, ...]}
                     the weights' columns placed side by side in a zero [K, N] matrix, then
                     split into column panels [N / nr, K, nr] (one GEMM panel contiguous);
-                    with "pairs": true, [N / nr, K / 2, nr, 2] (see pack_panels)
+                    with "pairs": true, [N / nr, K / 2, nr, 2] (see pack_panels; "amx":
+                    true marks the GEMMs on AMX tiles, which read the same layout)
   {"kind": "vector", "length": N, "pieces": [{"weight": "b_q", "head": 0, "at": 0}, ...]}
                     biases placed in a zero vector
   {"kind": "constant"}  fixed at build time (block tables): kept in params.bin, not derived

@@ -46,6 +46,8 @@ def schedule_kernel(kernel, target, rules=None, record=None):
     is given and still fits the kernel, else the rules (TE stages) or the template."""
     backend = backend_for(target)
     func, decisions = _schedule(kernel, target, rules or backend.rules, record)
+    if backend.finalize is not None:
+        func = backend.finalize(func)
     if backend.verify is not None:
         backend.verify(kernel, func, target)
     return func, decisions

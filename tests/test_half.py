@@ -13,16 +13,20 @@ import pytest
 import mhagen
 from mhagen import KVCache
 from mhagen.errors import GraphError, InputError
+from mhagen import host
+from mhagen.errors import TargetError
+from mhagen.schedules.x86.amx import amx_tiles
 from mhagen.schedules.x86.bf16_dot import PAIRS_PAY, bf16_pairs
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
 from tests.conftest import build_c_app, random_cache
-from test_x86_classes import multiply_add_loops, spills_in_fma_loops
+from test_x86_classes import function_asm, multiply_add_loops, spills_in_fma_loops
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16")
+RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16", "x86-amx")
             if resolve(p).runs_here()]
 NATIVE = "x86-avx512-bf16"    # Zen 4: bfloat16 GEMMs on vdpbf16ps (schedules/x86/bf16_dot.py)
+AMX = "x86-amx"               # Sapphire Rapids: bfloat16 GEMMs on AMX tiles (x86/amx.py)
 
 
 def _x(shape, dtype, seed=1):
@@ -57,6 +61,8 @@ def test_half_layers_match_the_reference(preset, dtype, build):
     m = mhagen.build(layer, preset, **{"batch": 2, "seq_len": 97, **kw}, weights=w)
     if bf16_pairs(resolve(preset), dtype, 80):
         assert "w_qkv, w_o multiply bfloat16 pairs" in m.precision
+    elif amx_tiles(resolve(preset), dtype, 160):   # d_model 80 is not whole 32s, 4 x 40 is
+        assert "the GEMMs of w_o run on AMX tiles" in m.precision
     else:
         assert m.precision.startswith(f"{dtype} storage, converted to float32 on load")
     _check(layer, m, _x((2, 97, 80), dtype), w, dtype)
@@ -388,21 +394,129 @@ def test_bfloat16_pair_gemms_match_the_reference(build, tmp_path):
     _check(layer, m, _x((3, 7, 80), "bfloat16"), w, "bfloat16")
 
 
-@pytest.mark.skipif(not resolve(NATIVE).runs_here(),
-                    reason="needs a CPU with AVX-512 BF16 (tuning measures on this host)")
-def test_tuning_a_bfloat16_layer_keeps_the_pair_gemms_on_their_template(tmp_path):
-    """MetaSchedule's generic space cannot express the vdpbf16ps intrinsic (it crashed
-    inside TVM): tuning reports those GEMMs as not tunable and tunes the attention."""
+@pytest.mark.parametrize("preset, method", [(NATIVE, "vdpbf16ps"), (AMX, "AMX tiles")])
+def test_tuning_a_bfloat16_layer_keeps_the_intrinsic_gemms_on_their_template(preset, method,
+                                                                             tmp_path):
+    """MetaSchedule's generic space cannot express the vdpbf16ps or AMX intrinsics (the
+    former crashed inside TVM): tuning reports those GEMMs as not tunable and tunes the
+    attention."""
+    if not resolve(preset).runs_here():
+        pytest.skip(f"needs a CPU that runs {preset} code (tuning measures on this host)")
     layer = mhagen.mha(64, 4, dtype="bfloat16")
-    report = mhagen.tune(layer, NATIVE, shapes=[(1, 16)], trials=2, progress=False,
+    report = mhagen.tune(layer, preset, shapes=[(1, 16)], trials=2, progress=False,
                          database=tmp_path / "db.json")
     kept = {r.kernel: (r.method, r.kept) for r in report.results}
-    assert kept["qkv_projection"] == ("vdpbf16ps", "default (not tunable)")
-    assert kept["output_projection"] == ("vdpbf16ps", "default (not tunable)")
+    assert kept["qkv_projection"] == (method, "default (not tunable)")
+    assert kept["output_projection"] == (method, "default (not tunable)")
     assert kept["attention"][0] == "config sweep"
     w = layer.init_weights(0)
-    m = mhagen.build(layer, NATIVE, batch=1, seq_len=16, weights=w, tuning=tmp_path / "db.json")
+    m = mhagen.build(layer, preset, batch=1, seq_len=16, weights=w, tuning=tmp_path / "db.json")
     _check(layer, m, _x((1, 16, 64), "bfloat16"), w, "bfloat16")
+
+
+def _tile_layer(**kw):
+    """Depths of whole 32s (d_model 64, 4 heads of 40: 160) for AMX, awkward otherwise."""
+    return mhagen.mha(64, 4, head_dim=40, kv_heads=2, causal=True, dtype="bfloat16", **kw)
+
+
+def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
+    """Compile-only (any host): a bfloat16 layer for Sapphire Rapids runs its GEMMs on AMX
+    tiles: 4 tdpbf16ps a step of 32, the tile configuration loaded once per GEMM task and
+    released at its end (not per tile: 20-30% of a tile's time), A packed in 32 x 32 tiles,
+    the weights in pairs; float32 and float16 layers, depths not whole 32s and decoding
+    layers (few rows a step) keep the FMA GEMMs."""
+    layer = _tile_layer()
+    w = layer.init_weights(0)
+    m = mhagen.build(layer, AMX, batch=1, seq_len=40, weights=w)
+    asm = m.inspect("source")
+    assert "the GEMMs of w_qkv, w_o run on AMX tiles" in m.precision
+    assert {d["config"]["tile_rows"] for d in m.decisions if d["rule"] == "matmul"} == {32}
+    tir = m.inspect("tir")
+    for kernel in ("qkv_projection", "output_projection"):
+        code = function_asm(asm, f"{kernel}_compute_")
+        assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1, kernel
+        n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
+        assert n and n % 4 == 0, (kernel, n)    # 2 x 2 tiles a step of 32 (unrolled or not)
+        # a task: configure, its row tiles (2 here: 64 rows), release
+        text = tir[tir.index(f"def {kernel}("):]
+        order = [text.index(s) for s in ("T.parallel", "mhagen_amx_config", "for m_0 in",
+                                          "mhagen_amx_tile_32x32", "mhagen_amx_release")]
+        assert order == sorted(order) and text.count("mhagen_amx_config") >= 1, kernel
+    assert "tdpbf16ps" not in function_asm(asm, "attention_compute_")
+    assert {n for n, b in m.program.buffers.items() if (b.pack or {}).get("amx")} == {
+        "w_qkv", "w_o"}
+    assert m.program.buffers["w_qkv"].shape[-1] == 2     # [N / 32, K / 2, 32, 2] pairs
+    for other in (mhagen.mha(64, 4), mhagen.mha(64, 4, dtype="float16"),
+                  mhagen.mha(80, 4, dtype="bfloat16"),
+                  mhagen.mha(64, 4, kv_cache=64, dtype="bfloat16")):
+        built = mhagen.build(other, AMX, batch=1, seq_len=8, weights=other.init_weights(0))
+        assert "tdpbf16ps" not in built.inspect("source"), other
+    # the same layer for a target without AMX converts on load
+    plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=40, weights=w)
+    assert "tdpbf16ps" not in plain.inspect("source")
+
+
+@pytest.mark.skipif(not resolve(AMX).runs_here(),
+                    reason="needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux "
+                           "5.16+; compiled on every host by the test above")
+@pytest.mark.parametrize("build", ["awkward", "any-length", "cross", "artifact", "c api"])
+def test_amx_gemms_match_the_reference(build, tmp_path):
+    """The AMX GEMMs run (2 threads: each task configures its own tiles): seq 97 with head
+    dim 40, any-length builds (1 to 64 rows: the rows padded to 32-row tiles), cross-attention
+    (the K/V GEMM too), and a saved artifact from Python (weights repacked on load) and
+    from the C API (mha_create asks Linux for the tile state)."""
+    layer = _tile_layer()
+    w = layer.init_weights(4)
+    if build == "cross":
+        layer = mhagen.mha(64, 4, cross=True, dtype="bfloat16")
+        w = layer.init_weights(3)
+        m = mhagen.build(layer, AMX, batch=2, seq_len=11, kv_seq_len=9, weights=w)
+        assert "w_kv" in m.precision and "AMX tiles" in m.precision
+        _check(layer, m, _x((2, 11, 64), "bfloat16"), w, "bfloat16",
+               context=_x((2, 9, 64), "bfloat16", seed=7))
+        return
+    if build == "any-length":
+        m = mhagen.build(layer, AMX, batch=2, seq_len=None, max_seq_len=64, weights=w)
+        for seq in (1, 13, 64):
+            _check(layer, m, _x((2, seq, 64), "bfloat16", seed=seq), w, "bfloat16")
+        return
+    m = mhagen.build(layer, AMX, batch=2, seq_len=97, weights=w)
+    assert "run on AMX tiles" in m.precision
+    x = _x((2, 97, 64), "bfloat16")
+    y = _check(layer, m, x, w, "bfloat16")
+    if build == "artifact":
+        loaded = mhagen.load(m.save(tmp_path / "m"))
+        loaded.bind(w)      # new weights are repacked by the manifest's recipe
+        np.testing.assert_array_equal(loaded(x).view(np.uint16), y.view(np.uint16))
+    if build == "c api":
+        cc = shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            pytest.skip("needs a C compiler")
+        art = m.save(tmp_path / "m")
+        exe = build_c_app(cc, art, tmp_path / "app")
+        x.tofile(tmp_path / "x.bin")
+        r = subprocess.run([str(exe), str(art), str(tmp_path / "x.bin"),
+                            str(tmp_path / "y.bin")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        got = np.fromfile(tmp_path / "y.bin", ml_dtypes.bfloat16).reshape(y.shape)
+        np.testing.assert_array_equal(got.view(np.uint16), y.view(np.uint16))
+
+
+def test_amx_code_is_refused_where_linux_refuses_the_tile_state(monkeypatch):
+    """No SIGILL: where Linux does not grant AMX's tile state (before 5.16, or refused),
+    code using AMX tiles is refused with the reason and the way out, before any kernel
+    runs. The check is the AMX permission request itself (amx_permitted), faked here."""
+    t = resolve(AMX)
+    assert {"amx-tile", "amx-bf16"} <= set(t.required_features())
+    monkeypatch.setattr(host, "amx_permitted", lambda: False)
+    monkeypatch.setattr(host, "missing_features", lambda arch, required: [])
+    why = t.cannot_run()
+    assert "arch_prctl" in why and "without amx-tile" in why
+    with pytest.raises(TargetError, match="AMX tiles"):
+        t.check_runs_here()
+    # a target without AMX is not asked about it
+    assert resolve("x86-avx2").cannot_run() is None or "amx" not in resolve(
+        "x86-avx2").cannot_run()
 
 
 @pytest.mark.parametrize("seq", [1, 3, 7])

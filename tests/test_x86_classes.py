@@ -530,8 +530,8 @@ def _unpadded_avx2_build(monkeypatch, seq):
     import mhagen.schedules.x86.matmul as matmul
     exact = matmul.packed_blocking
 
-    def unpadded(target, rows, depth, cols=0, pairs=False):
-        return exact(target, rows, depth, cols, pairs)[:2] + (rows,)
+    def unpadded(target, rows, depth, cols=0, pairs=False, on_amx=False):
+        return exact(target, rows, depth, cols, pairs, on_amx)[:2] + (rows,)
     monkeypatch.setattr(matmul, "packed_blocking", unpadded)
     monkeypatch.setattr(x86, "packed_blocking", unpadded)
     m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=seq, tuning=None)

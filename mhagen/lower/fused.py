@@ -35,7 +35,7 @@ class NotFusable(Exception):
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
           scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None,
-          pairs=False):
+          pairs=False, on_amx=False):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows (the backend's gemm_rows: padded to whole
     register tiles or not; rows of `a` past its end are read clamped); C keeps `out_rows`
@@ -51,7 +51,9 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     pairs: the depth runs in pairs k = 2 * k2 + p (the backend's gemm_pairs: one bfloat16
     dot-product instruction per pair): W is wp[n // nr, k2, n % nr, p] and `a` is always
     packed (pack_tile rows), as a_p[m // t, k2, m % t, p], both bfloat16 (a float32 `a`,
-    the attention's output, is rounded by the pack)."""
+    the attention's output, is rounded by the pack).
+    on_amx: on AMX tiles (32 rows x 32 of the depth, schedules/x86/amx.py): W as for pairs,
+    `a` packed as a_t[m // 32, k // 32, m % 32, k2, p] (k % 32 = 2 * k2 + p), bfloat16."""
     last = a.shape[0] - 1
     out_dtype = out_dtype or COMPUTE
 
@@ -63,7 +65,20 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     t, pack_stages = pack_tile, []
     if pairs and not scalars and int(rows) < t:
         t = int(rows)   # a GEMM of fewer rows than a tile runs one shorter tile (a decode step)
-    if pairs:
+    if on_amx:
+        steps = depth // 32
+        packed = te.compute((rows // t, steps, t, 16, 2),
+                            lambda i, s, r, k2, p: cast(a[a_row(i * t + r), 32 * s + 2 * k2 + p],
+                                                        "bfloat16"),
+                            name=name + "_pack")
+        kt, k2 = te.reduce_axis((0, steps), name="kt"), te.reduce_axis((0, 16), name="k2")
+        kp = te.reduce_axis((0, 2), name="kp")
+        axes = [kt, k2, kp]
+
+        def term(m, panel, j):
+            return (_f32(packed[m // t, kt, m % t, k2, kp])
+                    * _f32(wp[panel, kt * 16 + k2, j, kp]))
+    elif pairs:
         packed = te.compute((rows // t, depth // 2, t, 2),
                             lambda i, k2, r, p: cast(a[a_row(i * t + r), 2 * k2 + p],
                                                      "bfloat16"),
@@ -108,6 +123,8 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
             "panel_major": panel_major}
     if pairs:
         work["pairs"] = True
+    if on_amx:
+        work["amx"] = True
     if scalars:   # the rule sizes its row blocks for the largest call
         work.update(rows=max_rows, symbolic=True)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
@@ -173,40 +190,62 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     d_out_p = round_up(d_out, nr)
     hd = heads * d
 
-    def pairs(depth):
-        """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
+    def on_amx(depth):
+        """Whether a GEMM of this depth runs on AMX tiles (bfloat16; not in decoding layers,
+        whose steps' few rows would be padded to a 32-row tile)."""
+        return bool(cache is None and backend.gemm_amx
+                    and backend.gemm_amx(target, dtype, depth))
+
+    def dot_pairs(depth):
+        """Whether the target multiplies bfloat16 pairs of this depth in dot products."""
         return bool(backend.gemm_pairs and backend.gemm_pairs(target, dtype, depth))
 
+    def pairs(depth):
+        """Whether a GEMM of this depth multiplies pairs of it (bfloat16 dot products)."""
+        return dot_pairs(depth) and not on_amx(depth)
+
     def row_tile(depth):
-        """The register tile rows of the GEMM of this depth (pair GEMMs have their own)."""
-        return backend.gemm_tile(target, pairs=pairs(depth))[0]
+        """The register tile rows of the GEMM of this depth (pair and AMX GEMMs have their
+        own)."""
+        return backend.gemm_tile(target, pairs=pairs(depth), on_amx=on_amx(depth))[0]
+
+    def gemm_rows(rows, depth, cols):
+        return backend.gemm_rows(target, rows, depth, cols, pairs=pairs(depth),
+                                 on_amx=on_amx(depth))
     # qkv columns: every head's d columns padded to dp, what the attention template reads
     dp = backend.head_dim_padded(d, target)
     n_qkv_p = round_up(len(segments) * dp, nr)
     kv_segments = kv_node.attrs["segments"] if cross else []
     n_kv_p = round_up(len(kv_segments) * dp, nr)
-    rows_qkv = backend.gemm_rows(target, rows, d_model, n_qkv_p, pairs=pairs(d_model))
-    rows_att = backend.gemm_rows(target, rows, hd, d_out_p, pairs=pairs(hd))
+    rows_qkv = gemm_rows(rows, d_model, n_qkv_p)
+    rows_att = gemm_rows(rows, hd, d_out_p)
     kv_rows = rows_kv = kv_dim = None
     if cross:
         kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2]
         kv_rows = batch * kv_seq
-        rows_kv = backend.gemm_rows(target, kv_rows, kv_dim, n_kv_p, pairs=pairs(kv_dim))
-    # symbolic lengths pad each call's rows to one row tile: the shortest of the GEMMs'
-    tile_rows = min(row_tile(depth) for depth in (d_model, hd, kv_dim) if depth)
+        rows_kv = gemm_rows(kv_rows, kv_dim, n_kv_p)
+    # symbolic lengths pad each call's rows to one row tile: the shortest of the GEMMs', or
+    # an AMX tile where a GEMM has them (those take whole tiles only; the others any rows)
+    depths = [depth for depth in (d_model, hd, kv_dim) if depth]
+    tile_rows = max([row_tile(depth) for depth in depths if on_amx(depth)]
+                    or [min(row_tile(depth) for depth in depths)])
 
     def pack(depth, half=False):
         """The row tile where a GEMM's rows are packed first: where the backend asks for
         that depth, for half-precision rows (converted to float32 once, by the copy, not
         six times per tile step), and for GEMMs over pairs of the depth."""
         asks = backend.gemm_packs_rows and backend.gemm_packs_rows(target, depth)
-        return (row_tile(depth) if asks or pairs(depth) or (half and backend.gemm_packs_rows)
+        return (row_tile(depth) if asks or paired(depth) or (half and backend.gemm_packs_rows)
                 else None)
+
+    def paired(depth):
+        """Whether a GEMM's weights are packed in pairs of its depth (pairs or AMX)."""
+        return pairs(depth) or on_amx(depth)
 
     def panels(width, depth):
         """A packed weight's shape and dtype: [width / nr, depth, nr] in the layer's dtype,
         or for a GEMM over pairs of its depth [width / nr, depth / 2, nr, 2] (bfloat16)."""
-        if pairs(depth):
+        if paired(depth):
             return dict(shape=(width // nr, depth // 2, nr, 2), dtype=dtype)
         return dict(shape=(width // nr, depth, nr), dtype=dtype)
     if symbolic:   # allocations: the largest call, padded to whole register tiles
@@ -219,7 +258,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     # head_dim): qkv and kv hold bfloat16, the template multiplies pairs of head columns and
     # of keys (schedules/x86/attention.py). Not for decoding or rotary layers (their
     # templates read float32 qkv).
-    att_pairs = cache is None and not a.get("rotary") and pairs(d)
+    att_pairs = cache is None and not a.get("rotary") and dot_pairs(d)
     qkv_temp = kv_temp = "bfloat16" if att_pairs else temp
     if not att_pairs:
         kv_temp = COMPUTE
@@ -248,10 +287,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     cfg = tuned or default
 
     # param recipes (mhagen.params): every head's d columns at i * dp
-    w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp, pairs(d_model))
+    w_qkv, b_qkv = _packed(segments, d_model, n_qkv_p, nr, dp, paired(d_model),
+                           on_amx(d_model))
     w_o = {"kind": "panels", "depth": hd, "width": d_out_p, "panel": nr,
            "columns": [{"weight": out_node.attrs["weight"], "at": 0}],
-           **({"pairs": True} if pairs(hd) else {})}
+           **({"pairs": True} if paired(hd) else {}), **({"amx": True} if on_amx(hd) else {})}
     bias_o = out_node.attrs.get("bias")
     b_o = {"kind": "vector", "length": d_out_p,
            "pieces": [{"weight": bias_o, "at": 0}] if bias_o else []}
@@ -295,7 +335,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                doc="Q, K, V of every head in column panels, each head padded to the lanes",
                symbolic={1: "padded_rows"} if symbolic else None),
     ] + (_cross_buffers(kv_node.inputs[0], kv_rows, kv_dim, rows_kv, kv_segments, n_kv_p,
-                        nr, dp, bool(symbolic), dtype, panels, pairs(kv_dim), kv_temp)
+                        nr, dp, bool(symbolic), dtype, panels, paired(kv_dim), kv_temp,
+                        on_amx(kv_dim))
          if cross else []) + attention_buffers + score_tables + ([
         Buffer("rope", (2, positions, a["rotary"]["rotary_dim"] // 2), "param",
                pack={"kind": "constant"},
@@ -323,7 +364,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
                     pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model),
-                    out_dtype=qkv_temp)
+                    on_amx=on_amx(d_model), out_dtype=qkv_temp)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"
@@ -334,7 +375,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                        ph.dims["kv_padded_rows"] if symbolic else rows_kv, kv_dim, n_kv_p, nr,
                        panel_major=True, scalars=scalars, max_rows=rows_kv, a_exact=True,
                        pack_tile=pack(kv_dim, dtype != COMPUTE), pairs=pairs(kv_dim),
-                       out_dtype=kv_temp)
+                       on_amx=on_amx(kv_dim), out_dtype=kv_temp)
         kernels.append(Kernel("kv_projection", [c.name, "w_kv", "b_kv", "kv"] + extra,
                               te.create_prim_func([c, wkv, bkv, kv, *scalars]), st))
         text.append(f"kv[p, m, j] = sum_k {c.name}[m, k] * w_kv[p, k, j] + b_kv[p*{nr} + j]"
@@ -364,7 +405,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     f"block table {table.shape}: {int((table == 0).sum())} of {table.size} "
                     "blocks skipped")
     program = _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                           ph if symbolic else None, pack_tile=pack(hd), pairs=pairs(hd))
+                           ph if symbolic else None, pack_tile=pack(hd), pairs=pairs(hd),
+                           on_amx=on_amx(hd))
     if symbolic:
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
                             "row_tile": tile_rows,
@@ -372,13 +414,14 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     return program
 
 
-def _packed(segments, depth, width, nr, dp, pairs=False):
+def _packed(segments, depth, width, nr, dp, pairs=False, on_amx=False):
     """The param recipes (mhagen.params) of a packed GEMM's weights and bias: segment i's
     d columns at i * dp (each head padded to what the attention template reads); pairs:
-    the GEMM runs over pairs of its depth."""
+    the weights in pairs of the depth (the GEMM runs over pairs, or on_amx: AMX tiles)."""
     w = {"kind": "panels", "depth": depth, "width": width, "panel": nr,
          "columns": [{"weight": s["weight"], "head": s["head"], "at": i * dp}
-                     for i, s in enumerate(segments)], **({"pairs": True} if pairs else {})}
+                     for i, s in enumerate(segments)], **({"pairs": True} if pairs else {}),
+         **({"amx": True} if on_amx else {})}
     b = {"kind": "vector", "length": width,
          "pieces": [{"weight": s["bias"], "head": s["head"], "at": i * dp}
                     for i, s in enumerate(segments) if s.get("bias")]}
@@ -386,12 +429,12 @@ def _packed(segments, depth, width, nr, dp, pairs=False):
 
 
 def _cross_buffers(context, rows, kv_dim, rows_kv, segments, width, nr, dp, symbolic, dtype,
-                   panels, pairs, kv_dtype):
+                   panels, pairs, kv_dtype, on_amx=False):
     """A cross-attention's context input, its K/V GEMM's packed weights and the kv temporary
     (symbolic: their rows follow the call's batch * kv_seq); panels: the packed weight's
-    shape and dtype (width, depth) -> dict; pairs: its GEMM runs over pairs of the depth;
-    kv_dtype: the kv temporary's."""
-    w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp, pairs)
+    shape and dtype (width, depth) -> dict; pairs: its weights in pairs of the depth
+    (on_amx: for AMX tiles); kv_dtype: the kv temporary's."""
+    w_kv, b_kv = _packed(segments, kv_dim, width, nr, dp, pairs, on_amx)
     return [Buffer(context, (rows, kv_dim), "input", dtype=dtype,
                    doc="context [batch*kv_seq, kv_dim]: what K and V project",
                    symbolic={0: "kv_rows"} if symbolic else None),
@@ -448,7 +491,7 @@ def _decode_kernels(kernels, text, work, cfg, att_node, lengths, extra, tables=(
 
 
 def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, nr,
-                 ph=None, pack_tile=None, pairs=False):
+                 ph=None, pack_tile=None, pairs=False, on_amx=False):
     """The output projection kernel; returns the finished Program. ph: a symbolic build's
     placeholders (_placeholders)."""
     buf = {b.name: b for b in buffers}
@@ -462,7 +505,7 @@ def _output_gemm(kernels, text, buffers, out_node, rows, rows_att, hd, d_out_p, 
     att, wo, bo = ph("att"), ph("w_o"), ph("b_o")
     y, st = _gemm("out", out_node.name, att, wo, bo, rows_att, hd, d_out_p, nr, out_rows=rows,
                   scalars=scalars, max_rows=max_rows, pack_tile=pack_tile,
-                  out_dtype=buf["out"].dtype, pairs=pairs)
+                  out_dtype=buf["out"].dtype, pairs=pairs, on_amx=on_amx)
     kernels.append(Kernel("output_projection", ["att", "w_o", "b_o", "out"] +
                           list(CROSS_SCALARS[:len(scalars)]),
                           te.create_prim_func([att, wo, bo, y, *scalars]), st))

@@ -514,11 +514,14 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
         for k in program.kernels:
             gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
-            if any(s.workload.get("pairs") for s in gemms):
-                # vdpbf16ps GEMMs (schedules/x86/bf16_dot.py): MetaSchedule's generic space
-                # cannot express their tensor intrinsic, so they keep the template's schedule
+            fixed_by = next((how for s in gemms for key, how in (
+                ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if s.workload.get(key)), None)
+            if fixed_by:
+                # vdpbf16ps GEMMs (schedules/x86/bf16_dot.py), AMX ones (amx.py):
+                # MetaSchedule's generic space cannot express their tensor intrinsics, so
+                # they keep the template's schedule
                 if kernels is None or k.name in kernels:
-                    fixed.append(KernelResult((batch, seq), k.name, "vdpbf16ps", 0, None, None,
+                    fixed.append(KernelResult((batch, seq), k.name, fixed_by, 0, None, None,
                                               "default (not tunable)"))
                 continue
             if k.template in ("attention", "decode") or gemms:

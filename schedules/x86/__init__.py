@@ -1,6 +1,7 @@
 """x86 schedule rules (AVX-512 / AVX2 through the target's vector width), first match wins,
 and the cpu-x86 backend (mhagen/backends.py)."""
 from mhagen.backends import Backend
+from mhagen.schedules.x86.amx import amx_tiles, with_task_config
 from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
 from mhagen.schedules.x86.bf16_dot import bf16_pairs
 from mhagen.schedules.x86.decode import CacheAppendRule, DecodeRule
@@ -19,11 +20,12 @@ def cpu_backend(family: str) -> Backend:
     caches, cores), never names, so x86 and aarch64 share them."""
     return Backend(family=family, device="cpu", rules=RULES, attention=ATTENTION,
                    gemm_tile=packed_tile,
-                   gemm_rows=lambda target, rows, depth, cols, pairs=False: packed_blocking(
-                       target, rows, depth, cols, pairs=pairs)[2],
+                   gemm_rows=lambda target, rows, depth, cols, pairs=False, on_amx=False:
+                       packed_blocking(target, rows, depth, cols, pairs=pairs, on_amx=on_amx)[2],
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
                    gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True,
-                   gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs)
+                   gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs,
+                   gemm_amx=amx_tiles, finalize=with_task_config)
 
 
 def rows_alias_in_l1(target, depth) -> bool:

@@ -14,6 +14,7 @@ blocks and padded tiles): 8x32 tiles ~150-160 GFLOP/s, 12x32 ~95 (see packed_til
 """
 from dataclasses import dataclass
 
+from mhagen.schedules.x86 import amx
 from mhagen.schedules.x86.bf16_dot import (HELPERS, IMPORT, INTRIN as BF16_DOT,
                                           LANES as BF16_LANES)
 
@@ -67,7 +68,7 @@ def rows_that_fit(vectors, registers, most=8):
 GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_tile)
 
 
-def packed_tile(target, pairs=False):
+def packed_tile(target, pairs=False, on_amx=False):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
     and 8 on fewer or for GEMMs over bfloat16 pairs (`pairs`: AVX-512 BF16's vdpbf16ps;
@@ -80,12 +81,15 @@ def packed_tile(target, pairs=False):
     for the write-back. A taller tile loads the 2 B vectors once per 24 multiply-adds, not
     16, and runs fewer tiles. (The first template's 12 x 32 ran at ~60% of 8 x 32 before the
     GEMM rows were padded to whole tiles: a partial last tile's guard kept accumulators in
-    memory, see packed_blocking.)"""
+    memory, see packed_blocking.)
+    on_amx: a GEMM on AMX tiles (amx.py): 32 x 32, four 16 x 16 tiles."""
+    if on_amx:
+        return amx.ROWS, amx.COLS
     most = GEMM_ROWS_MOST if target.lanes >= 16 and not pairs else 8
     return rows_that_fit(2, target.vector_registers, most), 2 * target.lanes
 
 
-def packed_blocking(target, rows, depth, cols=0, pairs=False):
+def packed_blocking(target, rows, depth, cols=0, pairs=False, on_amx=False):
     """(tile_rows, row_block, rows run over) of a packed GEMM with `rows` rows, depth K and
     `cols` columns (0: not known, or a symbolic build's: no blocks for the cores' sake).
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
@@ -112,9 +116,11 @@ def packed_blocking(target, rows, depth, cols=0, pairs=False):
     Rows that fit one block are split into blocks all the same where the panels alone do
     not spread over the target's cores (core_blocks).
     pairs: a GEMM over bfloat16 pairs (packed_tile's pair tile), its rows padded to whole
-    blocks (TVM's tensorize does not match a tile under a guard)."""
-    tile_rows, tile_cols = packed_tile(target, pairs)
-    if 0 < rows < tile_rows:   # a decode step's few rows: a shorter tile, no padding rows
+    blocks (TVM's tensorize does not match a tile under a guard); on_amx: on AMX tiles
+    (likewise padded, a decode step's few rows too)."""
+    tile_rows, tile_cols = packed_tile(target, pairs, on_amx)
+    pairs = pairs or on_amx
+    if 0 < rows < tile_rows and not on_amx:   # a decode step's few rows: a shorter tile
         return rows, 1, rows   # (1 row: a GEMV, memory-bound; 8 rows would do 8x the FMAs)
     tiles = -(-rows // tile_rows)
     fit = target.l2_kib * 1024 // 2 // (tile_rows * max(1, depth) * 4)
@@ -179,12 +185,12 @@ class MatmulRule:
         # 12 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
         lanes, budget = target.lanes, target.vector_registers - 4
         if "panel" in workload:
-            _, tile_cols = packed_tile(target)
+            _, tile_cols = packed_tile(target, on_amx=bool(workload.get("amx")))
             assert tile_cols == workload["panel"], (tile_cols, workload)
             tile_rows, row_block, run_rows = packed_blocking(
                 target, workload.get("rows", 0), workload.get("depth", 1),
                 0 if workload.get("symbolic") else workload.get("cols", 0),
-                pairs=bool(workload.get("pairs")))
+                pairs=bool(workload.get("pairs")), on_amx=bool(workload.get("amx")))
             # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
             # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
             # second, and the two threads' halves of the parallel loop did 86% and 14% of the
@@ -206,7 +212,8 @@ class MatmulRule:
             if groups < 2 or panels % groups:
                 groups = 1
             tile_panels = 1
-            if tile_rows < packed_tile(target)[0] and not workload.get("pairs"):
+            if tile_rows < packed_tile(target)[0] and not (workload.get("pairs")
+                                                           or workload.get("amx")):
                 tile_panels = few_rows_panels(tile_rows, panels, tile_cols // lanes,
                                               target.vector_registers, cores)
             return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
@@ -223,9 +230,13 @@ class MatmulRule:
         packs = self._pack_rows(sch, blk, plan)
         loops = sch.get_loops(blk)
         pairs = stage.workload.get("pairs")   # reduction (k2, kp): bf16 dot products
+        tiles = stage.workload.get("amx")     # reduction (kt, k2, kp): AMX tiles
         if stage.pattern == "packed_matmul":
             if pairs:
                 *loops, kp = loops
+            if tiles:
+                *loops, kt, k2, kp = loops
+                loops.append(kt)
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
@@ -242,6 +253,8 @@ class MatmulRule:
             if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
                 jv, jl = sch.split(ji, [None, BF16_LANES])
                 inner = [ii, jv, jl, kp]
+            if tiles:   # the whole tile over the whole depth: the tensor intrinsic
+                k, inner = ii, [ji, kt, k2, kp]
             if cfg.row_block > 1:
                 # (row block, panel, row tile): a panel is reused by the block's row tiles,
                 # the block's rows of A stay in L2 across panels
@@ -297,6 +310,13 @@ class MatmulRule:
         else:
             sch.set_scope(blk, 0, "local")
         sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
+        if tiles:
+            init = sch.decompose_reduction(blk, ii)
+            sch.tensorize(ii, amx.intrinsic(stage.workload["depth"] // amx.DEPTH))
+            sch.annotate(outer, amx.TASK, 1)   # the tile configuration: with_task_config
+            sch.vectorize(sch.get_loops(init)[-1])
+            sch.vectorize(sch.get_loops(first)[-1])
+            return absorbed + packs
         sch.unroll(ii)
         if cfg.tile_panels > 1:
             sch.unroll(inner[1])

@@ -13,6 +13,10 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #include <sys/prctl.h>
@@ -35,14 +39,29 @@ inline bool x86_has(unsigned leaf, unsigned subleaf, int reg, int bit, unsigned 
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (lo & xcr0) == xcr0;
 }
+
+// Whether this process may use AMX tiles: Linux (5.16+) grants their state on request
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); the first tile instruction without
+// it is SIGILL. Granted for the whole process; asking again is harmless.
+inline bool amx_permitted() {
+#if defined(__linux__)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
 #endif
 
 // " avx2 fma" for the features this CPU lacks; "" when it has them all.
 inline std::string missing_cpu_features() {
   std::string missing;
 #if defined(__x86_64__) && defined(__GNUC__)
-#define MHA_CHECK_X86(name, leaf, subleaf, reg, bit, xcr0) \
-  if (!x86_has(leaf, subleaf, reg, bit, xcr0)) missing += " " name;
+#define MHA_CHECK_X86(name, leaf, subleaf, reg, bit, xcr0)                            \
+  if (!x86_has(leaf, subleaf, reg, bit, xcr0))                                        \
+    missing += " " name;                                                              \
+  else if (std::string(name) == "amx-tile" && !amx_permitted())                       \
+    missing += " amx-tile (Linux refused this process the AMX tile state: arch_prctl " \
+               "ARCH_REQ_XCOMP_PERM needs Linux 5.16 or later)";
   MHA_X86_FEATURES(MHA_CHECK_X86)
 #undef MHA_CHECK_X86
 #elif defined(__aarch64__) && defined(__linux__)

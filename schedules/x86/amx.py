@@ -1,0 +1,192 @@
+"""AMX tiles for the GEMMs of bfloat16 layers (Intel Sapphire Rapids and later: AMX-BF16).
+
+An AMX tile register holds 16 rows of 64 bytes; `tdpbf16ps c, a, b` adds to the 16 x 16
+float32 tile c the product of a (16 rows x 32 bfloat16 of the depth) and b (16 pairs of the
+depth x 16 columns, each column's pair side by side): 16,384 multiply-adds an instruction.
+One register tile of C here is 32 rows x 32 columns (one weight panel): 4 C tiles, 2 of A, 2
+of B, the 8 tile registers. Per 32 of the depth: 4 tile loads and 4 tdpbf16ps.
+    C[i, j] += A[kt, i, k2, p] * B[kt, k2, j, p]      i, j < 32, k = 32 kt + 2 k2 + p
+The weights keep the pair GEMMs' panels (bf16_dot.py: wp[n // 32, k / 2, n % 32, p]: a B
+tile is 16 of its pair rows, 128 bytes apart); A is packed as a_t[m // 32, k // 32, m % 32,
+k % 32] (one A tile: 16 rows of 64 bytes, contiguous). The whole depth runs inside one call
+of the tile kernel (KERNEL: LLVM IR linked into the GEMM as bf16_dot's helpers are), C
+stays in the tile registers until the end and is stored to the GEMM's "local" tile that the
+write-back (bias, rounding) reads.
+
+Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task of the GEMM loads
+it at its start and releases the tiles at its end (with_task_config), as oneDNN does per
+primitive run; loaded per tile it cost 20-30% at depth 512 (a C loop, 512 x 1536 x 512).
+Linux hands AMX's 8 KiB of tile state to a process only after it asks (arch_prctl
+ARCH_REQ_XCOMP_PERM; without it the first tile instruction is SIGILL): mhagen asks before it
+runs such code (mhagen.host.cannot_run_reason; the C API's mha_create likewise).
+
+Measured (the Intel Xeon VM, LLVM `rocketlake`, 1 thread): a C loop of this tile kernel
+1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; vdpbf16ps pairs reach
+0.11 and float32 FMAs 0.20-0.23 on this core.
+"""
+import functools
+
+from tvm import s_tir, tirx
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+
+from mhagen.schedules.tvmscript import cheap_stack
+
+ROWS = COLS = 32     # a register tile of C: 2 x 2 AMX tiles of 16 x 16 float32
+DEPTH = 32           # the depth one tdpbf16ps covers (16 pairs)
+FEATURES = ("amx-tile", "amx-bf16")
+TASK = "mhagen_amx_task"        # a loop annotation: its body is one task of AMX work
+KERNEL = "mhagen_amx_tile_32x32"
+CONFIG = "mhagen_amx_config"
+RELEASE = "mhagen_amx_release"
+
+# ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
+# byte 48: tiles 0-7 are 16 rows of 64 bytes
+_CFG = (bytes([1]) + bytes(15) + b"".join((64).to_bytes(2, "little") for _ in range(8))
+        + bytes(16) + bytes([16] * 8) + bytes(8))
+_TILE_LOOP = "\n".join(
+    [f"  call void @llvm.x86.tileloadd64(i8 {t}, ptr %{p}, i64 {s})"
+     for t, p, s in ((4, "a0", 64), (5, "a1", 64), (6, "b0", 128), (7, "b1", 128))]
+    + [f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
+       for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))])
+# C tile c at byte offset: rows 16 * (c // 2), columns 16 * (c % 2), 128 bytes a row
+_STORES = "\n".join(
+    f"  %c{c} = getelementptr i8, ptr %c, i64 {2048 * (c // 2) + 64 * (c % 2)}\n"
+    f"  call void @llvm.x86.tilestored64(i8 {c}, ptr %c{c}, i64 128)" for c in range(4))
+_PALETTE = "".join(f"\\{b:02X}" for b in _CFG)   # LLVM's c"..." escapes
+HELPERS = f"""
+@mhagen_amx_palette = private unnamed_addr constant [64 x i8] c"{_PALETTE}", align 64
+define i32 @{CONFIG}() {{
+  call void @llvm.x86.ldtilecfg(ptr @mhagen_amx_palette)
+  ret i32 0
+}}
+define i32 @{RELEASE}() {{
+  call void @llvm.x86.tilerelease()
+  ret i32 0
+}}
+define i32 @{KERNEL}(ptr %cbase, i32 %coff, ptr %abase, i32 %aoff, ptr %bbase, i32 %boff,
+                      i32 %steps) {{
+entry:
+  %c = getelementptr float, ptr %cbase, i32 %coff
+  %a = getelementptr i16, ptr %abase, i32 %aoff
+  %b = getelementptr i16, ptr %bbase, i32 %boff
+  call void @llvm.x86.tilezero(i8 0)
+  call void @llvm.x86.tilezero(i8 1)
+  call void @llvm.x86.tilezero(i8 2)
+  call void @llvm.x86.tilezero(i8 3)
+  br label %step
+step:
+  %s = phi i64 [0, %entry], [%next, %step]
+  %at = mul i64 %s, 2048
+  %a0 = getelementptr i8, ptr %a, i64 %at
+  %a1 = getelementptr i8, ptr %a0, i64 1024
+  %b0 = getelementptr i8, ptr %b, i64 %at
+  %b1 = getelementptr i8, ptr %b0, i64 64
+{_TILE_LOOP}
+  %next = add i64 %s, 1
+  %n = zext i32 %steps to i64
+  %done = icmp eq i64 %next, %n
+  br i1 %done, label %store, label %step
+store:
+{_STORES}
+  ret i32 0
+}}
+declare void @llvm.x86.ldtilecfg(ptr)
+declare void @llvm.x86.tilerelease()
+declare void @llvm.x86.tilezero(i8)
+declare void @llvm.x86.tileloadd64(i8, ptr, i64)
+declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
+declare void @llvm.x86.tilestored64(i8, ptr, i64)
+"""
+
+
+def amx_tiles(target, dtype: str, depth: int) -> bool:
+    """A GEMM of this depth in a layer of this storage dtype runs on AMX tiles: a bfloat16
+    layer, AMX-TILE and AMX-BF16 in the target's features, a depth of whole 32s (one
+    tdpbf16ps step; others convert on load, or take vdpbf16ps pairs where those pay)."""
+    feats = set(target.features or ())
+    return dtype == "bfloat16" and depth % DEPTH == 0 and all(f in feats for f in FEATURES)
+
+
+@functools.lru_cache(maxsize=None)
+def intrinsic(steps: int) -> str:
+    """The tensor intrinsic of one 32 x 32 register tile over `steps` x 32 of the depth
+    (registered once per depth): its implementation is one call of KERNEL, which zeroes C's
+    tiles (the schedule's init before it writes zeros C would only read once)."""
+    name = f"mhagen_x86_amx_32x32x{steps * DEPTH}"
+    pairs = steps * DEPTH // 2   # B: the weight panel's pair rows (wp[n // 32, k2, n % 32, p])
+    shapes = dict(a=(steps, ROWS, DEPTH // 2, 2), b=(pairs, COLS, 2))
+    with cheap_stack():
+        @T.prim_func(s_tir=True)
+        def desc(A: T.Buffer(shapes["a"], "bfloat16", offset_factor=1),
+                 B: T.Buffer(shapes["b"], "bfloat16", offset_factor=1),
+                 C: T.Buffer((ROWS, COLS), "float32", offset_factor=1, scope="local")) -> None:
+            with T.sblock("root"):
+                T.reads(C[0:ROWS, 0:COLS], A[0:steps, 0:ROWS, 0:DEPTH // 2, 0:2],
+                        B[0:pairs, 0:COLS, 0:2])
+                T.writes(C[0:ROWS, 0:COLS])
+                for i, j, kt, k2, p in T.grid(ROWS, COLS, steps, DEPTH // 2, 2):
+                    with T.sblock("update"):
+                        vi, vj, vkt, vk2, vp = T.axis.remap("SSRRR", [i, j, kt, k2, p])
+                        C[vi, vj] = C[vi, vj] + (T.Cast("float32", A[vkt, vi, vk2, vp])
+                                                 * T.Cast("float32", B[vkt * 16 + vk2, vj, vp]))
+
+        @T.prim_func(s_tir=True)
+        def impl(A: T.Buffer(shapes["a"], "bfloat16", offset_factor=1),
+                 B: T.Buffer(shapes["b"], "bfloat16", offset_factor=1),
+                 C: T.Buffer((ROWS, COLS), "float32", offset_factor=1, scope="local")) -> None:
+            with T.sblock("root"):
+                T.reads(C[0:ROWS, 0:COLS], A[0:steps, 0:ROWS, 0:DEPTH // 2, 0:2],
+                        B[0:pairs, 0:COLS, 0:2])
+                T.writes(C[0:ROWS, 0:COLS])
+                # the buffers' data and element offsets: TVM's access_ptr of a bfloat16
+                # buffer fails its dtype check after bfloat16 is legalised to uint16
+                T.evaluate(T.call_extern("int32", KERNEL, C.data, C.elem_offset, A.data,
+                                         A.elem_offset, B.data, B.elem_offset, steps))
+    TensorIntrin.register(name, desc, impl, override=True)
+    return name
+
+
+def with_task_config(func):
+    """func with every loop annotated TASK running ldtilecfg first and tilerelease last in
+    each of its iterations (a parallel task), and HELPERS linked in; func unchanged when it
+    has no such loop. (TVM 0.27's Python has no IR mutator: the walk rebuilds the nodes on
+    the way to such a loop, which the GEMM schedule leaves under the root block.)"""
+    found = []
+
+    def call(name):
+        return tirx.Evaluate(tirx.call_extern("int32", name))
+
+    def walk(stmt):
+        if isinstance(stmt, tirx.For):
+            if TASK in stmt.annotations:
+                found.append(stmt)
+                rest = {k: v for k, v in stmt.annotations.items() if k != TASK}
+                return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
+                                tirx.SeqStmt([call(CONFIG), stmt.body, call(RELEASE)]),
+                                stmt.thread_binding, rest)
+            body = walk(stmt.body)
+            return stmt if body.same_as(stmt.body) else tirx.For(
+                stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
+                stmt.annotations)
+        if isinstance(stmt, tirx.SeqStmt):
+            seq = [walk(s) for s in stmt.seq]
+            return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
+        if isinstance(stmt, tirx.AttrStmt):
+            body = walk(stmt.body)
+            return stmt if body.same_as(stmt.body) else tirx.AttrStmt(
+                stmt.node, stmt.attr_key, stmt.value, body)
+        if isinstance(stmt, s_tir.SBlockRealize):
+            b = stmt.block
+            body = walk(b.body)
+            if body.same_as(b.body):
+                return stmt
+            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
+                                 b.alloc_buffers, b.match_buffers, b.annotations)
+            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+        return stmt
+    body = walk(func.body)
+    if not found:
+        return func
+    from mhagen.schedules.x86.bf16_dot import with_llvm_ir
+    return with_llvm_ir(func.with_body(body), HELPERS)
