@@ -24,7 +24,8 @@ ATTENTION, GEMM = CudaAttentionRule(), DlightKernelRule()
 RULES = [ATTENTION, CudaRotaryRule(), GEMM]
 
 BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=ATTENTION, half_temps=True,
-                  gemm_tile=lambda target, pairs=False: (ROW_TILE, PANEL),
-                  gemm_rows=lambda target, rows, depth, cols, pairs=False: round_up(rows, ROW_TILE),
+                  gemm_tile=lambda target, pairs=False, on_amx=False: (ROW_TILE, PANEL),
+                  gemm_rows=lambda target, rows, depth, cols, pairs=False, on_amx=False:
+                      round_up(rows, ROW_TILE),
                   head_dim_padded=lambda d, target: padded_head_dim(d),
                   gemm_rule=GEMM, verify=check_bound, device_compile=compile_device)
