@@ -70,12 +70,13 @@ def to_storage(what: str, a, name: str) -> np.ndarray:
     return rounded
 
 
-def half_precision_path(name: str, target, paired=(), attention_pairs=False,
+def half_precision_path(name: str, target, paired=(), attention=None,
                         tiles=()) -> str | None:
     """What a half-precision build does on `target`, for the build's output (None: float32).
     paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps);
-    attention_pairs: the attention multiplies them too (Q K^T and P V); tiles: the weights
-    whose GEMMs run on AMX tiles (AMX-BF16 tdpbf16ps)."""
+    attention: "pairs" (its Q K^T and P V multiply them too), "amx" (its Q K^T on AMX
+    tiles), None (it converts on load); tiles: the weights whose GEMMs run on AMX tiles
+    (AMX-BF16 tdpbf16ps)."""
     if not is_half(name):
         return None
     features = set(getattr(target, "features", ()) or ())
@@ -85,10 +86,13 @@ def half_precision_path(name: str, target, paired=(), attention_pairs=False,
     how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
            "bfloat16": "a 16-bit shift"}[name]
     if paired or tiles:
-        attention = ("the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
-                     "softmax in float32" if attention_pairs else
-                     f"the attention converts to float32 on load ({how}): float32 FMAs and "
-                     "softmax")
+        attention = {
+            "pairs": "the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
+                     "softmax in float32",
+            "amx": "the attention's Q K^T on AMX tiles too (Q, K and V stored in bfloat16), "
+                   "its softmax and P V in float32 (V converted on load)",
+            None: f"the attention converts to float32 on load ({how}): float32 FMAs and "
+                  "softmax"}[attention]
         gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (
             (tiles, "run on AMX tiles (AMX-BF16 tdpbf16ps)"),
             (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names]

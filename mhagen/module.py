@@ -105,8 +105,9 @@ class Module:
         packs = {b.name: b.pack or {} for b in self.program.buffers.values()}
         tiles = [n for n, p in packs.items() if p.get("amx")]
         paired = [n for n, p in packs.items() if p.get("pairs") and not p.get("amx")]
-        qkv = self.program.buffers.get("qkv")    # bfloat16 when the attention runs on pairs
-        attention = qkv is not None and qkv.dtype == "bfloat16"
+        work = next((k.workload or {} for k in self.program.kernels
+                     if k.name == "attention"), {})
+        attention = "amx" if work.get("amx") else "pairs" if work.get("pairs") else None
         return half_precision_path(self.graph.dtype, self.target, paired, attention, tiles)
 
     @property

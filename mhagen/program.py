@@ -111,7 +111,8 @@ class Program:
         """JSON-able summary (the manifest's "program", what the C API and mhagen.load read):
         buffers with their param recipes, the kernels in call order with their arguments."""
         d = {"buffers": [b.describe() for b in self.buffers.values()],
-             "kernels": [{"name": k.name, "args": list(k.args)} for k in self.kernels],
+             "kernels": [{"name": k.name, "args": list(k.args), **_multiplies(k)}
+                         for k in self.kernels],
              "fusion": self.fusion}
         if self.symbolic:
             d["symbolic"] = dict(self.symbolic)
@@ -125,5 +126,16 @@ class Program:
                                      symbolic={int(a): k for a, k in
                                                b.get("symbolic", {}).items()} or None)
                    for b in d["buffers"]}
-        kernels = [Kernel(k["name"], list(k["args"])) for k in d["kernels"]]
+        kernels = [Kernel(k["name"], list(k["args"]),
+                          workload={k["multiplies"]: True} if k.get("multiplies") else {})
+                   for k in d["kernels"]]
         return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
+
+
+def _multiplies(kernel) -> dict:
+    """{"multiplies": "amx" | "pairs"} for a kernel whose products run on bfloat16 AMX tiles
+    or vdpbf16ps pairs (its workload says so; module.precision reads it, a loaded module
+    too), else {}."""
+    work = kernel.workload or {}
+    how = "amx" if work.get("amx") else "pairs" if work.get("pairs") else None
+    return {"multiplies": how} if how else {}

@@ -415,8 +415,11 @@ def test_tuning_a_bfloat16_layer_keeps_the_intrinsic_gemms_on_their_template(pre
 
 
 def _tile_layer(**kw):
-    """Depths of whole 32s (d_model 64, 4 heads of 40: 160) for AMX, awkward otherwise."""
-    return mhagen.mha(64, 4, head_dim=40, kv_heads=2, causal=True, dtype="bfloat16", **kw)
+    """Depths of whole 32s (d_model 64, 4 heads of 40: 160) for AMX, awkward otherwise
+    (head_dim=None: 4 heads of 16... of 32 where d_model is 128)."""
+    kw = {"head_dim": 40, "kv_heads": 2, **kw}
+    d_model = 128 if kw["head_dim"] is None else 64
+    return mhagen.mha(d_model, 4, causal=True, dtype="bfloat16", **kw)
 
 
 def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
@@ -442,7 +445,8 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
         order = [text.index(s) for s in ("T.parallel", "mhagen_amx_config", "for m_0 in",
                                           "mhagen_amx_tile_32x32", "mhagen_amx_release")]
         assert order == sorted(order) and text.count("mhagen_amx_config") >= 1, kernel
-    assert "tdpbf16ps" not in function_asm(asm, "attention_compute_")
+    assert "tdpbf16ps" not in function_asm(asm, "attention_compute_")   # head_dim 40
+    assert "attention converts to float32 on load" in m.precision
     assert {n for n, b in m.program.buffers.items() if (b.pack or {}).get("amx")} == {
         "w_qkv", "w_o"}
     assert m.program.buffers["w_qkv"].shape[-1] == 2     # [N / 32, K / 2, 32, 2] pairs
@@ -454,26 +458,56 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     # the same layer for a target without AMX converts on load
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=40, weights=w)
     assert "tdpbf16ps" not in plain.inspect("source")
+    # head_dim 32: the attention's S^T = K Q^T on AMX tiles too, its task configuring them
+    grouped = _tile_layer(head_dim=None, kv_heads=2)
+    m = mhagen.build(grouped, AMX, batch=1, seq_len=97, weights=grouped.init_weights(0))
+    assert "the attention's Q K^T on AMX tiles too" in m.precision
+    assert m.program.buffers["qkv"].dtype == "bfloat16"
+    code = function_asm(m.inspect("source"), "attention_compute_")
+    assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
+    n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
+    assert n and n % 4 == 0, n
 
 
 @pytest.mark.skipif(not resolve(AMX).runs_here(),
                     reason="needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux "
                            "5.16+; compiled on every host by the test above")
-@pytest.mark.parametrize("build", ["awkward", "any-length", "cross", "artifact", "c api"])
+@pytest.mark.parametrize("build", ["awkward", "any-length", "cross", "artifact", "c api",
+                                   "attention", "attention any-length", "attention modifiers"])
 def test_amx_gemms_match_the_reference(build, tmp_path):
     """The AMX GEMMs run (2 threads: each task configures its own tiles): seq 97 with head
     dim 40, any-length builds (1 to 64 rows: the rows padded to 32-row tiles), cross-attention
-    (the K/V GEMM too), and a saved artifact from Python (weights repacked on load) and
-    from the C API (mha_create asks Linux for the tile state)."""
-    layer = _tile_layer()
+    (the K/V GEMM and the attention's S^T from kv), and a saved artifact from Python
+    (weights repacked on load) and from the C API (mha_create asks Linux for the tile
+    state). "attention": head_dim 32, so S^T = K Q^T runs on AMX tiles too: seq 97 (a key
+    block cut at the last key: its tile's K rows clamped and copied), grouped K/V heads, a
+    causal mask; any lengths; ALiBi with key padding (scores modified and masked after the
+    tile is stored)."""
+    layer = _tile_layer(head_dim=None) if build.startswith("attention") else _tile_layer()
     w = layer.init_weights(4)
+    d_model = 128 if build.startswith("attention") else 64
+    if build == "attention modifiers":
+        layer = mhagen.mha(128, 4, score_mod=mhagen.alibi(4), key_padding=True,
+                           dtype="bfloat16")
+        w = layer.init_weights(2)
+        m = mhagen.build(layer, AMX, batch=2, seq_len=70, weights=w)
+        assert "Q K^T on AMX tiles" in m.precision
+        _check(layer, m, _x((2, 70, 128), "bfloat16"), w, "bfloat16",
+               kv_lens=np.array([70, 13], np.int32))
+        return
+    if build == "attention any-length":
+        m = mhagen.build(layer, AMX, batch=2, seq_len=None, max_seq_len=100, weights=w)
+        assert "Q K^T on AMX tiles" in m.precision
+        for seq in (1, 31, 33, 100):
+            _check(layer, m, _x((2, seq, d_model), "bfloat16", seed=seq), w, "bfloat16")
+        return
     if build == "cross":
-        layer = mhagen.mha(64, 4, cross=True, dtype="bfloat16")
+        layer = mhagen.mha(64, 2, cross=True, dtype="bfloat16")    # head_dim 32
         w = layer.init_weights(3)
-        m = mhagen.build(layer, AMX, batch=2, seq_len=11, kv_seq_len=9, weights=w)
-        assert "w_kv" in m.precision and "AMX tiles" in m.precision
+        m = mhagen.build(layer, AMX, batch=2, seq_len=11, kv_seq_len=45, weights=w)
+        assert "w_kv" in m.precision and "Q K^T on AMX tiles" in m.precision
         _check(layer, m, _x((2, 11, 64), "bfloat16"), w, "bfloat16",
-               context=_x((2, 9, 64), "bfloat16", seed=7))
+               context=_x((2, 45, 64), "bfloat16", seed=7))
         return
     if build == "any-length":
         m = mhagen.build(layer, AMX, batch=2, seq_len=None, max_seq_len=64, weights=w)
@@ -482,7 +516,8 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         return
     m = mhagen.build(layer, AMX, batch=2, seq_len=97, weights=w)
     assert "run on AMX tiles" in m.precision
-    x = _x((2, 97, 64), "bfloat16")
+    assert ("Q K^T on AMX tiles" in m.precision) == (build == "attention")
+    x = _x((2, 97, d_model), "bfloat16")
     y = _check(layer, m, x, w, "bfloat16")
     if build == "artifact":
         loaded = mhagen.load(m.save(tmp_path / "m"))

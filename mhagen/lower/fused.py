@@ -258,9 +258,12 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     # head_dim): qkv and kv hold bfloat16, the template multiplies pairs of head columns and
     # of keys (schedules/x86/attention.py). Not for decoding or rotary layers (their
     # templates read float32 qkv).
-    att_pairs = cache is None and not a.get("rotary") and dot_pairs(d)
-    qkv_temp = kv_temp = "bfloat16" if att_pairs else temp
-    if not att_pairs:
+    # AMX tiles for S^T = K Q^T where the GEMMs of head_dim's depth would take them (x86
+    # AMX-BF16: d whole 32s, so every K head fills whole qkv panels); qkv in bfloat16
+    att_amx = cache is None and not a.get("rotary") and on_amx(d)
+    att_pairs = cache is None and not a.get("rotary") and dot_pairs(d) and not att_amx
+    qkv_temp = kv_temp = "bfloat16" if att_pairs or att_amx else temp
+    if not (att_pairs or att_amx):
         kv_temp = COMPUTE
     work = {"batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
             "q_base": q_base // d * dp, "k_base": k_base // d * dp, "v_base": v_base // d * dp,
@@ -268,7 +271,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             "qkv_width": n_qkv_p, "panel": nr, "scale": a["scale"], "mask": a.get("mask"),
             "score_mod": a.get("score_mod"), "rotary": a.get("rotary"),
             "lengths": has_lengths, "temp_dtype": temp,
-            **({"pairs": True} if att_pairs else {})}
+            **({"pairs": True} if att_pairs else {}), **({"amx": True} if att_amx else {})}
     if symbolic:
         work.update(symbolic=True, row_tile=tile_rows)
     if cross:   # keys and values: kv [n_kv_p / nr, rows_kv, nr], kv_seq rows per batch row

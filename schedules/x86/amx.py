@@ -39,16 +39,21 @@ TASK = "mhagen_amx_task"        # a loop annotation: its body is one task of AMX
 KERNEL = "mhagen_amx_tile_32x32"
 CONFIG = "mhagen_amx_config"
 RELEASE = "mhagen_amx_release"
+# (S^T 32 keys x 32 queries float32, s_stride bytes a row) = K (32 rows, bfloat16, kstride
+# bytes apart, kpanel bytes from one 32 of the depth to the next) x Q^T (int32 pairs of the
+# depth, qstride bytes a row), over `steps` 32s of the depth: the attention's scores
+SCORES = "mhagen_amx_scores_32x32"
 
 # ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
 _CFG = (bytes([1]) + bytes(15) + b"".join((64).to_bytes(2, "little") for _ in range(8))
         + bytes(16) + bytes([16] * 8) + bytes(8))
+_PRODUCTS = "\n".join(f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
+                      for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
 _TILE_LOOP = "\n".join(
     [f"  call void @llvm.x86.tileloadd64(i8 {t}, ptr %{p}, i64 {s})"
      for t, p, s in ((4, "a0", 64), (5, "a1", 64), (6, "b0", 128), (7, "b1", 128))]
-    + [f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
-       for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))])
+    + [_PRODUCTS])
 # C tile c at byte offset: rows 16 * (c // 2), columns 16 * (c % 2), 128 bytes a row
 _STORES = "\n".join(
     f"  %c{c} = getelementptr i8, ptr %c, i64 {2048 * (c // 2) + 64 * (c % 2)}\n"
@@ -89,6 +94,47 @@ step:
   br i1 %done, label %store, label %step
 store:
 {_STORES}
+  ret i32 0
+}}
+define i32 @{SCORES}(ptr %sbase, i32 %soff, i64 %sstride, ptr %kbase, i64 %koff, i64 %kstride,
+                      i64 %kpanel, ptr %qbase, i32 %qoff, i64 %qstride, i32 %steps) {{
+entry:
+  %c = getelementptr float, ptr %sbase, i32 %soff
+  %k = getelementptr i16, ptr %kbase, i64 %koff
+  %q = getelementptr i32, ptr %qbase, i32 %qoff
+  %kdown = mul i64 %kstride, 16
+  %qstep = mul i64 %qstride, 16
+  %cdown = mul i64 %sstride, 16
+  call void @llvm.x86.tilezero(i8 0)
+  call void @llvm.x86.tilezero(i8 1)
+  call void @llvm.x86.tilezero(i8 2)
+  call void @llvm.x86.tilezero(i8 3)
+  br label %step
+step:
+  %s = phi i64 [0, %entry], [%next, %step]
+  %ka = mul i64 %s, %kpanel
+  %a0 = getelementptr i8, ptr %k, i64 %ka
+  %a1 = getelementptr i8, ptr %a0, i64 %kdown
+  %qa = mul i64 %s, %qstep
+  %b0 = getelementptr i8, ptr %q, i64 %qa
+  %b1 = getelementptr i8, ptr %b0, i64 64
+  call void @llvm.x86.tileloadd64(i8 4, ptr %a0, i64 %kstride)
+  call void @llvm.x86.tileloadd64(i8 5, ptr %a1, i64 %kstride)
+  call void @llvm.x86.tileloadd64(i8 6, ptr %b0, i64 %qstride)
+  call void @llvm.x86.tileloadd64(i8 7, ptr %b1, i64 %qstride)
+{_PRODUCTS}
+  %next = add i64 %s, 1
+  %n = zext i32 %steps to i64
+  %done = icmp eq i64 %next, %n
+  br i1 %done, label %store, label %step
+store:
+  %c1 = getelementptr i8, ptr %c, i64 64
+  %c2 = getelementptr i8, ptr %c, i64 %cdown
+  %c3 = getelementptr i8, ptr %c2, i64 64
+  call void @llvm.x86.tilestored64(i8 0, ptr %c, i64 %sstride)
+  call void @llvm.x86.tilestored64(i8 1, ptr %c1, i64 %sstride)
+  call void @llvm.x86.tilestored64(i8 2, ptr %c2, i64 %sstride)
+  call void @llvm.x86.tilestored64(i8 3, ptr %c3, i64 %sstride)
   ret i32 0
 }}
 declare void @llvm.x86.ldtilecfg(ptr)

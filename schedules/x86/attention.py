@@ -39,7 +39,7 @@ from mhagen.blockmask import FULL, PARTIAL, SKIP, block_table
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
-from mhagen.schedules.x86 import denormals
+from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import rows_that_fit
@@ -142,6 +142,8 @@ class AttentionRule:
         keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
         tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
                                               workload["panel"])
+        if workload.get("amx"):   # S^T in AMX tiles of 32 keys x 32 queries
+            tr, tc = amx.ROWS, amx.COLS
         # q_tile: whole S^T tiles (P V covers it in tiles one row apart where out_rows does
         # not divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
         # 528, and 128 at seq 128, not 144: the attention 0.97x and 0.91x the time, Zen 4)
@@ -289,7 +291,13 @@ def build_attention(w, cfg, lanes, flush=False):
     # float32. Q^T is copied unscaled (rounding Q * scale again would add an error): the
     # write-back scales the tile.
     PAIRS = bool(w.get("pairs"))
-    QKV_DTYPE = "bfloat16" if PAIRS else "float32"
+    # AMX tiles (amx.py; work["amx"]): qkv (and kv) hold bfloat16, S^T = K Q^T runs on AMX
+    # tiles of 32 keys x 32 queries (K straight from qkv, Q^T as for pairs), the write-back
+    # (scale, mask, max) reads the stored tile; P V multiplies float32 FMAs on V converted
+    # on load
+    AMX = bool(w.get("amx"))
+    QT_PAIRS = PAIRS or AMX           # Q^T copied unscaled, as int32 pairs of head columns
+    QKV_DTYPE = "bfloat16" if QT_PAIRS else "float32"
     if PAIRS:
         assert d % 2 == 0 and LN == 16 and NR % LN == 0 and NV % LN == 0, (d, LN, NR, NV)
 
@@ -302,6 +310,9 @@ def build_attention(w, cfg, lanes, flush=False):
     # 24 FMAs on AVX2)
     K_PANELS = K_BASE % PW == 0 and DP % PW == 0 and d % PW == 0
     CW = PW if K_PANELS else d        # head columns per step of the S^T loop's outer loop
+    if AMX:   # whole AMX steps: K heads in whole panels of 32 columns, tiles of 32 x 32
+        assert K_PANELS and PW == amx.DEPTH and MR == amx.ROWS and NR == amx.COLS, (
+            K_PANELS, PW, MR, NR)
 
     def k_at(kv, g, cp, ci, row):
         """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
@@ -326,49 +337,82 @@ def build_attention(w, cfg, lanes, flush=False):
                         * w["row_tile"], PW)
 
     def score(x):
-        """A tile's accumulator in log2 units (pairs: Q^T is not pre-scaled)."""
-        return x * c_log2e if PAIRS else x
+        """A tile's accumulator in log2 units (pairs, AMX: Q^T is not pre-scaled)."""
+        return x * c_log2e if QT_PAIRS else x
 
     @T.macro
     def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
-                q_t32):
+                q_t32, k_pad):
         # one row of S^T register tiles (MR keys from k0 + jo MR, every query tile):
         # S^T = K Q^T in log2 units; the write-back masks and takes the running max.
         # clamp: the tile runs past the last key (its key rows clamped, its scores masked)
         for io in range(MQ // NR):
-            for jj in T.unroll(MR):
-                for ii in T.vectorized(NR):
-                    acc[jj, ii] = zero
-            if PAIRS:   # one vdpbf16ps per pair of head columns and 16 queries
-                for cp in range(d // CW):
-                    for ci2 in range(CW // 2):
-                        for jj in T.unroll(MR):
-                            for v in T.unroll(NR // LN):
-                                acc[jj, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
-                                    "float32x16", DOT, acc[jj, T.ramp(v * LN, 1, LN)],
-                                    T.broadcast(k_pair(kv32, g, cp, ci2, key_row(
-                                        b, k0 + jo * MR + jj, clamp)), LN),
-                                    q_t32[cp * CW // 2 + ci2, T.ramp(io * NR + v * LN, 1, LN)])
+            if AMX:   # the S^T tile into s_buf, then its write-back from there
+                if clamp:   # the keys' rows clamped, copied where the tile loads them
+                    for cp in range(d // CW):
+                        for jj in range(MR):
+                            for ci in T.vectorized(CW):
+                                k_pad[cp, jj, ci] = kv[(K_BASE + g * DP) // PW + cp,
+                                                       key_row(b, k0 + jo * MR + jj, True), ci]
+                    T.evaluate(T.call_extern(
+                        "int32", amx.SCORES, s_buf.data, jo * MR * MQ + io * NR,
+                        T.int64(MQ * 4), k_pad.data, T.int64(0), T.int64(CW * 2),
+                        T.int64(MR * CW * 2), q_t32.data, io * NR, T.int64(MQ * 4), d // CW))
+                else:
+                    T.evaluate(T.call_extern(
+                        "int32", amx.SCORES, s_buf.data, jo * MR * MQ + io * NR,
+                        T.int64(MQ * 4), kv.data,
+                        T.Cast("int64", (K_BASE + g * DP) // PW) * T.Cast("int64", kv.shape[1])
+                        * PW + T.Cast("int64", key_row(b, k0 + jo * MR, False)) * PW,
+                        T.int64(PW * 2), T.Cast("int64", kv.shape[1]) * (PW * 2), q_t32.data,
+                        io * NR, T.int64(MQ * 4), d // CW))
+                for jj in range(MR):
+                    for ii in T.vectorized(NR):
+                        if masked:
+                            s_buf[jo * MR + jj, io * NR + ii] = T.Select(
+                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
+                                modified(score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
+                                         q0 + io * NR + ii, k0 + jo * MR + jj), neg_inf)
+                        else:
+                            s_buf[jo * MR + jj, io * NR + ii] = modified(
+                                score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
+                                q0 + io * NR + ii, k0 + jo * MR + jj)
+                        m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
+                                                    s_buf[jo * MR + jj, io * NR + ii])
             else:
-                for cp in range(d // CW):
-                    for ci in range(CW):
-                        for jj in T.unroll(MR):
-                            for ii in T.vectorized(NR):
-                                acc[jj, ii] = acc[jj, ii] + k_at(
-                                    kv, g, cp, ci, key_row(b, k0 + jo * MR + jj, clamp)
-                                ) * q_t[cp * CW + ci, io * NR + ii]
-            for jj in T.unroll(MR):
-                for ii in T.vectorized(NR):
-                    if masked:
-                        s_buf[jo * MR + jj, io * NR + ii] = T.Select(
-                            visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
-                            modified(score(acc[jj, ii]), b, h, q0 + io * NR + ii,
-                                     k0 + jo * MR + jj), neg_inf)
-                    else:
-                        s_buf[jo * MR + jj, io * NR + ii] = modified(
-                            score(acc[jj, ii]), b, h, q0 + io * NR + ii, k0 + jo * MR + jj)
-                    m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
-                                                s_buf[jo * MR + jj, io * NR + ii])
+                for jj in T.unroll(MR):
+                    for ii in T.vectorized(NR):
+                        acc[jj, ii] = zero
+                if PAIRS:   # one vdpbf16ps per pair of head columns and 16 queries
+                    for cp in range(d // CW):
+                        for ci2 in range(CW // 2):
+                            for jj in T.unroll(MR):
+                                for v in T.unroll(NR // LN):
+                                    acc[jj, T.ramp(v * LN, 1, LN)] = T.call_pure_extern(
+                                        "float32x16", DOT, acc[jj, T.ramp(v * LN, 1, LN)],
+                                        T.broadcast(k_pair(kv32, g, cp, ci2, key_row(
+                                            b, k0 + jo * MR + jj, clamp)), LN),
+                                        q_t32[cp * CW // 2 + ci2, T.ramp(io * NR + v * LN, 1, LN)])
+                else:
+                    for cp in range(d // CW):
+                        for ci in range(CW):
+                            for jj in T.unroll(MR):
+                                for ii in T.vectorized(NR):
+                                    acc[jj, ii] = acc[jj, ii] + k_at(
+                                        kv, g, cp, ci, key_row(b, k0 + jo * MR + jj, clamp)
+                                    ) * q_t[cp * CW + ci, io * NR + ii]
+                for jj in T.unroll(MR):
+                    for ii in T.vectorized(NR):
+                        if masked:
+                            s_buf[jo * MR + jj, io * NR + ii] = T.Select(
+                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
+                                modified(score(acc[jj, ii]), b, h, q0 + io * NR + ii,
+                                         k0 + jo * MR + jj), neg_inf)
+                        else:
+                            s_buf[jo * MR + jj, io * NR + ii] = modified(
+                                score(acc[jj, ii]), b, h, q0 + io * NR + ii, k0 + jo * MR + jj)
+                        m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
+                                                    s_buf[jo * MR + jj, io * NR + ii])
 
     @T.macro
     def pv_tile(rows, r0, co, n_keys, n_pairs, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32,
@@ -389,17 +433,17 @@ def build_attention(w, cfg, lanes, flush=False):
             for j in range(n_keys):
                 for ii in T.unroll(rows):
                     for cc in T.vectorized(NV):
-                        acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, r0 + ii] * kv[
-                            (V_BASE + g * DP + co * NV) // PW,
-                            key_row(b, k0 + j, False),
-                            (V_BASE + g * DP + co * NV) % PW + cc]
+                        acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, r0 + ii] * T.Cast(
+                            "float32", kv[(V_BASE + g * DP + co * NV) // PW,
+                                          key_row(b, k0 + j, False),
+                                          (V_BASE + g * DP + co * NV) % PW + cc])
         for ii in T.unroll(rows):
             for cc in T.vectorized(NV):
                 o_buf[r0 + ii, co * NV + cc] = acc_o[ii, cc]
 
     @T.macro
     def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32):
+                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad):
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
@@ -411,11 +455,11 @@ def build_attention(w, cfg, lanes, flush=False):
             m_new[i] = m_buf[i]
         for jo in range(n_full):
             s_tiles(masked, False, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
-                    q_t32)
+                    q_t32, k_pad)
         if cut:
             if n_keys % MR > 0:
                 s_tiles(True, True, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0,
-                        n_full, kv32, q_t32)
+                        n_full, kv32, q_t32, k_pad)
         # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.
         # vec[0]: the subtracted max (0 for queries that saw no key yet), vec[1]: sum of P.
         for io in range(MQ // LN):
@@ -464,8 +508,12 @@ def build_attention(w, cfg, lanes, flush=False):
             csr = T.decl_buffer((1,), "int32")
             if flush:
                 csr[0] = T.call_extern("int32", denormals.ENTER)
-            q_t = T.decl_buffer((1 if PAIRS else d, MQ), "float32")
-            q_t32 = T.decl_buffer((d // 2 if PAIRS else 1, MQ), "int32")
+            if AMX:   # this thread's tile configuration, for this task (amx.py)
+                T.evaluate(T.call_extern("int32", amx.CONFIG))
+            q_t = T.decl_buffer((1 if QT_PAIRS else d, MQ), "float32")
+            q_t32 = T.decl_buffer((d // 2 if QT_PAIRS else 1, MQ), "int32")
+            k_pad = T.decl_buffer((d // CW if AMX else 1, MR if AMX else 1, CW if AMX else 1),
+                                  "bfloat16")
             p32 = T.decl_buffer((KB // 2 if PAIRS else 1, MQ), "int32")
             v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP), "int32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
@@ -474,13 +522,14 @@ def build_attention(w, cfg, lanes, flush=False):
             l_buf = T.decl_buffer((MQ,), "float32")
             m_new = T.decl_buffer((MQ,), "float32")
             alpha = T.decl_buffer((MQ,), "float32")
-            acc = T.alloc_buffer((MR, NR), "float32", scope="local", annotations=ON_STACK)
+            acc = T.alloc_buffer((1 if AMX else MR, NR), "float32", scope="local",
+                                 annotations=ON_STACK)
             acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
             vec = T.alloc_buffer((2, LN), "float32", scope="local", annotations=ON_STACK)
             b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
             g = h // GROUP
             q0 = qt * MQ
-            if PAIRS:
+            if QT_PAIRS:
                 qkv32 = T.decl_buffer((NP, M, PW // 2), "int32", data=qkv.data)
                 for c2 in range(d // 2):
                     for i in T.vectorized(MQ):
@@ -504,25 +553,28 @@ def build_attention(w, cfg, lanes, flush=False):
                 if state == FULL:
                     key_block(False, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
                               alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
-                              p32, v32)
+                              p32, v32, k_pad)
                 elif state == PARTIAL:
                     if kb * KB + KB <= KV_LEN:
                         key_block(True, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32)
+                                  q_t32, p32, v32, k_pad)
                     else:
                         key_block(True, True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32)
+                                  q_t32, p32, v32, k_pad)
             for i in range(MQ):
                 if q0 + i < S:
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
                         out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
+            if AMX:
+                T.evaluate(T.call_extern("int32", amx.RELEASE))
             if flush:
                 T.evaluate(T.call_extern("int32", denormals.EXIT, csr[0]))
 
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
-    return with_llvm_ir(func, (HELPERS if PAIRS else "") + (denormals.HELPERS if flush else ""))
+    return with_llvm_ir(func, (HELPERS if PAIRS else "") + (amx.HELPERS if AMX else "")
+                        + (denormals.HELPERS if flush else ""))
