@@ -43,6 +43,11 @@ RELEASE = "mhagen_amx_release"
 # bytes apart, kpanel bytes from one 32 of the depth to the next) x Q^T (int32 pairs of the
 # depth, qstride bytes a row), over `steps` 32s of the depth: the attention's scores
 SCORES = "mhagen_amx_scores_32x32"
+# O (32 queries x 32 head columns float32, ostride bytes a row) += P (bfloat16 rows of keys,
+# pstride bytes apart) x V (int32 pairs of keys, vstride bytes a row), `steps` 32s of keys
+PV = "mhagen_amx_pv_32x32"
+# dst = src^T, 16 x 16 32-bit words (4 rounds of a perfect shuffle of the 16 rows)
+TRANSPOSE = "mhagen_transpose_16x16_i32"
 
 # ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
@@ -137,13 +142,67 @@ store:
   call void @llvm.x86.tilestored64(i8 3, ptr %c3, i64 %sstride)
   ret i32 0
 }}
+define i32 @{PV}(ptr %obase, i32 %ooff, i64 %ostride, ptr %pbase, i32 %poff, i64 %pstride,
+                  ptr %vbase, i32 %voff, i64 %vstride, i32 %steps) {{
+entry:
+  %o = getelementptr float, ptr %obase, i32 %ooff
+  %p = getelementptr i32, ptr %pbase, i32 %poff
+  %v = getelementptr i32, ptr %vbase, i32 %voff
+  %odown = mul i64 %ostride, 16
+  %pdown = mul i64 %pstride, 16
+  %vstep = mul i64 %vstride, 16
+  %o1 = getelementptr i8, ptr %o, i64 64
+  %o2 = getelementptr i8, ptr %o, i64 %odown
+  %o3 = getelementptr i8, ptr %o2, i64 64
+  call void @llvm.x86.tileloadd64(i8 0, ptr %o, i64 %ostride)
+  call void @llvm.x86.tileloadd64(i8 1, ptr %o1, i64 %ostride)
+  call void @llvm.x86.tileloadd64(i8 2, ptr %o2, i64 %ostride)
+  call void @llvm.x86.tileloadd64(i8 3, ptr %o3, i64 %ostride)
+  br label %step
+step:
+  %s = phi i64 [0, %entry], [%next, %step]
+  %pa = mul i64 %s, 64
+  %a0 = getelementptr i8, ptr %p, i64 %pa
+  %a1 = getelementptr i8, ptr %a0, i64 %pdown
+  %vb = mul i64 %s, %vstep
+  %b0 = getelementptr i8, ptr %v, i64 %vb
+  %b1 = getelementptr i8, ptr %b0, i64 64
+  call void @llvm.x86.tileloadd64(i8 4, ptr %a0, i64 %pstride)
+  call void @llvm.x86.tileloadd64(i8 5, ptr %a1, i64 %pstride)
+  call void @llvm.x86.tileloadd64(i8 6, ptr %b0, i64 %vstride)
+  call void @llvm.x86.tileloadd64(i8 7, ptr %b1, i64 %vstride)
+{_PRODUCTS}
+  %next = add i64 %s, 1
+  %n = zext i32 %steps to i64
+  %done = icmp eq i64 %next, %n
+  br i1 %done, label %store, label %step
+store:
+  call void @llvm.x86.tilestored64(i8 0, ptr %o, i64 %ostride)
+  call void @llvm.x86.tilestored64(i8 1, ptr %o1, i64 %ostride)
+  call void @llvm.x86.tilestored64(i8 2, ptr %o2, i64 %ostride)
+  call void @llvm.x86.tilestored64(i8 3, ptr %o3, i64 %ostride)
+  ret i32 0
+}}
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
 declare void @llvm.x86.tilezero(i8)
 declare void @llvm.x86.tileloadd64(i8, ptr, i64)
 declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
 declare void @llvm.x86.tilestored64(i8, ptr, i64)
-"""
+""" + "\n".join(  # TRANSPOSE: 4 rounds of a perfect shuffle of the 16 rows
+    [f"define i32 @{TRANSPOSE}(ptr %dbase, i32 %doff, i64 %dstride, ptr %sbase, i32 %soff,"
+     " i64 %sstride) {",
+     "  %d = getelementptr i32, ptr %dbase, i32 %doff",
+     "  %s = getelementptr i32, ptr %sbase, i32 %soff"]
+    + [f"  %so{i} = mul i64 %sstride, {i}\n  %sp{i} = getelementptr i8, ptr %s, i64 %so{i}\n"
+       f"  %r0_{i} = load <16 x i32>, ptr %sp{i}, align 4" for i in range(16)]
+    + [f"  %r{k + 1}_{2 * i + h} = shufflevector <16 x i32> %r{k}_{i}, <16 x i32> %r{k}_{i + 8}, "
+       "<16 x i32> <" + ", ".join(f"i32 {m}" for c in range(8 * h, 8 * h + 8)
+                                  for m in (c, 16 + c)) + ">"
+       for k in range(4) for i in range(8) for h in (0, 1)]
+    + [f"  %do{i} = mul i64 %dstride, {i}\n  %dp{i} = getelementptr i8, ptr %d, i64 %do{i}\n"
+       f"  store <16 x i32> %r4_{i}, ptr %dp{i}, align 4" for i in range(16)]
+    + ["  ret i32 0", "}", ""])
 
 
 def amx_tiles(target, dtype: str, depth: int) -> bool:

@@ -293,8 +293,9 @@ def build_attention(w, cfg, lanes, flush=False):
     PAIRS = bool(w.get("pairs"))
     # AMX tiles (amx.py; work["amx"]): qkv (and kv) hold bfloat16, S^T = K Q^T runs on AMX
     # tiles of 32 keys x 32 queries (K straight from qkv, Q^T as for pairs), the write-back
-    # (scale, mask, max) reads the stored tile; P V multiplies float32 FMAs on V converted
-    # on load
+    # (scale, mask, max) reads the stored tile; P V runs on AMX tiles of 32 queries x 32
+    # head columns, P (rounded to bfloat16) transposed into rows of keys, V zipped as for
+    # pairs
     AMX = bool(w.get("amx"))
     QT_PAIRS = PAIRS or AMX           # Q^T copied unscaled, as int32 pairs of head columns
     QKV_DTYPE = "bfloat16" if QT_PAIRS else "float32"
@@ -443,7 +444,7 @@ def build_attention(w, cfg, lanes, flush=False):
 
     @T.macro
     def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad):
+                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad, p_rows):
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
@@ -491,14 +492,48 @@ def build_attention(w, cfg, lanes, flush=False):
                         kv32[(V_BASE + g * DP + c16 * LN) // PW,
                              key_row(b, k0 + 2 * j2 + 1, cut),
                              T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
-        # O = O alpha + P V (keys that exist only), in PV_TILES tiles of at most OR queries
-        for co in range(DP // NV):
-            for io in range(PV_BIG):
-                pv_tile(PV_ROWS + 1, io * (PV_ROWS + 1), co, n_keys, n_pairs, kv, s_buf, o_buf,
-                        alpha, acc_o, b, g, k0, p32, v32)
-            for io in range(PV_TILES - PV_BIG):
-                pv_tile(PV_ROWS, PV_BIG * (PV_ROWS + 1) + io * PV_ROWS, co, n_keys, n_pairs, kv,
-                        s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32)
+        if AMX:
+            # O = O alpha + P V on AMX tiles over the block's whole 32s of keys (P is 0 past
+            # the last key, V's rows there clamped): P^T in bfloat16 pairs of keys, turned
+            # into rows of keys (P) by 16 x 16 word transposes; V in pairs of keys (zipped)
+            for j2 in range(n_rows // 2):
+                for io in range(MQ // LN):
+                    p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
+                        "int32x16", PACK, s_buf[2 * j2, T.ramp(io * LN, 1, LN)],
+                        s_buf[2 * j2 + 1, T.ramp(io * LN, 1, LN)])
+                for c16 in range(DP // LN):
+                    v32[j2, T.ramp(c16 * LN, 1, LN)] = T.call_pure_extern(
+                        "int32x16", ZIP,
+                        kv32[(V_BASE + g * DP + c16 * LN) // PW, key_row(b, k0 + 2 * j2, cut),
+                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)],
+                        kv32[(V_BASE + g * DP + c16 * LN) // PW,
+                             key_row(b, k0 + 2 * j2 + 1, cut),
+                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
+            for kt in range(n_rows // 32):
+                for qt16 in range(MQ // 16):
+                    T.evaluate(T.call_extern("int32", amx.TRANSPOSE, p_rows.data,
+                                             qt16 * 16 * (KB // 2) + kt * 16, T.int64(KB * 2),
+                                             p32.data, kt * 16 * MQ + qt16 * 16,
+                                             T.int64(MQ * 4)))
+            for i in range(MQ):
+                for j in T.vectorized(DP):
+                    o_buf[i, j] = o_buf[i, j] * alpha[i]
+            for qo in range(MQ // 32):
+                for co in range(DP // 32):
+                    T.evaluate(T.call_extern("int32", amx.PV, o_buf.data, qo * 32 * DP + co * 32,
+                                             T.int64(DP * 4), p_rows.data, qo * 32 * (KB // 2),
+                                             T.int64(KB * 2), v32.data, co * 32, T.int64(DP * 4),
+                                             n_rows // 32))
+        else:
+            # O = O alpha + P V (keys that exist only), in PV_TILES tiles of at most OR
+            # queries
+            for co in range(DP // NV):
+                for io in range(PV_BIG):
+                    pv_tile(PV_ROWS + 1, io * (PV_ROWS + 1), co, n_keys, n_pairs, kv, s_buf,
+                            o_buf, alpha, acc_o, b, g, k0, p32, v32)
+                for io in range(PV_TILES - PV_BIG):
+                    pv_tile(PV_ROWS, PV_BIG * (PV_ROWS + 1) + io * PV_ROWS, co, n_keys, n_pairs,
+                            kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32)
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):
@@ -514,8 +549,9 @@ def build_attention(w, cfg, lanes, flush=False):
             q_t32 = T.decl_buffer((d // 2 if QT_PAIRS else 1, MQ), "int32")
             k_pad = T.decl_buffer((d // CW if AMX else 1, MR if AMX else 1, CW if AMX else 1),
                                   "bfloat16")
-            p32 = T.decl_buffer((KB // 2 if PAIRS else 1, MQ), "int32")
-            v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP), "int32")
+            p32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, MQ), "int32")
+            v32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, DP), "int32")
+            p_rows = T.decl_buffer((MQ if AMX else 1, KB // 2 if AMX else 1), "int32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
             o_buf = T.decl_buffer((MQ, DP), "float32")
             m_buf = T.decl_buffer((MQ,), "float32")
@@ -553,16 +589,16 @@ def build_attention(w, cfg, lanes, flush=False):
                 if state == FULL:
                     key_block(False, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
                               alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
-                              p32, v32, k_pad)
+                              p32, v32, k_pad, p_rows)
                 elif state == PARTIAL:
                     if kb * KB + KB <= KV_LEN:
                         key_block(True, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad)
+                                  q_t32, p32, v32, k_pad, p_rows)
                     else:
                         key_block(True, True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad)
+                                  q_t32, p32, v32, k_pad, p_rows)
             for i in range(MQ):
                 if q0 + i < S:
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
@@ -576,5 +612,5 @@ def build_attention(w, cfg, lanes, flush=False):
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
-    return with_llvm_ir(func, (HELPERS if PAIRS else "") + (amx.HELPERS if AMX else "")
+    return with_llvm_ir(func, (HELPERS if QT_PAIRS else "") + (amx.HELPERS if AMX else "")
                         + (denormals.HELPERS if flush else ""))
