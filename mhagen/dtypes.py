@@ -74,7 +74,7 @@ def half_precision_path(name: str, target, paired=(), attention=None,
                         tiles=()) -> str | None:
     """What a half-precision build does on `target`, for the build's output (None: float32).
     paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps);
-    attention: "pairs" (its Q K^T and P V multiply them too), "amx" (its Q K^T on AMX
+    attention: "pairs" (its Q K^T and P V multiply them too), "amx" (they run on AMX
     tiles), None (it converts on load); tiles: the weights whose GEMMs run on AMX tiles
     (AMX-BF16 tdpbf16ps)."""
     if not is_half(name):
@@ -89,8 +89,8 @@ def half_precision_path(name: str, target, paired=(), attention=None,
         attention = {
             "pairs": "the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
                      "softmax in float32",
-            "amx": "the attention's Q K^T on AMX tiles too (Q, K and V stored in bfloat16), "
-                   "its softmax and P V in float32 (V converted on load)",
+            "amx": "the attention's Q K^T and P V on AMX tiles too (Q, K, V and P in "
+                   "bfloat16), its softmax in float32",
             None: f"the attention converts to float32 on load ({how}): float32 FMAs and "
                   "softmax"}[attention]
         gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (

@@ -458,15 +458,16 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     # the same layer for a target without AMX converts on load
     plain = mhagen.build(layer, "x86-avx512", batch=1, seq_len=40, weights=w)
     assert "tdpbf16ps" not in plain.inspect("source")
-    # head_dim 32: the attention's S^T = K Q^T on AMX tiles too, its task configuring them
+    # head_dim 32: the attention's S^T = K Q^T and P V on AMX tiles too, each task
+    # configuring them
     grouped = _tile_layer(head_dim=None, kv_heads=2)
     m = mhagen.build(grouped, AMX, batch=1, seq_len=97, weights=grouped.init_weights(0))
-    assert "the attention's Q K^T on AMX tiles too" in m.precision
+    assert "the attention's Q K^T and P V on AMX tiles too" in m.precision
     assert m.program.buffers["qkv"].dtype == "bfloat16"
     code = function_asm(m.inspect("source"), "attention_compute_")
     assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
     n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
-    assert n and n % 4 == 0, n
+    assert n >= 8 and n % 4 == 0, n      # S^T's tiles and P V's
 
 
 @pytest.mark.skipif(not resolve(AMX).runs_here(),
@@ -479,10 +480,11 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
     dim 40, any-length builds (1 to 64 rows: the rows padded to 32-row tiles), cross-attention
     (the K/V GEMM and the attention's S^T from kv), and a saved artifact from Python
     (weights repacked on load) and from the C API (mha_create asks Linux for the tile
-    state). "attention": head_dim 32, so S^T = K Q^T runs on AMX tiles too: seq 97 (a key
-    block cut at the last key: its tile's K rows clamped and copied), grouped K/V heads, a
-    causal mask; any lengths; ALiBi with key padding (scores modified and masked after the
-    tile is stored)."""
+    state). "attention": head_dim 32, so S^T = K Q^T and P V run on AMX tiles too: seq 97
+    (a key block cut at the last key: its tile's K rows clamped and copied, P V over the
+    block's whole 32s with P 0 past the last key), grouped K/V heads, a causal mask; any
+    lengths; ALiBi with key padding (scores modified and masked after the tile is
+    stored)."""
     layer = _tile_layer(head_dim=None) if build.startswith("attention") else _tile_layer()
     w = layer.init_weights(4)
     d_model = 128 if build.startswith("attention") else 64
@@ -491,13 +493,13 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
                            dtype="bfloat16")
         w = layer.init_weights(2)
         m = mhagen.build(layer, AMX, batch=2, seq_len=70, weights=w)
-        assert "Q K^T on AMX tiles" in m.precision
+        assert "Q K^T and P V on AMX tiles" in m.precision
         _check(layer, m, _x((2, 70, 128), "bfloat16"), w, "bfloat16",
                kv_lens=np.array([70, 13], np.int32))
         return
     if build == "attention any-length":
         m = mhagen.build(layer, AMX, batch=2, seq_len=None, max_seq_len=100, weights=w)
-        assert "Q K^T on AMX tiles" in m.precision
+        assert "Q K^T and P V on AMX tiles" in m.precision
         for seq in (1, 31, 33, 100):
             _check(layer, m, _x((2, seq, d_model), "bfloat16", seed=seq), w, "bfloat16")
         return
@@ -505,7 +507,7 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         layer = mhagen.mha(64, 2, cross=True, dtype="bfloat16")    # head_dim 32
         w = layer.init_weights(3)
         m = mhagen.build(layer, AMX, batch=2, seq_len=11, kv_seq_len=45, weights=w)
-        assert "w_kv" in m.precision and "Q K^T on AMX tiles" in m.precision
+        assert "w_kv" in m.precision and "Q K^T and P V on AMX tiles" in m.precision
         _check(layer, m, _x((2, 11, 64), "bfloat16"), w, "bfloat16",
                context=_x((2, 45, 64), "bfloat16", seed=7))
         return
@@ -516,7 +518,7 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         return
     m = mhagen.build(layer, AMX, batch=2, seq_len=97, weights=w)
     assert "run on AMX tiles" in m.precision
-    assert ("Q K^T on AMX tiles" in m.precision) == (build == "attention")
+    assert ("Q K^T and P V on AMX tiles" in m.precision) == (build == "attention")
     x = _x((2, 97, d_model), "bfloat16")
     y = _check(layer, m, x, w, "bfloat16")
     if build == "artifact":

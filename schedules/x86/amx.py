@@ -1,28 +1,38 @@
-"""AMX tiles for the GEMMs of bfloat16 layers (Intel Sapphire Rapids and later: AMX-BF16).
+"""AMX tiles for bfloat16 layers (Intel Sapphire Rapids and later: AMX-BF16): the GEMMs
+and the attention's S^T = K Q^T and P V.
 
 An AMX tile register holds 16 rows of 64 bytes; `tdpbf16ps c, a, b` adds to the 16 x 16
 float32 tile c the product of a (16 rows x 32 bfloat16 of the depth) and b (16 pairs of the
 depth x 16 columns, each column's pair side by side): 16,384 multiply-adds an instruction.
-One register tile of C here is 32 rows x 32 columns (one weight panel): 4 C tiles, 2 of A, 2
-of B, the 8 tile registers. Per 32 of the depth: 4 tile loads and 4 tdpbf16ps.
-    C[i, j] += A[kt, i, k2, p] * B[kt, k2, j, p]      i, j < 32, k = 32 kt + 2 k2 + p
-The weights keep the pair GEMMs' panels (bf16_dot.py: wp[n // 32, k / 2, n % 32, p]: a B
-tile is 16 of its pair rows, 128 bytes apart); A is packed as a_t[m // 32, k // 32, m % 32,
-k % 32] (one A tile: 16 rows of 64 bytes, contiguous). The whole depth runs inside one call
-of the tile kernel (KERNEL: LLVM IR linked into the GEMM as bf16_dot's helpers are), C
-stays in the tile registers until the end and is stored to the GEMM's "local" tile that the
-write-back (bias, rounding) reads.
+Every product here is a register tile of 32 x 32 float32: 4 C tiles, 2 of A, 2 of B, the 8
+tile registers; per 32 of the depth, 4 tile loads and 4 tdpbf16ps. Small LLVM IR kernels
+(HELPERS, linked into the kernels as bf16_dot's helpers are) run the whole depth in one
+call, C in the tile registers until it is stored.
+  GEMM (KERNEL)  C[i, j] += A[kt, i, k2, p] * B[32 kt + 2 k2 + p ...]: the weights keep the
+                 pair GEMMs' panels (bf16_dot.py: wp[n // 32, k / 2, n % 32, p]; a B tile
+                 is 16 of its pair rows, 128 bytes apart); A is packed as a_t[m // 32,
+                 k // 32, m % 32, k % 32] (one A tile: 16 rows of 64 bytes, contiguous). C is
+                 stored to the GEMM's "local" tile that the write-back (bias, rounding) reads.
+  S^T (SCORES)   32 keys x 32 queries: K straight from a bfloat16 qkv (a panel's 32 columns
+                 are one step), Q^T as the pair path's int32 pairs of head columns; stored
+                 to the attention's score buffer, whose write-back masks and scales it.
+  P V (PV)       32 queries x 32 head columns, accumulated into the task's O: P rounded to
+                 bfloat16 pairs of keys (the pair path's PACK) and turned into rows of keys
+                 by 16 x 16 word transposes (TRANSPOSE), V zipped into pairs of keys.
+Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task loads it at its
+start and releases the tiles at its end (with_task_config for the GEMMs, CONFIG / RELEASE
+in the attention's task), as oneDNN does per primitive run; loaded per tile it cost 20-30%
+at depth 512 (a C loop, 512 x 1536 x 512). Linux hands AMX's 8 KiB of tile state to a
+process only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile
+instruction is SIGILL): mhagen asks before it runs such code (mhagen.host.cannot_run_reason;
+the C API's mha_create likewise).
 
-Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task of the GEMM loads
-it at its start and releases the tiles at its end (with_task_config), as oneDNN does per
-primitive run; loaded per tile it cost 20-30% at depth 512 (a C loop, 512 x 1536 x 512).
-Linux hands AMX's 8 KiB of tile state to a process only after it asks (arch_prctl
-ARCH_REQ_XCOMP_PERM; without it the first tile instruction is SIGILL): mhagen asks before it
-runs such code (mhagen.host.cannot_run_reason; the C API's mha_create likewise).
-
-Measured (the Intel Xeon VM, LLVM `rocketlake`, 1 thread): a C loop of this tile kernel
-1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; vdpbf16ps pairs reach
-0.11 and float32 FMAs 0.20-0.23 on this core.
+Measured on the Intel Xeon VM (LLVM `rocketlake`), 1 thread: a C loop of the GEMM tile
+kernel 1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; in the layers
+(kernels alone, 1x128x512x8 to 1x2048x1024x16) the GEMMs 1.0-1.4 TFLOP/s (float32 FMAs:
+150-185 GFLOP/s), the attention 290-390 GFLOP/s (float32 FMAs: 120-150; with S^T alone on
+tiles 170-210), where the softmax's exp2, P's rounding and transposes and O's rescaling on
+AVX-512 now take most of its time.
 """
 import functools
 

@@ -29,6 +29,10 @@ bfloat16 pairs (work["pairs"], targets with AVX-512 BF16): qkv is bfloat16; Q^T 
 unscaled as int32 pairs of head columns and the write-back applies the scale; S^T = K Q^T
 and P V run on vdpbf16ps (bf16_dot), P packed into pairs of keys in bfloat16 and the block's
 V rows zipped likewise; the softmax stays float32.
+AMX tiles (work["amx"], AMX-BF16 targets, head_dim whole 32s: amx.py): qkv is bfloat16, Q^T
+is copied as for pairs; S^T and P V run on tiles of 32 x 32 (key tiles and query tiles of
+32), the S^T write-back reads the stored tile, O is rescaled by alpha in place before P V
+accumulates into it.
 """
 from dataclasses import dataclass, replace
 
