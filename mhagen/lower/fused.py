@@ -258,8 +258,9 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     # head_dim): qkv and kv hold bfloat16, the template multiplies pairs of head columns and
     # of keys (schedules/x86/attention.py). Not for decoding or rotary layers (their
     # templates read float32 qkv).
-    # AMX tiles for S^T = K Q^T where the GEMMs of head_dim's depth would take them (x86
-    # AMX-BF16: d whole 32s, so every K head fills whole qkv panels); qkv in bfloat16
+    # AMX tiles for the attention's S^T = K Q^T and P V where a GEMM of head_dim's depth
+    # would take them (x86 AMX-BF16: d whole 32s, so every K head fills whole qkv panels);
+    # qkv in bfloat16 too
     att_amx = cache is None and not a.get("rotary") and on_amx(d)
     att_pairs = cache is None and not a.get("rotary") and dot_pairs(d) and not att_amx
     qkv_temp = kv_temp = "bfloat16" if att_pairs or att_amx else temp
