@@ -202,6 +202,8 @@ def test_random_valid_layers_match_the_reference(options, batch, seq, fuse, targ
     x = np.random.default_rng(seed).standard_normal(
         (batch, seq, options["d_model"])).astype(np.float32)
     kernel = mhagen.build(layer, target, batch=batch, seq_len=seq, weights=w, fuse=fuse)
+    if "AMX tiles" in (kernel.precision or ""):   # bfloat16 on an AMX host (x86/amx.py)
+        event("AMX tiles" + (", attention too" if "P V on AMX" in kernel.precision else ""))
     expected = layer.reference(x, w)     # half layers: of x and w rounded to the dtype
     assert_close(kernel(x), expected, dtype)
     assert_close(kernel(x, weights=w), expected, dtype)   # weights per call: the packing path
