@@ -106,5 +106,9 @@ def half_precision_path(name: str, target, paired=(), attention=None,
                 "schedules/x86/bf16_dot.py)")
     else:
         note = f"; {have[0]} is present but not used yet" if have else ""
+    if name == "bfloat16" and "amx-bf16" in features:
+        note += ("; amx-bf16 is present but not used here (AMX tiles take GEMMs whose depth "
+                 "and attentions whose head_dim are whole 32s, outside decoding layers: "
+                 "schedules/x86/amx.py)")
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")
