@@ -29,9 +29,10 @@ Lowering, compiling, tuning and the runtime are target-neutral; they ask the tar
   gemm_pairs       (optional) (target, dtype, depth) -> bool: the packed GEMM multiplies
                    pairs of its depth in one instruction (x86 AVX-512 BF16 vdpbf16ps):
                    weights packed [N / nr, K / 2, nr, 2], A's rows packed likewise
-  gemm_amx         (optional) (target, dtype, depth) -> bool: the packed GEMM runs on AMX
-                   tiles (x86 AMX-BF16): weights as for pairs, A packed in 32 x 32 tiles;
-                   gemm_tile and gemm_rows take on_amx=True for it
+  gemm_amx         (optional) (target, dtype, depth, attention=False) -> bool: the packed
+                   GEMM runs on AMX tiles (x86 AMX-BF16): weights as for pairs, A packed in
+                   32 x 32 tiles; gemm_tile and gemm_rows take on_amx=True for it.
+                   attention=True: the attention of that head_dim runs its products on them
   finalize         (optional) (scheduled PrimFunc) -> PrimFunc: what the family's templates
                    need around a scheduled kernel (x86: AMX's per-task tile configuration)
 
@@ -78,7 +79,7 @@ class Backend:
     cross: bool = False          # its attention template reads K/V from a second GEMM's output
     gemm_packs_rows: Callable | None = None   # (target, depth) -> copy A into row-tile panels
     gemm_pairs: Callable | None = None        # (target, dtype, depth) -> depth pairs (bf16)
-    gemm_amx: Callable | None = None          # (target, dtype, depth) -> AMX tiles (bf16)
+    gemm_amx: Callable | None = None          # (target, dtype, depth[, attention]) -> AMX
     finalize: Callable | None = None          # (scheduled PrimFunc) -> PrimFunc
     half_temps: bool = False     # qkv and att in a half layer's dtype (tensor-core GEMMs read
     #                              them); else float32, converted once by the QKV GEMM

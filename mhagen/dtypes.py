@@ -85,17 +85,18 @@ def half_precision_path(name: str, target, paired=(), attention=None,
     arm = getattr(target, "arch", "") == "aarch64"
     how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
            "bfloat16": "a 16-bit shift"}[name]
-    if paired or tiles:
+    if paired or tiles or attention:
         attention = {
             "pairs": "the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
                      "softmax in float32",
-            "amx": "the attention's Q K^T and P V on AMX tiles too (Q, K, V and P in "
+            "amx": "the attention's Q K^T and P V on AMX tiles (Q, K, V and P in "
                    "bfloat16), its softmax in float32",
             None: f"the attention converts to float32 on load ({how}): float32 FMAs and "
                   "softmax"}[attention]
         gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (
             (tiles, "run on AMX tiles (AMX-BF16 tdpbf16ps)"),
-            (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names]
+            (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names] or [
+            f"the GEMMs convert to float32 on load ({how}): float32 FMAs"]
         output = ("the attention output is rounded to bfloat16 before the output projection"
                   if "w_o" in (*tiles, *paired) else "")
         return (f"{name} storage; {' and '.join(gemms)}, with float32 accumulation"
@@ -108,7 +109,7 @@ def half_precision_path(name: str, target, paired=(), attention=None,
         note = f"; {have[0]} is present but not used yet" if have else ""
     if name == "bfloat16" and "amx-bf16" in features:
         note += ("; amx-bf16 is present but not used here (AMX tiles take GEMMs whose depth "
-                 "and attentions whose head_dim are whole 32s, outside decoding layers: "
-                 "schedules/x86/amx.py)")
+                 "is a multiple of 32 from 64 and attentions whose head_dim is a multiple "
+                 "of 32, outside decoding layers: schedules/x86/amx.py)")
     return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
             f"accumulation and softmax; output rounded to {name}{note}")

@@ -13,7 +13,8 @@
    1-3 calls at random shapes up to its maximum, some with key padding) and as
    cross-attention layers (a context of another length and width, fused or not), and a
    sample (one in ten) cross-built for ARM (NEON, 256-bit SVE), saved and run under qemu
-   by the C example app.
+   by the C example app. bfloat16 layers with depths AMX tiles take are drawn apart too
+   (built for x86-amx everywhere, run where the CPU has AMX).
 2. Invalid configurations (bad sizes, masks, score modifiers, rotary, build options, call
    time inputs and weights) raise mhagen's own errors (or the documented TypeError /
    ValueError of the expression builders) from a deliberate `raise` in mhagen, with a
@@ -22,7 +23,7 @@
 
 CI profile: the valid-layer fuzzer runs MHAGEN_FUZZ_EXAMPLES cases (default 30 builds, a
 half unfused here: 95-114 s; the whole file 117-130 s, on the 2-core Xeon VM this was
-written on, CI's class), the cheap fuzzers up to 10x as many (300 invalid layer options, 300 bad weights,
+written on, CI's class; the AMX layers, a sixth as many, add ~50 s there), the cheap fuzzers up to 10x as many (300 invalid layer options, 300 bad weights,
 every bad builder / input / build option), all derandomized (the same cases every run; add
 --hypothesis-show-statistics to see what they covered). Long profile: >= 10,000 compiled
 cases, run in shards that each draw their own cases (MHAGEN_FUZZ_SEED=N, a different N per
@@ -240,6 +241,47 @@ def test_random_decoding_layers_match_the_reference(options, batch, new, room, t
     assert cache.lens.tolist() == expected_cache.lens.tolist()
     assert_close(cache.k, expected_cache.k, judged)
     assert_close(cache.v, expected_cache.v, judged)
+
+
+@st.composite
+def amx_layers(draw):
+    """The random layers with depths AMX tiles take (schedules/x86/amx.py): head_dim 32 or
+    64, d_model heads x head_dim or another multiple of 32, at least 64 (the QKV GEMM's
+    tiles need 2 steps of 32; a one-head output GEMM of depth 32 converts on load);
+    partial RoPE dropped (its rotary_dim was drawn for another head_dim)."""
+    options = draw(layers())
+    head_dim = draw(st.sampled_from([32, 64]))
+    d_model = max(64, draw(st.sampled_from([options["num_heads"] * head_dim,
+                                            32 * draw(st.integers(2, 8))])))
+    options.update(head_dim=head_dim, d_model=d_model)
+    if options["rotary"] not in (None, True):
+        options["rotary"] = None
+    return options
+
+
+@shard
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 6))
+@given(options=amx_layers(), batch=st.integers(1, 3), seq=SEQS, any_length=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_random_amx_layers_match_the_reference(options, batch, seq, any_length, seed):
+    """bfloat16 layers on AMX tiles (x86-amx): the GEMMs always (depths whole 32s), the
+    attention's Q K^T and P V too unless the layer has RoPE; exact or any-length builds.
+    Compiled on every host (the precision says tiles), run and compared where the CPU has
+    AMX (Sapphire Rapids and later)."""
+    layer = mhagen.mha(**options, dtype="bfloat16")
+    kw = dict(seq_len=None, max_seq_len=seq + 7) if any_length else dict(seq_len=seq)
+    w = layer.init_weights(seed)
+    m = mhagen.build(layer, "x86-amx", batch=batch, weights=w, **kw)
+    assert "run on AMX tiles" in m.precision, m.precision
+    on_tiles = "Q K^T and P V on AMX tiles" in m.precision
+    assert on_tiles == (options["rotary"] is None), m.precision
+    event(f"attention on tiles: {on_tiles}")
+    event(f"any length: {any_length}")
+    if not m.target.runs_here():
+        return    # compile-only here (no AMX)
+    x = np.random.default_rng(seed).standard_normal(
+        (batch, seq, options["d_model"])).astype(np.float32)
+    assert_close(m(x), layer.reference(x, w), "bfloat16")
 
 
 @shard

@@ -464,7 +464,7 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     # configuring them
     grouped = _tile_layer(head_dim=None, kv_heads=2)
     m = mhagen.build(grouped, AMX, batch=1, seq_len=97, weights=grouped.init_weights(0))
-    assert "the attention's Q K^T and P V on AMX tiles too" in m.precision
+    assert "the attention's Q K^T and P V on AMX tiles" in m.precision
     assert m.program.buffers["qkv"].dtype == "bfloat16"
     code = function_asm(m.inspect("source"), "attention_compute_")
     assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
@@ -539,6 +539,21 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         assert r.returncode == 0, r.stderr
         got = np.fromfile(tmp_path / "y.bin", ml_dtypes.bfloat16).reshape(y.shape)
         np.testing.assert_array_equal(got.view(np.uint16), y.view(np.uint16))
+
+
+def test_amx_gemms_of_one_step_convert_on_load():
+    """A GEMM of depth 32 (one tdpbf16ps step) stays off the tiles: TVM's tensorize did not
+    match the intrinsic over one step (the random AMX layers found d_model 32, head_dim 32:
+    a ScheduleError from the build); its attention still runs on them. Compiled on every
+    host, compared where AMX runs."""
+    layer = mhagen.mha(32, 1, dtype="bfloat16")
+    w = layer.init_weights(5)
+    m = mhagen.build(layer, AMX, batch=2, seq_len=45, weights=w)
+    assert m.precision.startswith("bfloat16 storage; the GEMMs convert to float32 on load")
+    assert "the attention's Q K^T and P V on AMX tiles" in m.precision
+    assert not [b for b in m.program.buffers.values() if (b.pack or {}).get("amx")]
+    if m.target.runs_here():
+        _check(layer, m, _x((2, 45, 32), "bfloat16"), w, "bfloat16")
 
 
 def test_amx_code_is_refused_where_linux_refuses_the_tile_state(monkeypatch):

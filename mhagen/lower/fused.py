@@ -261,7 +261,8 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
     # AMX tiles for the attention's S^T = K Q^T and P V where a GEMM of head_dim's depth
     # would take them (x86 AMX-BF16: d whole 32s, so every K head fills whole qkv panels);
     # qkv in bfloat16 too
-    att_amx = cache is None and not a.get("rotary") and on_amx(d)
+    att_amx = bool(cache is None and not a.get("rotary") and backend.gemm_amx
+                   and backend.gemm_amx(target, dtype, d, attention=True))
     att_pairs = cache is None and not a.get("rotary") and dot_pairs(d) and not att_amx
     qkv_temp = kv_temp = "bfloat16" if att_pairs or att_amx else temp
     if not (att_pairs or att_amx):

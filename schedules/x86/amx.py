@@ -215,12 +215,16 @@ declare void @llvm.x86.tilestored64(i8, ptr, i64)
     + ["  ret i32 0", "}", ""])
 
 
-def amx_tiles(target, dtype: str, depth: int) -> bool:
-    """A GEMM of this depth in a layer of this storage dtype runs on AMX tiles: a bfloat16
-    layer, AMX-TILE and AMX-BF16 in the target's features, a depth of whole 32s (one
-    tdpbf16ps step; others convert on load, or take vdpbf16ps pairs where those pay)."""
+def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:
+    """A GEMM of this depth (attention: an attention of this head_dim) in a layer of this
+    storage dtype runs on AMX tiles: a bfloat16 layer, AMX-TILE and AMX-BF16 in the
+    target's features, a depth of whole 32s (one tdpbf16ps step; others convert on load,
+    or take vdpbf16ps pairs where those pay), for a GEMM at least 64: TVM's tensorize does
+    not match the intrinsic over one step (the random AMX layers found d_model 32), and a
+    GEMM of depth 32 is little work."""
     feats = set(target.features or ())
-    return dtype == "bfloat16" and depth % DEPTH == 0 and all(f in feats for f in FEATURES)
+    return (dtype == "bfloat16" and depth % DEPTH == 0 and (attention or depth > DEPTH)
+            and all(f in feats for f in FEATURES))
 
 
 @functools.lru_cache(maxsize=None)
