@@ -230,8 +230,10 @@ def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:
 @functools.lru_cache(maxsize=None)
 def intrinsic(steps: int) -> str:
     """The tensor intrinsic of one 32 x 32 register tile over `steps` x 32 of the depth
-    (registered once per depth): its implementation is one call of KERNEL, which zeroes C's
-    tiles (the schedule's init before it writes zeros C would only read once)."""
+    (registered once per depth): one call of KERNEL. KERNEL starts its C tiles at zero
+    (tilezero), not from C: the GEMM rule tensorizes the whole depth right after the
+    reduction's init, so C holds zeros there (the init's 4 KiB store per tile stays,
+    under 5% of a tile's time at depth 512)."""
     name = f"mhagen_x86_amx_32x32x{steps * DEPTH}"
     pairs = steps * DEPTH // 2   # B: the weight panel's pair rows (wp[n // 32, k2, n % 32, p])
     shapes = dict(a=(steps, ROWS, DEPTH // 2, 2), b=(pairs, COLS, 2))
