@@ -199,6 +199,11 @@ class MatmulRule:
             # streams once a group); the row-major one (its write-back ran 1.6x slower with
             # groups, not explained) gives each block every n-th tile instead (apply). Both
             # now within 1.05x of the exact build at 128 rows and 1.1x at 2048.
+            if workload.get("amx") and workload.get("symbolic"):
+                # TVM's tensorize does not match the AMX intrinsic under a row block of
+                # symbolic extent (an InternalError; the random AMX layers found batch 3 of
+                # up to 264 rows): one block, each panel task over every row tile
+                row_block = 1
             panels, cores = workload.get("cols", 0) // tile_cols, target.cores
             if workload.get("symbolic"):
                 groups = cores if row_block > 1 and workload.get("panel_major") else 1
