@@ -63,16 +63,45 @@ TRANSPOSE = "mhagen_transpose_16x16_i32"
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
 _CFG = (bytes([1]) + bytes(15) + b"".join((64).to_bytes(2, "little") for _ in range(8))
         + bytes(16) + bytes([16] * 8) + bytes(8))
-_PRODUCTS = "\n".join(f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
-                      for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7)))
-_TILE_LOOP = "\n".join(
-    [f"  call void @llvm.x86.tileloadd64(i8 {t}, ptr %{p}, i64 {s})"
-     for t, p, s in ((4, "a0", 64), (5, "a1", 64), (6, "b0", 128), (7, "b1", 128))]
-    + [_PRODUCTS])
-# C tile c at byte offset: rows 16 * (c // 2), columns 16 * (c % 2), 128 bytes a row
-_STORES = "\n".join(
-    f"  %c{c} = getelementptr i8, ptr %c, i64 {2048 * (c // 2) + 64 * (c % 2)}\n"
-    f"  call void @llvm.x86.tilestored64(i8 {c}, ptr %c{c}, i64 128)" for c in range(4))
+
+
+def _tile_kernel(name, params, pointers, c_stride, a_step, a_stride, b_step, b_stride,
+                 from_c=False):
+    """LLVM IR of one 32 x 32 float32 tile product over %steps 32s of the depth: C's four
+    16 x 16 tiles at %c (c_stride bytes a row) start at zero, or from C (from_c); a step
+    loads A's two tiles at %a + s a_step (a_stride bytes a row, the second 16 rows down)
+    and B's two at %b + s b_step (b_stride bytes a row, the second 64 bytes right), then
+    runs the four tdpbf16ps; C's tiles are stored back at the end. pointers: the IR that
+    defines %c, %a and %b (and any value the steps name) from the params."""
+    c_at = ["%c", "%c1", "%c2", "%c3"]
+    start = ([f"  call void @llvm.x86.tileloadd64(i8 {t}, ptr {c_at[t]}, i64 {c_stride})"
+              for t in range(4)] if from_c else
+             [f"  call void @llvm.x86.tilezero(i8 {t})" for t in range(4)])
+    return "\n".join(
+        [f"define i32 @{name}({params}) {{", "entry:", pointers,
+         f"  %cdown = mul i64 {c_stride}, 16", f"  %adown = mul i64 {a_stride}, 16",
+         "  %c1 = getelementptr i8, ptr %c, i64 64",
+         "  %c2 = getelementptr i8, ptr %c, i64 %cdown",
+         "  %c3 = getelementptr i8, ptr %c2, i64 64", *start,
+         "  br label %step", "step:",
+         "  %s = phi i64 [0, %entry], [%next, %step]",
+         f"  %ao = mul i64 %s, {a_step}", "  %a0 = getelementptr i8, ptr %a, i64 %ao",
+         "  %a1 = getelementptr i8, ptr %a0, i64 %adown",
+         f"  %bo = mul i64 %s, {b_step}", "  %b0 = getelementptr i8, ptr %b, i64 %bo",
+         "  %b1 = getelementptr i8, ptr %b0, i64 64"]
+        + [f"  call void @llvm.x86.tileloadd64(i8 {t}, ptr %{p}, i64 {stride})"
+           for t, p, stride in ((4, "a0", a_stride), (5, "a1", a_stride),
+                                (6, "b0", b_stride), (7, "b1", b_stride))]
+        + [f"  call void @llvm.x86.tdpbf16ps(i8 {c}, i8 {a}, i8 {b})"
+           for c, a, b in ((0, 4, 6), (1, 4, 7), (2, 5, 6), (3, 5, 7))]
+        + ["  %next = add i64 %s, 1", "  %n = zext i32 %steps to i64",
+           "  %done = icmp eq i64 %next, %n", "  br i1 %done, label %store, label %step",
+           "store:"]
+        + [f"  call void @llvm.x86.tilestored64(i8 {t}, ptr {c_at[t]}, i64 {c_stride})"
+           for t in range(4)]
+        + ["  ret i32 0", "}", ""])
+
+
 _PALETTE = "".join(f"\\{b:02X}" for b in _CFG)   # LLVM's c"..." escapes
 HELPERS = f"""
 @mhagen_amx_palette = private unnamed_addr constant [64 x i8] c"{_PALETTE}", align 64
@@ -84,115 +113,25 @@ define i32 @{RELEASE}() {{
   call void @llvm.x86.tilerelease()
   ret i32 0
 }}
-define i32 @{KERNEL}(ptr %cbase, i32 %coff, ptr %abase, i32 %aoff, ptr %bbase, i32 %boff,
-                      i32 %steps) {{
-entry:
-  %c = getelementptr float, ptr %cbase, i32 %coff
-  %a = getelementptr i16, ptr %abase, i32 %aoff
-  %b = getelementptr i16, ptr %bbase, i32 %boff
-  call void @llvm.x86.tilezero(i8 0)
-  call void @llvm.x86.tilezero(i8 1)
-  call void @llvm.x86.tilezero(i8 2)
-  call void @llvm.x86.tilezero(i8 3)
-  br label %step
-step:
-  %s = phi i64 [0, %entry], [%next, %step]
-  %at = mul i64 %s, 2048
-  %a0 = getelementptr i8, ptr %a, i64 %at
-  %a1 = getelementptr i8, ptr %a0, i64 1024
-  %b0 = getelementptr i8, ptr %b, i64 %at
-  %b1 = getelementptr i8, ptr %b0, i64 64
-{_TILE_LOOP}
-  %next = add i64 %s, 1
-  %n = zext i32 %steps to i64
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %store, label %step
-store:
-{_STORES}
-  ret i32 0
-}}
-define i32 @{SCORES}(ptr %sbase, i32 %soff, i64 %sstride, ptr %kbase, i64 %koff, i64 %kstride,
-                      i64 %kpanel, ptr %qbase, i32 %qoff, i64 %qstride, i32 %steps) {{
-entry:
-  %c = getelementptr float, ptr %sbase, i32 %soff
-  %k = getelementptr i16, ptr %kbase, i64 %koff
-  %q = getelementptr i32, ptr %qbase, i32 %qoff
-  %kdown = mul i64 %kstride, 16
-  %qstep = mul i64 %qstride, 16
-  %cdown = mul i64 %sstride, 16
-  call void @llvm.x86.tilezero(i8 0)
-  call void @llvm.x86.tilezero(i8 1)
-  call void @llvm.x86.tilezero(i8 2)
-  call void @llvm.x86.tilezero(i8 3)
-  br label %step
-step:
-  %s = phi i64 [0, %entry], [%next, %step]
-  %ka = mul i64 %s, %kpanel
-  %a0 = getelementptr i8, ptr %k, i64 %ka
-  %a1 = getelementptr i8, ptr %a0, i64 %kdown
-  %qa = mul i64 %s, %qstep
-  %b0 = getelementptr i8, ptr %q, i64 %qa
-  %b1 = getelementptr i8, ptr %b0, i64 64
-  call void @llvm.x86.tileloadd64(i8 4, ptr %a0, i64 %kstride)
-  call void @llvm.x86.tileloadd64(i8 5, ptr %a1, i64 %kstride)
-  call void @llvm.x86.tileloadd64(i8 6, ptr %b0, i64 %qstride)
-  call void @llvm.x86.tileloadd64(i8 7, ptr %b1, i64 %qstride)
-{_PRODUCTS}
-  %next = add i64 %s, 1
-  %n = zext i32 %steps to i64
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %store, label %step
-store:
-  %c1 = getelementptr i8, ptr %c, i64 64
-  %c2 = getelementptr i8, ptr %c, i64 %cdown
-  %c3 = getelementptr i8, ptr %c2, i64 64
-  call void @llvm.x86.tilestored64(i8 0, ptr %c, i64 %sstride)
-  call void @llvm.x86.tilestored64(i8 1, ptr %c1, i64 %sstride)
-  call void @llvm.x86.tilestored64(i8 2, ptr %c2, i64 %sstride)
-  call void @llvm.x86.tilestored64(i8 3, ptr %c3, i64 %sstride)
-  ret i32 0
-}}
-define i32 @{PV}(ptr %obase, i32 %ooff, i64 %ostride, ptr %pbase, i32 %poff, i64 %pstride,
-                  ptr %vbase, i32 %voff, i64 %vstride, i32 %steps) {{
-entry:
-  %o = getelementptr float, ptr %obase, i32 %ooff
-  %p = getelementptr i32, ptr %pbase, i32 %poff
-  %v = getelementptr i32, ptr %vbase, i32 %voff
-  %odown = mul i64 %ostride, 16
-  %pdown = mul i64 %pstride, 16
-  %vstep = mul i64 %vstride, 16
-  %o1 = getelementptr i8, ptr %o, i64 64
-  %o2 = getelementptr i8, ptr %o, i64 %odown
-  %o3 = getelementptr i8, ptr %o2, i64 64
-  call void @llvm.x86.tileloadd64(i8 0, ptr %o, i64 %ostride)
-  call void @llvm.x86.tileloadd64(i8 1, ptr %o1, i64 %ostride)
-  call void @llvm.x86.tileloadd64(i8 2, ptr %o2, i64 %ostride)
-  call void @llvm.x86.tileloadd64(i8 3, ptr %o3, i64 %ostride)
-  br label %step
-step:
-  %s = phi i64 [0, %entry], [%next, %step]
-  %pa = mul i64 %s, 64
-  %a0 = getelementptr i8, ptr %p, i64 %pa
-  %a1 = getelementptr i8, ptr %a0, i64 %pdown
-  %vb = mul i64 %s, %vstep
-  %b0 = getelementptr i8, ptr %v, i64 %vb
-  %b1 = getelementptr i8, ptr %b0, i64 64
-  call void @llvm.x86.tileloadd64(i8 4, ptr %a0, i64 %pstride)
-  call void @llvm.x86.tileloadd64(i8 5, ptr %a1, i64 %pstride)
-  call void @llvm.x86.tileloadd64(i8 6, ptr %b0, i64 %vstride)
-  call void @llvm.x86.tileloadd64(i8 7, ptr %b1, i64 %vstride)
-{_PRODUCTS}
-  %next = add i64 %s, 1
-  %n = zext i32 %steps to i64
-  %done = icmp eq i64 %next, %n
-  br i1 %done, label %store, label %step
-store:
-  call void @llvm.x86.tilestored64(i8 0, ptr %o, i64 %ostride)
-  call void @llvm.x86.tilestored64(i8 1, ptr %o1, i64 %ostride)
-  call void @llvm.x86.tilestored64(i8 2, ptr %o2, i64 %ostride)
-  call void @llvm.x86.tilestored64(i8 3, ptr %o3, i64 %ostride)
-  ret i32 0
-}}
+""" + _tile_kernel(   # the GEMM's: A packed in tiles, B the weights' pair panel
+    KERNEL, "ptr %cbase, i32 %coff, ptr %abase, i32 %aoff, ptr %bbase, i32 %boff, i32 %steps",
+    "  %c = getelementptr float, ptr %cbase, i32 %coff\n"
+    "  %a = getelementptr i16, ptr %abase, i32 %aoff\n"
+    "  %b = getelementptr i16, ptr %bbase, i32 %boff", 128, 2048, 64, 2048, 128) + _tile_kernel(
+    SCORES, "ptr %sbase, i32 %soff, i64 %sstride, ptr %kbase, i64 %koff, i64 %kstride, "
+    "i64 %kpanel, ptr %qbase, i32 %qoff, i64 %qstride, i32 %steps",
+    "  %c = getelementptr float, ptr %sbase, i32 %soff\n"
+    "  %a = getelementptr i16, ptr %kbase, i64 %koff\n"
+    "  %b = getelementptr i32, ptr %qbase, i32 %qoff\n"
+    "  %qstep = mul i64 %qstride, 16", "%sstride", "%kpanel", "%kstride", "%qstep",
+    "%qstride") + _tile_kernel(
+    PV, "ptr %obase, i32 %ooff, i64 %ostride, ptr %pbase, i32 %poff, i64 %pstride, "
+    "ptr %vbase, i32 %voff, i64 %vstride, i32 %steps",
+    "  %c = getelementptr float, ptr %obase, i32 %ooff\n"
+    "  %a = getelementptr i32, ptr %pbase, i32 %poff\n"
+    "  %b = getelementptr i32, ptr %vbase, i32 %voff\n"
+    "  %vstep = mul i64 %vstride, 16", "%ostride", 64, "%pstride", "%vstep", "%vstride",
+    from_c=True) + f"""
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
 declare void @llvm.x86.tilezero(i8)

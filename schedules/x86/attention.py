@@ -480,10 +480,13 @@ def build_attention(w, cfg, lanes, flush=False):
                 l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
                 m_buf[io * LN + ii] = m_new[io * LN + ii]
         n_pairs = (n_keys + 1) // 2
-        if PAIRS:
+        # pairs of keys P V multiplies: the keys that exist, or on AMX tiles the block's
+        # whole 32s (their depth; P is 0 past the last key)
+        n_zipped = n_rows // 2 if AMX else n_pairs
+        if QT_PAIRS:
             # P^T in bfloat16 pairs of keys (a row past the last key is 0), V's rows in pairs
-            # of keys (zipped; the pair past the last key reads the last key's row)
-            for j2 in range(n_pairs):
+            # of keys (zipped; the pairs past the last key read clamped rows)
+            for j2 in range(n_zipped):
                 for io in range(MQ // LN):
                     p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
                         "int32x16", PACK, s_buf[2 * j2, T.ramp(io * LN, 1, LN)],
@@ -497,22 +500,8 @@ def build_attention(w, cfg, lanes, flush=False):
                              key_row(b, k0 + 2 * j2 + 1, cut),
                              T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
         if AMX:
-            # O = O alpha + P V on AMX tiles over the block's whole 32s of keys (P is 0 past
-            # the last key, V's rows there clamped): P^T in bfloat16 pairs of keys, turned
-            # into rows of keys (P) by 16 x 16 word transposes; V in pairs of keys (zipped)
-            for j2 in range(n_rows // 2):
-                for io in range(MQ // LN):
-                    p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
-                        "int32x16", PACK, s_buf[2 * j2, T.ramp(io * LN, 1, LN)],
-                        s_buf[2 * j2 + 1, T.ramp(io * LN, 1, LN)])
-                for c16 in range(DP // LN):
-                    v32[j2, T.ramp(c16 * LN, 1, LN)] = T.call_pure_extern(
-                        "int32x16", ZIP,
-                        kv32[(V_BASE + g * DP + c16 * LN) // PW, key_row(b, k0 + 2 * j2, cut),
-                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)],
-                        kv32[(V_BASE + g * DP + c16 * LN) // PW,
-                             key_row(b, k0 + 2 * j2 + 1, cut),
-                             T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
+            # O = O alpha + P V on AMX tiles over the block's whole 32s of keys: P^T's pairs
+            # turned into rows of keys (P) by 16 x 16 word transposes, V's pairs as zipped
             for kt in range(n_rows // 32):
                 for qt16 in range(MQ // 16):
                     T.evaluate(T.call_extern("int32", amx.TRANSPOSE, p_rows.data,
