@@ -45,7 +45,7 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
-from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
+from mhagen.schedules.x86.fast_math import EXP2_16, EXP2_HELPER, SCORE_MATH, exp2, f32
 from mhagen.schedules.x86.matmul import rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
@@ -341,9 +341,17 @@ def build_attention(w, cfg, lanes, flush=False):
             KV_SHAPE = (KV_SHAPE[0], (B * rules.kv_seq + w["row_tile"] - 1) // w["row_tile"]
                         * w["row_tile"], PW)
 
+    # pairs and AMX without a score modifier: scores stay unscaled until the softmax, whose
+    # exponent is then one multiply-add, s * scale - m * scale (the running max is unscaled
+    # too: the scale is positive); the S^T write-back loses its multiply (AMX: a full block's
+    # write-back then only reads the stored tile for the max)
+    LATE_SCALE = QT_PAIRS and rules.score_mod is None
+    SOFTMAX_SCALE = c_log2e if LATE_SCALE else f32(1.0)
+
     def score(x):
-        """A tile's accumulator in log2 units (pairs, AMX: Q^T is not pre-scaled)."""
-        return x * c_log2e if QT_PAIRS else x
+        """A tile's accumulator in log2 units, or unscaled (LATE_SCALE) (pairs, AMX: Q^T is
+        not pre-scaled)."""
+        return x * c_log2e if QT_PAIRS and not LATE_SCALE else x
 
     @T.macro
     def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
@@ -371,19 +379,25 @@ def build_attention(w, cfg, lanes, flush=False):
                         * PW + T.Cast("int64", key_row(b, k0 + jo * MR, False)) * PW,
                         T.int64(PW * 2), T.Cast("int64", kv.shape[1]) * (PW * 2), q_t32.data,
                         io * NR, T.int64(MQ * 4), d // CW))
-                for jj in range(MR):
-                    for ii in T.vectorized(NR):
-                        if masked:
-                            s_buf[jo * MR + jj, io * NR + ii] = T.Select(
-                                visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
-                                modified(score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
-                                         q0 + io * NR + ii, k0 + jo * MR + jj), neg_inf)
-                        else:
-                            s_buf[jo * MR + jj, io * NR + ii] = modified(
-                                score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
-                                q0 + io * NR + ii, k0 + jo * MR + jj)
-                        m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
-                                                    s_buf[jo * MR + jj, io * NR + ii])
+                if masked or not LATE_SCALE:
+                    for jj in range(MR):
+                        for ii in T.vectorized(NR):
+                            if masked:
+                                s_buf[jo * MR + jj, io * NR + ii] = T.Select(
+                                    visible(b, h, q0 + io * NR + ii, k0 + jo * MR + jj, lens),
+                                    modified(score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
+                                             q0 + io * NR + ii, k0 + jo * MR + jj), neg_inf)
+                            else:
+                                s_buf[jo * MR + jj, io * NR + ii] = modified(
+                                    score(s_buf[jo * MR + jj, io * NR + ii]), b, h,
+                                    q0 + io * NR + ii, k0 + jo * MR + jj)
+                            m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
+                                                        s_buf[jo * MR + jj, io * NR + ii])
+                else:   # the stored tile is the scores: its max only
+                    for jj in T.unroll(MR):
+                        for ii in T.vectorized(NR):
+                            m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
+                                                        s_buf[jo * MR + jj, io * NR + ii])
             else:
                 for jj in T.unroll(MR):
                     for ii in T.vectorized(NR):
@@ -467,30 +481,40 @@ def build_attention(w, cfg, lanes, flush=False):
                         n_full, kv32, q_t32, k_pad)
         # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.
         # vec[0]: the subtracted max (0 for queries that saw no key yet), vec[1]: sum of P.
-        for io in range(MQ // LN):
-            for ii in T.vectorized(LN):
-                vec[0, ii] = T.Select(m_new[io * LN + ii] == neg_inf, zero, m_new[io * LN + ii])
-                alpha[io * LN + ii] = exp2(m_buf[io * LN + ii] - vec[0, ii])
-                vec[1, ii] = zero
-            for j in range(n_rows):
-                for ii in T.vectorized(LN):   # a masked score (-inf) gives exactly 0
-                    s_buf[j, io * LN + ii] = exp2(s_buf[j, io * LN + ii] - vec[0, ii])
-                    vec[1, ii] = vec[1, ii] + s_buf[j, io * LN + ii]
-            for ii in T.vectorized(LN):
-                l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
-                m_buf[io * LN + ii] = m_new[io * LN + ii]
+        # Pairs and AMX tiles: P^T straight into bfloat16 pairs of keys (p32; a row past the
+        # last key is 0), 2^(s scale - m') on EXP2_16 (degree 4, vscalefps); float32 P is not
+        # stored. (m' is scaled here: LATE_SCALE.)
         n_pairs = (n_keys + 1) // 2
         # pairs of keys P V multiplies: the keys that exist, or on AMX tiles the block's
         # whole 32s (their depth; P is 0 past the last key)
         n_zipped = n_rows // 2 if AMX else n_pairs
-        if QT_PAIRS:
-            # P^T in bfloat16 pairs of keys (a row past the last key is 0), V's rows in pairs
-            # of keys (zipped; the pairs past the last key read clamped rows)
-            for j2 in range(n_zipped):
-                for io in range(MQ // LN):
+        for io in range(MQ // LN):
+            for ii in T.vectorized(LN):
+                vec[0, ii] = T.Select(m_new[io * LN + ii] == neg_inf, zero,
+                                      m_new[io * LN + ii] * SOFTMAX_SCALE)
+                alpha[io * LN + ii] = exp2(m_buf[io * LN + ii] * SOFTMAX_SCALE - vec[0, ii])
+                vec[1, ii] = zero
+            if QT_PAIRS:
+                for j2 in range(n_zipped):
+                    for r in range(2):
+                        vec[2 + r, T.ramp(0, 1, LN)] = T.call_pure_extern(
+                            "float32x16", EXP2_16, s_buf[2 * j2 + r, T.ramp(io * LN, 1, LN)],
+                            T.broadcast(SOFTMAX_SCALE, LN), vec[0, T.ramp(0, 1, LN)])
+                    vec[1, T.ramp(0, 1, LN)] = (vec[1, T.ramp(0, 1, LN)] + vec[2, T.ramp(0, 1, LN)]
+                                                + vec[3, T.ramp(0, 1, LN)])
                     p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
-                        "int32x16", PACK, s_buf[2 * j2, T.ramp(io * LN, 1, LN)],
-                        s_buf[2 * j2 + 1, T.ramp(io * LN, 1, LN)])
+                        "int32x16", PACK, vec[2, T.ramp(0, 1, LN)], vec[3, T.ramp(0, 1, LN)])
+            else:
+                for j in range(n_rows):
+                    for ii in T.vectorized(LN):   # a masked score (-inf) gives exactly 0
+                        s_buf[j, io * LN + ii] = exp2(s_buf[j, io * LN + ii] - vec[0, ii])
+                        vec[1, ii] = vec[1, ii] + s_buf[j, io * LN + ii]
+            for ii in T.vectorized(LN):
+                l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
+                m_buf[io * LN + ii] = m_new[io * LN + ii]
+        if QT_PAIRS:
+            # V's rows in pairs of keys (zipped; the pairs past the last key read clamped rows)
+            for j2 in range(n_zipped):
                 for c16 in range(DP // LN):
                     v32[j2, T.ramp(c16 * LN, 1, LN)] = T.call_pure_extern(
                         "int32x16", ZIP,
@@ -554,7 +578,7 @@ def build_attention(w, cfg, lanes, flush=False):
             acc = T.alloc_buffer((1 if AMX else MR, NR), "float32", scope="local",
                                  annotations=ON_STACK)
             acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
-            vec = T.alloc_buffer((2, LN), "float32", scope="local", annotations=ON_STACK)
+            vec = T.alloc_buffer((4, LN), "float32", scope="local", annotations=ON_STACK)
             b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
             g = h // GROUP
             q0 = qt * MQ
@@ -605,5 +629,5 @@ def build_attention(w, cfg, lanes, flush=False):
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
-    return with_llvm_ir(func, (HELPERS if QT_PAIRS else "") + (amx.HELPERS if AMX else "")
+    return with_llvm_ir(func, (HELPERS + EXP2_HELPER if QT_PAIRS else "") + (amx.HELPERS if AMX else "")
                         + (denormals.HELPERS if flush else ""))
