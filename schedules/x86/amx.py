@@ -53,11 +53,14 @@ RELEASE = "mhagen_amx_release"
 # bytes apart, kpanel bytes from one 32 of the depth to the next) x Q^T (int32 pairs of the
 # depth, qstride bytes a row), over `steps` 32s of the depth: the attention's scores
 SCORES = "mhagen_amx_scores_32x32"
-# O (32 queries x 32 head columns float32, ostride bytes a row) += P (bfloat16 rows of keys,
-# pstride bytes apart) x V (int32 pairs of keys, vstride bytes a row), `steps` 32s of keys
+# O^T (32 head columns x 32 queries float32, ostride bytes a row) += V^T (bfloat16 rows of
+# 32 keys, 64 bytes apart, vstep bytes from one 32 keys to the next) x P^T (int32 pairs of
+# keys, pstride bytes a row), `steps` 32s of keys
 PV = "mhagen_amx_pv_32x32"
 # dst = src^T, 16 x 16 32-bit words (4 rounds of a perfect shuffle of the 16 rows)
 TRANSPOSE = "mhagen_transpose_16x16_i32"
+# dst = src^T, 32 x 32 16-bit words (5 rounds): V's rows of keys into V^T's rows of 32 keys
+TRANSPOSE_32 = "mhagen_transpose_32x32_i16"
 
 # ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
@@ -102,6 +105,27 @@ def _tile_kernel(name, params, pointers, c_stride, a_step, a_stride, b_step, b_s
         + ["  ret i32 0", "}", ""])
 
 
+def _transpose(name, n, word, offset):
+    """LLVM IR of dst = src^T for n x n words (n a power of 2; rows `stride` bytes apart,
+    offsets in words): log2 n rounds of a perfect shuffle of the rows (row 2i + h of a
+    round interleaves half h of rows i and i + n / 2)."""
+    rounds, v = n.bit_length() - 1, f"<{n} x {word}>"
+    return "\n".join(
+        [f"define i32 @{name}(ptr %dbase, {offset} %doff, i64 %dstride, ptr %sbase, "
+         f"{offset} %soff, i64 %sstride) {{",
+         f"  %d = getelementptr {word}, ptr %dbase, {offset} %doff",
+         f"  %s = getelementptr {word}, ptr %sbase, {offset} %soff"]
+        + [f"  %so{i} = mul i64 %sstride, {i}\n  %sp{i} = getelementptr i8, ptr %s, i64 %so{i}\n"
+           f"  %r0_{i} = load {v}, ptr %sp{i}, align 4" for i in range(n)]
+        + [f"  %r{k + 1}_{2 * i + h} = shufflevector {v} %r{k}_{i}, {v} %r{k}_{i + n // 2}, "
+           f"<{n} x i32> <" + ", ".join(f"i32 {m}" for c in range(n // 2 * h, n // 2 * (h + 1))
+                                        for m in (c, n + c)) + ">"
+           for k in range(rounds) for i in range(n // 2) for h in (0, 1)]
+        + [f"  %do{i} = mul i64 %dstride, {i}\n  %dp{i} = getelementptr i8, ptr %d, i64 %do{i}\n"
+           f"  store {v} %r{rounds}_{i}, ptr %dp{i}, align 4" for i in range(n)]
+        + ["  ret i32 0", "}", ""])
+
+
 _PALETTE = "".join(f"\\{b:02X}" for b in _CFG)   # LLVM's c"..." escapes
 HELPERS = f"""
 @mhagen_amx_palette = private unnamed_addr constant [64 x i8] c"{_PALETTE}", align 64
@@ -125,12 +149,12 @@ define i32 @{RELEASE}() {{
     "  %b = getelementptr i32, ptr %qbase, i32 %qoff\n"
     "  %qstep = mul i64 %qstride, 16", "%sstride", "%kpanel", "%kstride", "%qstep",
     "%qstride") + _tile_kernel(
-    PV, "ptr %obase, i32 %ooff, i64 %ostride, ptr %pbase, i32 %poff, i64 %pstride, "
-    "ptr %vbase, i32 %voff, i64 %vstride, i32 %steps",
+    PV, "ptr %obase, i32 %ooff, i64 %ostride, ptr %vbase, i64 %voff, i64 %vstep, "
+    "ptr %pbase, i32 %poff, i64 %pstride, i32 %steps",
     "  %c = getelementptr float, ptr %obase, i32 %ooff\n"
-    "  %a = getelementptr i32, ptr %pbase, i32 %poff\n"
-    "  %b = getelementptr i32, ptr %vbase, i32 %voff\n"
-    "  %vstep = mul i64 %vstride, 16", "%ostride", 64, "%pstride", "%vstep", "%vstride",
+    "  %a = getelementptr i16, ptr %vbase, i64 %voff\n"
+    "  %b = getelementptr i32, ptr %pbase, i32 %poff\n"
+    "  %pstep = mul i64 %pstride, 16", "%ostride", "%vstep", 64, "%pstep", "%pstride",
     from_c=True) + f"""
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
@@ -138,20 +162,7 @@ declare void @llvm.x86.tilezero(i8)
 declare void @llvm.x86.tileloadd64(i8, ptr, i64)
 declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
 declare void @llvm.x86.tilestored64(i8, ptr, i64)
-""" + "\n".join(  # TRANSPOSE: 4 rounds of a perfect shuffle of the 16 rows
-    [f"define i32 @{TRANSPOSE}(ptr %dbase, i32 %doff, i64 %dstride, ptr %sbase, i32 %soff,"
-     " i64 %sstride) {",
-     "  %d = getelementptr i32, ptr %dbase, i32 %doff",
-     "  %s = getelementptr i32, ptr %sbase, i32 %soff"]
-    + [f"  %so{i} = mul i64 %sstride, {i}\n  %sp{i} = getelementptr i8, ptr %s, i64 %so{i}\n"
-       f"  %r0_{i} = load <16 x i32>, ptr %sp{i}, align 4" for i in range(16)]
-    + [f"  %r{k + 1}_{2 * i + h} = shufflevector <16 x i32> %r{k}_{i}, <16 x i32> %r{k}_{i + 8}, "
-       "<16 x i32> <" + ", ".join(f"i32 {m}" for c in range(8 * h, 8 * h + 8)
-                                  for m in (c, 16 + c)) + ">"
-       for k in range(4) for i in range(8) for h in (0, 1)]
-    + [f"  %do{i} = mul i64 %dstride, {i}\n  %dp{i} = getelementptr i8, ptr %d, i64 %do{i}\n"
-       f"  store <16 x i32> %r4_{i}, ptr %dp{i}, align 4" for i in range(16)]
-    + ["  ret i32 0", "}", ""])
+""" + _transpose(TRANSPOSE, 16, "i32", "i32") + _transpose(TRANSPOSE_32, 32, "i16", "i64")
 
 
 def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:

@@ -318,6 +318,7 @@ def build_attention(w, cfg, lanes, flush=False):
     if AMX:   # whole AMX steps: K heads in whole panels of 32 columns, tiles of 32 x 32
         assert K_PANELS and PW == amx.DEPTH and MR == amx.ROWS and NR == amx.COLS, (
             K_PANELS, PW, MR, NR)
+    O_SHAPE = (DP, MQ) if AMX else (MQ, DP)   # the task's O: O^T on AMX tiles
 
     def k_at(kv, g, cp, ci, row):
         """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
@@ -340,6 +341,7 @@ def build_attention(w, cfg, lanes, flush=False):
         if cross:   # the context's rows, padded as its GEMM's
             KV_SHAPE = (KV_SHAPE[0], (B * rules.kv_seq + w["row_tile"] - 1) // w["row_tile"]
                         * w["row_tile"], PW)
+    NKT = (KV_LEN + 31) // 32         # AMX: tiles of 32 keys in V^T
 
     # pairs and AMX without a score modifier: scores stay unscaled until the softmax, whose
     # exponent is then one multiply-add, s * scale - m * scale (the running max is unscaled
@@ -462,7 +464,7 @@ def build_attention(w, cfg, lanes, flush=False):
 
     @T.macro
     def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad, p_rows):
+                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad, vt):
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
@@ -512,7 +514,7 @@ def build_attention(w, cfg, lanes, flush=False):
             for ii in T.vectorized(LN):
                 l_buf[io * LN + ii] = l_buf[io * LN + ii] * alpha[io * LN + ii] + vec[1, ii]
                 m_buf[io * LN + ii] = m_new[io * LN + ii]
-        if QT_PAIRS:
+        if PAIRS:
             # V's rows in pairs of keys (zipped; the pairs past the last key read clamped rows)
             for j2 in range(n_zipped):
                 for c16 in range(DP // LN):
@@ -524,23 +526,19 @@ def build_attention(w, cfg, lanes, flush=False):
                              key_row(b, k0 + 2 * j2 + 1, cut),
                              T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
         if AMX:
-            # O = O alpha + P V on AMX tiles over the block's whole 32s of keys: P^T's pairs
-            # turned into rows of keys (P) by 16 x 16 word transposes, V's pairs as zipped
-            for kt in range(n_rows // 32):
-                for qt16 in range(MQ // 16):
-                    T.evaluate(T.call_extern("int32", amx.TRANSPOSE, p_rows.data,
-                                             qt16 * 16 * (KB // 2) + kt * 16, T.int64(KB * 2),
-                                             p32.data, kt * 16 * MQ + qt16 * 16,
-                                             T.int64(MQ * 4)))
-            for i in range(MQ):
-                for j in T.vectorized(DP):
-                    o_buf[i, j] = o_buf[i, j] * alpha[i]
-            for qo in range(MQ // 32):
-                for co in range(DP // 32):
-                    T.evaluate(T.call_extern("int32", amx.PV, o_buf.data, qo * 32 * DP + co * 32,
-                                             T.int64(DP * 4), p_rows.data, qo * 32 * (KB // 2),
-                                             T.int64(KB * 2), v32.data, co * 32, T.int64(DP * 4),
-                                             n_rows // 32))
+            # O^T = O^T alpha + V^T P^T on AMX tiles (32 head columns x 32 queries) over the
+            # block's whole 32s of keys: P^T's pairs as the softmax packed them, V^T as the
+            # kernel's first loop transposed it (vt)
+            for c in range(DP):
+                for i in T.vectorized(MQ):
+                    o_buf[c, i] = o_buf[c, i] * alpha[i]
+            for co in range(DP // 32):
+                for qo in range(MQ // 32):
+                    T.evaluate(T.call_extern(
+                        "int32", amx.PV, o_buf.data, co * 32 * MQ + qo * 32, T.int64(MQ * 4),
+                        vt.data, T.Cast("int64", (b * G + g) * NKT + k0 // 32) * (DP * 32)
+                        + co * 32 * 32, T.int64(DP * 64), p32.data, qo * 32, T.int64(MQ * 4),
+                        n_rows // 32))
         else:
             # O = O alpha + P V (keys that exist only), in PV_TILES tiles of at most OR
             # queries
@@ -556,6 +554,32 @@ def build_attention(w, cfg, lanes, flush=False):
     def body(qkv, kv, blocks, lens, out):
         # int32 views of the bfloat16 pairs (used when PAIRS)
         kv32 = T.decl_buffer((kv.shape[0], kv.shape[1], PW // 2), "int32", data=kv.data)
+        # AMX: V^T of every (batch row, K/V head, 32 keys), [B, G, NKT, DP, 32] (rows of 32
+        # keys: A tiles of P V), transposed once a call here, not once a query tile
+        vt = T.decl_buffer((B * G * NKT * DP * 32 if AMX else 1,), "bfloat16")
+        if AMX:
+            for t in T.parallel(B * G * NKT):
+                v_pad = T.decl_buffer((32, 32), "bfloat16")
+                vb = t // (G * NKT)
+                vg = t // NKT % G
+                kt = t % NKT
+                for cp in range(DP // 32):
+                    if kt * 32 + 32 <= KV_LEN:
+                        T.evaluate(T.call_extern(
+                            "int32", amx.TRANSPOSE_32, vt.data,
+                            T.Cast("int64", t) * (DP * 32) + cp * 32 * 32, T.int64(64), kv.data,
+                            T.Cast("int64", (V_BASE + vg * DP) // PW + cp)
+                            * T.Cast("int64", kv.shape[1]) * PW
+                            + T.Cast("int64", key_row(vb, kt * 32, False)) * PW, T.int64(PW * 2)))
+                    else:   # the last keys' rows clamped (P is 0 there)
+                        for r in range(32):
+                            for c in T.vectorized(32):
+                                v_pad[r, c] = kv[(V_BASE + vg * DP) // PW + cp,
+                                                 key_row(vb, kt * 32 + r, True), c]
+                        T.evaluate(T.call_extern(
+                            "int32", amx.TRANSPOSE_32, vt.data,
+                            T.Cast("int64", t) * (DP * 32) + cp * 32 * 32, T.int64(64),
+                            v_pad.data, T.int64(0), T.int64(64)))
         for task in T.parallel(B * H * NQ):
             csr = T.decl_buffer((1,), "int32")
             if flush:
@@ -567,10 +591,10 @@ def build_attention(w, cfg, lanes, flush=False):
             k_pad = T.decl_buffer((d // CW if AMX else 1, MR if AMX else 1, CW if AMX else 1),
                                   "bfloat16")
             p32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, MQ), "int32")
-            v32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, DP), "int32")
-            p_rows = T.decl_buffer((MQ if AMX else 1, KB // 2 if AMX else 1), "int32")
+            v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP if PAIRS else 1), "int32")
             s_buf = T.decl_buffer((KB, MQ), "float32")
-            o_buf = T.decl_buffer((MQ, DP), "float32")
+            o_buf = T.decl_buffer(O_SHAPE, "float32")     # O, or O^T on AMX tiles
+            o_rows = T.decl_buffer((MQ if AMX else 1, DP if AMX else 1), "float32")
             m_buf = T.decl_buffer((MQ,), "float32")
             l_buf = T.decl_buffer((MQ,), "float32")
             m_new = T.decl_buffer((MQ,), "float32")
@@ -598,29 +622,37 @@ def build_attention(w, cfg, lanes, flush=False):
             for i in T.vectorized(MQ):
                 m_buf[i] = neg_inf
                 l_buf[i] = zero
-            for i in range(MQ):
-                for j in T.vectorized(DP):
+            for i in range(O_SHAPE[0]):
+                for j in T.vectorized(O_SHAPE[1]):
                     o_buf[i, j] = zero
             for kb in range(NK):
                 state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
                     key_block(False, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
                               alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
-                              p32, v32, k_pad, p_rows)
+                              p32, v32, k_pad, vt)
                 elif state == PARTIAL:
                     if kb * KB + KB <= KV_LEN:
                         key_block(True, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad, p_rows)
+                                  q_t32, p32, v32, k_pad, vt)
                     else:
                         key_block(True, True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad, p_rows)
+                                  q_t32, p32, v32, k_pad, vt)
+            if AMX:   # O^T's rows of queries into rows of head columns
+                for c16 in range(DP // 16):
+                    for q16 in range(MQ // 16):
+                        T.evaluate(T.call_extern("int32", amx.TRANSPOSE, o_rows.data,
+                                                 q16 * 16 * DP + c16 * 16, T.int64(DP * 4),
+                                                 o_buf.data, c16 * 16 * MQ + q16 * 16,
+                                                 T.int64(MQ * 4)))
+            o_final = T.meta_var(o_rows if AMX else o_buf)
             for i in range(MQ):
                 if q0 + i < S:
                     vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                     for j in range(d):
-                        out[b * S + q0 + i, h * d + j] = o_buf[i, j] * vec[0, 0]
+                        out[b * S + q0 + i, h * d + j] = o_final[i, j] * vec[0, 0]
             if AMX:
                 T.evaluate(T.call_extern("int32", amx.RELEASE))
             if flush:
