@@ -31,16 +31,14 @@ def exp(x):
     return tirx.Select(x < f32(-87.0), f32(0.0), p * two_n)
 
 
-# 2^f on [-1/2, 1/2]: minimax polynomials (relative error, Lawson's iteration on float64,
-# rounded to float32), highest power first. Degree 5: 2.4e-7 in float32 arithmetic (the
-# Taylor polynomial of degree 6 it replaced: ~2e-7, one multiply-add more); degree 4:
-# 2.7e-6, for probabilities rounded to bfloat16 (2^-9) anyway.
-EXP2_POLY = {
-    4: (0.009570101276040077, 0.05591786280274391, 0.240247443318367, 0.6931217908859253,
-        0.9999992847442627),
-    5: (0.001327647129073739, 0.009675541892647743, 0.05550713092088699, 0.24022120237350464,
-        0.6931469440460205, 1.0000001192092896),
-}
+# 2^f: minimax polynomials (relative error, Lawson's iteration on float64, rounded to
+# float32), highest power first. exp2: degree 5 on [-1/2, 1/2], 2.4e-7 in float32 arithmetic
+# (the Taylor polynomial of degree 6 it replaced: ~2e-7, one multiply-add more). EXP2_16:
+# degree 3 on [0, 1), 7.5e-5, for probabilities rounded to bfloat16 (up to 2^-9) next.
+EXP2_POLY = (0.001327647129073739, 0.009675541892647743, 0.05550713092088699,
+             0.24022120237350464, 0.6931469440460205, 1.0000001192092896)
+EXP2_POLY_UNIT = (0.07802452147006989, 0.2260671705007553, 0.6958335041999817,
+                  0.9999251961708069)
 
 
 def exp2(t):
@@ -50,8 +48,8 @@ def exp2(t):
     t = tirx.max(t, f32(-127.0))
     n = tirx.round(t)
     f = t - n
-    p = f32(EXP2_POLY[5][0])
-    for c in EXP2_POLY[5][1:]:
+    p = f32(EXP2_POLY[0])
+    for c in EXP2_POLY[1:]:
         p = p * f + f32(c)
     two_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
     return p * two_n
@@ -66,11 +64,11 @@ def _ir_splat(v, lanes=16):
     return "<" + ", ".join([f"float {_ir_float(v)}"] * lanes) + ">"
 
 
-# EXP2_16(x, scale, sub): 2^(x scale - sub) on 16 lanes (AVX-512, LLVM IR linked into the
-# kernel as bf16_dot's helpers are; the exponent one multiply-add) for probabilities that
-# are rounded to bfloat16 next: degree 4, and 2^n applied by vscalefps (the exponent's
-# integer add, shift and multiply in one instruction); t clamped to -200 (so -inf, a masked
-# score, gives exactly 0, as exp2's clamp does)
+# EXP2_16(s, scale, sub): 2^(s scale - sub) on 16 lanes (AVX-512, LLVM IR linked into the
+# kernel as bf16_dot's helpers are) for probabilities rounded to bfloat16 next: t = s scale -
+# sub (one multiply-add), clamped to -200 (-inf, a masked score, gives exactly 0, as exp2's
+# clamp does); f = t - floor(t) (vreduceps), 2^f by EXP2_POLY_UNIT, times 2^floor(t)
+# (vscalefps): 7 instructions to exp2's 12.
 EXP2_16 = "mhagen_exp2_16"
 EXP2_HELPER = "\n".join(
     [f"define <16 x float> @{EXP2_16}(<16 x float> %s, <16 x float> %scale, "
@@ -80,16 +78,19 @@ EXP2_HELPER = "\n".join(
      "<16 x float> %neg)",
      f"  %low = fcmp ogt <16 x float> %x, {_ir_splat(-200.0)}",
      f"  %t = select <16 x i1> %low, <16 x float> %x, <16 x float> {_ir_splat(-200.0)}",
-     "  %n = call <16 x float> @llvm.roundeven.v16f32(<16 x float> %t)",
-     "  %f = fsub <16 x float> %t, %n",
-     f"  %p0 = bitcast <16 x float> {_ir_splat(EXP2_POLY[4][0])} to <16 x float>"]
+     # imm 9: keep 0 fraction bits, round down, no precision exception
+     "  %f = call <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float> %t, i32 9, "
+     "<16 x float> zeroinitializer, i16 -1, i32 4)",
+     f"  %p0 = bitcast <16 x float> {_ir_splat(EXP2_POLY_UNIT[0])} to <16 x float>"]
     + [f"  %p{i + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %p{i}, <16 x float> %f, "
-       f"<16 x float> {_ir_splat(c)})" for i, c in enumerate(EXP2_POLY[4][1:])]
-    + [f"  %r = call <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float> %p4, "
-       "<16 x float> %n, <16 x float> zeroinitializer, i16 -1, i32 4)",
+       f"<16 x float> {_ir_splat(c)})" for i, c in enumerate(EXP2_POLY_UNIT[1:])]
+    + [f"  %r = call <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float> "
+       f"%p{len(EXP2_POLY_UNIT) - 1}, <16 x float> %t, <16 x float> zeroinitializer, i16 -1, "
+       "i32 4)",
        "  ret <16 x float> %r", "}",
-       "declare <16 x float> @llvm.roundeven.v16f32(<16 x float>)",
        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+       "declare <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float>, i32, "
+       "<16 x float>, i16, i32)",
        "declare <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float>, <16 x float>, "
        "<16 x float>, i16, i32)", ""])
 
