@@ -484,8 +484,8 @@ def build_attention(w, cfg, lanes, flush=False):
         # P^T = 2^(S^T - m'), l = l alpha + sum P, alpha = 2^(m - m'); lane-wise over queries.
         # vec[0]: the subtracted max (0 for queries that saw no key yet), vec[1]: sum of P.
         # Pairs and AMX tiles: P^T straight into bfloat16 pairs of keys (p32; a row past the
-        # last key is 0), 2^(s scale - m') on EXP2_16 (vreduceps, degree 3, vscalefps); float32 P is not
-        # stored. (m' is scaled here: LATE_SCALE.)
+        # last key is 0), 2^(s scale - m') on EXP2_16; float32 P is not stored (m' is scaled
+        # here: LATE_SCALE).
         n_pairs = (n_keys + 1) // 2
         # pairs of keys P V multiplies: the keys that exist, or on AMX tiles the block's
         # whole 32s (their depth; P is 0 past the last key)
