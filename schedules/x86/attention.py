@@ -45,7 +45,8 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
-from mhagen.schedules.x86.fast_math import EXP2_16, EXP2_HELPER, SCORE_MATH, exp2, f32
+from mhagen.schedules.x86.fast_math import (EXP2_16, EXP2_16_BF16, EXP2_HELPER, SCORE_MATH,
+                                            exp2, f32)
 from mhagen.schedules.x86.matmul import rows_that_fit
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
@@ -319,6 +320,7 @@ def build_attention(w, cfg, lanes, flush=False):
         assert K_PANELS and PW == amx.DEPTH and MR == amx.ROWS and NR == amx.COLS, (
             K_PANELS, PW, MR, NR)
     O_SHAPE = (DP, MQ) if AMX else (MQ, DP)   # the task's O: O^T on AMX tiles
+    AVX512 = flush and LN == 16       # x86 (flush) with 512-bit vectors: EXP2_16's helpers
 
     def k_at(kv, g, cp, ci, row):
         """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
@@ -500,12 +502,20 @@ def build_attention(w, cfg, lanes, flush=False):
                 for j2 in range(n_zipped):
                     for r in range(2):
                         vec[2 + r, T.ramp(0, 1, LN)] = T.call_pure_extern(
-                            "float32x16", EXP2_16, s_buf[2 * j2 + r, T.ramp(io * LN, 1, LN)],
+                            "float32x16", EXP2_16_BF16,
+                            s_buf[2 * j2 + r, T.ramp(io * LN, 1, LN)],
                             T.broadcast(SOFTMAX_SCALE, LN), vec[0, T.ramp(0, 1, LN)])
                     vec[1, T.ramp(0, 1, LN)] = (vec[1, T.ramp(0, 1, LN)] + vec[2, T.ramp(0, 1, LN)]
                                                 + vec[3, T.ramp(0, 1, LN)])
                     p32[j2, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
                         "int32x16", PACK, vec[2, T.ramp(0, 1, LN)], vec[3, T.ramp(0, 1, LN)])
+            elif AVX512:
+                for j in range(n_rows):   # a masked score (-inf) gives exactly 0
+                    s_buf[j, T.ramp(io * LN, 1, LN)] = T.call_pure_extern(
+                        "float32x16", EXP2_16, s_buf[j, T.ramp(io * LN, 1, LN)],
+                        T.broadcast(T.float32(1), LN), vec[0, T.ramp(0, 1, LN)])
+                    vec[1, T.ramp(0, 1, LN)] = (vec[1, T.ramp(0, 1, LN)]
+                                                + s_buf[j, T.ramp(io * LN, 1, LN)])
             else:
                 for j in range(n_rows):
                     for ii in T.vectorized(LN):   # a masked score (-inf) gives exactly 0
@@ -661,5 +671,6 @@ def build_attention(w, cfg, lanes, flush=False):
     func = attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
                            kv_shape=KV_SHAPE, dtype=QKV_DTYPE, out_dtype="float32")
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
-    return with_llvm_ir(func, (HELPERS + EXP2_HELPER if QT_PAIRS else "") + (amx.HELPERS if AMX else "")
+    return with_llvm_ir(func, (HELPERS if QT_PAIRS else "") + (EXP2_HELPER if AVX512 else "")
+                        + (amx.HELPERS if AMX else "")
                         + (denormals.HELPERS if flush else ""))

@@ -33,12 +33,15 @@ def exp(x):
 
 # 2^f: minimax polynomials (relative error, Lawson's iteration on float64, rounded to
 # float32), highest power first. exp2: degree 5 on [-1/2, 1/2], 2.4e-7 in float32 arithmetic
-# (the Taylor polynomial of degree 6 it replaced: ~2e-7, one multiply-add more). EXP2_16:
-# degree 3 on [0, 1), 7.5e-5, for probabilities rounded to bfloat16 (up to 2^-9) next.
+# (the Taylor polynomial of degree 6 it replaced: ~2e-7, one multiply-add more). On [0, 1)
+# for the AVX-512 helpers: degree 5, 1.7e-7 (float32 probabilities); degree 3, 7.5e-5
+# (probabilities rounded to bfloat16, up to 2^-9, next).
 EXP2_POLY = (0.001327647129073739, 0.009675541892647743, 0.05550713092088699,
              0.24022120237350464, 0.6931469440460205, 1.0000001192092896)
-EXP2_POLY_UNIT = (0.07802452147006989, 0.2260671705007553, 0.6958335041999817,
-                  0.9999251961708069)
+EXP2_POLY_UNIT = (0.0018775766948238015, 0.008989340625703335, 0.05582631751894951,
+                  0.24015361070632935, 0.6931530833244324, 0.9999999403953552)
+EXP2_POLY_UNIT_BF16 = (0.07802452147006989, 0.2260671705007553, 0.6958335041999817,
+                       0.9999251961708069)
 
 
 def exp2(t):
@@ -64,33 +67,39 @@ def _ir_splat(v, lanes=16):
     return "<" + ", ".join([f"float {_ir_float(v)}"] * lanes) + ">"
 
 
-# EXP2_16(s, scale, sub): 2^(s scale - sub) on 16 lanes (AVX-512, LLVM IR linked into the
-# kernel as bf16_dot's helpers are) for probabilities rounded to bfloat16 next: t = s scale -
-# sub (one multiply-add); f = t - floor(t) (vreduceps), 2^f by EXP2_POLY_UNIT, times
-# 2^floor(t) (vscalefps): 6 instructions to exp2's 12. No clamp: vreduceps gives 0 for -inf
-# (a masked score) and vscalefps 0 for 2^-inf and below 2^-150 (checked on the Intel Xeon).
-EXP2_16 = "mhagen_exp2_16"
-EXP2_HELPER = "\n".join(
-    [f"define <16 x float> @{EXP2_16}(<16 x float> %s, <16 x float> %scale, "
-     "<16 x float> %sub) {",
-     "  %neg = fneg <16 x float> %sub",
-     "  %x = call <16 x float> @llvm.fma.v16f32(<16 x float> %s, <16 x float> %scale, "
-     "<16 x float> %neg)",
-     # imm 9: keep 0 fraction bits, round down, no precision exception
-     "  %f = call <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float> %x, i32 9, "
-     "<16 x float> zeroinitializer, i16 -1, i32 4)",
-     f"  %p0 = bitcast <16 x float> {_ir_splat(EXP2_POLY_UNIT[0])} to <16 x float>"]
-    + [f"  %p{i + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %p{i}, <16 x float> %f, "
-       f"<16 x float> {_ir_splat(c)})" for i, c in enumerate(EXP2_POLY_UNIT[1:])]
-    + [f"  %r = call <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float> "
-       f"%p{len(EXP2_POLY_UNIT) - 1}, <16 x float> %x, <16 x float> zeroinitializer, i16 -1, "
-       "i32 4)",
-       "  ret <16 x float> %r", "}",
-       "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
-       "declare <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float>, i32, "
-       "<16 x float>, i16, i32)",
-       "declare <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float>, <16 x float>, "
-       "<16 x float>, i16, i32)", ""])
+def _exp2_16(name, poly):
+    """LLVM IR of name(s, scale, sub) = 2^(s scale - sub) on 16 float32 lanes (AVX-512): t =
+    s scale - sub (one multiply-add); f = t - floor(t) (vreduceps), 2^f by `poly`, times
+    2^floor(t) (vscalefps): the polynomial's multiply-adds and 3 instructions, to exp2's 7
+    (and its max with -127: vreduceps gives 0 for -inf, a masked score, and vscalefps 0 for
+    2^-inf and below 2^-150, checked on the Intel Xeon)."""
+    return "\n".join(
+        [f"define <16 x float> @{name}(<16 x float> %s, <16 x float> %scale, "
+         "<16 x float> %sub) {",
+         "  %neg = fneg <16 x float> %sub",
+         "  %x = call <16 x float> @llvm.fma.v16f32(<16 x float> %s, <16 x float> %scale, "
+         "<16 x float> %neg)",
+         # imm 9: keep 0 fraction bits, round down, no precision exception
+         "  %f = call <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float> %x, i32 9, "
+         "<16 x float> zeroinitializer, i16 -1, i32 4)",
+         f"  %p0 = bitcast <16 x float> {_ir_splat(poly[0])} to <16 x float>"]
+        + [f"  %p{i + 1} = call <16 x float> @llvm.fma.v16f32(<16 x float> %p{i}, "
+           f"<16 x float> %f, <16 x float> {_ir_splat(c)})" for i, c in enumerate(poly[1:])]
+        + [f"  %r = call <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float> "
+           f"%p{len(poly) - 1}, <16 x float> %x, <16 x float> zeroinitializer, i16 -1, i32 4)",
+           "  ret <16 x float> %r", "}", ""])
+
+
+# the AVX-512 softmax's 2^t (LLVM IR linked into the kernel as bf16_dot's helpers are):
+# EXP2_16 for float32 probabilities, EXP2_16_BF16 for those rounded to bfloat16 next
+EXP2_16, EXP2_16_BF16 = "mhagen_exp2_16", "mhagen_exp2_16_bf16"
+EXP2_HELPER = _exp2_16(EXP2_16, EXP2_POLY_UNIT) + _exp2_16(
+    EXP2_16_BF16, EXP2_POLY_UNIT_BF16) + "\n".join([
+        "declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)",
+        "declare <16 x float> @llvm.x86.avx512.mask.reduce.ps.512(<16 x float>, i32, "
+        "<16 x float>, i16, i32)",
+        "declare <16 x float> @llvm.x86.avx512.mask.scalef.ps.512(<16 x float>, <16 x float>, "
+        "<16 x float>, i16, i32)", ""])
 
 
 # tanh(x) = x P(x^2) / Q(x^2) on x clamped to [-7.9053, 7.9053] (Eigen's fast tanh, also
