@@ -15,10 +15,15 @@ call, C in the tile registers until it is stored.
                  stored to the GEMM's "local" tile that the write-back (bias, rounding) reads.
   S^T (SCORES)   32 keys x 32 queries: K straight from a bfloat16 qkv (a panel's 32 columns
                  are one step), Q^T as the pair path's int32 pairs of head columns; stored
-                 to the attention's score buffer, whose write-back masks and scales it.
-  P V (PV)       32 queries x 32 head columns, accumulated into the task's O: P rounded to
-                 bfloat16 pairs of keys (the pair path's PACK) and turned into rows of keys
-                 by 16 x 16 word transposes (TRANSPOSE), V zipped into pairs of keys.
+                 to the attention's score buffer, whose write-back masks it and takes the
+                 running max (and scales it where a score modifier needs log2 units).
+  P V (PV)       computed as O^T = V^T P^T, 32 head columns x 32 queries, accumulated into
+                 the task's O^T: P^T's bfloat16 pairs of keys are B tiles just as the
+                 softmax packs them (the pair path's PACK; P V as P times V would need P's
+                 rows of keys, 16 x 16 transposes of every block of every task: 10% of the
+                 attention's time), V^T's rows of 32 keys are A tiles, transposed once a
+                 call (TRANSPOSE_32, the attention kernel's first loop), not zipped into
+                 pairs once a query tile (another 10%).
 Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task loads it at its
 start and releases the tiles at its end (with_task_config for the GEMMs, CONFIG / RELEASE
 in the attention's task), as oneDNN does per primitive run; loaded per tile it cost 20-30%
@@ -29,10 +34,10 @@ the C API's mha_create likewise).
 
 Measured on the Intel Xeon VM (LLVM `rocketlake`), 1 thread: a C loop of the GEMM tile
 kernel 1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; in the layers
-(kernels alone, 1x128x512x8 to 1x2048x1024x16) the GEMMs 1.0-1.4 TFLOP/s (float32 FMAs:
-150-185 GFLOP/s), the attention 290-390 GFLOP/s (float32 FMAs: 120-150; with S^T alone on
-tiles 170-210), where the softmax's exp2, P's rounding and transposes and O's rescaling on
-AVX-512 now take most of its time.
+(kernels alone, 1x128x512x8 to 1x2048x1024x16) the GEMMs 0.9-1.15 TFLOP/s (float32 FMAs:
+167-178 GFLOP/s), the attention 334-612 GFLOP/s (float32 FMAs: 120-163; P V as P times V:
+290-390). The GEMMs read a tile's A and B from L2 (4 KiB a step of 64 tdpbf16ps cycles): a
+C loop of these tiles blocked by 256 of the depth ran 1.13-1.17x faster (not done here).
 """
 import functools
 

@@ -30,9 +30,14 @@ unscaled as int32 pairs of head columns and the write-back applies the scale; S^
 and P V run on vdpbf16ps (bf16_dot), P packed into pairs of keys in bfloat16 and the block's
 V rows zipped likewise; the softmax stays float32.
 AMX tiles (work["amx"], AMX-BF16 targets, head_dim whole 32s: amx.py): qkv is bfloat16, Q^T
-is copied as for pairs; S^T and P V run on tiles of 32 x 32 (key tiles and query tiles of
-32), the S^T write-back reads the stored tile, O is rescaled by alpha in place before P V
-accumulates into it.
+is copied as for pairs; S^T runs on tiles of 32 x 32 (key tiles and query tiles of 32), its
+write-back reads the stored tile; P V runs as O^T = V^T P^T: the softmax's bfloat16 pairs
+of P^T are its B tiles as packed, V^T its A tiles (the kernel's first parallel loop
+transposes V once a call, into a workspace of V's size); O^T is rescaled lane-wise before
+P V accumulates into it and turned back into rows at the task's end.
+Pairs and AMX: the softmax writes P^T straight into bfloat16 pairs; without a score
+modifier the scores stay unscaled until the softmax's exponent (LATE_SCALE). AVX-512: 2^t
+on LLVM IR helpers (fast_math.EXP2_16: vreduceps, a polynomial, vscalefps).
 """
 from dataclasses import dataclass, replace
 
