@@ -33,10 +33,11 @@ class Decision:
 
 
 class Plan:
-    """The stages of one kernel, looked up by block name while rules run."""
+    """The stages of one kernel, looked up by block name while rules run, for a target."""
 
-    def __init__(self, stages):
+    def __init__(self, stages, target=None):
         self.stages = list(stages)
+        self.target = target
         self.by_block = {b: s for s in self.stages for b in s.blocks}
         self.done: set = set()
 
@@ -84,7 +85,7 @@ def _default_schedule(kernel, target, rules):
     if whole is not None:
         return whole.schedule_whole(kernel, target)
     sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
-    plan = Plan(kernel.stages)
+    plan = Plan(kernel.stages, target)
     decisions = []
     for stage in plan.stages:
         if stage.name in plan.done:

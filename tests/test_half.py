@@ -470,13 +470,27 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
     n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
     assert n >= 8 and n % 4 == 0, n      # S^T's tiles and P V's
+    # GEMMs whose weight panel outgrows L1 (depth 768: 48 KiB of a 48 KiB L1d) run in blocks
+    # of 256 of the depth outside the row tiles, accumulating; depth 512's (32 KiB) do not
+    for d_model, blocked in ((768, True), (512, False)):
+        deep = mhagen.mha(d_model, 12 if d_model == 768 else 8, dtype="bfloat16")
+        m = mhagen.build(deep, AMX, batch=1, seq_len=64, weights=deep.init_weights(0))
+        tir = m.inspect("tir")
+        for kernel in ("qkv_projection", "output_projection"):
+            text = tir[tir.index(f"def {kernel}("):]
+            text = text[:text.index("mhagen_amx_release")]
+            assert ("mhagen_amx_tile_32x32_acc" in text) == blocked, (d_model, kernel)
+            if blocked:   # the depth blocks outside the row tiles, the write-back after
+                assert text.index("for kt_0, m_0") < text.index("_acc") < text.rindex(
+                    "T.sblock("), kernel
 
 
 @pytest.mark.skipif(not resolve(AMX).runs_here(),
                     reason="needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux "
                            "5.16+; compiled on every host by the test above")
 @pytest.mark.parametrize("build", ["awkward", "any-length", "cross", "artifact", "c api",
-                                   "attention", "attention any-length", "attention modifiers"])
+                                   "attention", "attention any-length", "attention modifiers",
+                                   "deep"])
 def test_amx_gemms_match_the_reference(build, tmp_path):
     """The AMX GEMMs run (2 threads: each task configures its own tiles): seq 97 with head
     dim 40, any-length builds (1 to 64 rows: the rows padded to 32-row tiles), cross-attention
@@ -486,7 +500,7 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
     (a key block cut at the last key: its tile's K rows clamped and copied, P V over the
     block's whole 32s with P 0 past the last key), grouped K/V heads, a causal mask; any
     lengths; ALiBi with key padding (scores modified and masked after the tile is
-    stored)."""
+    stored). "deep": d_model 768, GEMMs in blocks of the depth (amx.gemm_depth_block)."""
     layer = _tile_layer(head_dim=None) if build.startswith("attention") else _tile_layer()
     w = layer.init_weights(4)
     d_model = 128 if build.startswith("attention") else 64
@@ -498,6 +512,13 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         assert "Q K^T and P V on AMX tiles" in m.precision
         _check(layer, m, _x((2, 70, 128), "bfloat16"), w, "bfloat16",
                kv_lens=np.array([70, 13], np.int32))
+        return
+    if build == "deep":   # depth 768: the GEMMs in blocks of 256 of the depth
+        layer = mhagen.mha(768, 12, causal=True, dtype="bfloat16")
+        w = layer.init_weights(5)
+        m = mhagen.build(layer, AMX, batch=2, seq_len=97, weights=w)
+        assert "_acc" in m.inspect("tir")
+        _check(layer, m, _x((2, 97, 768), "bfloat16"), w, "bfloat16")
         return
     if build == "attention any-length":
         # up to 3 x 264 rows: GEMMs whose row blocks would be symbolic (the random AMX

@@ -599,7 +599,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     def template(sch):
         rows = sch.sample_categorical(rows_space, [1 / len(rows_space)] * len(rows_space))
         cfg = rule.default_config(gemm.workload, t)
-        rule.apply(sch, gemm, dataclasses.replace(cfg, tile_rows=rows), Plan(stages))
+        rule.apply(sch, gemm, dataclasses.replace(cfg, tile_rows=rows), Plan(stages, t))
         return sch
 
     class Progress(ms.measure_callback.PyMeasureCallback):

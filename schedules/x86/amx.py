@@ -52,6 +52,7 @@ DEPTH = 32           # the depth one tdpbf16ps covers (16 pairs)
 FEATURES = ("amx-tile", "amx-bf16")
 TASK = "mhagen_amx_task"        # a loop annotation: its body is one task of AMX work
 KERNEL = "mhagen_amx_tile_32x32"
+KERNEL_ACC = "mhagen_amx_tile_32x32_acc"   # KERNEL adding to C (C's tiles loaded first)
 CONFIG = "mhagen_amx_config"
 RELEASE = "mhagen_amx_release"
 # (S^T 32 keys x 32 queries float32, s_stride bytes a row) = K (32 rows, bfloat16, kstride
@@ -142,11 +143,12 @@ define i32 @{RELEASE}() {{
   call void @llvm.x86.tilerelease()
   ret i32 0
 }}
-""" + _tile_kernel(   # the GEMM's: A packed in tiles, B the weights' pair panel
-    KERNEL, "ptr %cbase, i32 %coff, ptr %abase, i32 %aoff, ptr %bbase, i32 %boff, i32 %steps",
+""" + "".join(_tile_kernel(   # the GEMM's: A packed in tiles, B the weights' pair panel
+    name, "ptr %cbase, i32 %coff, ptr %abase, i32 %aoff, ptr %bbase, i32 %boff, i32 %steps",
     "  %c = getelementptr float, ptr %cbase, i32 %coff\n"
     "  %a = getelementptr i16, ptr %abase, i32 %aoff\n"
-    "  %b = getelementptr i16, ptr %bbase, i32 %boff", 128, 2048, 64, 2048, 128) + _tile_kernel(
+    "  %b = getelementptr i16, ptr %bbase, i32 %boff", 128, 2048, 64, 2048, 128,
+    from_c=name == KERNEL_ACC) for name in (KERNEL, KERNEL_ACC)) + _tile_kernel(
     SCORES, "ptr %sbase, i32 %soff, i64 %sstride, ptr %kbase, i64 %koff, i64 %kstride, "
     "i64 %kpanel, ptr %qbase, i32 %qoff, i64 %qstride, i32 %steps",
     "  %c = getelementptr float, ptr %sbase, i32 %soff\n"
@@ -183,13 +185,14 @@ def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def intrinsic(steps: int) -> str:
+def intrinsic(steps: int, accumulate: bool = False) -> str:
     """The tensor intrinsic of one 32 x 32 register tile over `steps` x 32 of the depth
-    (registered once per depth): one call of KERNEL. KERNEL starts its C tiles at zero
-    (tilezero), not from C: the GEMM rule tensorizes the whole depth right after the
-    reduction's init, so C holds zeros there (the init's 4 KiB store per tile stays,
-    under 5% of a tile's time at depth 512)."""
-    name = f"mhagen_x86_amx_32x32x{steps * DEPTH}"
+    (registered once per depth): one call of KERNEL, or of KERNEL_ACC (accumulate). KERNEL
+    starts its C tiles at zero (tilezero), not from C: where the GEMM rule tensorizes the
+    whole depth right after the reduction's init, C holds zeros there (the init's 4 KiB
+    store per tile stays, under 5% of a tile's time at depth 512); over blocks of the depth
+    (gemm_depth_block) C holds the blocks before: KERNEL_ACC loads it."""
+    name = f"mhagen_x86_amx_32x32x{steps * DEPTH}" + ("_acc" if accumulate else "")
     pairs = steps * DEPTH // 2   # B: the weight panel's pair rows (wp[n // 32, k2, n % 32, p])
     shapes = dict(a=(steps, ROWS, DEPTH // 2, 2), b=(pairs, COLS, 2))
     with cheap_stack():
@@ -217,10 +220,28 @@ def intrinsic(steps: int) -> str:
                 T.writes(C[0:ROWS, 0:COLS])
                 # the buffers' data and element offsets: TVM's access_ptr of a bfloat16
                 # buffer fails its dtype check after bfloat16 is legalised to uint16
-                T.evaluate(T.call_extern("int32", KERNEL, C.data, C.elem_offset, A.data,
-                                         A.elem_offset, B.data, B.elem_offset, steps))
+                T.evaluate(T.call_extern("int32", KERNEL_ACC if accumulate else KERNEL, C.data,
+                                         C.elem_offset, A.data, A.elem_offset, B.data,
+                                         B.elem_offset, steps))
     TensorIntrin.register(name, desc, impl, override=True)
     return name
+
+
+def gemm_depth_block(target, depth: int, symbolic: bool) -> int:
+    """Steps of 32 a GEMM tile runs before the task's next row tile takes the same block of
+    the weight panel (0: the whole depth at once). A tile reads its A rows from L2 and the
+    panel (depth x 64 bytes) from L1 while the panel fits beside them (up to 2/3 of L1d);
+    past that from L2 too, 4 KiB a step of 64 cycles of tdpbf16ps. Blocks of 256 of the
+    depth keep a panel's block in L1 for the task's row tiles, which then accumulate in
+    memory (C tiles loaded and stored once a block). Intel Xeon (L1d 48 KiB), GEMMs alone,
+    1 thread: depth 768 and 1024 (panels of 48 and 64 KiB) 0.88-0.96x the time blocked by
+    256, 0.91-1.02x by 128; depth 512 (32 KiB) 1.01-1.04x: not blocked. Symbolic builds
+    keep the whole depth (their single row block would accumulate the call's every row)."""
+    steps, block = depth // DEPTH, 8
+    if (symbolic or target is None or depth * 64 <= target.l1d_kib * 1024 * 2 // 3
+            or steps % block):
+        return 0
+    return block
 
 
 def with_task_config(func):

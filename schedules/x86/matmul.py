@@ -236,12 +236,15 @@ class MatmulRule:
         loops = sch.get_loops(blk)
         pairs = stage.workload.get("pairs")   # reduction (k2, kp): bf16 dot products
         tiles = stage.workload.get("amx")     # reduction (kt, k2, kp): AMX tiles
+        kto = None   # AMX depth blocks (amx.gemm_depth_block): a loop outside the row tiles
         if stage.pattern == "packed_matmul":
             if pairs:
                 *loops, kp = loops
             if tiles:
                 *loops, kt, k2, kp = loops
                 loops.append(kt)
+                block = amx.gemm_depth_block(plan.target, stage.workload["depth"],
+                                             bool(stage.workload.get("symbolic")))
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
                 io, ii = sch.split(i, [None, cfg.tile_rows])
@@ -258,8 +261,11 @@ class MatmulRule:
             if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
                 jv, jl = sch.split(ji, [None, BF16_LANES])
                 inner = [ii, jv, jl, kp]
-            if tiles:   # the whole tile over the whole depth: the tensor intrinsic
+            if tiles:   # the whole tile over the depth, or a block of it: the intrinsic
                 k, inner = ii, [ji, kt, k2, kp]
+                if block:   # (amx.gemm_depth_block)
+                    kto, kti = sch.split(kt, [None, block])
+                    inner = [ji, kti, k2, kp]
             if cfg.row_block > 1:
                 # (row block, panel, row tile): a panel is reused by the block's row tiles,
                 # the block's rows of A stay in L2 across panels
@@ -269,17 +275,21 @@ class MatmulRule:
                     io, ib = sch.split(io, [cfg.row_block, None])
                 else:
                     ib, io = sch.split(io, [None, cfg.row_block])
+                rows = [io] if kto is None else [kto, io]   # AMX depth blocks outside
                 if cfg.panel_groups > 1:
                     jg, jo = sch.split(jo, [cfg.panel_groups, None])
-                    sch.reorder(jg, ib, jo, io, k, *inner)
+                    sch.reorder(jg, ib, jo, *rows, k, *inner)
                     outer = sch.fuse(jg, ib, jo)
                 else:
-                    sch.reorder(ib, jo, io, k, *inner)
+                    sch.reorder(ib, jo, *rows, k, *inner)
                     outer = sch.fuse(ib, jo)
             else:
-                sch.reorder(jo, io, k, *inner)   # a weight panel stays in cache across rows
+                rows = [io] if kto is None else [kto, io]
+                sch.reorder(jo, *rows, k, *inner)   # a weight panel stays in cache across rows
                 outer = jo
-            tile = io   # a task runs its row tiles in order (see the write-back below)
+            # a task runs its row tiles in order (see the write-back below); over depth
+            # blocks the write-back follows the task's last block
+            tile = outer if kto is not None else io
         else:
             # Row tiles stay inside one batch entry: fusing b into the rows before splitting
             # gives tiles that straddle two batches, which the write-back region gets wrong.
@@ -316,8 +326,9 @@ class MatmulRule:
             sch.set_scope(blk, 0, "local")
         sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
         if tiles:
-            init = sch.decompose_reduction(blk, ii)
-            sch.tensorize(ii, amx.intrinsic(stage.workload["depth"] // amx.DEPTH))
+            init = sch.decompose_reduction(blk, kto if kto is not None else ii)
+            sch.tensorize(ii, amx.intrinsic(block, accumulate=True) if kto is not None else
+                          amx.intrinsic(stage.workload["depth"] // amx.DEPTH))
             sch.annotate(outer, amx.TASK, 1)   # the tile configuration: with_task_config
             sch.vectorize(sch.get_loops(init)[-1])
             sch.vectorize(sch.get_loops(first)[-1])
