@@ -36,8 +36,7 @@ Measured on the Intel Xeon VM (LLVM `rocketlake`), 1 thread: a C loop of the GEM
 kernel 1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; in the layers
 (kernels alone, 1x128x512x8 to 1x2048x1024x16) the GEMMs 0.9-1.15 TFLOP/s (float32 FMAs:
 167-178 GFLOP/s), the attention 334-612 GFLOP/s (float32 FMAs: 120-163; P V as P times V:
-290-390). The GEMMs read a tile's A and B from L2 (4 KiB a step of 64 tdpbf16ps cycles): a
-C loop of these tiles blocked by 256 of the depth ran 1.13-1.17x faster (not done here).
+290-390). Deep GEMMs run in blocks of the depth (gemm_depth_block).
 """
 import functools
 
