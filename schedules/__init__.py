@@ -35,7 +35,7 @@ class Decision:
 class Plan:
     """The stages of one kernel, looked up by block name while rules run, for a target."""
 
-    def __init__(self, stages, target=None):
+    def __init__(self, stages, target):
         self.stages = list(stages)
         self.target = target
         self.by_block = {b: s for s in self.stages for b in s.blocks}

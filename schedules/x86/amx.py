@@ -237,8 +237,7 @@ def gemm_depth_block(target, depth: int, symbolic: bool) -> int:
     256, 0.91-1.02x by 128; depth 512 (32 KiB) 1.01-1.04x: not blocked. Symbolic builds
     keep the whole depth (their single row block would accumulate the call's every row)."""
     steps, block = depth // DEPTH, 8
-    if (symbolic or target is None or depth * 64 <= target.l1d_kib * 1024 * 2 // 3
-            or steps % block):
+    if symbolic or depth * 64 <= target.l1d_kib * 1024 * 2 // 3 or steps % block:
         return 0
     return block
 
