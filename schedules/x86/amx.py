@@ -45,6 +45,7 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from mhagen.schedules.tvmscript import cheap_stack
+from mhagen.schedules.x86.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose
 
 ROWS = COLS = 32     # a register tile of C: 2 x 2 AMX tiles of 16 x 16 float32
 DEPTH = 32           # the depth one tdpbf16ps covers (16 pairs)
@@ -62,10 +63,8 @@ SCORES = "mhagen_amx_scores_32x32"
 # 32 keys, 64 bytes apart, vstep bytes from one 32 keys to the next) x P^T (int32 pairs of
 # keys, pstride bytes a row), `steps` 32s of keys
 PV = "mhagen_amx_pv_32x32"
-# dst = src^T, 16 x 16 32-bit words (4 rounds of a perfect shuffle of the 16 rows)
-TRANSPOSE = "mhagen_transpose_16x16_i32"
-# dst = src^T, 32 x 32 16-bit words (5 rounds): V's rows of keys into V^T's rows of 32 keys
-TRANSPOSE_32 = "mhagen_transpose_32x32_i16"
+# dst = src^T: 16 x 16 32-bit words, 32 x 32 16-bit words (transpose.py)
+TRANSPOSE, TRANSPOSE_32 = TRANSPOSE_16_I32, TRANSPOSE_32_I16
 
 # ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
@@ -110,27 +109,6 @@ def _tile_kernel(name, params, pointers, c_stride, a_step, a_stride, b_step, b_s
         + ["  ret i32 0", "}", ""])
 
 
-def _transpose(name, n, word, offset):
-    """LLVM IR of dst = src^T for n x n words (n a power of 2; rows `stride` bytes apart,
-    offsets in words): log2 n rounds of a perfect shuffle of the rows (row 2i + h of a
-    round interleaves half h of rows i and i + n / 2)."""
-    rounds, v = n.bit_length() - 1, f"<{n} x {word}>"
-    return "\n".join(
-        [f"define i32 @{name}(ptr %dbase, {offset} %doff, i64 %dstride, ptr %sbase, "
-         f"{offset} %soff, i64 %sstride) {{",
-         f"  %d = getelementptr {word}, ptr %dbase, {offset} %doff",
-         f"  %s = getelementptr {word}, ptr %sbase, {offset} %soff"]
-        + [f"  %so{i} = mul i64 %sstride, {i}\n  %sp{i} = getelementptr i8, ptr %s, i64 %so{i}\n"
-           f"  %r0_{i} = load {v}, ptr %sp{i}, align 4" for i in range(n)]
-        + [f"  %r{k + 1}_{2 * i + h} = shufflevector {v} %r{k}_{i}, {v} %r{k}_{i + n // 2}, "
-           f"<{n} x i32> <" + ", ".join(f"i32 {m}" for c in range(n // 2 * h, n // 2 * (h + 1))
-                                        for m in (c, n + c)) + ">"
-           for k in range(rounds) for i in range(n // 2) for h in (0, 1)]
-        + [f"  %do{i} = mul i64 %dstride, {i}\n  %dp{i} = getelementptr i8, ptr %d, i64 %do{i}\n"
-           f"  store {v} %r{rounds}_{i}, ptr %dp{i}, align 4" for i in range(n)]
-        + ["  ret i32 0", "}", ""])
-
-
 _PALETTE = "".join(f"\\{b:02X}" for b in _CFG)   # LLVM's c"..." escapes
 HELPERS = f"""
 @mhagen_amx_palette = private unnamed_addr constant [64 x i8] c"{_PALETTE}", align 64
@@ -168,7 +146,7 @@ declare void @llvm.x86.tilezero(i8)
 declare void @llvm.x86.tileloadd64(i8, ptr, i64)
 declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
 declare void @llvm.x86.tilestored64(i8, ptr, i64)
-""" + _transpose(TRANSPOSE, 16, "i32", "i32") + _transpose(TRANSPOSE_32, 32, "i16", "i64")
+""" + transpose(TRANSPOSE, 16, "i32", "i32") + transpose(TRANSPOSE_32, 32, "i16", "i64")
 
 
 def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:

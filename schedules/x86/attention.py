@@ -53,6 +53,7 @@ from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
 from mhagen.schedules.x86.fast_math import (EXP2_16, EXP2_16_BF16, EXP2_HELPER, SCORE_MATH,
                                             exp2, f32)
 from mhagen.schedules.x86.matmul import rows_that_fit
+from mhagen.schedules.x86.transpose import transpose, transpose_words
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
 ON_STACK = {"disable_lower_builtin": True}
@@ -326,6 +327,11 @@ def build_attention(w, cfg, lanes, flush=False):
             K_PANELS, PW, MR, NR)
     O_SHAPE = (DP, MQ) if AMX else (MQ, DP)   # the task's O: O^T on AMX tiles
     AVX512 = flush and LN == 16       # x86 (flush) with 512-bit vectors: EXP2_16's helpers
+    # float32 Q^T on x86: LN x LN blocks through registers (transpose.py), where a strided
+    # copy became one scalar insert per element (1x128x512x8, AVX-512: 16% of the attention)
+    QT_SHUFFLE = (flush and not QT_PAIRS and LN in (8, 16) and PW % LN == 0
+                  and Q_BASE % LN == 0 and DP % LN == 0)
+    QT_TRANSPOSE = transpose_words(LN)
 
     def k_at(kv, g, cp, ci, row):
         """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
@@ -628,6 +634,33 @@ def build_attention(w, cfg, lanes, flush=False):
                         q_t32[c2, i] = qkv32[(Q_BASE + h * DP + 2 * c2) // PW,
                                              b * S + T.min(q0 + i, S - 1),
                                              (Q_BASE + h * DP + 2 * c2) % PW // 2]
+            elif QT_SHUFFLE:   # LN x LN blocks transposed in registers, then scaled
+                for c16 in range(d // LN):
+                    for i16 in range(MQ // LN):
+                        if q0 + i16 * LN + LN <= S:
+                            T.evaluate(T.call_extern(
+                                "int32", QT_TRANSPOSE, q_t.data,
+                                T.int64(c16 * LN * MQ + i16 * LN), T.int64(MQ * 4), qkv.data,
+                                (T.Cast("int64", (Q_BASE + h * DP + c16 * LN) // PW)
+                                 * T.Cast("int64", M) + T.Cast("int64", b * S + q0 + i16 * LN))
+                                * PW + (Q_BASE + h * DP + c16 * LN) % PW, T.int64(PW * 4)))
+                        else:   # the last queries' rows clamped
+                            for c in range(LN):
+                                for i in T.vectorized(LN):
+                                    q_t[c16 * LN + c, i16 * LN + i] = qkv[
+                                        (Q_BASE + h * DP + c16 * LN + c) // PW,
+                                        b * S + T.min(q0 + i16 * LN + i, S - 1),
+                                        (Q_BASE + h * DP + c16 * LN + c) % PW]
+                if d % LN != 0:
+                    for ct in range(d % LN):
+                        for i in T.vectorized(MQ):
+                            q_t[d // LN * LN + ct, i] = qkv[
+                                (Q_BASE + h * DP + d // LN * LN + ct) // PW,
+                                b * S + T.min(q0 + i, S - 1),
+                                (Q_BASE + h * DP + d // LN * LN + ct) % PW]
+                for c in range(d):
+                    for i in T.vectorized(MQ):
+                        q_t[c, i] = q_t[c, i] * c_log2e
             else:
                 for c in range(d):
                     for i in T.vectorized(MQ):
@@ -678,4 +711,5 @@ def build_attention(w, cfg, lanes, flush=False):
     # LLVM IR linked into the kernel: the dot product (bf16_dot.py), the MXCSR helpers
     return with_llvm_ir(func, (HELPERS if QT_PAIRS else "") + (EXP2_HELPER if AVX512 else "")
                         + (amx.HELPERS if AMX else "")
+                        + (transpose(QT_TRANSPOSE, LN, "i32", "i64") if QT_SHUFFLE else "")
                         + (denormals.HELPERS if flush else ""))
