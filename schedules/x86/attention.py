@@ -327,10 +327,12 @@ def build_attention(w, cfg, lanes, flush=False):
             K_PANELS, PW, MR, NR)
     O_SHAPE = (DP, MQ) if AMX else (MQ, DP)   # the task's O: O^T on AMX tiles
     AVX512 = flush and LN == 16       # x86 (flush) with 512-bit vectors: EXP2_16's helpers
-    # float32 Q^T on x86: LN x LN blocks through registers (transpose.py), where a strided
+    # Q^T on x86: LN x LN blocks of words through registers (transpose.py), where a strided
     # copy became one scalar insert per element (1x128x512x8, AVX-512: 16% of the attention)
-    QT_SHUFFLE = (flush and not QT_PAIRS and LN in (8, 16) and PW % LN == 0
-                  and Q_BASE % LN == 0 and DP % LN == 0)
+    QW = 2 if QT_PAIRS else 1         # Q^T's words: int32 pairs of head columns, or floats
+    NW = d // QW                      # words a query
+    QT_SHUFFLE = (flush and LN in (8, 16) and PW % (LN * QW) == 0
+                  and Q_BASE % (LN * QW) == 0 and DP % (LN * QW) == 0)
     QT_TRANSPOSE = transpose_words(LN)
 
     def k_at(kv, g, cp, ci, row):
@@ -627,40 +629,44 @@ def build_attention(w, cfg, lanes, flush=False):
             b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
             g = h // GROUP
             q0 = qt * MQ
-            if QT_PAIRS:
-                qkv32 = T.decl_buffer((NP, M, PW // 2), "int32", data=qkv.data)
+            qkv32 = T.decl_buffer((NP, M, PW // 2), "int32", data=qkv.data)
+            q_dst = T.meta_var(q_t32 if QT_PAIRS else q_t)   # words: pairs of bfloat16, or
+            q_src = T.meta_var(qkv32 if QT_PAIRS else qkv)   # floats
+            if QT_SHUFFLE:   # blocks of LN x LN words transposed in registers
+                for c16 in range(NW // LN):
+                    for i16 in range(MQ // LN):
+                        if q0 + i16 * LN + LN <= S:
+                            T.evaluate(T.call_extern(
+                                "int32", QT_TRANSPOSE, q_dst.data,
+                                T.int64(c16 * LN * MQ + i16 * LN), T.int64(MQ * 4), q_src.data,
+                                (T.Cast("int64", (Q_BASE + h * DP + c16 * LN * QW) // PW)
+                                 * T.Cast("int64", M) + T.Cast("int64", b * S + q0 + i16 * LN))
+                                * (PW // QW) + (Q_BASE + h * DP + c16 * LN * QW) % PW // QW,
+                                T.int64(PW // QW * 4)))
+                        else:   # the last queries' rows clamped
+                            for c in range(LN):
+                                for i in T.vectorized(LN):
+                                    q_dst[c16 * LN + c, i16 * LN + i] = q_src[
+                                        (Q_BASE + h * DP + (c16 * LN + c) * QW) // PW,
+                                        b * S + T.min(q0 + i16 * LN + i, S - 1),
+                                        (Q_BASE + h * DP + (c16 * LN + c) * QW) % PW // QW]
+                if NW % LN != 0:
+                    for ct in range(NW % LN):
+                        for i in T.vectorized(MQ):
+                            q_dst[NW // LN * LN + ct, i] = q_src[
+                                (Q_BASE + h * DP + (NW // LN * LN + ct) * QW) // PW,
+                                b * S + T.min(q0 + i, S - 1),
+                                (Q_BASE + h * DP + (NW // LN * LN + ct) * QW) % PW // QW]
+                if not QT_PAIRS:
+                    for c in range(d):
+                        for i in T.vectorized(MQ):
+                            q_t[c, i] = q_t[c, i] * c_log2e
+            elif QT_PAIRS:
                 for c2 in range(d // 2):
                     for i in T.vectorized(MQ):
                         q_t32[c2, i] = qkv32[(Q_BASE + h * DP + 2 * c2) // PW,
                                              b * S + T.min(q0 + i, S - 1),
                                              (Q_BASE + h * DP + 2 * c2) % PW // 2]
-            elif QT_SHUFFLE:   # LN x LN blocks transposed in registers, then scaled
-                for c16 in range(d // LN):
-                    for i16 in range(MQ // LN):
-                        if q0 + i16 * LN + LN <= S:
-                            T.evaluate(T.call_extern(
-                                "int32", QT_TRANSPOSE, q_t.data,
-                                T.int64(c16 * LN * MQ + i16 * LN), T.int64(MQ * 4), qkv.data,
-                                (T.Cast("int64", (Q_BASE + h * DP + c16 * LN) // PW)
-                                 * T.Cast("int64", M) + T.Cast("int64", b * S + q0 + i16 * LN))
-                                * PW + (Q_BASE + h * DP + c16 * LN) % PW, T.int64(PW * 4)))
-                        else:   # the last queries' rows clamped
-                            for c in range(LN):
-                                for i in T.vectorized(LN):
-                                    q_t[c16 * LN + c, i16 * LN + i] = qkv[
-                                        (Q_BASE + h * DP + c16 * LN + c) // PW,
-                                        b * S + T.min(q0 + i16 * LN + i, S - 1),
-                                        (Q_BASE + h * DP + c16 * LN + c) % PW]
-                if d % LN != 0:
-                    for ct in range(d % LN):
-                        for i in T.vectorized(MQ):
-                            q_t[d // LN * LN + ct, i] = qkv[
-                                (Q_BASE + h * DP + d // LN * LN + ct) // PW,
-                                b * S + T.min(q0 + i, S - 1),
-                                (Q_BASE + h * DP + d // LN * LN + ct) % PW]
-                for c in range(d):
-                    for i in T.vectorized(MQ):
-                        q_t[c, i] = q_t[c, i] * c_log2e
             else:
                 for c in range(d):
                     for i in T.vectorized(MQ):
