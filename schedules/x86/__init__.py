@@ -5,6 +5,7 @@ from mhagen.schedules.x86.amx import amx_tiles, with_task_config
 from mhagen.schedules.x86.attention import AttentionRule, padded_head_dim
 from mhagen.schedules.x86.bf16_dot import bf16_pairs
 from mhagen.schedules.x86.decode import CacheAppendRule, DecodeRule
+from mhagen.schedules.x86.denormals import with_flush
 from mhagen.schedules.x86.elementwise import ElementwiseRule, Fallback
 from mhagen.schedules.x86.matmul import MatmulRule, packed_blocking, packed_tile
 from mhagen.schedules.x86.rotary import RotaryRule
@@ -25,7 +26,9 @@ def cpu_backend(family: str) -> Backend:
                    head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
                    gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True,
                    gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs,
-                   gemm_amx=amx_tiles, finalize=with_task_config)
+                   gemm_amx=amx_tiles,
+                   finalize=lambda func: with_flush(with_task_config(func),
+                                                    flush=family == "cpu-x86"))
 
 
 def rows_alias_in_l1(target, depth) -> bool:

@@ -40,11 +40,11 @@ kernel 1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; in th
 """
 import functools
 
-from tvm import s_tir, tirx
+from tvm import tirx
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
-from mhagen.schedules.tvmscript import cheap_stack
+from mhagen.schedules.tvmscript import cheap_stack, wrap_loop_bodies
 from mhagen.schedules.x86.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose
 
 ROWS = COLS = 32     # a register tile of C: 2 x 2 AMX tiles of 16 x 16 float32
@@ -223,43 +223,11 @@ def gemm_depth_block(target, depth: int, symbolic: bool) -> int:
 def with_task_config(func):
     """func with every loop annotated TASK running ldtilecfg first and tilerelease last in
     each of its iterations (a parallel task), and HELPERS linked in; func unchanged when it
-    has no such loop. (TVM 0.27's Python has no IR mutator: the walk rebuilds the nodes on
-    the way to such a loop, which the GEMM schedule leaves under the root block.)"""
-    found = []
+    has no such loop."""
+    from mhagen.schedules.x86.bf16_dot import with_llvm_ir
 
     def call(name):
         return tirx.Evaluate(tirx.call_extern("int32", name))
-
-    def walk(stmt):
-        if isinstance(stmt, tirx.For):
-            if TASK in stmt.annotations:
-                found.append(stmt)
-                rest = {k: v for k, v in stmt.annotations.items() if k != TASK}
-                return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind,
-                                tirx.SeqStmt([call(CONFIG), stmt.body, call(RELEASE)]),
-                                stmt.thread_binding, rest)
-            body = walk(stmt.body)
-            return stmt if body.same_as(stmt.body) else tirx.For(
-                stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
-                stmt.annotations)
-        if isinstance(stmt, tirx.SeqStmt):
-            seq = [walk(s) for s in stmt.seq]
-            return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
-        if isinstance(stmt, tirx.AttrStmt):
-            body = walk(stmt.body)
-            return stmt if body.same_as(stmt.body) else tirx.AttrStmt(
-                stmt.node, stmt.attr_key, stmt.value, body)
-        if isinstance(stmt, s_tir.SBlockRealize):
-            b = stmt.block
-            body = walk(b.body)
-            if body.same_as(b.body):
-                return stmt
-            block = s_tir.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
-                                 b.alloc_buffers, b.match_buffers, b.annotations)
-            return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        return stmt
-    body = walk(func.body)
-    if not found:
-        return func
-    from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-    return with_llvm_ir(func.with_body(body), HELPERS)
+    body = wrap_loop_bodies(func.body, TASK, lambda b: tirx.SeqStmt([call(CONFIG), b,
+                                                                      call(RELEASE)]))
+    return func if body is None else with_llvm_ir(func.with_body(body), HELPERS)

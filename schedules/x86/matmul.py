@@ -14,7 +14,7 @@ blocks and padded tiles): 8x32 tiles ~150-160 GFLOP/s, 12x32 ~95 (see packed_til
 """
 from dataclasses import dataclass
 
-from mhagen.schedules.x86 import amx
+from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import (HELPERS, IMPORT, INTRIN as BF16_DOT,
                                           LANES as BF16_LANES)
 
@@ -298,6 +298,7 @@ class MatmulRule:
             jo, ji = sch.split(j, [None, cfg.tile_cols])
             sch.reorder(b, io, jo, k, ii, ji)
             outer = tile = sch.fuse(b, io, jo)   # (unfused graphs: a task a tile, as before)
+            sch.annotate(outer, denormals.TASK, 1)   # x86: P V reads flushed probabilities
         sch.parallel(outer)
         # The accumulator tile lives in registers ("local"); the elementwise consumers (bias,
         # scale, mask) fold into one write-back placed under the tile, so they cost no extra

@@ -1,6 +1,7 @@
 """Row softmax: parallel over rows; max, exp, sum and normalise computed per row in cache."""
 from dataclasses import dataclass
 
+from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.elementwise import fitting_vector
 
 
@@ -32,6 +33,7 @@ class SoftmaxRule:
         rows = sch.fuse(b, i)
         outer, inner = sch.split(rows, [None, cfg.rows_per_task])
         sch.parallel(outer)
+        sch.annotate(outer, denormals.TASK, 1)   # x86: each task flushes denormals
         for blk in (inv, total, e, safe, mx):
             sch.compute_at(blk, inner)
         sch.vectorize(sch.get_loops(p)[-1])
