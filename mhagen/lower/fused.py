@@ -35,7 +35,7 @@ class NotFusable(Exception):
 
 def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out_rows=None,
           scalars=(), max_rows=None, a_exact=False, pack_tile=None, out_dtype=None,
-          pairs=False, on_amx=False):
+          pairs=False, on_amx=False, head_panels=None):
     """C = a @ W + bias with W in column panels, wp[n // nr, k, n % nr]: one packed-GEMM
     stage. The product runs over `rows` rows (the backend's gemm_rows: padded to whole
     register tiles or not; rows of `a` past its end are read clamped); C keeps `out_rows`
@@ -53,7 +53,9 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
     packed (pack_tile rows), as a_p[m // t, k2, m % t, p], both bfloat16 (a float32 `a`,
     the attention's output, is rounded by the pack).
     on_amx: on AMX tiles (32 rows x 32 of the depth, schedules/x86/amx.py): W as for pairs,
-    `a` packed as a_t[m // 32, k // 32, m % 32, k2, p] (k % 32 = 2 * k2 + p), bfloat16."""
+    `a` packed as a_t[m // 32, k // 32, m % 32, k2, p] (k % 32 = 2 * k2 + p), bfloat16.
+    head_panels: (sections, heads, panels a head) where C's panels are Q, K and V of every
+    head, each section heads x panels wide: the rule may run them head by head."""
     last = a.shape[0] - 1
     out_dtype = out_dtype or COMPUTE
 
@@ -125,6 +127,8 @@ def _gemm(name, node, a, wp, bias, rows, depth, cols, nr, panel_major=False, out
         work["pairs"] = True
     if on_amx:
         work["amx"] = True
+    if head_panels:
+        work["head_panels"] = head_panels
     if scalars:   # the rule sizes its row blocks for the largest call
         work.update(rows=max_rows, symbolic=True)
     stages = [Stage(mm.op.name, "packed_matmul", node, (mm.op.name,), work),
@@ -369,7 +373,11 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
                     ph.dims["padded_rows"] if symbolic else rows_qkv, d_model, n_qkv_p, nr,
                     panel_major=True, scalars=scalars, max_rows=rows_qkv, a_exact=True,
                     pack_tile=pack(d_model, dtype != COMPUTE), pairs=pairs(d_model),
-                    on_amx=on_amx(d_model), out_dtype=qkv_temp)
+                    on_amx=on_amx(d_model), out_dtype=qkv_temp,
+                    head_panels=(3, heads, dp // nr) if (
+                        cache is None and not cross and kv_heads == heads and dp % nr == 0
+                        and (q_base, k_base, v_base) == (0, heads * d, 2 * heads * d)
+                        and n_qkv_p == 3 * heads * dp) else None)
     kernels.append(Kernel("qkv_projection", ["x", "w_qkv", "b_qkv", "qkv"] + extra,
                           te.create_prim_func([x, wqkv, bqkv, qkv, *scalars]), st))
     text.append(f"qkv[p, m, j] = sum_k x[m, k] * w_qkv[p, k, j] + b_qkv[p*{nr} + j]"

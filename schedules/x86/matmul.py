@@ -247,6 +247,14 @@ class MatmulRule:
                                              bool(stage.workload.get("symbolic")))
             if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
                 jo, i, ji, k = loops
+                heads = stage.workload.get("head_panels")
+                if heads and cfg.tile_panels == 1:
+                    # QKV's panels head by head (Q, K, V of head 0, then of head 1, ...): a
+                    # core's contiguous share of the panel tasks then holds whole heads,
+                    # which the attention's tasks, split by head, read from its own cache
+                    sec, hh, pp = sch.split(jo, list(heads))
+                    sch.reorder(hh, sec, pp)
+                    jo = sch.fuse(hh, sec, pp)
                 io, ii = sch.split(i, [None, cfg.tile_rows])
                 if cfg.tile_panels > 1:
                     jo, jp = sch.split(jo, [None, cfg.tile_panels])
