@@ -22,7 +22,7 @@ call, C in the tile registers until it is stored.
                  softmax packs them (the pair path's PACK; P V as P times V would need P's
                  rows of keys, 16 x 16 transposes of every block of every task: 10% of the
                  attention's time), V^T's rows of 32 keys are A tiles, transposed once a
-                 call (TRANSPOSE_32, the attention kernel's first loop), not zipped into
+                 call (TRANSPOSE_32_I16, the attention kernel's first loop), not zipped into
                  pairs once a query tile (another 10%).
 Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task loads it at its
 start and releases the tiles at its end (with_task_config for the GEMMs, CONFIG / RELEASE
@@ -63,8 +63,6 @@ SCORES = "mhagen_amx_scores_32x32"
 # 32 keys, 64 bytes apart, vstep bytes from one 32 keys to the next) x P^T (int32 pairs of
 # keys, pstride bytes a row), `steps` 32s of keys
 PV = "mhagen_amx_pv_32x32"
-# dst = src^T: 16 x 16 32-bit words, 32 x 32 16-bit words (transpose.py)
-TRANSPOSE, TRANSPOSE_32 = TRANSPOSE_16_I32, TRANSPOSE_32_I16
 
 # ldtilecfg's 64 bytes: palette 1, then colsb (u16) of tiles 0-15 at byte 16, rows (u8) at
 # byte 48: tiles 0-7 are 16 rows of 64 bytes
@@ -146,7 +144,8 @@ declare void @llvm.x86.tilezero(i8)
 declare void @llvm.x86.tileloadd64(i8, ptr, i64)
 declare void @llvm.x86.tdpbf16ps(i8, i8, i8)
 declare void @llvm.x86.tilestored64(i8, ptr, i64)
-""" + transpose(TRANSPOSE, 16, "i32", "i32") + transpose(TRANSPOSE_32, 32, "i16", "i64")
+""" + (transpose(TRANSPOSE_16_I32, 16, "i32", "i32")
+       + transpose(TRANSPOSE_32_I16, 32, "i16", "i64"))
 
 
 def amx_tiles(target, dtype: str, depth: int, attention: bool = False) -> bool:

@@ -53,7 +53,8 @@ from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
 from mhagen.schedules.x86.fast_math import (EXP2_16, EXP2_16_BF16, EXP2_HELPER, SCORE_MATH,
                                             exp2, f32)
 from mhagen.schedules.x86.matmul import rows_that_fit
-from mhagen.schedules.x86.transpose import transpose, transpose_words
+from mhagen.schedules.x86.transpose import (TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose,
+                                            transpose_words)
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
 ON_STACK = {"disable_lower_builtin": True}
@@ -334,6 +335,13 @@ def build_attention(w, cfg, lanes, flush=False):
     QT_SHUFFLE = (flush and LN in (8, 16) and PW % (LN * QW) == 0
                   and Q_BASE % (LN * QW) == 0 and DP % (LN * QW) == 0)
     QT_TRANSPOSE = transpose_words(LN)
+    NB = NW // LN * LN if QT_SHUFFLE else 0   # Q^T's words copied through the transposes
+
+    def q_word(src, h, c, row, scaled):
+        """Q head h's word c (a head column, or a pair of them) at qkv's `row`, in log2
+        units where scaled (floats; pairs stay unscaled: the S^T write-back scales)."""
+        word = src[(Q_BASE + h * DP + c * QW) // PW, row, (Q_BASE + h * DP + c * QW) % PW // QW]
+        return word * c_log2e if scaled and not QT_PAIRS else word
 
     def k_at(kv, g, cp, ci, row):
         """K head g's column cp * CW + ci at `row` of kv (column panels of PW)."""
@@ -589,7 +597,7 @@ def build_attention(w, cfg, lanes, flush=False):
                 for cp in range(DP // 32):
                     if kt * 32 + 32 <= KV_LEN:
                         T.evaluate(T.call_extern(
-                            "int32", amx.TRANSPOSE_32, vt.data,
+                            "int32", TRANSPOSE_32_I16, vt.data,
                             T.Cast("int64", t) * (DP * 32) + cp * 32 * 32, T.int64(64), kv.data,
                             T.Cast("int64", (V_BASE + vg * DP) // PW + cp)
                             * T.Cast("int64", kv.shape[1]) * PW
@@ -600,7 +608,7 @@ def build_attention(w, cfg, lanes, flush=False):
                                 v_pad[r, c] = kv[(V_BASE + vg * DP) // PW + cp,
                                                  key_row(vb, kt * 32 + r, True), c]
                         T.evaluate(T.call_extern(
-                            "int32", amx.TRANSPOSE_32, vt.data,
+                            "int32", TRANSPOSE_32_I16, vt.data,
                             T.Cast("int64", t) * (DP * 32) + cp * 32 * 32, T.int64(64),
                             v_pad.data, T.int64(0), T.int64(64)))
         for task in T.parallel(B * H * NQ):
@@ -632,8 +640,8 @@ def build_attention(w, cfg, lanes, flush=False):
             qkv32 = T.decl_buffer((NP, M, PW // 2), "int32", data=qkv.data)
             q_dst = T.meta_var(q_t32 if QT_PAIRS else q_t)   # words: pairs of bfloat16, or
             q_src = T.meta_var(qkv32 if QT_PAIRS else qkv)   # floats
-            if QT_SHUFFLE:   # blocks of LN x LN words transposed in registers
-                for c16 in range(NW // LN):
+            if QT_SHUFFLE:   # blocks of LN x LN words transposed in registers, scaled after
+                for c16 in range(NB // LN):
                     for i16 in range(MQ // LN):
                         if q0 + i16 * LN + LN <= S:
                             T.evaluate(T.call_extern(
@@ -646,33 +654,18 @@ def build_attention(w, cfg, lanes, flush=False):
                         else:   # the last queries' rows clamped
                             for c in range(LN):
                                 for i in T.vectorized(LN):
-                                    q_dst[c16 * LN + c, i16 * LN + i] = q_src[
-                                        (Q_BASE + h * DP + (c16 * LN + c) * QW) // PW,
-                                        b * S + T.min(q0 + i16 * LN + i, S - 1),
-                                        (Q_BASE + h * DP + (c16 * LN + c) * QW) % PW // QW]
-                if NW % LN != 0:
-                    for ct in range(NW % LN):
-                        for i in T.vectorized(MQ):
-                            q_dst[NW // LN * LN + ct, i] = q_src[
-                                (Q_BASE + h * DP + (NW // LN * LN + ct) * QW) // PW,
-                                b * S + T.min(q0 + i, S - 1),
-                                (Q_BASE + h * DP + (NW // LN * LN + ct) * QW) % PW // QW]
+                                    q_dst[c16 * LN + c, i16 * LN + i] = q_word(
+                                        q_src, h, c16 * LN + c,
+                                        b * S + T.min(q0 + i16 * LN + i, S - 1), False)
                 if not QT_PAIRS:
-                    for c in range(d):
+                    for c in range(NB):
                         for i in T.vectorized(MQ):
                             q_t[c, i] = q_t[c, i] * c_log2e
-            elif QT_PAIRS:
-                for c2 in range(d // 2):
+            if NW > NB:   # the words past the blocks (all of them without QT_SHUFFLE)
+                for ct in range(NW - NB):
                     for i in T.vectorized(MQ):
-                        q_t32[c2, i] = qkv32[(Q_BASE + h * DP + 2 * c2) // PW,
-                                             b * S + T.min(q0 + i, S - 1),
-                                             (Q_BASE + h * DP + 2 * c2) % PW // 2]
-            else:
-                for c in range(d):
-                    for i in T.vectorized(MQ):
-                        q_t[c, i] = qkv[(Q_BASE + h * DP + c) // PW,
-                                        b * S + T.min(q0 + i, S - 1),
-                                        (Q_BASE + h * DP + c) % PW] * c_log2e
+                        q_dst[NB + ct, i] = q_word(q_src, h, NB + ct,
+                                                   b * S + T.min(q0 + i, S - 1), True)
             for i in T.vectorized(MQ):
                 m_buf[i] = neg_inf
                 l_buf[i] = zero
@@ -697,7 +690,7 @@ def build_attention(w, cfg, lanes, flush=False):
             if AMX:   # O^T's rows of queries into rows of head columns
                 for c16 in range(DP // 16):
                     for q16 in range(MQ // 16):
-                        T.evaluate(T.call_extern("int32", amx.TRANSPOSE, o_rows.data,
+                        T.evaluate(T.call_extern("int32", TRANSPOSE_16_I32, o_rows.data,
                                                  q16 * 16 * DP + c16 * 16, T.int64(DP * 4),
                                                  o_buf.data, c16 * 16 * MQ + q16 * 16,
                                                  T.int64(MQ * 4)))
