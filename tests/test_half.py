@@ -490,7 +490,7 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
                            "5.16+; compiled on every host by the test above")
 @pytest.mark.parametrize("build", ["awkward", "any-length", "cross", "artifact", "c api",
                                    "attention", "attention any-length", "attention modifiers",
-                                   "deep"])
+                                   "attention long", "deep"])
 def test_amx_gemms_match_the_reference(build, tmp_path):
     """The AMX GEMMs run (2 threads: each task configures its own tiles): seq 97 with head
     dim 40, any-length builds (1 to 64 rows: the rows padded to 32-row tiles), cross-attention
@@ -500,7 +500,8 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
     (a key block cut at the last key: its tile's K rows clamped and copied, P V over the
     block's whole 32s with P 0 past the last key), grouped K/V heads, a causal mask; any
     lengths; ALiBi with key padding (scores modified and masked after the tile is
-    stored). "deep": d_model 768, GEMMs in blocks of the depth (amx.gemm_depth_block)."""
+    stored); unmasked at seq 600, in AMX's key blocks of ~256 (two of 320, the second cut
+    at the last key). "deep": d_model 768, GEMMs in blocks of the depth (amx.gemm_depth_block)."""
     layer = _tile_layer(head_dim=None) if build.startswith("attention") else _tile_layer()
     w = layer.init_weights(4)
     d_model = 128 if build.startswith("attention") else 64
@@ -512,6 +513,14 @@ def test_amx_gemms_match_the_reference(build, tmp_path):
         assert "Q K^T and P V on AMX tiles" in m.precision
         _check(layer, m, _x((2, 70, 128), "bfloat16"), w, "bfloat16",
                kv_lens=np.array([70, 13], np.int32))
+        return
+    if build == "attention long":
+        layer = mhagen.mha(128, 4, dtype="bfloat16")    # head_dim 32, no mask
+        w = layer.init_weights(6)
+        m = mhagen.build(layer, AMX, batch=1, seq_len=600, weights=w)
+        config = next(d["config"] for d in m.decisions if d["kernel"] == "attention")
+        assert config["kv_block"] >= 256 and 600 > config["kv_block"], config
+        _check(layer, m, _x((1, 600, 128), "bfloat16"), w, "bfloat16")
         return
     if build == "deep":   # depth 768: the GEMMs in blocks of 256 of the depth
         layer = mhagen.mha(768, 12, causal=True, dtype="bfloat16")
