@@ -470,6 +470,14 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
     n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
     assert n >= 8 and n % 4 == 0, n      # S^T's tiles and P V's
+    # unmasked, long: AMX attention takes key blocks of ~256 keys, the float32 one ~128
+    blocks = {}
+    for preset, dtype in ((AMX, "bfloat16"), ("x86-avx512", "float32")):
+        layer = mhagen.mha(128, 4, dtype=dtype)
+        m = mhagen.build(layer, preset, batch=1, seq_len=1024, weights=layer.init_weights(0))
+        blocks[preset] = next(d["config"]["kv_block"] for d in m.decisions
+                              if d["kernel"] == "attention")
+    assert blocks == {AMX: 256, "x86-avx512": 128}, blocks
     # GEMMs whose weight panel outgrows L1 (depth 768: 48 KiB of a 48 KiB L1d) run in blocks
     # of 256 of the depth outside the row tiles, accumulating; depth 512's (32 KiB) do not
     for d_model, blocked in ((768, True), (512, False)):
