@@ -31,6 +31,7 @@ def compile_program(program, target, tuning=None):
         func, dec = schedule_kernel(kernel, target, record=record)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
         decisions += [d.__dict__ for d in dec]
+    funcs.update(storage_casts(program, target))
     mod = tvm.IRModule(funcs)
     executable = tvm.compile(mod, target=target.tvm)
     texts = {"te": program.te_text, "tir": mod.script()}
@@ -40,6 +41,16 @@ def compile_program(program, target, tuning=None):
         device = device_compile(executable, target, mod, program)
         texts["source"] = "\n".join([device.source, device.ptx, device.ptxas_report])
     return executable, texts, decisions, device
+
+
+def storage_casts(program, target) -> dict:
+    """A half layer's float32 <-> storage conversions (schedules/casts.py), compiled beside
+    its kernels on CPUs, where module(x) converts a float32 x and answers in float32."""
+    dtype = program.role("input")[0].dtype
+    if dtype == "float32" or backend_for(target).device != "cpu":
+        return {}
+    from mhagen.schedules.casts import storage_casts as casts
+    return {name: func.with_attr("global_symbol", name) for name, func in casts(dtype).items()}
 
 
 def resolve_tuning(tuning, target):

@@ -10,9 +10,11 @@ weights' and activations' memory and bandwidth. One native path: on x86 targets 
 AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
 (schedules/x86/bf16_dot.py; float32 accumulation, the attention output rounded to bfloat16
 before the output projection), and so does the attention (Q K^T and P V on pairs, P rounded
-to bfloat16; qkv held in bfloat16; the softmax in float32).
-AVX512-FP16, AMX and NEON fp16/bf16 arithmetic are not used; the build says which path was
-taken (`half_precision_path`).
+to bfloat16; qkv held in bfloat16; the softmax in float32); with AMX-BF16 they run on AMX
+tiles instead (schedules/x86/amx.py). AVX512-FP16 and NEON fp16/bf16 arithmetic are not
+used; the build says which path was taken (`half_precision_path`).
+A CPU half layer's library also holds float32 <-> storage conversions (TO_STORAGE,
+FROM_STORAGE: schedules/casts.py) for the module's float32 inputs and answers.
 """
 from __future__ import annotations
 
@@ -68,6 +70,17 @@ def to_storage(what: str, a, name: str) -> np.ndarray:
                          f"{float(np.finfo(NUMPY[name]).max):.6g}); scale the input, or build "
                          "the layer in float32")
     return rounded
+
+
+TO_STORAGE, FROM_STORAGE = "mhagen_to_storage", "mhagen_from_storage"
+# the least float32 magnitude each storage rounds to inf (round to nearest even: the midpoint
+# of its largest finite value and the next power of two)
+_OVERFLOW = {"float16": 65520.0, "bfloat16": float(np.uint32(0x7F7F8000).view(np.float32))}
+
+
+def overflow_limit(dtype) -> float:
+    """Float32 values of this magnitude or more become inf in the storage dtype."""
+    return _OVERFLOW[name_of(dtype)]
 
 
 def half_precision_path(name: str, target, paired=(), attention=None,

@@ -17,7 +17,8 @@ from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
-from mhagen.dtypes import half_precision_path, name_of, numpy_dtype, to_storage
+from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, half_precision_path, name_of, numpy_dtype,
+                            overflow_limit, to_storage)
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes, maps_graph
@@ -49,7 +50,8 @@ class Module:
 
     `module(x)` runs it on a numpy array x of the layer's dtype (float32 by default; see
     mhagen/dtypes.py: a half-precision layer also takes float32, rounded on the way in,
-    and then returns float32) and returns a new array;
+    and then returns float32; on CPUs its library converts both, schedules/casts.py) and
+    returns a new array;
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
     A Module owns its temporaries, so calls from several threads are serialised by a lock
@@ -83,6 +85,7 @@ class Module:
         self._context_node = graph.context_input
         self._staged_tensors = {}    # (buffer, shape) -> (staging array, TVM tensor over it)
         self._calls = None
+        self._casts = {}             # casts.py's conversions by name (None: not in the library)
         self._lock = threading.Lock()
         self._temps = None
         self._maps = None            # the attention-maps module, compiled on first use
@@ -152,7 +155,7 @@ class Module:
             self._run(buffers)
             if cache is not None:
                 cache.lens += dims["seq"]
-            return deliver(result, target)
+            return self._deliver(result, target)
 
     def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
         """Bind one call's arrays once and get a callable that runs the kernels on them with
@@ -263,13 +266,55 @@ class Module:
 
     def _input_tensor(self, buffer, array, dims):
         """A float input (x, a context) as the kernels take it: the caller's array when it
-        is 64-byte aligned, else a copy in the module's staging buffer."""
+        is 64-byte aligned, else a copy in the module's staging buffer (a half layer's
+        float32 input converted into it: _deferred)."""
         shape = buffer.call_shape(dims)
-        if not is_aligned(array):
+        if array.dtype != self.dtype:
+            staged = self._view(buffer, dims)
+            self._convert(TO_STORAGE, array, staged)
+            array = staged
+        elif not is_aligned(array):
             staged = self._view(buffer, dims)
             staged[...] = array.reshape(shape)
             array = staged
         return runtime.tensor(array.reshape(shape))
+
+    def _cast(self, name):
+        """The library's conversion `name` (schedules/casts.py), None where it has none (a
+        float32 layer, a GPU build, an artifact saved before December 6)."""
+        if name not in self._casts:
+            try:
+                self._casts[name] = self.library.get_function(name)
+            except AttributeError:
+                self._casts[name] = None
+        return self._casts[name]
+
+    def _convert(self, name, src, dst):
+        """src into dst (same size, C-contiguous) by the library's conversion `name`;
+        bfloat16 goes as its uint16 bits."""
+        bits = [a.view(np.uint16) if a.dtype == _BFLOAT16 else a for a in (src, dst)]
+        self._cast(name)(*(runtime.tensor(a.reshape(-1)) for a in bits), src.size)
+
+    def _deferred(self, name, a):
+        """x or a context for the kernels: a half layer's float32 array as it is, when the
+        library converts it on the way in (_input_tensor) and every value fits the storage
+        (else, and for NaNs, _stored's check and rounding: same results, same errors)."""
+        if a.dtype != np.float32 or self.dtype == np.float32 or self._cast(TO_STORAGE) is None:
+            return self._stored(name, a)
+        limit = overflow_limit(self.dtype)
+        if not -limit < a.min() <= a.max() < limit:    # NaN compares false: checked there
+            return self._stored(name, a)
+        return np.ascontiguousarray(a)
+
+    def _deliver(self, result, target):
+        """deliver(), a half layer's float32 answer converted by the library where the
+        kernels' output has no padded columns."""
+        if (result.dtype != target.dtype and result.flags.c_contiguous
+                and target.shape[-1] == result.shape[-1] and target.flags.c_contiguous
+                and self._cast(FROM_STORAGE) is not None):
+            self._convert(FROM_STORAGE, target, result)
+            return result
+        return deliver(result, target)
 
     def _resident(self, params) -> dict:
         """TVM tensors over the params and the temporaries, made once per set of params."""
@@ -319,7 +364,7 @@ class Module:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
-        return self._stored("x", x)
+        return self._deferred("x", x)
 
     def _check_context(self, context, batch):
         """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
@@ -337,7 +382,7 @@ class Module:
             raise InputError(f"context has shape {context.shape}, but this module was built "
                              f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "
                              f"mhagen.build(layer, ..., kv_seq_len={context.shape[1]})")
-        return np.ascontiguousarray(self._stored("context", context))
+        return np.ascontiguousarray(self._deferred("context", context))
 
     def _check_symbolic_x(self, x):
         names = ("batch", "seq_len")
@@ -352,7 +397,7 @@ class Module:
                                  f"max_{name}=N for any)")
         if x.shape[2] != self.d_model:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
-        return self._stored("x", x)
+        return self._deferred("x", x)
 
     def _run(self, buffers):
         if self._calls is None:
@@ -494,6 +539,9 @@ class Call:
             if self.cache is not None:
                 self.cache.lens += self.seq
             return deliver(self.result, self.target)
+
+
+_BFLOAT16 = numpy_dtype("bfloat16")
 
 
 def _spelling(dtype) -> str:

@@ -132,6 +132,52 @@ def test_float32_arrays_are_rounded_in_and_answered_in_float32():
         f16(big)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float32_conversions_round_as_numpy(dtype):
+    """A CPU half layer's library converts float32 x into its storage and the answer back
+    (schedules/casts.py) bit for bit as numpy / ml_dtypes do: random bit patterns (every
+    NaN, inf, subnormal and tie among them), the overflow boundary, arrays of no whole
+    chunk and unaligned ones; float16's NaNs stay NaNs of their sign (the conversion
+    instruction quiets a signalling one). Module calls then match the rounded x's, with
+    the conversions and without them (an artifact saved before they existed)."""
+    layer = mhagen.mha(64, 2, dtype=dtype)
+    w = layer.init_weights(1)
+    m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=20, weights=w)
+    assert m._cast("mhagen_to_storage") is not None and m._cast("mhagen_from_storage")
+    rng = np.random.default_rng(0)
+    limit = np.float32(65520 if dtype == "float16" else 3.3961775e38)
+    edges = np.array([limit, np.nextafter(limit, 0), -limit, 65504, 1e-45, -0.0, np.inf,
+                      -np.nan, 1.00390625, 1.01171875], np.float32)
+    for values in (edges, rng.integers(0, 2 ** 32, 70001, dtype=np.uint64).astype(
+            np.uint32).view(np.float32)):
+        src = np.empty(values.size + 1, np.float32)[1:]       # 4 bytes off alignment
+        src[...] = values
+        dst = np.empty(values.size + 1, DTYPES[dtype])[1:]
+        m._convert("mhagen_to_storage", src, dst)
+        with np.errstate(all="ignore"):
+            want = values.astype(DTYPES[dtype])
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(dst.astype(np.float32)), nan)
+        assert np.array_equal(np.signbit(dst.astype(np.float32)), np.signbit(want.astype(
+            np.float32)))
+        assert np.array_equal(dst.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+        if dtype == "bfloat16":     # NaNs too, as ml_dtypes rounds them
+            assert np.array_equal(dst.view(np.uint16), want.view(np.uint16))
+        back = np.empty(values.size + 3, np.float32)[3:]
+        m._convert("mhagen_from_storage", dst, back)
+        expected = dst.astype(np.float32)
+        assert np.array_equal(back.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
+        assert np.isnan(back[nan]).all()
+    x32 = rng.standard_normal((1, 20, 64)).astype(np.float32) * 4
+    unaligned = np.empty(x32.size + 1, np.float32)[1:].reshape(x32.shape)
+    unaligned[...] = x32
+    want = m(x32.astype(DTYPES[dtype])).astype(np.float32)
+    for x in (x32, unaligned):
+        np.testing.assert_array_equal(m(x), want)
+    m._casts = {"mhagen_to_storage": None, "mhagen_from_storage": None}   # numpy's way
+    np.testing.assert_array_equal(m(unaligned), want)
+
+
 def test_half_against_torch():
     """torch.nn.MultiheadAttention in float32 with the rounded weights and input, rounded
     to float16 at the end: what the float16 module computes."""
