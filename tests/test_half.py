@@ -412,10 +412,22 @@ def test_bfloat16_pairs_only_where_vdpbf16ps_beats_the_fma():
 @pytest.mark.skipif(not resolve(NATIVE).runs_here(),
                     reason="needs a CPU that runs Zen 4 code (AVX-512 BF16, VBMI, ...: Zen 4+, "
                            "Sapphire Rapids); compiled on every host by the test above")
-@pytest.mark.parametrize("build", ["any-length", "cross", "odd rows", "artifact"])
+@pytest.mark.parametrize("build", ["any-length", "cross", "odd rows", "artifact",
+                                   "attention long"])
 def test_bfloat16_pair_gemms_match_the_reference(build, tmp_path):
     """The vdpbf16ps GEMMs run: any-length builds, cross-attention (the K/V GEMM too), rows
-    that are not whole tiles, and a saved artifact (weights repacked in pairs on load)."""
+    that are not whole tiles, and a saved artifact (weights repacked in pairs on load);
+    "attention long": unmasked at seq 1100, the pair attention's key blocks of ~512 (two,
+    the second cut at the last key)."""
+    if build == "attention long":
+        layer = mhagen.mha(80, 2, head_dim=40, dtype="bfloat16")
+        w = layer.init_weights(6)
+        m = mhagen.build(layer, NATIVE, batch=1, seq_len=1100, weights=w)
+        config = next(d["config"] for d in m.decisions if d["kernel"] == "attention")
+        assert 512 <= config["kv_block"] < 1100 < 2 * config["kv_block"], config
+        assert "the attention's Q K^T and P V too" in m.precision
+        _check(layer, m, _x((1, 1100, 80), "bfloat16"), w, "bfloat16")
+        return
     if build == "cross":
         layer = mhagen.mha(64, 4, cross=True, dtype="bfloat16")
         w = layer.init_weights(3)
@@ -516,14 +528,16 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
     assert code.count("ldtilecfg") == 1 and code.count("tilerelease") == 1
     n = sum(line.strip().startswith("tdpbf16ps") for line in code.splitlines())
     assert n >= 8 and n % 4 == 0, n      # S^T's tiles and P V's
-    # unmasked, long: AMX attention takes key blocks of ~256 keys, the float32 one ~128
+    # unmasked, long: AMX attention takes key blocks of ~256 keys, the pairs' ~512, the
+    # float32 one ~128
     blocks = {}
-    for preset, dtype in ((AMX, "bfloat16"), ("x86-avx512", "float32")):
+    for preset, dtype in ((AMX, "bfloat16"), ("x86-avx512-bf16", "bfloat16"),
+                          ("x86-avx512", "float32")):
         layer = mhagen.mha(128, 4, dtype=dtype)
         m = mhagen.build(layer, preset, batch=1, seq_len=1024, weights=layer.init_weights(0))
         blocks[preset] = next(d["config"]["kv_block"] for d in m.decisions
                               if d["kernel"] == "attention")
-    assert blocks == {AMX: 256, "x86-avx512": 128}, blocks
+    assert blocks == {AMX: 256, "x86-avx512-bf16": 512, "x86-avx512": 128}, blocks
     # GEMMs whose weight panel outgrows L1 (depth 768: 48 KiB of a 48 KiB L1d) run in blocks
     # of 256 of the depth outside the row tiles, accumulating; depth 512's (32 KiB) do not
     for d_model, blocked in ((768, True), (512, False)):

@@ -179,9 +179,14 @@ class AttentionRule:
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1);
         # ~256 on AMX tiles: P V then loads and stores its O^T tiles, and rescales O^T, once
         # per 8 steps of 32 keys, not 4 (Intel Xeon, bfloat16 attention alone: 0.90-0.97x
-        # the time of 128 at seq 512 and 2048, 1 and 2 threads; 512 and q_tile 32 less)
-        kv_goal = 256 if workload.get("amx") else 128 if target.vector_registers >= 32 else 96
-        kv_block = _balanced(keys, kv_goal, tr) if keys >= 128 else round_up(keys, tr)
+        # the time of 128 at seq 512 and 2048, 1 and 2 threads; 512 and q_tile 32 less);
+        # ~512 on bfloat16 pairs, for the same reason (Zen 4, attention alone, 1 and 2
+        # threads: 0.90-0.96x the time of 128 at seq 512-4096, head_dim 64 and 128; 256
+        # 0.92-0.99x); fewer keys than the goal: one block of them
+        kv_goal = (256 if workload.get("amx") else 512 if workload.get("pairs")
+                   else 128 if target.vector_registers >= 32 else 96)
+        kv_block = (_balanced(keys, min(kv_goal, keys), tr) if keys >= 128
+                    else round_up(keys, tr))
         if workload.get("mask") is not None and keys == seq:
             # key blocks as wide as the query tiles: a causal diagonal block then wastes a
             # quarter of a 64 x 64 tile, not of 64 x 128 (2.4% less time at seq 2048), and a
