@@ -47,7 +47,7 @@ def storage_casts(program, target) -> dict:
     """A half layer's float32 <-> storage conversions (schedules/casts.py), compiled beside
     its kernels on CPUs, where module(x) converts a float32 x and answers in float32."""
     dtype = program.role("input")[0].dtype
-    if dtype == "float32" or backend_for(target).device != "cpu":
+    if dtype == "float32" or target.device != "cpu":
         return {}
     from mhagen.schedules.casts import storage_casts as casts
     return {name: func.with_attr("global_symbol", name) for name, func in casts(dtype).items()}

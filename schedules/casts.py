@@ -10,9 +10,10 @@ there), in parallel chunks, vectorized:
 bfloat16 is stored and passed as its uint16 bits: TVM's own float32 -> bfloat16 cast turned
 some NaNs (small payloads) into inf or 0; here a NaN becomes the quiet NaN of its sign, as
 ml_dtypes rounds it. float16 uses the target's conversion instruction (F16C, AVX-512, the
-aarch64 fcvt), which quiets a signalling NaN where numpy keeps it signalling. Any alignment (numpy's arrays start on 16 bytes): the buffers are declared
-with the element's alignment. Values the storage cannot hold (they would round to inf) are
-refused by the caller before it converts (Module._deferred, mhagen.dtypes.to_storage)."""
+aarch64 fcvt), which quiets a signalling NaN where numpy keeps it signalling. Any alignment
+(numpy's arrays start on 16 bytes): the buffers are declared with the element's alignment.
+Values the storage cannot hold (they would round to inf) are refused by the caller before it
+converts (Module._deferred, mhagen.dtypes.to_storage)."""
 from __future__ import annotations
 
 from tvm.script import tirx as T
