@@ -74,6 +74,12 @@ DISTURBED = 0.25             # cores busy in other processes while timing: numbe
 # for over 100 ms after a call (Zen 4, 1x128, 2 threads: with 100 ms, mhagen's rounds after
 # it took 2.7-2.9 ms instead of 1.5-1.7; with 300 ms none did)
 GAP_MS = 300.0
+# the core probe (core_probe): float32 GEMMs of 64^3, which OpenBLAS runs on the calling thread
+PROBE_BATCH, PROBE_N = 16, 64
+# a turn whose probe ran below this share of the run's best probe shared its core with work
+# outside this machine's view (a VM's sibling hardware thread): its times are contended
+CONTENDED = 0.8
+PROBE_REF = 0.0              # the best core probe of the run so far (GFLOP/s)
 TARGET = "x86"               # the preset mhagen builds for (--target)
 # what holds the peers' BLAS (and so the sgemm peak) to AVX2 when measuring the AVX2 class on
 # a host with AVX-512: MKL (torch) and OpenBLAS (numpy) read these at start-up
@@ -608,6 +614,9 @@ def measure_peak(n, args, peaks, when):
         if (p["other_load_cores"] or 0.0) < DISTURBED:
             break
     p = peaks[str(n)]
+    p["probe_gflops"] = calibrate_probe()
+    print(f"core probe: best {p['probe_gflops']:.1f} GFLOP/s so far (turns below "
+          f"{CONTENDED:.0%} of the run's best count as contended)", flush=True)
     print(f"sgemm peak at {n} thread(s) ({when} of run): {p['gflops']:.1f} GFLOP/s (numpy "
           f"{p['numpy_gflops']:.1f}, torch {p.get('torch_gflops', float('nan')):.1f}; kept the "
           f"{p['when']} measurement, other processes {fmt(p['other_load_cores'], '.2f', '?')} "
@@ -731,10 +740,38 @@ def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
     return checked
 
 
-def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0):
+def core_probe(calls=40):
+    """GFLOP/s of small float32 GEMMs (OpenBLAS runs 64^3 on the calling thread) on this
+    thread: the floating-point throughput the process gets on its core right now. On a VM
+    another tenant can share a core's pipes through its sibling hardware thread, unseen in
+    /proc/stat: on a Zen 4 VM this probe fell to half while the AVX2 layer took 1.19-1.29x
+    the AVX-512 layer's time instead of 1.00-1.06x (code with more instructions per flop
+    loses more). One thread only: Python threads running it at once serialize (the GIL,
+    OpenBLAS's lock), so at 2 threads it watches the calling thread's core, where TVM's
+    first worker runs."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((PROBE_BATCH, PROBE_N, PROBE_N), dtype=np.float32)
+    c = np.empty_like(a)
+    np.matmul(a, a, out=c)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        np.matmul(a, a, out=c)
+    return 2 * PROBE_BATCH * PROBE_N ** 3 * calls / (time.perf_counter() - t0) / 1e9
+
+
+def calibrate_probe(tries=15):
+    """PROBE_REF: the best of `tries` probes (raised later by any better one)."""
+    global PROBE_REF
+    PROBE_REF = max([PROBE_REF] + [core_probe() for _ in range(tries)])
+    return PROBE_REF
+
+
+def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0, probes=None):
     """Rounds; in each every implementation (rotating order) waits gap_s idle (other
     libraries' worker threads stop spinning: OpenBLAS, OpenMP, ORT and TVM pools busy-wait a
     while after a call), runs one untimed warm-up call, then `calls` timed calls.
+    probes: a dict filled with name -> the core probe (GFLOP/s) before each of its turns,
+    where given.
     Returns name -> list of per-call seconds, one per round."""
     names = list(funcs)
     calls = {n: max(1, min(20, int(round(target_s / max(est[n], 1e-6))))) for n in names}
@@ -745,12 +782,23 @@ def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0):
             f = funcs[n]
             if gap_s:
                 time.sleep(gap_s)
+            if probes is not None:
+                probes.setdefault(n, []).append(core_probe())
             f(x)   # warm-up: caches and thread pool after the previous implementation
             t0 = time.perf_counter()
             for _ in range(calls[n]):
                 f(x)
             samples[n].append((time.perf_counter() - t0) / calls[n])
     return samples, calls
+
+
+def contended_turns(probes):
+    """How many turns of a timing attempt ran on a contended core (probe < CONTENDED x the
+    run's best, which the attempt's own probes may raise)."""
+    global PROBE_REF
+    flat = [p for ps in probes.values() for p in ps]
+    PROBE_REF = max([PROBE_REF] + flat)
+    return sum(p < CONTENDED * PROBE_REF for p in flat)
 
 
 def save_results(out_dir: Path, payload: dict, text: str) -> None:
@@ -856,21 +904,34 @@ def run_case(shape, causal, args, status, rows, memory_specs):
         attempt = None
         for k in range(1 + max(0, args.retries)):
             waited = wait_quiet(args.wait_quiet) if args.wait_quiet else 0.0
-            load = LoadMeter()
+            load, probes = LoadMeter(), {}
             samples, calls = time_interleaved(live, x, est, args.rounds, args.target_ms / 1e3,
-                                              args.gap_ms / 1e3 if n > 1 else 0.0)
+                                              args.gap_ms / 1e3 if n > 1 else 0.0,
+                                              probes=probes)
             other = load.other_cores()
-            if attempt is None or (other is not None and attempt[2] is not None
-                                   and other < attempt[2]):
-                attempt = (samples, calls, other)
-            if other is None or other < DISTURBED:
+            turns = sum(len(v) for v in probes.values())
+            contended = contended_turns(probes)
+            # least disturbed: fewest contended turns, then least CPU used by others
+            badness = (contended, other if other is not None else 0.0)
+            if attempt is None or badness < attempt[4]:
+                attempt = (samples, calls, other, probes, badness)
+            quiet = (other is None or other < DISTURBED) and contended <= turns // 4
+            if quiet:
                 break
             if k < args.retries:
-                print(f"  threads={n}: other processes used {other:.2f} cores while timing "
-                      f"(waited {waited:.0f} s); timing again", flush=True)
-        samples, calls, other = attempt
-        for r in case_rows.values():
+                why = [f"other processes used {other:.2f} cores"] if other is not None \
+                    and other >= DISTURBED else []
+                if contended > turns // 4:
+                    why.append(f"{contended} of {turns} turns ran on a contended core "
+                               f"(core probe < {CONTENDED:.0%} of its best)")
+                print(f"  threads={n}: {' and '.join(why)} while timing (waited {waited:.0f} "
+                      "s); timing again", flush=True)
+        samples, calls, other, probes, _ = attempt
+        for name, r in case_rows.items():
             r["timing_attempts"] = k + 1
+            if name in probes:
+                r["probe_share"] = [p / PROBE_REF for p in probes[name]]
+                r["contended_rounds"] = sum(p < CONTENDED * PROBE_REF for p in probes[name])
         if "mhagen" in live:   # kernels only, buffers prepared: what kernel.latency() reports
             case_rows["mhagen"]["kernel_only_ms"] = live["mhagen"].kernel.latency(
                 number=calls["mhagen"], repeat=3, min_repeat_ms=0) * 1e3
@@ -1091,9 +1152,19 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
                 f"| {r['shape']} | {r['mask']} | {name} | "
                 f"{fmt(r.get('median_ms'), '.3f')} | {fmt(r.get('gflops'), '.1f')} | {ratio} | "
                 f"{(format(r['gflops'] / row_peak(r, p), '.0%') if timed else '—')} | {mem} | "
-                f"{err} | {r['status'] if r['status'] != 'ok' else 'ok, checked'} |")
+                f"{err} | {r['status'] if r['status'] != 'ok' else 'ok, checked'}"
+                + (f", contended {r['contended_rounds']}/{len(r['probe_share'])}"
+                   if r.get("contended_rounds") else "") + " |")
         lines.append("")
         mine = [r for r in rows if r["threads"] == n]
+        if any("probe_share" in r for r in mine):
+            lines.append(f"Core probe (small float32 GEMMs on the calling thread before each "
+                         f"turn, best {PROBE_REF or p.get('probe_gflops', 0.0):.1f} GFLOP/s): "
+                         f"a turn below {CONTENDED:.0%} of the best ran on a core "
+                         "shared with work this machine cannot see (a VM's sibling hardware "
+                         "thread), marked \"contended k/rounds\" in the status; code with more "
+                         "instructions per flop (AVX2 against AVX-512) loses more there.")
+            lines.append("")
         ko = [f"{r['shape']} {r['mask']} {r['kernel_only_ms']:.3f}" for r in mine
               if r["impl"] == "mhagen" and "kernel_only_ms" in r]
         if ko:

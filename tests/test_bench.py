@@ -121,6 +121,16 @@ def test_parse_shape(bench):
             bench.parse_shape(bad)
 
 
+def test_contended_turns_count_against_the_runs_best_probe(bench, monkeypatch):
+    """A turn is contended when its probe is under CONTENDED x the best probe of the run,
+    the attempt's own probes included; a calibrated probe is a positive GFLOP/s."""
+    monkeypatch.setattr(bench, "PROBE_REF", 100.0)
+    assert bench.contended_turns({"a": [100.0, 79.0], "b": [81.0, 40.0]}) == 2
+    assert bench.contended_turns({"a": [150.0, 100.0]}) == 1   # 100 < 0.8 x 150
+    assert bench.PROBE_REF == 150.0
+    assert bench.core_probe(calls=2) > 0
+
+
 def test_quick_run_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--no-memory", "--out-dir", str(tmp_path)],
@@ -140,6 +150,13 @@ def test_quick_run_end_to_end(tmp_path):
     assert all(r.get("median_ms", 0) > 0 for r in mh)
     assert {r["mask"] for r in mh} == {"none", "causal"}
     assert data["sgemm_peak"]["1"]["gflops"] > 0
+    # the core probe ran before every turn and its shares are of the run's best
+    assert data["sgemm_peak"]["1"]["probe_gflops"] > 0
+    for r in mh:
+        assert len(r["probe_share"]) == len(r["samples_ms"])
+        assert all(0 < v <= 1.0 for v in r["probe_share"])
+        assert r["contended_rounds"] == sum(v < 0.8 for v in r["probe_share"])
+    assert "Core probe" in md
     any_len = [r for r in data["rows"] if r["impl"] == "mhagen_any_len"]
     assert any_len and all(r["checked"] for r in any_len)
     assert "any-length module / exact build" in proc.stdout
