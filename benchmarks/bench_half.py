@@ -4,6 +4,8 @@ PyTorch in the same dtype, in one process, interleaved.
 
   mhagen_<dtype>      mhagen.build(mhagen.mha(D, H, dtype=<dtype>)): float32 compute, half
                       storage (mhagen/dtypes.py; the build's `precision` line says the path)
+  mhagen_f32io_<dtype>  the same module called with float32 x, answering float32: the
+                      library converts on the way in and out (schedules/casts.py)
   torch_sdpa_<dtype>  Linear(QKV) -> F.scaled_dot_product_attention -> Linear, every tensor
                       in <dtype> (torch's CPU kernels for that dtype)
 
@@ -86,6 +88,15 @@ def run_shape(shape, args, rows, status):
                 raise SystemExit(f"mhagen {dt} is wrong at {bm.shape_name(shape)}: {err:.3g}")
             status[f"mhagen_{dt}"] = f"max error {err:.3g} (tolerance {tol:.3g})"
             funcs[f"mhagen_{dt}"] = (lambda m, x: lambda _: m(x))(m, x)
+            if dt != "float32":
+                # a float32 caller: x converted to the storage dtype and the answer back to
+                # float32 by the library (schedules/casts.py), the same rounding as x above
+                err = max_error(m(x32), expected)
+                if err > tol:
+                    raise SystemExit(f"mhagen {dt} from float32 is wrong at "
+                                     f"{bm.shape_name(shape)}: {err:.3g}")
+                status[f"mhagen_f32io_{dt}"] = f"max error {err:.3g} (tolerance {tol:.3g})"
+                funcs[f"mhagen_f32io_{dt}"] = (lambda m: lambda _: m(x32))(m)
             if "torch" in args.peers:
                 try:
                     t = TorchLayer(w, dt)

@@ -152,6 +152,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert data["sgemm_peak"]["1"]["gflops"] > 0
     # the core probe ran before every turn and its shares are of the run's best
     assert data["sgemm_peak"]["1"]["probe_gflops"] > 0
+    assert data["sgemm_peak"]["1"]["probe_share"] > 0   # the probe around the peak
     for r in mh:
         assert len(r["probe_share"]) == len(r["samples_ms"])
         assert all(0 < v <= 1.0 for v in r["probe_share"])
@@ -206,7 +207,10 @@ def test_half_precision_benchmark_quick_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     impls = {r["impl"] for r in data["rows"]}
-    assert {"mhagen_float32", "mhagen_float16", "mhagen_bfloat16"} <= impls
+    assert {"mhagen_float32", "mhagen_float16", "mhagen_bfloat16",
+            "mhagen_f32io_float16", "mhagen_f32io_bfloat16"} <= impls
+    f32io = [r for r in data["rows"] if r["impl"] == "mhagen_f32io_bfloat16"]
+    assert f32io and f32io[0]["dtype"] == "bfloat16"
     assert all(r["ms"] > 0 and r["gflops"] > 0 for r in data["rows"])
     assert "converted to float32 on load" in data["meta"]["precision"]["bfloat16"]
 
