@@ -74,7 +74,7 @@ DISTURBED = 0.25             # cores busy in other processes while timing: numbe
 # for over 100 ms after a call (Zen 4, 1x128, 2 threads: with 100 ms, mhagen's rounds after
 # it took 2.7-2.9 ms instead of 1.5-1.7; with 300 ms none did)
 GAP_MS = 300.0
-# the core probe (core_probe): float32 GEMMs of 64^3, which OpenBLAS runs on the calling thread
+# core_probe's fallback: float32 GEMMs of 64^3, which OpenBLAS runs on the calling thread
 PROBE_BATCH, PROBE_N = 16, 64
 # a turn whose probe ran below this share of the run's best probe shared its core with work
 # outside this machine's view (a VM's sibling hardware thread): its times are contended
@@ -758,22 +758,59 @@ def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
 
 
 def core_probe(calls=40):
-    """GFLOP/s of small float32 GEMMs (OpenBLAS runs 64^3 on the calling thread) on this
-    thread: the floating-point throughput the process gets on its core right now. On a VM
-    another tenant can share a core's pipes through its sibling hardware thread, unseen in
-    /proc/stat: on a Zen 4 VM this probe fell to half while the AVX2 layer took 1.19-1.29x
-    the AVX-512 layer's time instead of 1.00-1.06x (code with more instructions per flop
-    loses more). One thread only: Python threads running it at once serialize (the GIL,
-    OpenBLAS's lock), so at 2 threads it watches the calling thread's core, where TVM's
-    first worker runs."""
+    """GFLOP/s of a small layer's AVX2 kernels (1x64x128x2, mhagen's x86-avx2 build, L1/L2
+    resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy) at the
+    current thread count: the floating-point throughput the process gets on its cores right
+    now. On a VM another tenant can share a core's pipes through its sibling hardware
+    thread, unseen in /proc/stat, and that costs code with more instructions per flop more:
+    on a Zen 4 VM the AVX2 layer (1x512x512x8, 1 thread) took 1.00-1.06x the AVX-512
+    layer's time while an AVX2 FMA loop ran at its best and 1.18-1.29x while it ran at half.
+    AVX2 code is the probe because it loses the most there (the AVX-512 GEMMs of OpenBLAS
+    missed a 25% slowdown of the AVX2 kernels). One thread, the calling thread's core, at
+    any thread count: probing on every worker would leave TVM's workers spinning into the
+    next implementation's turn."""
+    global _PROBE
+    if _PROBE is None:
+        _PROBE = _avx2_probe() or _numpy_probe()
+    run, flops = _PROBE
+    threads = mhagen.runtime.num_threads()
+    mhagen.runtime.set_num_threads(1)   # no TVM workers woken to spin into the next turn
+    try:
+        run()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        return flops * calls / (time.perf_counter() - t0) / 1e9
+    finally:
+        mhagen.runtime.set_num_threads(threads)
+
+
+_PROBE = None
+
+
+def _avx2_probe():
+    """(call, flops) of the small layer's kernels built for x86-avx2, or None here."""
+    try:
+        if platform.machine() != "x86_64" or not mhagen.target.resolve("x86-avx2").runs_here():
+            return None
+        layer = mhagen.mha(128, 2)
+        x = make_input(1, 64, 128)
+        kernels = mhagen.build(layer, "x86-avx2", batch=1, seq_len=64,
+                               weights=layer.init_weights(0)).prepare(x).kernels
+    except Exception:   # the probe is an instrument: numpy's serves where this cannot run
+        return None
+
+    def run():
+        for f, a in kernels:
+            f(*a)
+    return run, layer_flops(layer, 1, 64)
+
+
+def _numpy_probe():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((PROBE_BATCH, PROBE_N, PROBE_N), dtype=np.float32)
     c = np.empty_like(a)
-    np.matmul(a, a, out=c)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        np.matmul(a, a, out=c)
-    return 2 * PROBE_BATCH * PROBE_N ** 3 * calls / (time.perf_counter() - t0) / 1e9
+    return (lambda: np.matmul(a, a, out=c)), 2 * PROBE_BATCH * PROBE_N ** 3
 
 
 def calibrate_probe(tries=15):
