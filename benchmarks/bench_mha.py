@@ -759,9 +759,8 @@ def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
 
 def core_probe(calls=40):
     """GFLOP/s of a small layer's AVX2 kernels (1x64x128x2, mhagen's x86-avx2 build, L1/L2
-    resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy) at the
-    current thread count: the floating-point throughput the process gets on its cores right
-    now. On a VM another tenant can share a core's pipes through its sibling hardware
+    resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy) on the
+    calling thread: the floating-point throughput the process gets on its core right now. On a VM another tenant can share a core's pipes through its sibling hardware
     thread, unseen in /proc/stat, and that costs code with more instructions per flop more:
     on a Zen 4 VM the AVX2 layer (1x512x512x8, 1 thread) took 1.00-1.06x the AVX-512
     layer's time while an AVX2 FMA loop ran at its best and 1.18-1.29x while it ran at half.
@@ -772,7 +771,7 @@ def core_probe(calls=40):
     global _PROBE
     if _PROBE is None:
         _PROBE = _avx2_probe() or _numpy_probe()
-    run, flops = _PROBE
+    run, flops, _ = _PROBE
     threads = mhagen.runtime.num_threads()
     mhagen.runtime.set_num_threads(1)   # no TVM workers woken to spin into the next turn
     try:
@@ -785,11 +784,15 @@ def core_probe(calls=40):
         mhagen.runtime.set_num_threads(threads)
 
 
-_PROBE = None
+_PROBE = None   # (call, flops, what it runs) once built
+
+
+def probe_name():
+    return _PROBE[2] if _PROBE else "none"
 
 
 def _avx2_probe():
-    """(call, flops) of the small layer's kernels built for x86-avx2, or None here."""
+    """(call, flops, name) of the small layer's kernels built for x86-avx2, or None here."""
     try:
         if platform.machine() != "x86_64" or not mhagen.target.resolve("x86-avx2").runs_here():
             return None
@@ -803,14 +806,15 @@ def _avx2_probe():
     def run():
         for f, a in kernels:
             f(*a)
-    return run, layer_flops(layer, 1, 64)
+    return run, layer_flops(layer, 1, 64), "a 1x64x128x2 layer's x86-avx2 kernels"
 
 
 def _numpy_probe():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((PROBE_BATCH, PROBE_N, PROBE_N), dtype=np.float32)
     c = np.empty_like(a)
-    return (lambda: np.matmul(a, a, out=c)), 2 * PROBE_BATCH * PROBE_N ** 3
+    return ((lambda: np.matmul(a, a, out=c)), 2 * PROBE_BATCH * PROBE_N ** 3,
+            f"numpy float32 GEMMs of {PROBE_N}^3")
 
 
 def calibrate_probe(tries=15):
@@ -1212,8 +1216,9 @@ def markdown(meta, peaks, rows, summary, impl_status, long_result):
         lines.append("")
         mine = [r for r in rows if r["threads"] == n]
         if any("probe_share" in r for r in mine):
-            lines.append(f"Core probe (small float32 GEMMs on the calling thread before each "
-                         f"turn, best {PROBE_REF or p.get('probe_gflops', 0.0):.1f} GFLOP/s): "
+            lines.append(f"Core probe ({meta.get('probe', probe_name())} on the calling "
+                         f"thread before each turn, best "
+                         f"{PROBE_REF or p.get('probe_gflops', 0.0):.1f} GFLOP/s): "
                          f"a turn below {CONTENDED:.0%} of the best ran on a core "
                          "shared with work this machine cannot see (a VM's sibling hardware "
                          "thread), marked \"contended k/rounds\" in the status; code with more "
@@ -1542,6 +1547,7 @@ def main(argv=None):
     summary = summarize(rows, args.threads, peaks) if rows else {
         str(n): {"line": f"threads={n}: no shapes run"} for n in args.threads}
     meta["elapsed_s"] = time.perf_counter() - t_start
+    meta["probe"] = probe_name()
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -157,7 +157,7 @@ def test_quick_run_end_to_end(tmp_path):
         assert len(r["probe_share"]) == len(r["samples_ms"])
         assert all(0 < v <= 1.0 for v in r["probe_share"])
         assert r["contended_rounds"] == sum(v < 0.8 for v in r["probe_share"])
-    assert "Core probe" in md
+    assert "Core probe" in md and data["meta"]["probe"] in md
     any_len = [r for r in data["rows"] if r["impl"] == "mhagen_any_len"]
     assert any_len and all(r["checked"] for r in any_len)
     assert "any-length module / exact build" in proc.stdout
