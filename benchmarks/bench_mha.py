@@ -613,7 +613,8 @@ def measure_peak(n, args, peaks, when):
         wait_quiet(args.wait_quiet)
         before = core_probe()
         p = sgemm_peak(n, 3 if args.quick else 7)
-        p["probe_share"] = min(before, core_probe()) / calibrate_probe(tries=1)
+        around = (before, core_probe())
+        p["probe_share"] = min(around) / seen_probes(around)
         p["when"] = when
         old = peaks.get(str(n))
         if old is None or badness(p) < badness(old):
@@ -636,7 +637,8 @@ def measure_peak(n, args, peaks, when):
         for _ in range(1 + max(0, args.retries)):   # the least contended of the attempts
             before = core_probe()
             got = run_child({"peak": n, "runs": p["runs"]}, env=HOST_PEAK_ENV)
-            got["probe_share"] = min(before, core_probe()) / calibrate_probe(tries=1)
+            around = (before, core_probe())
+            got["probe_share"] = min(around) / seen_probes(around)
             if host is None or got["probe_share"] > host["probe_share"]:
                 host = got
             if got["probe_share"] >= CONTENDED:
@@ -819,9 +821,7 @@ def _numpy_probe():
 
 def calibrate_probe(tries=15):
     """PROBE_REF: the best of `tries` probes (raised later by any better one)."""
-    global PROBE_REF
-    PROBE_REF = max([PROBE_REF] + [core_probe() for _ in range(tries)])
-    return PROBE_REF
+    return seen_probes(core_probe() for _ in range(tries))
 
 
 def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0, probes=None):
@@ -850,13 +850,19 @@ def time_interleaved(funcs, x, est, rounds, target_s, gap_s=0.0, probes=None):
     return samples, calls
 
 
+def seen_probes(values):
+    """Raise PROBE_REF (the run's best probe) to the best of these; returns it."""
+    global PROBE_REF
+    PROBE_REF = max([PROBE_REF, *values])
+    return PROBE_REF
+
+
 def contended_turns(probes):
     """How many turns of a timing attempt ran on a contended core (probe < CONTENDED x the
     run's best, which the attempt's own probes may raise)."""
-    global PROBE_REF
     flat = [p for ps in probes.values() for p in ps]
-    PROBE_REF = max([PROBE_REF] + flat)
-    return sum(p < CONTENDED * PROBE_REF for p in flat)
+    ref = seen_probes(flat)
+    return sum(p < CONTENDED * ref for p in flat)
 
 
 def save_results(out_dir: Path, payload: dict, text: str) -> None:
