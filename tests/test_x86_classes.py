@@ -473,15 +473,50 @@ def test_a_last_tile_of_3_or_more_rows_pads_the_rows_to_whole_tiles(preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+def test_causal_key_blocks_align_with_the_query_tiles(preset):
+    """A causal layer's key blocks are as wide as its query tiles and whole S^T tiles: AVX2's
+    6 key rows divide no query tile of 16, 32 or 64, and blocks of 18, 36 or 66 keys put
+    each query tile across two partial blocks; it takes S^T tiles of 4 rows instead (at
+    most 3/4 of the scores through the mask), AVX-512's 8 rows divide them already. An
+    unmasked layer keeps the register tile's rows. Checked against the reference at seq 97
+    (query tiles of 16) and head_dim 40."""
+    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.blockmask import PARTIAL
+    t = resolve(preset)
+    for d_model, heads, seq in ((512, 8, 128), (512, 8, 512), (160, 4, 97)):
+        layer = mhagen.mha(d_model, heads, causal=True)
+        w = layer.init_weights(seq)
+        m = mhagen.build(layer, preset, batch=1, seq_len=seq, weights=w, tuning=None)
+        cfg = _attention_config(m)
+        work = next(k for k in m.program.kernels if k.name == "attention").workload
+        rows = register_tiles(t, work["head_dim_padded"], work["panel"])[0]
+        assert cfg.kv_block == cfg.q_tile and cfg.q_tile % cfg.tile_rows == 0, cfg
+        if cfg.q_tile % rows:
+            assert cfg.tile_rows == 4, cfg
+            wide = dataclasses.replace(cfg, kv_block=-(-cfg.q_tile // rows) * rows,
+                                       tile_rows=rows)
+            assert (computed_scores(work, cfg, (PARTIAL,))
+                    <= 0.75 * computed_scores(work, wide, (PARTIAL,))), (cfg, wide)
+        else:
+            assert cfg.tile_rows == rows, cfg
+        unmasked = mhagen.build(mhagen.mha(d_model, heads), preset, batch=1, seq_len=seq,
+                                tuning=None)
+        assert _attention_config(unmasked).tile_rows == rows
+        if m.target.runs_here():
+            x = _input(1, seq, d_model, seed=seq)
+            assert_close(m(x), layer.reference(x, w))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_a_sliding_window_takes_aligned_32_wide_tiles(preset):
     """A band of keys per query (sliding window 64 at seq 256) computes far fewer scores in
     aligned tiles of 32 queries x 32 keys (AVX2: S^T tiles of 4 key rows, 32 not being a
     multiple of 6) than in the default 64-wide ones (AVX2's 66-key blocks straddled the
-    query tiles); a causal mask keeps the default; both checked against the reference."""
+    query tiles); a causal mask keeps its 64-query tiles; both checked against the
+    reference."""
     from mhagen.program import round_up
     from mhagen.schedules.x86.attention import computed_scores
-    from mhagen.schedules.x86.matmul import packed_tile
-    rows = packed_tile(resolve(preset))[0]      # the S^T tile's key rows by default
+    rows = register_tiles(resolve(preset), 64, 2 * resolve(preset).lanes)[0]   # S^T's rows
     for mask, causal in ((mhagen.sliding_window(64), False), (None, True)):
         layer = mhagen.mha(256, 4, mask=mask, causal=causal)
         w = layer.init_weights(3)
