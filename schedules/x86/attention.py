@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tvm.script import tirx as T
 
-from mhagen.blockmask import FULL, PARTIAL, SKIP, block_table
+from mhagen.blockmask import FULL, PARTIAL, block_table
 from mhagen.lower.te import LOG2E
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
