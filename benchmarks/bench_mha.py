@@ -762,8 +762,9 @@ def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
 def core_probe(calls=40):
     """GFLOP/s of a small layer's AVX2 kernels (1x64x128x2, mhagen's x86-avx2 build, L1/L2
     resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy) on the
-    calling thread: the floating-point throughput the process gets on its core right now. On a VM another tenant can share a core's pipes through its sibling hardware
-    thread, unseen in /proc/stat, and that costs code with more instructions per flop more:
+    calling thread: the floating-point throughput the process gets on its core right now.
+    On a VM another tenant can share a core's pipes through its sibling hardware thread,
+    unseen in /proc/stat, and that costs code with more instructions per flop more:
     on a Zen 4 VM the AVX2 layer (1x512x512x8, 1 thread) took 1.00-1.06x the AVX-512
     layer's time while an AVX2 FMA loop ran at its best and 1.18-1.29x while it ran at half.
     AVX2 code is the probe because it loses the most there (the AVX-512 GEMMs of OpenBLAS

@@ -480,8 +480,9 @@ def test_causal_key_blocks_align_with_the_query_tiles(preset):
     most 3/4 of the scores through the mask), AVX-512's 8 rows divide them already. An
     unmasked layer keeps the register tile's rows. Checked against the reference at seq 97
     (query tiles of 16) and head_dim 40."""
-    from mhagen.schedules.x86.attention import computed_scores
     from mhagen.blockmask import PARTIAL
+    from mhagen.program import round_up
+    from mhagen.schedules.x86.attention import computed_scores
     t = resolve(preset)
     for d_model, heads, seq in ((512, 8, 128), (512, 8, 512), (160, 4, 97)):
         layer = mhagen.mha(d_model, heads, causal=True)
@@ -493,7 +494,7 @@ def test_causal_key_blocks_align_with_the_query_tiles(preset):
         assert cfg.kv_block == cfg.q_tile and cfg.q_tile % cfg.tile_rows == 0, cfg
         if cfg.q_tile % rows:
             assert cfg.tile_rows == 4, cfg
-            wide = dataclasses.replace(cfg, kv_block=-(-cfg.q_tile // rows) * rows,
+            wide = dataclasses.replace(cfg, kv_block=round_up(cfg.q_tile, rows),
                                        tile_rows=rows)
             assert (computed_scores(work, cfg, (PARTIAL,))
                     <= 0.75 * computed_scores(work, wide, (PARTIAL,))), (cfg, wide)

@@ -112,6 +112,12 @@ def computed_scores(workload, cfg, states=(PARTIAL, FULL)) -> int:
     return int((np.isin(table, states).sum(axis=1) * rows).sum() * cfg.kv_block)
 
 
+def rows_dividing(n, most):
+    """The most S^T key rows, at most `most` and at least 4, that divide n (None: none do):
+    4 for AVX2's 6 and query tiles or bands of 16, 32 or 64."""
+    return next((r for r in range(most, 3, -1) if n % r == 0), None)
+
+
 def narrow_band_tiles(workload, cfg):
     """Query tiles and key blocks of BAND_TILE, aligned (S^T tiles of fewer key rows where
     the target's do not divide it: AVX2 4 x 16), when the mask's block table leaves them at
@@ -121,10 +127,8 @@ def narrow_band_tiles(workload, cfg):
     0.62-0.81x that in its 64 x 66 ones (AVX-512, tiles of 32 x 40, misaligned: 1.02x). A
     causal mask saves too little (0.94x the scores at seq 512; 32-wide tiles timed at
     0.97-1.02x): cfg stays. None: keep cfg."""
-    tr = cfg.tile_rows
-    while BAND_TILE % tr:
-        tr -= 1
-    if BAND_TILE % cfg.tile_cols or tr < 4 or cfg.q_tile == cfg.kv_block == BAND_TILE:
+    tr = rows_dividing(BAND_TILE, cfg.tile_rows)
+    if BAND_TILE % cfg.tile_cols or tr is None or cfg.q_tile == cfg.kv_block == BAND_TILE:
         return None
     fine = replace(cfg, q_tile=BAND_TILE, kv_block=BAND_TILE, tile_rows=tr)
     if computed_scores(workload, fine) <= 0.8 * computed_scores(workload, cfg):
@@ -141,10 +145,8 @@ def aligned_key_blocks(workload, cfg):
     seq 128 0.92-0.93x the time (d_model 512 and 768), seq 97 0.955x, 200 0.99x, 512 0.995x,
     2048 0.97x; the 4-row tiles cost 1.4% on full blocks (unmasked seq 512). None: keep
     cfg."""
-    if cfg.q_tile % cfg.tile_rows == 0:
-        return None
-    rows = next((r for r in range(cfg.tile_rows, 3, -1) if cfg.q_tile % r == 0), None)
-    if rows is None:
+    rows = rows_dividing(cfg.q_tile, cfg.tile_rows)
+    if rows is None or rows == cfg.tile_rows:
         return None
     fine = replace(cfg, kv_block=cfg.q_tile, tile_rows=rows)
     if (computed_scores(workload, fine, (PARTIAL,))
@@ -170,13 +172,19 @@ class AttentionRule:
     def applies(self, stage, target):
         return stage.pattern == "attention_template"
 
+    @staticmethod
+    def tiles(workload, target):
+        """(tile_rows, tile_cols, out_rows, out_cols): register_tiles, or on AMX S^T in
+        tiles of 32 keys x 32 queries."""
+        tiles = register_tiles(target, workload["head_dim_padded"], workload["panel"])
+        if workload.get("amx"):
+            return (amx.ROWS, amx.COLS) + tiles[2:]
+        return tiles
+
     def default_config(self, workload, target):
         seq = workload["seq"]
         keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
-        tr, tc, orows, ocols = register_tiles(target, workload["head_dim_padded"],
-                                              workload["panel"])
-        if workload.get("amx"):   # S^T in AMX tiles of 32 keys x 32 queries
-            tr, tc = amx.ROWS, amx.COLS
+        tr, tc, orows, ocols = self.tiles(workload, target)
         # q_tile: whole S^T tiles (P V covers it in tiles one row apart where out_rows does
         # not divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
         # 528, and 128 at seq 128, not 144: the attention 0.97x and 0.91x the time, Zen 4)
@@ -244,8 +252,7 @@ class AttentionRule:
         seq = workload["seq"]
         default = self.default_config(workload, target)
         # the grid in the register tile's rows (the default may take fewer: aligned tiles)
-        rows = (amx.ROWS if workload.get("amx") else
-                register_tiles(target, workload["head_dim_padded"], workload["panel"])[0])
+        rows = self.tiles(workload, target)[0]
         out = []
         for q_goal in (32, 64, 128):
             for kv_goal in (64, 128, 256):
