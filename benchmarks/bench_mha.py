@@ -761,16 +761,20 @@ def checked_impls(impls, x, reference, status, label="{}", dtypes=None):
 
 def core_probe(calls=40):
     """GFLOP/s of a small layer's AVX2 kernels (1x64x128x2, mhagen's x86-avx2 build, L1/L2
-    resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy) on the
-    calling thread: the floating-point throughput the process gets on its core right now.
+    resident; where the host cannot run them, float32 GEMMs of 64^3 in numpy): the
+    floating-point throughput the process gets right now, on the calling thread's core at 1
+    thread, and at more the slowest of the usable CPUs, the calling thread pinned to each in
+    turn (probe_cpus), since a turn at n threads waits for its slowest core.
     On a VM another tenant can share a core's pipes through its sibling hardware thread,
     unseen in /proc/stat, and that costs code with more instructions per flop more:
     on a Zen 4 VM the AVX2 layer (1x512x512x8, 1 thread) took 1.00-1.06x the AVX-512
     layer's time while an AVX2 FMA loop ran at its best and 1.18-1.29x while it ran at half.
-    AVX2 code is the probe because it loses the most there (the AVX-512 GEMMs of OpenBLAS
-    missed a 25% slowdown of the AVX2 kernels). One thread, the calling thread's core, at
-    any thread count: probing on every worker would leave TVM's workers spinning into the
-    next implementation's turn."""
+    The two cores of that VM are hit apart: probed in turn 40 times (December 6), core 0 ran
+    at 75-101 GFLOP/s and core 1 at 76-99, core 1 under 80% of its best in 25 rounds and
+    core 0 in 6. AVX2 code is the probe because it loses the most there (the AVX-512 GEMMs of
+    OpenBLAS missed a 25% slowdown of the AVX2 kernels). The probe runs on one thread at a
+    time: probing on every worker would leave TVM's workers spinning into the next
+    implementation's turn."""
     global _PROBE
     if _PROBE is None:
         _PROBE = _avx2_probe() or _numpy_probe()
@@ -778,13 +782,37 @@ def core_probe(calls=40):
     threads = mhagen.runtime.num_threads()
     mhagen.runtime.set_num_threads(1)   # no TVM workers woken to spin into the next turn
     try:
+        return min(_probe_on(cpu, run, flops, calls)
+                   for cpu in (probe_cpus() if threads > 1 else [None]))
+    finally:
+        mhagen.runtime.set_num_threads(threads)
+
+
+def probe_cpus():
+    """The CPUs a probe at more than one thread visits: every one this process may use
+    (TVM's pool places its n threads among them), or [None] (the calling thread where it
+    is) where Python cannot pin threads."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None]
+    return sorted(os.sched_getaffinity(0))
+
+
+def _probe_on(cpu, run, flops, calls):
+    """GFLOP/s of `calls` runs on the calling thread, pinned to `cpu` meanwhile (None: not
+    pinned); the thread's CPU set is restored after."""
+    saved = None
+    if cpu is not None:
+        saved = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpu})
+    try:
         run()
         t0 = time.perf_counter()
         for _ in range(calls):
             run()
         return flops * calls / (time.perf_counter() - t0) / 1e9
     finally:
-        mhagen.runtime.set_num_threads(threads)
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
 
 
 _PROBE = None   # (call, flops, what it runs) once built

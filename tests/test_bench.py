@@ -2,6 +2,7 @@
 reference, causal included), the row oracle of the long case, and a --quick run end to end."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,30 @@ def test_contended_turns_count_against_the_runs_best_probe(bench, monkeypatch):
     assert bench.contended_turns({"a": [150.0, 100.0]}) == 1   # 100 < 0.8 x 150
     assert bench.PROBE_REF == 150.0
     assert bench.core_probe(calls=2) > 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread pinning here")
+def test_probe_at_more_threads_takes_the_slowest_cpu(bench, monkeypatch):
+    """At 1 thread the probe runs where the calling thread is; at more it visits every usable
+    CPU, the thread pinned there meanwhile and its CPU set restored, and returns the slowest
+    (a turn at n threads waits for its slowest core)."""
+    before = os.sched_getaffinity(0)
+    seen = []
+    got = bench._probe_on(min(before), lambda: seen.append(os.sched_getaffinity(0)), 1e9, 2)
+    assert got > 0 and seen and all(s == {min(before)} for s in seen)
+    assert os.sched_getaffinity(0) == before
+
+    speed = {cpu: 100.0 + cpu for cpu in before}
+    speed[max(before)] = 50.0
+    visits = []
+    monkeypatch.setattr(bench, "_probe_on",
+                        lambda cpu, *a: visits.append(cpu) or speed.get(cpu, 70.0))
+    monkeypatch.setattr(bench.mhagen.runtime, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(bench.mhagen.runtime, "num_threads", lambda: 2)
+    assert bench.core_probe() == 50.0 and visits == sorted(before)
+    visits.clear()
+    monkeypatch.setattr(bench.mhagen.runtime, "num_threads", lambda: 1)
+    assert bench.core_probe() == 70.0 and visits == [None]
 
 
 def test_quick_run_end_to_end(tmp_path):
