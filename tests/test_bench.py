@@ -310,16 +310,39 @@ def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
     assert refused.returncode == 2 and "usage" in refused.stderr
 
 
-def test_readme_runs_table_is_the_one_the_results_give():
-    """README's table of every committed x86 run is benchmarks/runs_table.py's output from
-    the results folders, line for line (rerun the script after committing a run)."""
+@pytest.fixture(scope="module")
+def runs_table():
     spec = importlib.util.spec_from_file_location("runs_table",
                                                   ROOT / "benchmarks" / "runs_table.py")
-    runs_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runs_table)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_runs_table_is_the_one_the_results_give(runs_table):
+    """README's table of every committed x86 run is benchmarks/runs_table.py's output from
+    the results folders, line for line (rerun the script after committing a run)."""
     table = runs_table.table()
     assert len(table.splitlines()) == 2 + len(list(runs_table.RESULTS.glob("x86_64-*")))
     assert table in (ROOT / "README.md").read_text(), "rerun benchmarks/runs_table.py"
+
+
+def test_runs_plot_draws_the_newest_run_of_each_class_on_each_cpu(runs_table, tmp_path):
+    """The README's figure: one series per (class, host CPU), its newest results folder,
+    with the ratios of the table's computation; it draws a PNG, and the committed one is
+    where the README shows it (python benchmarks/runs_table.py --plot redraws it)."""
+    every = [runs_table.run_ratios(f) for f in runs_table.RESULTS.glob("x86_64-*")]
+    runs = runs_table.latest_runs()
+    assert sorted((r["cls"], r["cpu"]) for r in runs) == sorted({(r["cls"], r["cpu"])
+                                                                 for r in every})
+    for run in runs:
+        same = [r["date"] for r in every if (r["cls"], r["cpu"]) == (run["cls"], run["cpu"])]
+        assert run["date"] == max(same)
+        assert len(run["ratios"]) == 16 and all(0.2 < v < 3 for v in run["ratios"].values())
+    png = runs_table.plot(tmp_path / "runs.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (runs_table.RESULTS / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](benchmarks/results/runs.png)" in (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("script", ["bench_mha.py", "bench_decode.py", "bench_half.py",
