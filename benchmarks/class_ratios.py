@@ -7,16 +7,20 @@ On an AVX-512 host the AVX2 code (`x86-avx2`) and the AVX-512 code run on the sa
 Zen 4, the same 256-bit pipes), so most kernels come out at 1.0-1.1x; a ratio far above
 that is a schedule to read (on December 5 this scan found GEMMs of 15-112 rows at half speed
 on AVX2, RoPE 6x slower on AVX-512 at seq 256, decode steps' GEMMs and 12-row decode tiles
-on AVX2, sliding windows in too-wide tiles; README, x86 CPU classes). Each layer's two
-modules run alternately, kernel by kernel, for --rounds rounds (medians of the per-round
-ratios); every module is checked against the float64 reference first. Expect noise of a few
-percent: run it on a quiet machine and rerun what stands out.
+on AVX2, sliding windows in too-wide tiles; README, x86 CPU classes). Every module is
+checked against the float64 reference first. Then each kernel of the two builds runs in
+paired turns (paired_ratios): the two alternate, each turn the best of 3 batches of ~4 ms,
+and the ratio is the median of --rounds per-turn ratios, with its quartiles. At 1 thread the
+process is pinned to one CPU (--cpu): on a VM whose cores another tenant slows apart, that
+gave quartiles ~3% apart where medians of longer unpinned turns had moved 10% between runs
+(Zen 4, December 6). Rerun what stands out.
 
 Run: python benchmarks/class_ratios.py [--classes x86-avx2 x86] [--threads 1] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_mha as bm  # noqa: E402  (shared helpers: targets that run here, threads)
 
 import mhagen  # noqa: E402
+
+clock = time.perf_counter   # (a test replaces it)
 
 
 def layers(quick=False):
@@ -76,16 +82,43 @@ def kernel_calls(module):
             for k, (func, args) in zip(module.program.kernels, call.kernels)}
 
 
-def kernel_seconds(call, min_s=0.02):
-    """Median seconds of one kernel over 5 runs of at least min_s."""
-    reps = []
-    for _ in range(5):
-        n, start = 0, time.perf_counter()
-        while n < 3 or time.perf_counter() - start < min_s:
-            call()
-            n += 1
-        reps.append((time.perf_counter() - start) / n)
-    return float(np.median(reps))
+def paired_ratios(call_a, call_b, rounds, batch_s=0.004):
+    """(a / b per round, (median seconds of a, of b)): a and b alternate, the order flipped
+    every round; each turn is the best of 3 batches of calls (as many as take ~batch_s), so
+    a turn that the host slowed counts once, against its neighbour, not in a long median."""
+    for call in (call_a, call_b):   # warm: caches, TVM's pool
+        call()
+    start = clock()
+    call_a()
+    reps = max(1, int(batch_s / max(clock() - start, 1e-7)))
+
+    def turn(call):
+        best = float("inf")
+        for _ in range(3):
+            start = clock()
+            for _ in range(reps):
+                call()
+            best = min(best, (clock() - start) / reps)
+        return best
+    times = []
+    for r in range(rounds):
+        if r % 2:
+            b = turn(call_b)
+            times.append((turn(call_a), b))
+        else:
+            times.append((turn(call_a), turn(call_b)))
+    t = np.array(times)
+    return t[:, 0] / t[:, 1], (float(np.median(t[:, 0])), float(np.median(t[:, 1])))
+
+
+def pin_to_cpu(cpu):
+    """Pin this process's calling thread to `cpu` (None: the first it may use); returns the
+    CPU, or None where Python cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpu = min(os.sched_getaffinity(0)) if cpu is None else cpu
+    os.sched_setaffinity(0, {cpu})
+    return cpu
 
 
 def main(argv=None):
@@ -93,18 +126,22 @@ def main(argv=None):
     p.add_argument("--classes", nargs=2, default=["x86-avx2", "x86"], metavar=("A", "B"),
                    help="targets to compare: the ratio is A's time over B's")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="two layers, one round (a smoke test)")
+    p.add_argument("--rounds", type=int, default=40, help="paired turns per kernel")
+    p.add_argument("--cpu", type=int, default=None,
+                   help="the CPU a 1-thread scan is pinned to (default: the first usable)")
+    p.add_argument("--quick", action="store_true", help="two layers, 5 rounds (a smoke test)")
     p.add_argument("--top", type=int, default=25, help="rows of the sorted table")
     args = p.parse_args(argv)
     targets = [bm.runnable_target(p, name) for name in args.classes]
     if targets[0].cpu_class == targets[1].cpu_class:
         p.error(f"--classes {args.classes[0]} {args.classes[1]}: both are "
                 f"{targets[0].cpu_class} on this host; compare two classes it runs")
-    rounds = 1 if args.quick else args.rounds
+    rounds = 5 if args.quick else args.rounds
     bm.set_threads(args.threads)
+    pinned = pin_to_cpu(args.cpu) if args.threads == 1 else None
     a_name, b_name = args.classes
-    print(f"{a_name} / {b_name} per kernel, {args.threads} thread(s), {rounds} round(s); "
+    print(f"{a_name} / {b_name} per kernel, {args.threads} thread(s), {rounds} paired "
+          f"rounds{'' if pinned is None else f', pinned to CPU {pinned}'}; "
           f"host {mhagen.target.host_cpu_name('x86_64')}")
     rows = []
     for name, options, batch, seq in layers(args.quick):
@@ -125,21 +162,15 @@ def main(argv=None):
                 ref = layer.reference(x, w)
             mhagen.tolerances.assert_close(m(x, **kw), ref, mhagen.tolerances.judged_as(layer))
             built.append(kernel_calls(m))
-        ratios = {k: [] for k in built[0]}
-        times = {k: [] for k in built[0]}
-        for _ in range(rounds):
-            for k in ratios:
-                pair = [kernel_seconds(calls[k]) for calls in built]
-                ratios[k].append(pair[0] / pair[1])
-                times[k].append(pair)
-        for k, r in ratios.items():
-            a, b = np.median([t[0] for t in times[k]]), np.median([t[1] for t in times[k]])
-            rows.append((float(np.median(r)), name, k, a, b))
-            print(f"{np.median(r):5.2f}  {name:28s} {k:18s} {a_name} {a * 1e6:9.1f} us  "
-                  f"{b_name} {b * 1e6:9.1f} us", flush=True)
-    print(f"\nlargest {a_name} / {b_name}:")
-    for r, name, k, a, b in sorted(rows, reverse=True)[:args.top]:
-        print(f"{r:5.2f}  {name:28s} {k:18s} {a * 1e6:9.1f} us  {b * 1e6:9.1f} us")
+        for k in built[0]:
+            r, (a, b) = paired_ratios(built[0][k], built[1][k], rounds)
+            spread = f"[{np.percentile(r, 25):.2f}-{np.percentile(r, 75):.2f}]"
+            rows.append((float(np.median(r)), spread, name, k, a, b))
+            print(f"{np.median(r):5.2f} {spread}  {name:28s} {k:18s} {a_name} {a * 1e6:9.1f} "
+                  f"us  {b_name} {b * 1e6:9.1f} us", flush=True)
+    print(f"\nlargest {a_name} / {b_name} (median [quartiles]):")
+    for r, spread, name, k, a, b in sorted(rows, reverse=True)[:args.top]:
+        print(f"{r:5.2f} {spread}  {name:28s} {k:18s} {a * 1e6:9.1f} us  {b * 1e6:9.1f} us")
     return rows
 
 

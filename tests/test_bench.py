@@ -269,11 +269,37 @@ def test_class_ratio_scan_quick_run():
         assert proc.returncode == 2 and "compare two classes it runs" in proc.stderr
         return
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    table = proc.stdout.split("largest x86-avx2 / x86:")[1].strip().splitlines()
+    table = proc.stdout.split("largest x86-avx2 / x86 (median [quartiles]):")[1].strip()
+    table = table.splitlines()
     lines = [line for line in table if line.strip()]
     kernels = {line.split()[-5] for line in lines}
     assert {"qkv_projection", "attention", "output_projection", "cache_append"} <= kernels
     assert all(float(line.split()[0]) > 0 for line in lines)
+
+
+def test_class_ratios_pair_the_turns(monkeypatch):
+    """paired_ratios alternates the two calls, flips the order every round and takes each
+    turn's best batch: on a clock that a's calls advance by 2 and b's by 1, except for one
+    slowed batch per turn, every ratio is exactly 2."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("class_ratios",
+                                                  ROOT / "benchmarks" / "class_ratios.py")
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    clock, order = [0.0], []
+
+    def call(name, cost):
+        def run():
+            order.append(name)
+            clock[0] += cost * (5 if len(order) % 7 == 0 else 1)   # now and then slowed
+        return run
+    monkeypatch.setattr(cr, "clock", lambda: clock[0])
+    ratios, (a, b) = cr.paired_ratios(call("a", 2e-3), call("b", 1e-3), rounds=6)
+    assert len(ratios) == 6 and np.allclose(ratios, 2.0) and np.allclose((a, b), (2e-3, 1e-3))
+    # after 2 warm-up calls and 1 timed, turns of 3 batches of 2 calls (~4 ms of a's 2 ms)
+    turns = [order[i:i + 6] for i in range(3, len(order), 6)]
+    assert all(len(set(t)) == 1 for t in turns) and len(turns) == 12
+    assert [t[0] for t in turns] == ["a", "b", "b", "a"] * 3
 
 
 def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
