@@ -43,7 +43,8 @@ def run_ratios(folder: Path) -> dict:
     groups = {}
     for r in data["rows"]:
         groups.setdefault((r["threads"], r["shape"], r["mask"]), {})[r["impl"]] = r
-    return {"cls": cls, "cpu": llvm, "date": data["meta"]["date"], "data": data,
+    return {"folder": folder.name, "cls": cls, "cpu": llvm, "date": data["meta"]["date"],
+            "data": data,
             "via_preset": via_preset,
             "how": ("AVX2 on real AVX2-only hardware" if avx2_only_host else
                     "AVX2 through `x86-avx2`" if via_preset else "AVX-512"),
@@ -90,6 +91,11 @@ def latest_runs(results: Path = RESULTS) -> list:
     return [newest[k] for k in sorted(newest, key=lambda k: ("v256" in k[0], k[1]))]
 
 
+def plotted(runs) -> str:
+    """What plot writes into the PNG's Description: the results folders it drew."""
+    return "runs: " + " ".join(sorted(r["folder"] for r in runs))
+
+
 def plot(path: Path, results: Path = RESULTS) -> Path:
     """A PNG of latest_runs: per class (AVX-512 above, AVX2 below) mhagen / the fastest peer
     on every row of each CPU's newest run, under 1.0 where mhagen is faster."""
@@ -123,7 +129,8 @@ def plot(path: Path, results: Path = RESULTS) -> Path:
                  "1T / 2T: 1 / 2 threads)", fontsize=11)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=80)
+    # the folders drawn, in the PNG's text (a test compares them with the results folders)
+    fig.savefig(path, dpi=80, metadata={"Description": plotted(runs)})
     plt.close(fig)
     return path
 

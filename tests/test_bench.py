@@ -355,8 +355,8 @@ def test_readme_runs_table_is_the_one_the_results_give(runs_table):
 
 def test_runs_plot_draws_the_newest_run_of_each_class_on_each_cpu(runs_table, tmp_path):
     """The README's figure: one series per (class, host CPU), its newest results folder,
-    with the ratios of the table's computation; it draws a PNG, and the committed one is
-    where the README shows it (python benchmarks/runs_table.py --plot redraws it)."""
+    with the ratios of the table's computation; the committed PNG names the folders it drew
+    in its text, today's newest ones, and the README shows it."""
     every = [runs_table.run_ratios(f) for f in runs_table.RESULTS.glob("x86_64-*")]
     runs = runs_table.latest_runs()
     assert sorted((r["cls"], r["cpu"]) for r in runs) == sorted({(r["cls"], r["cpu"])
@@ -365,9 +365,13 @@ def test_runs_plot_draws_the_newest_run_of_each_class_on_each_cpu(runs_table, tm
         same = [r["date"] for r in every if (r["cls"], r["cpu"]) == (run["cls"], run["cpu"])]
         assert run["date"] == max(same)
         assert len(run["ratios"]) == 16 and all(0.2 < v < 3 for v in run["ratios"].values())
+    from PIL import Image    # (matplotlib's own dependency)
     png = runs_table.plot(tmp_path / "runs.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (runs_table.RESULTS / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Image.open(png).text["Description"] == runs_table.plotted(runs)
+    # the committed figure draws today's folders (rerun runs_table.py --plot after a run)
+    committed = Image.open(runs_table.RESULTS / "runs.png")
+    assert committed.text.get("Description") == runs_table.plotted(runs), \
+        "rerun python benchmarks/runs_table.py --plot"
     assert "](benchmarks/results/runs.png)" in (ROOT / "README.md").read_text()
 
 
