@@ -19,12 +19,21 @@ SCRIPT = ROOT / "benchmarks" / "bench_mha.py"
 PEERS = ("numpy", "torch_mha", "torch_sdpa", "ort_mha", "ort_attention")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_mha", SCRIPT)
+def load_script(name):
+    """A module of benchmarks/ (name.py) loaded from its file; benchmarks/ goes on sys.path
+    for the scripts that import their neighbours (class_ratios and bench_decode import
+    bench_mha)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_mha")
 
 
 def _needs(bench, name):
@@ -281,11 +290,7 @@ def test_class_ratios_pair_the_turns(monkeypatch):
     """paired_ratios alternates the two calls, flips the order every round and takes each
     turn's best batch: on a clock that a's calls advance by 2 and b's by 1, except for one
     slowed batch per turn, every ratio is exactly 2."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("class_ratios",
-                                                  ROOT / "benchmarks" / "class_ratios.py")
-    cr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cr)
+    cr = load_script("class_ratios")
     clock, order = [0.0], []
 
     def call(name, cost):
@@ -338,11 +343,7 @@ def test_register_tiles_benchmark_builds_and_reports_each_tile(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs_table():
-    spec = importlib.util.spec_from_file_location("runs_table",
-                                                  ROOT / "benchmarks" / "runs_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("runs_table")
 
 
 def test_readme_runs_table_is_the_one_the_results_give(runs_table):
@@ -390,12 +391,7 @@ def test_a_benchmark_of_code_this_machine_cannot_run_is_a_usage_error(script):
 
 @pytest.fixture(scope="module")
 def bench_decode():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_decode",
-                                                  ROOT / "benchmarks" / "bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_decode")
 
 
 @pytest.mark.parametrize("kv_heads,past", [(4, [20, 20]), (2, [30, 0, 7]), (1, [38, 5])],
@@ -466,9 +462,7 @@ def test_padding_benchmark_quick_run(tmp_path, causal):
     assert {r["impl"] for r in data["rows"]} == {"mhagen", "mhagen_dense", "torch_sdpa",
                                                  "ort_mha", "ort_attention"}, data["meta"]
     assert all(r["ms"] > 0 and r["gflops"] > 0 for r in data["rows"])
-    spec = importlib.util.spec_from_file_location("bench_padding", script)
-    bp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bp)
+    bp = load_script("bench_padding")
     seen = bp.seen_keys([64, 40, 9, 1], 64, causal)
     assert seen.sum() == (64 * 65 // 2 + 40 * 41 // 2 + 40 * 24 + 9 * 10 // 2 + 9 * 55 + 64
                           if causal else 64 * (64 + 40 + 9 + 1))
