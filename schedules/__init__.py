@@ -78,6 +78,18 @@ def default_configs(decisions) -> list:
     return [{"stage": d.stage, "rule": d.rule, "config": d.config} for d in decisions]
 
 
+def _in_kernel(sch, stage) -> bool:
+    """Whether the stage's blocks are in the PrimFunc: TVM drops the stages nothing reads
+    (a head the concat leaves out; scores times a constant 0, which it folds to 0)."""
+    from tvm.s_tir import ScheduleError
+    try:
+        for name in stage.blocks:
+            sch.get_sblock(name)
+    except ScheduleError:
+        return False
+    return True
+
+
 def _default_schedule(kernel, target, rules):
     import tvm
     from tvm import s_tir
@@ -88,7 +100,7 @@ def _default_schedule(kernel, target, rules):
     plan = Plan(kernel.stages, target)
     decisions = []
     for stage in plan.stages:
-        if stage.name in plan.done:
+        if stage.name in plan.done or not _in_kernel(sch, stage):
             continue
         rule = next(r for r in rules if r.applies(stage, target))
         cfg = rule.default_config(stage.workload, target)

@@ -114,3 +114,93 @@ def test_head_dependent_mask_gets_a_table_per_head():
     table = block_table(mask, 2, 4, 256, 64, 64)
     assert table.shape == (1, 4, 4, 4)
     assert (table[0, 1:] == FULL).all() and (table[0, 0] == SKIP).sum() == 6
+
+
+# -- graphs that hold the fused kinds (the fusion pass's output, saved and loaded) ------------
+SAVED_FUSED = {
+    "gqa-hd40-rotary": dict(d_model=80, num_heads=4, head_dim=40, kv_heads=2, rotary=True),
+    "padding-causal": dict(d_model=32, num_heads=2, key_padding=True, causal=True),
+    "cross-alibi": dict(d_model=32, num_heads=2, cross=True, score_mod=mhagen.alibi(2)),
+}
+
+
+def _saved_fused(layer):
+    return mhagen.Graph.from_json(run_passes(layer).graph.to_json())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fuse", "unfused"])
+@pytest.mark.parametrize("case", SAVED_FUSED, ids=list(SAVED_FUSED))
+def test_a_saved_fused_graph_builds_and_computes_its_function(case, fuse):
+    """lower() expands the fused kinds into the builder form (passes/unfuse.py): the fusion
+    pass then fuses it again, or fuse=False compiles it node by node."""
+    layer = mhagen.mha(**SAVED_FUSED[case])
+    saved = _saved_fused(layer)
+    assert {"qkv_projection", "attention"} <= {n.kind for n in saved.nodes}
+    w = layer.init_weights(seed=5)
+    x = random_input(layer, 2, 97)
+    kw, call = {}, {}
+    if layer.context_input is not None:
+        kw["kv_seq_len"] = 13
+        call["context"] = np.random.default_rng(1).standard_normal((2, 13, 32)).astype(
+            np.float32)
+    if layer.lengths_input is not None:
+        call["kv_lens"] = np.array([97, 40], np.int32)
+    module = mhagen.build(saved, batch=2, seq_len=97, weights=w, fuse=fuse, **kw)
+    names = [k.name for k in module.program.kernels]
+    if fuse:
+        assert module.program.fusion.startswith("fused") and "attention" in names
+    else:
+        assert names == ["main"]
+    assert_close(module(x, **call), saved.reference(x, w, **call))
+
+
+def test_a_saved_fused_decoding_layer_builds_and_fills_its_cache():
+    layer = mhagen.mha(32, 4, kv_heads=2, kv_cache=16, rotary=True, cache_dtype="bfloat16")
+    w = layer.init_weights(seed=6)
+    module = mhagen.build(_saved_fused(layer), batch=2, seq_len=3, weights=w)
+    assert module.program.fusion.startswith("fused")
+    cache = module.new_cache()
+    cache.lens[...] = [0, 9]
+    expected = cache.copy()
+    x = random_input(layer, 2, 3)
+    assert_close(module(x, cache=cache), layer.reference(x, w, cache=expected), "bfloat16")
+    assert_close(cache.k, expected.k, "bfloat16")
+    assert cache.lens.tolist() == expected.lens.tolist() == [3, 12]
+
+
+def _edit_attention(layer, **attrs):
+    g = _saved_fused(layer)
+    next(n for n in g.nodes if n.kind == "attention").attrs.update(attrs)
+    return g
+
+
+@pytest.mark.parametrize("graph, fragments", [
+    (_edit_attention(mhagen.mha(16, 2), q_offsets=[1, 8]),
+     ["the Q of head 0", "columns 1..8 of 'qkv'", "start a segment"]),
+    (_edit_attention(mhagen.mha(16, 2, causal=True), head_dim=4),
+     ["the Q of head 0", "head_dim 4"]),
+    (_edit_attention(mhagen.mha(16, 2, key_padding=True, causal=True), mask=None),
+     ["reads 'kv_lens' but has no mask", "kv_idx < kv_len"]),
+], ids=["offset-inside-a-segment", "head_dim-not-the-segment-width", "lengths-without-mask"])
+def test_a_fused_graph_the_kernels_cannot_lay_out_is_refused(graph, fragments):
+    mhagen.verify(graph)     # a valid graph (the reference computes it) ...
+    with pytest.raises(mhagen.GraphError) as info:
+        mhagen.build(graph, batch=1, seq_len=4)    # ... that does not compile, and says why
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_nodes_the_output_does_not_read_and_a_zero_scale_build():
+    """TVM drops the stages nothing reads (a head left out of the concat; scores times 0,
+    which it folds): the schedule skips them."""
+    g = mhagen.Graph("dead")
+    x = g.input("x", d_model=16)
+    outs = []
+    for h, factor in enumerate((0.0, 0.5)):
+        q, k, v = (g.head_projection(x, f"w_{r}", h, 8) for r in "qkv")
+        outs.append(g.weighted_sum(g.softmax(g.scale(g.scores(q, k), factor)), v))
+    g.set_output(g.output_projection(g.concat_heads(outs[:1]), "w_o", 16))
+    assert not run_passes(g).fused
+    w = g.init_weights(seed=7)
+    x = random_input(g, 2, 9)
+    assert_close(mhagen.build(g, batch=2, seq_len=9, weights=w)(x), g.reference(x, w))

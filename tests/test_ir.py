@@ -10,6 +10,7 @@ import mhagen
 from mhagen import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.graph import Graph, Node
+from mhagen.passes import run_passes
 
 
 def kinds(g):
@@ -310,6 +311,26 @@ def _out_features_builder(value):
     return make
 
 
+def _fused_json(kind, **attrs):
+    """verify() of the fused graph of a 2-head layer with the attrs of its first `kind` node
+    (qkv_projection or attention) changed."""
+    def make():
+        data = _fused_data()
+        next(n for n in data["nodes"] if n["kind"] == kind)["attrs"].update(attrs)
+        return mhagen.verify(Graph.from_json(json.dumps(data)))
+    return make
+
+
+def _fused_data(cross=False):
+    return json.loads(run_passes(mhagen.mha(16, 2, cross=cross)).graph.to_json())
+
+
+def _context(g):
+    """A second input (batch and length of its own) and a head projected from it."""
+    g.input("ctx", d_model=16, batch="batch2", seq="kv_seq")
+    return g.head_projection("ctx", "w_c", head=0, out_features=8, name="kc")
+
+
 ERRORS = [
     # (id, callable, message fragments)
     ("d_model-not-divisible", _mha_kw(d_model=500, num_heads=8),
@@ -395,6 +416,83 @@ ERRORS = [
     ("input-bool-dim-json", lambda: mhagen.verify(Graph.from_json(_good_json(nodes=[
         {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", True]}}],
         output="x"))), ["dim True", "positive int"]),
+    ("huge-head-index", _specs(
+        lambda g: g.head_projection("x", "w_q", head=10 ** 12, out_features=8, name="qh")),
+     ["'w_q'", f"[0, {10 ** 12}]", "but not [1, 2, 3", "...]", "0..1"]),
+    ("concat-of-scores", _verify(_add("concat_heads", ("o", "s"), "c")),
+     ["concat_heads 'c'", "'s' is [batch, seq, seq]", "[batch, seq, features] tensor"]),
+    ("concat-seq-mismatch", _verify(_context, _add("concat_heads", ("o", "kc"), "c")),
+     ["'c'", "'kc' is [batch2, kv_seq, 8]", "heads must share batch and seq"]),
+    ("projection-of-scores", _verify(
+        lambda g: g.output_projection("s", "w_o", out_features=16, name="y")),
+     ["output_projection 'y'", "'s' is [batch, seq, seq]"]),
+    ("weighted-sum-of-lengths", _verify(lambda g: g.lengths("lens"),
+                                        _add("weighted_sum", ("s", "lens"), "ws")),
+     ["weighted_sum 'ws'", "'lens' is [batch]", "[batch, seq, features]"]),
+    ("scale-nan", _verify(_add("scale", ("s",), "sc", factor=float("nan"))),
+     ["scale 'sc'", "finite number", "nan"]),
+    ("scale-string", _verify(_add("scale", ("s",), "sc", factor="0.5")),
+     ["scale 'sc'", "finite number", "'0.5'"]),
+    ("softmax-of-lengths", _verify(lambda g: g.lengths("lens"), _add("softmax", ("lens",))),
+     ["softmax", "takes scores [B, S, T]", "[batch]"]),
+    ("mask-head-negative", _verify(lambda g: g.mask("s", mhagen.causal, head=-1, name="m")),
+     ["mask 'm'", "head must be an int >= 0", "-1"]),
+    ("mask-second-input-not-lengths", _verify(_add("mask", ("s", "q"), "m", mask=mhagen.causal,
+                                                   head=0)),
+     ["mask 'm'", "second input must be a lengths or cache_lens node", "head_projection"]),
+    ("lengths-batch-mismatch", _verify(lambda g: g.lengths("lens", batch="other"),
+                                       lambda g: g.mask("s", mhagen.causal, head=0, name="m",
+                                                        lengths="lens")),
+     ["mask 'm'", "lengths [other]", "must share the batch dim"]),
+    ("lengths-batch-not-a-dim", _verify(lambda g: g.lengths("lens", batch=0)),
+     ["lengths 'lens'", "batch must be the input's batch dim"]),
+    ("score-mod-not-numeric", _verify(lambda g: g.score_mod("s", mhagen.causal, head=0,
+                                                            name="sm")),
+     ["score_mod 'sm'", "numeric expression of score", "softcap"]),
+    ("rotary-of-lengths", _verify(lambda g: g.lengths("lens"), _add(
+        "rotary", ("lens",), "r", base=10000.0, rotary_dim=None)),
+     ["rotary 'r'", "one head [B, S, d]", "[batch]"]),
+    ("cache-unknown-state", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
+        "k", "cl", "q_cache", head=0, max_len=8, name="kc")),
+     ["cache 'kc'", "'k_cache' or 'v_cache'", "'q_cache'"]),
+    ("cache-max_len-zero", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
+        "k", "cl", "k_cache", head=0, max_len=0, name="kc")),
+     ["cache 'kc'", "max_len must be an int >= 1", "0"]),
+    ("cache-head-bool", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
+        "k", "cl", "k_cache", head=True, max_len=8, name="kc")),
+     ["cache 'kc'", "head must be an int >= 0", "True"]),
+    ("cache-dtype", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
+        "k", "cl", "k_cache", head=0, max_len=8, name="kc", dtype="int8")),
+     ["cache 'kc'", "dtype must be one of", "'int8'"]),
+    ("cache-of-lengths", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
+        "cl", "cl", "k_cache", head=0, max_len=8, name="kc")),
+     ["cache 'kc'", "one K or V head [B, S, d]", "[batch]"]),
+    ("cache-without-cache-lens", _verify(lambda g: g.lengths("lens"), lambda g: g.cache(
+        "k", "lens", "k_cache", head=0, max_len=8, name="kc")),
+     ["cache 'kc'", "must be a cache_lens node", "got a lengths"]),
+    ("fused-head_dim-zero", _fused_json("attention", head_dim=0),
+     ["attention 'attention'", "head_dim=0 must be a positive integer"]),
+    ("fused-head_dim-float", _fused_json("attention", head_dim=2.5), ["head_dim=2.5"]),
+    ("fused-offsets-bool", _fused_json("attention", q_offsets=[0, False]),
+     ["q/k/v_offsets", "ints >= 0", "False"]),
+    ("fused-offsets-not-a-list", _fused_json("attention", k_offsets=16),
+     ["q/k/v_offsets", "one offset per head"]),
+    ("fused-offsets-count", _fused_json("attention", v_offsets=[32]),
+     ["q/k/v_offsets", "one offset per head"]),
+    ("fused-offset-past-qkv", _fused_json("attention", v_offsets=[32, 44]),
+     ["an offset + head_dim 8 exceeds", "(48, 48, 48)"]),
+    ("fused-scale-inf", _fused_json("attention", scale=float("inf")),
+     ["attention 'attention'", "scale must be a finite number", "inf"]),
+    ("fused-cache-malformed", _fused_json("attention", cache={"max_len": 0}),
+     ["cache must be {'max_len': N}", "cache_lens node as the second input"]),
+    ("fused-cross-without-kv", lambda: mhagen.verify(Graph.from_json(json.dumps(
+        _cross_without_kv()))), ["cross takes qkv and kv inputs"]),
+    ("fused-segments-empty", _fused_json("qkv_projection", segments=[]),
+     ["qkv_projection 'qkv'", "non-empty list of {weight, head, bias, width}"]),
+    ("fused-segment-width-list", _fused_json("qkv_projection", segments=[
+        {"weight": "w_q", "head": 0, "width": [8]}]), ["width a positive int", "[8]"]),
+    ("fused-segment-head-float", _fused_json("qkv_projection", segments=[
+        {"weight": "w_q", "head": 2.5, "width": 8}]), ["head an int >= 0", "2.5"]),
     ("dtype-unsupported", _verify(dtype="float64"), ["'float64'", "not supported", "float32"]),
     ("json-wrong-format", _from_json(_good_json(format="onnx")),
      ["not an mhagen graph", '"format": "mhagen.graph"']),
@@ -419,6 +517,13 @@ ERRORS = [
                                                        "inputs": ["s0"], "attrs": {}})),
      ["'q0'", "used twice"]),
 ]
+
+
+def _cross_without_kv():
+    data = _fused_data(cross=True)
+    attention = next(n for n in data["nodes"] if n["kind"] == "attention")
+    attention["inputs"] = attention["inputs"][:1]
+    return data
 
 
 @pytest.mark.parametrize("make, fragments", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])

@@ -5,6 +5,8 @@ Shapes are lists of dims; a dim is an int or a symbolic name ("batch", "seq") th
 """
 from __future__ import annotations
 
+import math
+
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
@@ -14,6 +16,29 @@ from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
 
 def _fmt(shape):
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _few(values, most=8):
+    """A list for a message, cut after `most` items."""
+    return str(values) if len(values) <= most else str(values[:most])[:-1] + ", ...]"
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_tensors(n, ins, names=None, numeric_width=True):
+    """ins (the shapes of `names`, default n's inputs) must be activations [B, S, F]; F a
+    number unless numeric_width is False (attention weights [B, S, T]: T a key length)."""
+    for name, s in zip(n.inputs if names is None else names, ins):
+        if len(s) != 3 or (numeric_width and not isinstance(s[-1], int)):
+            raise GraphError(f"{n.kind} {n.name!r}: input {name!r} is {_fmt(s)}; it must be "
+                             "a [batch, seq, features] tensor (a projection, head or "
+                             "attention output)")
 
 
 def _check_attrs(node):
@@ -49,6 +74,8 @@ def _collect_weights(graph, shapes) -> list:
     def record(name, role, per_head, head, d_in, d_out, node):
         if not isinstance(name, str) or not name:
             raise GraphError(f"node {node.name!r}: {role} name must be a non-empty string")
+        if per_head and not _is_index(head):
+            raise GraphError(f"node {node.name!r}: head must be an int >= 0, got {head!r}")
         info = found.setdefault(name, {"heads": set(), "d_in": d_in, "d_out": d_out,
                                        "per_head": per_head, "role": role, "node": node.name})
         if (info["d_in"], info["d_out"], info["per_head"], info["role"]) != (
@@ -83,9 +110,10 @@ def _collect_weights(graph, shapes) -> list:
         if info["per_head"]:
             count = max(info["heads"]) + 1
             if len(info["heads"]) != count:
-                gaps = sorted(set(range(count)) - info["heads"])
-                raise GraphError(f"weight {name!r} has heads {sorted(info['heads'])} but not "
-                                 f"{gaps}; number heads 0..{len(info['heads']) - 1}")
+                gaps = [h for h in range(min(count, len(info["heads"]) + 8))
+                        if h not in info["heads"]]
+                raise GraphError(f"weight {name!r} has heads {_few(sorted(info['heads']))} but "
+                                 f"not {_few(gaps)}; number heads 0..{len(info['heads']) - 1}")
             lead = (count,)
         else:
             lead = ()
@@ -193,6 +221,8 @@ def _infer(n, ins, graph):
             raise GraphError(f"input {n.name!r}: the feature dim must be a number (d_model), "
                              f"got {shape[2]!r}")
         return list(shape)
+    if k in ("head_projection", "output_projection", "qkv_projection", "concat_heads"):
+        _check_tensors(n, ins)
     if k in ("head_projection", "output_projection"):
         (x,) = ins
         if k == "head_projection":
@@ -211,6 +241,7 @@ def _infer(n, ins, graph):
         rope.check_attrs(dict(n.attrs), x[-1], f"rotary {n.name!r}")
         return list(x)
     if k == "scores":
+        _check_tensors(n, ins)
         q, kk = ins
         if q[0] != kk[0] or q[-1] != kk[-1]:
             raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
@@ -268,13 +299,15 @@ def _infer(n, ins, graph):
             _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
             check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
                               at_least=True)
-        if k == "scale" and (isinstance(n.attrs["factor"], bool)
-                             or not isinstance(n.attrs["factor"], (int, float))):
-            raise GraphError(f"scale {n.name!r}: factor must be a number")
+        if k == "scale" and not _is_finite(n.attrs["factor"]):
+            raise GraphError(f"scale {n.name!r}: factor must be a finite number, got "
+                             f"{n.attrs['factor']!r}")
         if k == "mask":
             _check_mask(n.attrs["mask"], f"mask {n.name!r}")
         return list(s)
     if k == "weighted_sum":
+        _check_tensors(n, ins[:1], numeric_width=False)
+        _check_tensors(n, ins[1:], names=n.inputs[1:])
         p, v = ins
         if p[0] != v[0] or p[2] != v[1]:
             raise GraphError(f"weighted_sum {n.name!r}: weights {_fmt(p)} and values {_fmt(v)} "
@@ -292,16 +325,25 @@ def _infer(n, ins, graph):
         (x,) = ins
         segs = n.attrs["segments"]
         if not isinstance(segs, list) or not segs or not all(
-                isinstance(g, dict) and {"weight", "head", "width"} <= set(g) for g in segs):
+                isinstance(g, dict) and {"weight", "head", "width"} <= set(g) <= {
+                    "weight", "head", "width", "bias"} and _is_index(g["head"])
+                and _is_index(g["width"]) and g["width"] > 0 for g in segs):
             raise GraphError(f"qkv_projection {n.name!r}: segments must be a non-empty list of "
-                             "{weight, head, bias, width}")
+                             "{weight, head, bias, width} (head an int >= 0, width a positive "
+                             f"int), got {segs!r}")
         return x[:-1] + [sum(int(g["width"]) for g in segs)]
     if k == "attention":
+        _check_tensors(n, ins + ([kv] if kv is not None else []))
         (qkv,) = ins
-        d = n.attrs["head_dim"]
+        d = positive_int(f"attention {n.name!r}: head_dim", n.attrs["head_dim"])
+        if not _is_finite(n.attrs["scale"]):
+            raise GraphError(f"attention {n.name!r}: scale must be a finite number, got "
+                             f"{n.attrs['scale']!r}")
         offs = [n.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets")]
-        if len({len(o) for o in offs}) != 1 or not offs[0]:
-            raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per head")
+        if not all(isinstance(o, list) and all(_is_index(i) for i in o) for o in offs) or len(
+                {len(o) for o in offs}) != 1 or not offs[0]:
+            raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per "
+                             f"head (ints >= 0), got {offs!r}")
         widths = (qkv[-1], (kv or qkv)[-1], (kv or qkv)[-1])
         if any(o < 0 or o + d > width for lst, width in zip(offs, widths) for o in lst):
             raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "

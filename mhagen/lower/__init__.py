@@ -13,13 +13,15 @@ from mhagen.errors import GraphError
 from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
+from mhagen.passes.unfuse import unfuse
 from mhagen.program import Buffer, Kernel, Program, Stage
 from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
           symbolic=None, kv_seq_len: int | None = None) -> Program:
-    """Fused kernels when the passes recognise the graph, else one unfused kernel.
+    """Fused kernels when the passes recognise the graph, else one unfused kernel (a graph
+    with the fused kinds: those of its builder form, mhagen/passes/unfuse.py).
     `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config (the
     decode template's, for a decoding layer).
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
@@ -27,6 +29,7 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     of a cross-attention layer (its programs consult no tuning records yet)."""
     cross = graph.context_input is not None
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
+    graph = unfuse(graph)    # a graph holding the fused kinds compiles as its builder form
     fusion = run_passes(graph, fuse=fuse)
     backend = backend_for(target)
     rule = backend.attention if fusion.fused else None
