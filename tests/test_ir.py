@@ -1,7 +1,10 @@
 """The graph IR and the DSL: mha() options, printing, JSON round trip, the builder API, and
 every error path (GraphError / TypeError with a message that says how to fix it)."""
+import collections
+import copy
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -417,8 +420,10 @@ ERRORS = [
         {"name": "x", "kind": "input", "inputs": [], "attrs": {"shape": ["b", "s", True]}}],
         output="x"))), ["dim True", "positive int"]),
     ("huge-head-index", _specs(
-        lambda g: g.head_projection("x", "w_q", head=10 ** 12, out_features=8, name="qh")),
-     ["'w_q'", f"[0, {10 ** 12}]", "but not [1, 2, 3", "...]", "0..1"]),
+        lambda g: g.head_projection("x", "w_q", head=10 ** 9, out_features=8, name="qh")),
+     ["'w_q'", f"[0, {10 ** 9}]", "but not [1, 2, 3", "...]", "0..1"]),
+    ("head-past-32-bit", _verify(lambda g: g.mask("s", mhagen.causal, head=10 ** 12, name="m")),
+     ["mask 'm'", "head must be an int >= 0 (32-bit)", "1000000000000"]),
     ("concat-of-scores", _verify(_add("concat_heads", ("o", "s"), "c")),
      ["concat_heads 'c'", "'s' is [batch, seq, seq]", "[batch, seq, features] tensor"]),
     ("concat-seq-mismatch", _verify(_context, _add("concat_heads", ("o", "kc"), "c")),
@@ -452,6 +457,8 @@ ERRORS = [
     ("rotary-of-lengths", _verify(lambda g: g.lengths("lens"), _add(
         "rotary", ("lens",), "r", base=10000.0, rotary_dim=None)),
      ["rotary 'r'", "one head [B, S, d]", "[batch]"]),
+    ("rotary-of-scores", _verify(_add("rotary", ("s",), "r", base=10000.0, rotary_dim=2)),
+     ["rotary 'r'", "one head [B, S, d]", "[batch, seq, seq]"]),
     ("cache-unknown-state", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
         "k", "cl", "q_cache", head=0, max_len=8, name="kc")),
      ["cache 'kc'", "'k_cache' or 'v_cache'", "'q_cache'"]),
@@ -606,3 +613,50 @@ def test_mask_node_with_non_boolean_mask_rejected():
     g = _graph(lambda g: g.mask("s", mhagen.q_idx + 1, head=0, name="m"))
     with pytest.raises(GraphError, match="'m': mask must be a boolean expression of integers"):
         mhagen.verify(g)
+
+
+ODD_VALUES = [None, True, False, -1, 0, 2.5, "abc", "", [], [1], {}, {"a": 1}, float("nan"),
+              10 ** 12]
+
+
+def _mutants(seed, count):
+    """Graph JSON of standard layers (builder and fused forms) with one attribute, one item
+    of a list or dict attribute, or the inputs of one node replaced."""
+    rng = random.Random(seed)
+    layers = [mhagen.mha(16, 2, causal=True), mhagen.mha(32, 4, kv_heads=2, rotary=True),
+              mhagen.mha(16, 2, kv_cache=8, score_mod=mhagen.alibi(2)),
+              mhagen.mha(16, 2, cross=True, key_padding=True, causal=True)]
+    sources = [json.loads(g.to_json()) for layer in layers
+               for g in (layer, run_passes(layer).graph)]
+    for _ in range(count):
+        data = copy.deepcopy(rng.choice(sources))
+        node = rng.choice(data["nodes"])
+        attrs = node["attrs"]
+        if attrs and rng.random() < 0.7:
+            key = rng.choice(list(attrs))
+            inner = attrs[key]
+            if isinstance(inner, list) and inner and isinstance(inner[0], dict):
+                inner = rng.choice(inner)        # a qkv segment
+            if isinstance(inner, dict) and inner and rng.random() < 0.6:
+                inner[rng.choice(list(inner))] = rng.choice(ODD_VALUES)
+            elif isinstance(inner, list) and inner and rng.random() < 0.6:
+                inner[rng.randrange(len(inner))] = rng.choice(ODD_VALUES)
+            else:
+                attrs[key] = rng.choice(ODD_VALUES)
+        else:
+            names = [n["name"] for n in data["nodes"]]
+            node["inputs"] = rng.sample(names, rng.randrange(3))
+        yield data
+
+
+def test_edited_graphs_verify_or_raise_a_graph_error():
+    """Nothing else escapes verify() (no TypeError, IndexError, MemoryError) whatever one
+    edit does to a graph's JSON."""
+    outcomes = collections.Counter()
+    for data in _mutants(seed=0, count=1500):
+        try:
+            mhagen.verify(Graph.from_json(json.dumps(data)))
+            outcomes["valid"] += 1
+        except GraphError:
+            outcomes["refused"] += 1
+    assert outcomes["valid"] > 100 and outcomes["refused"] > 500, outcomes

@@ -24,7 +24,8 @@ def _few(values, most=8):
 
 
 def _is_index(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """An int the kernels can hold (head indices, offsets: 32-bit)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ELEMENTS
 
 
 def _is_finite(v) -> bool:
@@ -75,7 +76,8 @@ def _collect_weights(graph, shapes) -> list:
         if not isinstance(name, str) or not name:
             raise GraphError(f"node {node.name!r}: {role} name must be a non-empty string")
         if per_head and not _is_index(head):
-            raise GraphError(f"node {node.name!r}: head must be an int >= 0, got {head!r}")
+            raise GraphError(f"node {node.name!r}: head must be an int >= 0 (32-bit), got "
+                             f"{head!r}")
         info = found.setdefault(name, {"heads": set(), "d_in": d_in, "d_out": d_out,
                                        "per_head": per_head, "role": role, "node": node.name})
         if (info["d_in"], info["d_out"], info["per_head"], info["role"]) != (
@@ -227,8 +229,9 @@ def _infer(n, ins, graph):
         (x,) = ins
         if k == "head_projection":
             head = n.attrs["head"]
-            if not isinstance(head, int) or isinstance(head, bool) or head < 0:
-                raise GraphError(f"node {n.name!r}: head must be an int >= 0, got {head!r}")
+            if not _is_index(head):
+                raise GraphError(f"node {n.name!r}: head must be an int >= 0 (32-bit), got "
+                                 f"{head!r}")
         d_out = _projection_width(n, graph, x[-1])
         return x[:-1] + [d_out]
     if k in ("rotary", "score_mod") and len(ins) == 2:
@@ -236,7 +239,7 @@ def _infer(n, ins, graph):
         ins = ins[:1]
     if k == "rotary":
         (x,) = ins
-        if len(x) != 3:
+        if len(x) != 3 or not isinstance(x[-1], int):
             raise GraphError(f"rotary {n.name!r} takes one head [B, S, d], got {_fmt(x)}")
         rope.check_attrs(dict(n.attrs), x[-1], f"rotary {n.name!r}")
         return list(x)
@@ -256,7 +259,7 @@ def _infer(n, ins, graph):
                              f"{a['cache']!r}")
         for attr in ("head", "max_len"):
             v = a[attr]
-            if not isinstance(v, int) or isinstance(v, bool) or v < (attr == "max_len"):
+            if not _is_index(v) or v < (attr == "max_len"):
                 raise GraphError(f"cache {n.name!r}: {attr} must be an int >= "
                                  f"{int(attr == 'max_len')}, got {v!r}")
         if a.get("dtype", "float32") not in SUPPORTED_DTYPES:
@@ -291,10 +294,9 @@ def _infer(n, ins, graph):
         (s,) = ins
         if len(s) != 3:
             raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
-        if k in ("mask", "score_mod") and (not isinstance(n.attrs["head"], int)
-                                           or isinstance(n.attrs["head"], bool)
-                                           or n.attrs["head"] < 0):
-            raise GraphError(f"{k} {n.name!r}: head must be an int >= 0, got {n.attrs['head']!r}")
+        if k in ("mask", "score_mod") and not _is_index(n.attrs["head"]):
+            raise GraphError(f"{k} {n.name!r}: head must be an int >= 0 (32-bit), got "
+                             f"{n.attrs['head']!r}")
         if k == "score_mod":
             _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
             check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
