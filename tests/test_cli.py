@@ -27,7 +27,13 @@ def test_help(args):
     (["frobnicate"], "invalid choice"),
     (["inspect", "/nonexistent/dir"], "manifest.json is missing"),
     (["inspect", "--what", "everything"], "--what must be one of"),
-], ids=["d_model", "kv_heads", "target", "int", "unknown-flag", "command", "no-module", "what"])
+    (["tune", "--shapes", "1x128x4"], "--shapes takes BATCHxSEQ like 1x128, not '1x128x4'"),
+    (["tune", "--shapes", "0x128"], "batch and seq must be >= 1"),
+    (["tune", "--trials", "0"], "--trials must be >= 1"),
+    (["tune", "--rpc-tracker", "host:9190"], "--rpc-tracker and --device-key go together"),
+    (["tune", "--rpc-tracker", "host", "--device-key", "k"], "takes HOST:PORT, not 'host'"),
+], ids=["d_model", "kv_heads", "target", "int", "unknown-flag", "command", "no-module", "what",
+        "tune-shape", "tune-shape-zero", "tune-trials", "tune-rpc-alone", "tune-rpc-port"])
 def test_bad_options_one_line_exit_2(args, fragment, capsys):
     with pytest.raises(SystemExit) as exc:
         code = main(args)
