@@ -308,6 +308,25 @@ def test_a_bias_of_the_positions_is_refused_clearly(no_onnxruntime):
         import_onnx(bias_model(bias))
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "onnx.reference"])
+def test_a_model_the_backend_cannot_load_or_run_is_an_onnx_error(backend, tmp_path,
+                                                                monkeypatch):
+    """A damaged model (Softmax over axis 7 of a rank-4 tensor) is refused with the
+    backend's reason, whichever backend probes it; never the backend's own exception."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    else:
+        monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    layer = mhagen.mha(16, 2, causal=True)
+    model = onnx.load(str(export_onnx(layer, tmp_path / "m.onnx", layer.init_weights(),
+                                      seq_len=6)))
+    softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+    next(a for a in softmax.attribute if a.name == "axis").i = 7
+    with pytest.raises(OnnxError, match=f"{backend} cannot (load|run) the model") as info:
+        import_onnx(model)
+    assert "axis" in str(info.value).lower()
+
+
 # -- real exports of Hugging Face models -----------------------------------------------------
 def _hf_import(model, torch):
     """A transformers model (random config) exported with token ids as its only input, as a

@@ -43,8 +43,15 @@ class Prober:
             if n not in have:
                 proto.graph.output.append(onnx.ValueInfoProto(name=n))
         self.backend = "onnxruntime" if has_onnxruntime() else "onnx.reference"
-        self._run = _ort_runner(proto) if self.backend == "onnxruntime" else _reference_runner(
-            proto)
+        try:
+            self._run = _ort_runner(proto) if self.backend == "onnxruntime" else \
+                _reference_runner(proto)
+        except OnnxError:
+            raise
+        except Exception as err:  # an invalid model: the backends raise their own types
+            raise OnnxError(f"{self.backend} cannot load the model ({_first_line(err)}); "
+                            "onnx.checker.check_model(model, full_check=True) says what is "
+                            "wrong with it") from None
 
     def shapes(self, batch, seq, swap=False):
         """Input shapes: dynamic axis 0/1 of rank-3 float inputs are batch/seq (swapped for
@@ -98,16 +105,21 @@ class Prober:
         except OnnxError:
             raise
         except Exception as err:  # the backends raise their own exception types
-            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-            msg = msg.split("Status Message:")[-1].split("was false.")[-1].strip()
+            given = {k: v.shape for k, v in feeds.items()}
             raise OnnxError(f"{self.backend} cannot run the model on inputs of shapes "
-                            f"{ {k: v.shape for k, v in feeds.items()} } ({msg[:200]}); if "
-                            "the model only runs at the sequence length it was exported with, "
-                            "pass that length as seq_len=") from None
+                            f"{given} ({_first_line(err)}); if the model only runs at the "
+                            "sequence length it was exported with, pass that length as "
+                            "seq_len=") from None
         vals = dict(self.consts)
         vals.update(feeds)
         vals.update(zip(self.fetch, outs))
         return vals
+
+
+def _first_line(err) -> str:
+    """A backend's error, first line, without onnxruntime's status prefixes."""
+    msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return msg.split("Status Message:")[-1].split("was false.")[-1].strip()[:200]
 
 
 def _sample_list(sample_inputs):
