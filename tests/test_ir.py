@@ -328,6 +328,13 @@ def _fused_data(cross=False):
     return json.loads(run_passes(mhagen.mha(16, 2, cross=cross)).graph.to_json())
 
 
+def _cache(lens_kind="cache_lens", **changes):
+    """verify() of the small graph with a cache node on K (`changes` to its arguments) that
+    reads a node `cl` of lens_kind."""
+    args = {**dict(x="k", lens="cl", cache="k_cache", head=0, max_len=8, name="kc"), **changes}
+    return _verify(lambda g: getattr(g, lens_kind)("cl"), lambda g: g.cache(**args))
+
+
 def _context(g):
     """A second input (batch and length of its own) and a head projected from it."""
     g.input("ctx", d_model=16, batch="batch2", seq="kv_seq")
@@ -459,23 +466,13 @@ ERRORS = [
      ["rotary 'r'", "one head [B, S, d]", "[batch]"]),
     ("rotary-of-scores", _verify(_add("rotary", ("s",), "r", base=10000.0, rotary_dim=2)),
      ["rotary 'r'", "one head [B, S, d]", "[batch, seq, seq]"]),
-    ("cache-unknown-state", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
-        "k", "cl", "q_cache", head=0, max_len=8, name="kc")),
+    ("cache-unknown-state", _cache(cache="q_cache"),
      ["cache 'kc'", "'k_cache' or 'v_cache'", "'q_cache'"]),
-    ("cache-max_len-zero", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
-        "k", "cl", "k_cache", head=0, max_len=0, name="kc")),
-     ["cache 'kc'", "max_len must be an int >= 1", "0"]),
-    ("cache-head-bool", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
-        "k", "cl", "k_cache", head=True, max_len=8, name="kc")),
-     ["cache 'kc'", "head must be an int >= 0", "True"]),
-    ("cache-dtype", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
-        "k", "cl", "k_cache", head=0, max_len=8, name="kc", dtype="int8")),
-     ["cache 'kc'", "dtype must be one of", "'int8'"]),
-    ("cache-of-lengths", _verify(lambda g: g.cache_lens("cl"), lambda g: g.cache(
-        "cl", "cl", "k_cache", head=0, max_len=8, name="kc")),
-     ["cache 'kc'", "one K or V head [B, S, d]", "[batch]"]),
-    ("cache-without-cache-lens", _verify(lambda g: g.lengths("lens"), lambda g: g.cache(
-        "k", "lens", "k_cache", head=0, max_len=8, name="kc")),
+    ("cache-max_len-zero", _cache(max_len=0), ["cache 'kc'", "max_len must be an int >= 1", "0"]),
+    ("cache-head-bool", _cache(head=True), ["cache 'kc'", "head must be an int >= 0", "True"]),
+    ("cache-dtype", _cache(dtype="int8"), ["cache 'kc'", "dtype must be one of", "'int8'"]),
+    ("cache-of-lengths", _cache(x="cl"), ["cache 'kc'", "one K or V head [B, S, d]", "[batch]"]),
+    ("cache-without-cache-lens", _cache(lens_kind="lengths"),
      ["cache 'kc'", "must be a cache_lens node", "got a lengths"]),
     ("fused-head_dim-zero", _fused_json("attention", head_dim=0),
      ["attention 'attention'", "head_dim=0 must be a positive integer"]),
