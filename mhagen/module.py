@@ -402,8 +402,14 @@ class Module:
     def _run(self, buffers):
         if self._calls is None:
             self._calls = [(self.library[k.name], k.args) for k in self.program.kernels]
-        for func, args in self._calls:
-            func(*[buffers[a] for a in args])
+        for (func, args), kernel in zip(self._calls, self.program.kernels):
+            try:
+                func(*[buffers[a] for a in args])
+            except ValueError as err:   # TVM checks every argument's ndim, shape and dtype
+                raise ArtifactError(
+                    f"kernel {kernel.name} refused its arguments ({str(err).splitlines()[0]}): "
+                    "the program this module describes does not match its compiled kernels; "
+                    "rebuild the module") from None
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
                 kv_lens=None, cache=None, context=None):

@@ -120,7 +120,9 @@ class Program:
 
     @classmethod
     def from_description(cls, d: dict) -> "Program":
-        """The Program describe() wrote (kernels without code: they live in kernel.so)."""
+        """The Program describe() wrote (kernels without code: they live in kernel.so);
+        ValueError where the description is not one describe() could have written."""
+        _check_description(d)
         buffers = {b["name"]: Buffer(b["name"], tuple(b["shape"]), b["role"], b["dtype"],
                                      pack=b.get("pack"),
                                      symbolic={int(a): k for a, k in
@@ -130,6 +132,40 @@ class Program:
                           workload={k["multiplies"]: True} if k.get("multiplies") else {})
                    for k in d["kernels"]]
         return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
+
+
+ROLES = ("input", "param", "temp", "output")
+BUFFER_DTYPES = ("float32", "float16", "bfloat16", "int32")
+
+
+def _check_description(d) -> None:
+    """Names, shapes (positive 32-bit ints), roles and dtypes of the buffers; kernels that
+    name buffers of the program."""
+    if not isinstance(d, dict) or not isinstance(d.get("buffers"), list) or not isinstance(
+            d.get("kernels"), list) or not d["kernels"]:
+        raise ValueError("the program needs lists of buffers and kernels")
+    names = set()
+    for b in d["buffers"]:
+        if not isinstance(b, dict) or not isinstance(b.get("name"), str) or not b["name"]:
+            raise ValueError(f"buffer {b!r} has no name")
+        shape = b.get("shape")
+        if not isinstance(shape, list) or not shape or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2 ** 31
+                for n in shape):
+            raise ValueError(f"buffer {b['name']!r} has shape {shape!r}")
+        if b.get("role") not in ROLES or b.get("dtype") not in BUFFER_DTYPES:
+            raise ValueError(f"buffer {b['name']!r} has role {b.get('role')!r} and dtype "
+                             f"{b.get('dtype')!r}")
+        if not isinstance(b.get("pack", {}) or {}, dict) or not isinstance(
+                b.get("symbolic", {}), dict):
+            raise ValueError(f"buffer {b['name']!r} has pack or symbolic entries of the "
+                             "wrong type")
+        names.add(b["name"])
+    for k in d["kernels"]:
+        if not isinstance(k, dict) or not isinstance(k.get("name"), str) or not k["name"] \
+                or not isinstance(k.get("args"), list) or not all(
+                    isinstance(a, str) and a in names for a in k["args"]):
+            raise ValueError(f"kernel {k!r} needs a name and arguments among the buffers")
 
 
 def _multiplies(kernel) -> dict:

@@ -143,16 +143,45 @@ def test_load_rejects_corrupt_files(small, tmp_path):
     (lambda m: m["target"].update(arch="aarch64", name="arm-neon"), "aarch64 code"),
     (lambda m: m["target"].update(features=["avx512f", "made-up-feature"]), "lacks"),
     (lambda m: m.pop("graph"), "lacks"),
-], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph"])
+    (lambda m: m["program"]["buffers"][0]["shape"].__setitem__(0, 2.5), "malformed.*2.5"),
+    (lambda m: m["program"]["buffers"][0].update(dtype="float64"), "malformed.*float64"),
+    (lambda m: m["program"]["kernels"][0]["args"].__setitem__(0, "nowhere"),
+     "malformed.*among the buffers"),
+    (lambda m: m["program"]["kernels"][0].update(name="not_in_kernel_so"),
+     "malformed.*not_in_kernel_so"),
+    (lambda m: m["target"].update(features=[1]), "malformed.*TypeError"),
+    (lambda m: m["weights"][0].update(shape=[3]), "malformed.*reshape"),
+    (lambda m: m["params"][0].update(nbytes=None), "malformed.*TypeError"),
+    (lambda m: next(n for n in m["graph"]["nodes"] if n["kind"] == "head_projection")[
+        "attrs"].update(head=-1), "malformed.*GraphError.*head must be an int >= 0"),
+], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph", "shape-not-int",
+        "buffer-dtype", "kernel-arg-unknown", "kernel-not-in-library", "feature-not-a-name",
+        "weight-shape", "param-size", "graph-invalid"])
 def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
     """Manifests that are consistent (content hash recomputed) but describe what this mhagen
-    or this machine cannot run."""
+    or this machine cannot run, or what no build writes: an ArtifactError, never another
+    exception."""
     path, manifest = _saved(small, tmp_path)
     edit(manifest)
     manifest["content_hash"] = content_hash(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(mhagen.ArtifactError, match=match):
         mhagen.load(path)
+
+
+def test_a_program_that_does_not_match_its_kernels_fails_its_first_call_clearly(small,
+                                                                                tmp_path):
+    """TVM's kernels check every argument's shape: a manifest describing a temp buffer of
+    another (valid) shape loads, and its first call says what does not match."""
+    path, manifest = _saved(small, tmp_path)
+    temp = next(b for b in manifest["program"]["buffers"] if b["role"] == "temp")
+    temp["shape"] = temp["shape"][:-1]
+    manifest["content_hash"] = content_hash(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    module = mhagen.load(path)
+    with pytest.raises(mhagen.ArtifactError, match=f"refused its arguments.*{temp['name']}"
+                                                   ".*does not match its compiled kernels"):
+        module(small[2])
 
 
 def test_load_missing_and_garbage(tmp_path):

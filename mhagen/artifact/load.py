@@ -57,15 +57,23 @@ def load(path) -> Module:
     device = man["target"].get("device", "cpu") if isinstance(man["target"], dict) else "cpu"
     _check_files(path, man["files"], KERNEL_FILES.get(device, KERNEL_FILES["cpu"]))
     try:
-        target = Target.from_dict(man["target"])
-        graph = Graph.from_json(man["graph"])
-        program = Program.from_description(man["program"])
-        shapes = man["shapes"]
-        batch, seq_len = shapes["batch"], shapes["seq_len"]
-        kv_seq_len = shapes.get("kv_seq_len")      # cross-attention layers
-    except (KeyError, TypeError, ValueError) as err:
-        raise ArtifactError(f"{path}/manifest.json is malformed ({err!r}); rebuild the "
-                            "module") from None
+        return _load(path, man)
+    except ArtifactError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        # the content hash holds, so the manifest was written like this (by hand or a tool)
+        raise ArtifactError(f"{path}/manifest.json is malformed ({type(err).__name__}: "
+                            f"{str(err)[:300]}); rebuild the module") from None
+
+
+def _load(path, man) -> Module:
+    target = Target.from_dict(man["target"])
+    graph = Graph.from_json(man["graph"])
+    graph.shapes()     # verify
+    program = Program.from_description(man["program"])
+    shapes = man["shapes"]
+    batch, seq_len = shapes["batch"], shapes["seq_len"]
+    kv_seq_len = shapes.get("kv_seq_len")      # cross-attention layers
     if target.device != "cpu":   # GPU code runs through the artifact's own C API
         return CudaArtifactModule(path, man, graph, target)
     why = target.cannot_run()
@@ -88,8 +96,11 @@ def load(path) -> Module:
     info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=texts,
                      decisions=man.get("schedule") or [], tuning_records=man.get("tuning") or [],
                      library_path=str(path / "kernel.so"))
-    module = Module(graph, target, batch, seq_len, program,
-                    runtime.load_library(path / "kernel.so"), info=info, kv_seq_len=kv_seq_len)
+    library = runtime.load_library(path / "kernel.so")
+    for k in program.kernels:
+        library[k.name]     # AttributeError: kernel.so has no such function
+    module = Module(graph, target, batch, seq_len, program, library, info=info,
+                    kv_seq_len=kv_seq_len)
     if weights is not None:
         module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
                                      for b in program.role("param")})
