@@ -45,7 +45,7 @@ def unfuse(graph: Graph) -> Graph:
             if n.name in readers:   # read as a whole, not only by attention
                 g.concat_heads(heads, name=n.name)
         elif n.kind == "attention":
-            _attention_heads(g, graph, n, columns)
+            _attention_heads(g, n, columns)
         else:
             g.add(n.kind, n.inputs, n.name, **n.attrs)
     g.set_output(graph.output)
@@ -53,7 +53,8 @@ def unfuse(graph: Graph) -> Graph:
     return g
 
 
-def _attention_heads(g, graph, n, columns):
+def _attention_heads(g, n, columns):
+    """Add the per-head nodes of fused attention node n to g; their concat is named n."""
     a = n.attrs
     d = a["head_dim"]
     ins = list(n.inputs)
@@ -65,8 +66,7 @@ def _attention_heads(g, graph, n, columns):
                          "give it a mask (e.g. kv_idx < kv_len) or drop that input")
 
     def head(source, offset, role, h):
-        node = next((m for m in graph.nodes if m.name == source), None)
-        found = columns.get(source, {}).get(offset) if node is not None else None
+        found = columns.get(source, {}).get(offset)
         if found is None or found[1] != d:
             raise GraphError(
                 f"attention {n.name!r}: the {role} of head {h} (columns {offset}.."
