@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
+from mhagen.passes.unfuse import unfuse
 
 
 def head_softmaxes(graph) -> list:
     """The softmax node of each head, in concat order (output projection -> concat_heads ->
-    weighted_sum(softmax, v) per head)."""
+    weighted_sum(softmax, v) per head; a graph holding the fused kinds: of its head-by-head
+    form)."""
+    graph = unfuse(graph)
     nodes = {n.name: n for n in graph.nodes}
     out = nodes[graph.output]
     concat = nodes.get(out.inputs[0]) if out.inputs else None
@@ -39,6 +42,7 @@ def maps_graph(graph, batch: int, seq_len: int) -> Graph:
     if graph.cache_lens_input is not None:
         raise GraphError("attention maps of decoding layers (kv_cache=) are not available; "
                          "run the same layer without kv_cache= on the whole sequence")
+    graph = unfuse(graph)     # a graph holding the fused kinds: its head-by-head form
     probs = head_softmaxes(graph)
     nodes = {n.name: n for n in graph.nodes}
     need, stack = set(), list(probs)

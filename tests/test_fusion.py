@@ -152,6 +152,11 @@ def test_a_saved_fused_graph_builds_and_computes_its_function(case, fuse):
     else:
         assert names == ["main"]
     assert_close(module(x, **call), saved.reference(x, w, **call))
+    if fuse and layer.context_input is None:   # maps from its head-by-head form
+        lens = {"kv_lens": call["kv_lens"]} if "kv_lens" in call else {}
+        own = mhagen.build(layer, batch=2, seq_len=97, weights=w)
+        np.testing.assert_array_equal(module.attention_maps(x, **lens),
+                                      own.attention_maps(x, **lens))
 
 
 def test_a_saved_fused_decoding_layer_builds_and_fills_its_cache():
