@@ -1,8 +1,11 @@
 """Work counts of a graph, for GFLOP/s reports (no TVM)."""
+from mhagen.ir.unfuse import unfuse
 
 
 def graph_flops(graph, **dims) -> int:
-    """2 flops per multiply-add of every projection, score and weighted sum (masked included)."""
+    """2 flops per multiply-add of every projection, score and weighted sum (masked included;
+    a graph holding the fused kinds: those of its head-by-head form)."""
+    graph = unfuse(graph)
     shapes = graph.shapes(**dims)
     total = 0
     for n in graph.nodes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
-from mhagen.passes.unfuse import unfuse
+from mhagen.ir.unfuse import unfuse
 
 
 def head_softmaxes(graph) -> list:

@@ -131,7 +131,7 @@ def _saved_fused(layer):
 @pytest.mark.parametrize("fuse", [True, False], ids=["fuse", "unfused"])
 @pytest.mark.parametrize("case", SAVED_FUSED, ids=list(SAVED_FUSED))
 def test_a_saved_fused_graph_builds_and_computes_its_function(case, fuse):
-    """lower() expands the fused kinds into the builder form (passes/unfuse.py): the fusion
+    """lower() expands the fused kinds into the builder form (ir/unfuse.py): the fusion
     pass then fuses it again, or fuse=False compiles it node by node."""
     layer = mhagen.mha(**SAVED_FUSED[case])
     saved = _saved_fused(layer)
@@ -157,6 +157,17 @@ def test_a_saved_fused_graph_builds_and_computes_its_function(case, fuse):
         own = mhagen.build(layer, batch=2, seq_len=97, weights=w)
         np.testing.assert_array_equal(module.attention_maps(x, **lens),
                                       own.attention_maps(x, **lens))
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(kv_heads=2, kv_cache=20),
+                                     dict(cross=True), dict(rotary=True, key_padding=True)],
+                         ids=["causal", "gqa-decoding", "cross", "rotary-padding"])
+def test_a_saved_fused_graph_counts_the_flops_of_its_layer(options):
+    """GFLOP/s reports (Module.flops, the CLI) of a graph holding the fused kinds."""
+    from mhagen.cost import graph_flops
+    layer = mhagen.mha(64, 4, **options)
+    dims = layer.dims(2, 9, 5)
+    assert graph_flops(_saved_fused(layer), **dims) == graph_flops(layer, **dims) > 0
 
 
 def test_a_saved_fused_decoding_layer_builds_and_fills_its_cache():

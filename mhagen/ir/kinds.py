@@ -71,7 +71,7 @@ KINDS = {
     "output_projection": KindSpec(
         1, ("weight", "out_features"), ("bias",), "[B,S,C] @ weight ([C,D]) (+ bias [D]) -> [B,S,D]"),
     # Fused kinds: made by mhagen/passes from the kinds above, never needed in user graphs
-    # (a graph holding them compiles as its builder form: mhagen/passes/unfuse.py).
+    # (a graph holding them compiles as its builder form: mhagen/ir/unfuse.py).
     "qkv_projection": KindSpec(
         1, ("segments",), (),
         "[B,S,D] -> [B,S,N]: every head's Q/K/V projection side by side; segments lists "

@@ -10,10 +10,10 @@ from dataclasses import asdict
 
 from mhagen.backends import backend_for
 from mhagen.errors import GraphError
+from mhagen.ir.unfuse import unfuse
 from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
-from mhagen.passes.unfuse import unfuse
 from mhagen.program import Buffer, Kernel, Program, Stage
 from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 
@@ -21,7 +21,7 @@ from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
           symbolic=None, kv_seq_len: int | None = None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel (a graph
-    with the fused kinds: those of its builder form, mhagen/passes/unfuse.py).
+    with the fused kinds: those of its builder form, mhagen/ir/unfuse.py).
     `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config (the
     decode template's, for a decoding layer).
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
