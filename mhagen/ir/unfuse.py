@@ -1,8 +1,9 @@
-"""Expand a graph's fused kinds (qkv_projection, attention) back into head-level nodes.
+"""What the fused kinds (qkv_projection, attention) mean in the builder kinds: unfuse()
+expands them back into head-level nodes.
 
 A graph may hold the fused kinds: the fusion pass's output, saved as JSON and loaded again,
 or written by hand. verify() and the reference accept any offsets; to compile, lower() first
-turns such a graph into the builder form this pass writes, which the fusion pass then fuses
+turns such a graph into the builder form unfuse() writes, which the fusion pass then fuses
 as it fuses mhagen.mha()'s graphs (the kernels' column layout always comes from the fusion
 pass, never from the offsets given). So every Q, K and V offset must be where a segment of
 head_dim columns starts; unfuse() says so otherwise.
