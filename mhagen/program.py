@@ -134,7 +134,7 @@ class Program:
         return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
 
 
-ROLES = ("input", "param", "temp", "output")
+ROLES = ("input", "param", "temp", "output", "state")   # state: a decoding layer's K/V cache
 BUFFER_DTYPES = ("float32", "float16", "bfloat16", "int32")
 
 
@@ -164,8 +164,10 @@ def _check_description(d) -> None:
     for k in d["kernels"]:
         if not isinstance(k, dict) or not isinstance(k.get("name"), str) or not k["name"] \
                 or not isinstance(k.get("args"), list) or not all(
-                    isinstance(a, str) and a in names for a in k["args"]):
-            raise ValueError(f"kernel {k!r} needs a name and arguments among the buffers")
+                    isinstance(a, str) and (a in names or a in CROSS_SCALARS)
+                    for a in k["args"]):
+            raise ValueError(f"kernel {k!r} needs a name and arguments among the buffers "
+                             f"(or the scalars {', '.join(CROSS_SCALARS)})")
 
 
 def _multiplies(kernel) -> dict:

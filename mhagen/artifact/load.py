@@ -8,7 +8,7 @@ from mhagen import runtime
 from mhagen.artifact.cuda_module import CudaArtifactModule
 from mhagen.artifact.files import KERNEL_FILES, read_tensors, sha256_file
 from mhagen.artifact.manifest import read_manifest
-from mhagen.errors import ArtifactError
+from mhagen.errors import ArtifactError, GraphError, MhagenError
 from mhagen.host import RUNTIME_FEATURES
 from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
@@ -58,7 +58,10 @@ def load(path) -> Module:
     _check_files(path, man["files"], KERNEL_FILES.get(device, KERNEL_FILES["cpu"]))
     try:
         return _load(path, man)
-    except ArtifactError:
+    except GraphError as err:
+        raise ArtifactError(f"{path}/manifest.json holds an invalid graph ({err}); rebuild "
+                            "the module") from None
+    except MhagenError:   # already says what is wrong (no GPU, a missing file, ...)
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
         # the content hash holds, so the manifest was written like this (by hand or a tool)
