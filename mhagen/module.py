@@ -401,13 +401,14 @@ class Module:
 
     def _run(self, buffers):
         if self._calls is None:
-            self._calls = [(self.library[k.name], k.args) for k in self.program.kernels]
-        for (func, args), kernel in zip(self._calls, self.program.kernels):
+            self._calls = [(self.library[k.name], k.args, k.name)
+                           for k in self.program.kernels]
+        for func, args, name in self._calls:
             try:
                 func(*[buffers[a] for a in args])
             except ValueError as err:   # TVM checks every argument's ndim, shape and dtype
                 raise ArtifactError(
-                    f"kernel {kernel.name} refused its arguments ({str(err).splitlines()[0]}): "
+                    f"kernel {name} refused its arguments ({str(err).splitlines()[0]}): "
                     "the program this module describes does not match its compiled kernels; "
                     "rebuild the module") from None
 

@@ -13,6 +13,8 @@ from typing import Callable
 
 import numpy as np
 
+from mhagen.ir.kinds import SUPPORTED_DTYPES
+from mhagen.ir.verify import MAX_ELEMENTS
 from mhagen.params import pack_param
 
 
@@ -29,7 +31,7 @@ def round_up(a: int, b: int) -> int:
 class Buffer:
     name: str
     shape: tuple
-    role: str                    # "input", "param", "temp" or "output"
+    role: str                    # one of ROLES ("state": a decoding layer's K/V cache)
     dtype: str = "float32"
     pack: dict | None = None     # params: how to make it from the weights (mhagen.params)
     value: np.ndarray | None = None  # params of kind "constant": the array
@@ -134,8 +136,8 @@ class Program:
         return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
 
 
-ROLES = ("input", "param", "temp", "output", "state")   # state: a decoding layer's K/V cache
-BUFFER_DTYPES = ("float32", "float16", "bfloat16", "int32")
+ROLES = ("input", "param", "temp", "output", "state")
+BUFFER_DTYPES = SUPPORTED_DTYPES + ("int32",)   # int32: key lengths, block tables
 
 
 def _check_description(d) -> None:
@@ -150,7 +152,7 @@ def _check_description(d) -> None:
             raise ValueError(f"buffer {b!r} has no name")
         shape = b.get("shape")
         if not isinstance(shape, list) or not shape or not all(
-                isinstance(n, int) and not isinstance(n, bool) and 0 < n < 2 ** 31
+                isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_ELEMENTS
                 for n in shape):
             raise ValueError(f"buffer {b['name']!r} has shape {shape!r}")
         if b.get("role") not in ROLES or b.get("dtype") not in BUFFER_DTYPES:

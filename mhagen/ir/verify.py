@@ -75,9 +75,6 @@ def _collect_weights(graph, shapes) -> list:
     def record(name, role, per_head, head, d_in, d_out, node):
         if not isinstance(name, str) or not name:
             raise GraphError(f"node {node.name!r}: {role} name must be a non-empty string")
-        if per_head and not _is_index(head):
-            raise GraphError(f"node {node.name!r}: head must be an int >= 0 (32-bit), got "
-                             f"{head!r}")
         info = found.setdefault(name, {"heads": set(), "d_in": d_in, "d_out": d_out,
                                        "per_head": per_head, "role": role, "node": node.name})
         if (info["d_in"], info["d_out"], info["per_head"], info["role"]) != (
