@@ -382,6 +382,28 @@ def test_cuda_tuning_reaches_the_remote_runner(tmp_path):
     assert not Database.load(tmp_path / "cuda.json").records
 
 
+def test_a_remote_kernel_that_does_not_build_is_not_measured(monkeypatch):
+    """Our measurements on a remote device build their kernels here: one that does not
+    build reaches no device (none is connected here) and the note says where it failed."""
+    from mhagen.tuning import search
+
+    def fails(mod, target, params):
+        raise RuntimeError("LLVM ERROR: Cannot select: intrinsic %llvm.x86.tdpbf16ps")
+
+    monkeypatch.setattr(search, "fast_build", fails)
+    default, _ = _output_projection_and_a_wrong_one()
+    errors = []
+    assert search._measure([default], mhagen.target.resolve("x86").tvm, remote=object(),
+                           errors=errors) == [None]
+    assert errors == ["build: LLVM ERROR: Cannot select: intrinsic %llvm.x86.tdpbf16ps"]
+    assert search._failure_note(errors) == (
+        "not measured (1 failure(s)); first, at build: LLVM ERROR: Cannot select: "
+        "intrinsic %llvm.x86.tdpbf16ps")
+    outs, error = search._Remote(("127.0.0.1", 1, "none")).outputs(
+        [default], mhagen.target.resolve("x86").tvm)
+    assert outs is None and error.endswith("Cannot select: intrinsic %llvm.x86.tdpbf16ps")
+
+
 def _group_members(pgid):
     """Live processes of process group pgid (Linux /proc)."""
     out = []

@@ -134,6 +134,13 @@ def _search_strategy(budget):
         population_size=population, init_min_unmeasured=min(50, population // 4))
 
 
+def _cross_cxx(target):
+    """The cross compiler (g++) that links code of another architecture here, or None (this
+    machine's architecture, or none installed)."""
+    arch = str(target.attrs.get("mtriple", "")).split("-")[0]
+    return shutil.which(ARCHES[arch].cxx) if arch != host_arch() and arch in ARCHES else None
+
+
 def _local_builder(target, **kwargs):
     """MetaSchedule's LocalBuilder with fast_build. Its default export is a .tar of objects
     that the runner's machine links with its own compiler; for code of another architecture
@@ -142,11 +149,27 @@ def _local_builder(target, **kwargs):
 
     import tvm.s_tir.meta_schedule as ms
 
-    arch = str(target.attrs.get("mtriple", "")).split("-")[0]
-    cxx = shutil.which(ARCHES[arch].cxx) if arch != host_arch() and arch in ARCHES else None
+    cxx = _cross_cxx(target)
     if cxx:
         kwargs["f_export"] = functools.partial(cross_export, cxx=cxx)
     return ms.builder.LocalBuilder(f_build=fast_build, **kwargs)
+
+
+def _built_here(funcs, target):
+    """[(artifact path, None), or (None, the build error)] of each PrimFunc, built in this
+    process and exported as _local_builder's workers export: our own measurements on a
+    remote device (a few kernels, not a search) skip the LocalBuilder's two worker
+    processes a call (each imports TVM: ~3 s), as the local ones compile here too."""
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+    cxx = _cross_cxx(target)
+    export = functools.partial(cross_export, cxx=cxx) if cxx else default_export
+    out = []
+    for f in funcs:
+        try:
+            out.append((export(fast_build(tvm.IRModule({"main": f}), target, None)), None))
+        except Exception as err:  # noqa: BLE001 - a kernel that does not build: not measured
+            out.append((None, str(err)))
+    return out
 
 
 class _Progress:
@@ -201,8 +224,8 @@ def _quiet_metaschedule_logging():
 
 class _Remote:
     """The RPC device of one tuning run: MetaSchedule's runner for its searches, and one
-    builder and runner, started once, for every measurement of ours (each start costs a
-    worker process that imports TVM: ~8 s)."""
+    runner, started once, for every measurement of ours (each start costs a worker process
+    that imports TVM); our kernels are built in this process (_built_here)."""
 
     def __init__(self, rpc):
         import tvm.s_tir.meta_schedule as ms
@@ -238,18 +261,17 @@ class _Remote:
         on the same arguments (_arguments), or (None, the first error)."""
         from tvm.s_tir.meta_schedule.runner.rpc_runner import default_upload_module
         fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
-        built = _local_builder(target, max_workers=1).build(
-            [self.ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in funcs])
-        if any(b.error_msg for b in built):
-            return None, next(b.error_msg for b in built if b.error_msg).strip().splitlines()[-1]
+        built = _built_here(funcs, target)
+        if any(error for _, error in built):
+            return None, next(error for _, error in built if error).strip().splitlines()[-1]
         try:
             session = self.config.connect_server()
             device = session.device(_device_type(target), 0)
             outs = []
-            for i, (f, b, fx) in enumerate(zip(funcs, built, fixed)):
+            for i, (f, (path, _), fx) in enumerate(zip(funcs, built, fixed)):
                 # a name of its own: the device's loader would reuse a library of one name
-                name = f"mhagen-check-{time.time_ns()}-{i}-{os.path.basename(b.artifact_path)}"
-                mod = default_upload_module(session, b.artifact_path, name)
+                name = f"mhagen-check-{time.time_ns()}-{i}-{os.path.basename(path)}"
+                mod = default_upload_module(session, path, name)
                 args = [tvm.runtime.tensor(a, device) for a in _arguments(f, fx, seed)]
                 mod[mod.entry_name](*args)
                 outs.append(args[-1].numpy())
@@ -280,8 +302,8 @@ def _measured_on(t, rpc) -> dict:
 def _measure(funcs, target, remote, fixed=None, errors=None):
     """Median seconds of each PrimFunc (None: it did not build or run). Here (remote None):
     the steady-state timing the benchmark uses (compiled in this process, interleaved rounds
-    of back-to-back calls, median); on a remote device: all built at once by MetaSchedule's
-    builder, each run by the run's RPC runner. fixed: one {argument index: numpy array}
+    of back-to-back calls, median); on a remote device: built here (_built_here), each run
+    by the run's RPC runner. fixed: one {argument index: numpy array}
     per PrimFunc (or one for all) for arguments that must hold real data; errors: a list
     that gets the build and run errors."""
     if remote is None:
@@ -289,17 +311,15 @@ def _measure(funcs, target, remote, fixed=None, errors=None):
     import tvm.s_tir.meta_schedule as ms
 
     fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
-    built = _local_builder(target, max_workers=1).build(
-        [ms.builder.BuilderInput(tvm.IRModule({"main": f}), target) for f in funcs])
     device = _device_type(target)
     futures = {}
-    for i, (f, b) in enumerate(zip(funcs, built)):
-        if b.error_msg is not None:
+    for i, (f, (path, error)) in enumerate(zip(funcs, _built_here(funcs, target))):
+        if error is not None:
             if errors is not None:
-                errors.append(f"build: {b.error_msg}")
+                errors.append(f"build: {error}")
             continue
-        futures[i] = remote.run(b.artifact_path, device,
-                                ms.arg_info.ArgInfo.from_prim_func(f), fixed[i])
+        futures[i] = remote.run(path, device, ms.arg_info.ArgInfo.from_prim_func(f),
+                                fixed[i])
     out = [None] * len(funcs)
     for i, fut in futures.items():
         res = fut.result()
@@ -315,10 +335,9 @@ def _failure_note(errors) -> str:
     (build, run on the device) and the error's last line (TVM puts the cause there)."""
     if not errors:
         return ""
-    lines = [ln.strip() for ln in errors[0].splitlines() if ln.strip()]
-    where = lines[0].split(":", 1)[0]
-    return (f"not measured ({len(errors)} failure(s)); first, at {where}: "
-            f"{lines[-1][:300]}")
+    where, error = errors[0].split(":", 1)
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    return f"not measured ({len(errors)} failure(s)); first, at {where}: {lines[-1][:300]}"
 
 
 def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
