@@ -6,7 +6,7 @@ tuning records it used, and checks the module against the float64 reference wher
 can run the code; where it cannot (AVX-512 code on an AVX2 host), it shows the error a call
 gets instead of a crash. Exits 1 on a mismatch.
 
-    python examples/cpu_classes.py
+    python examples/cpu_classes.py [PRESET ...]     (default: all three)
 """
 import sys
 
@@ -19,13 +19,13 @@ from mhagen.tuning.records import describe_record
 PRESETS = ("x86", "x86-avx2", "x86-avx512")
 
 
-def main() -> int:
+def main(presets=PRESETS) -> int:
     layer = mhagen.mha(256, 8, kv_heads=2, causal=True)
     w = layer.init_weights(0)
     x = np.random.default_rng(0).standard_normal((2, 97, 256)).astype(np.float32)
     expected = layer.reference(x, w)
     failed = False
-    for preset in PRESETS:
+    for preset in presets:
         m = mhagen.build(layer, preset, batch=2, seq_len=97, weights=w)
         t = m.target
         print(f"{preset}: class {t.cpu_class} (LLVM cpu {t.cpu}, {t.lanes} float lanes, "
@@ -48,4 +48,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:] or PRESETS))

@@ -247,7 +247,8 @@ def test_ctrl_c_stops_tuning_cleanly_and_a_rerun_resumes(tmp_path, presses):
     """Ctrl-C as a terminal sends it (SIGINT to the whole process group: mhagen and TVM's
     builder/runner workers) once the second GEMM's search runs: exit 130 after one line, no
     traceback from any process, the first kernels' records valid, no worker left; a second
-    Ctrl-C stops at once, just as cleanly. A re-run resumes the MetaSchedule databases."""
+    Ctrl-C stops at once, just as cleanly. A re-run resumes the MetaSchedule databases
+    (checked after one press: the records kept are the same after two)."""
     p = subprocess.Popen(_tune_command(tmp_path), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -274,6 +275,8 @@ def test_ctrl_c_stops_tuning_cleanly_and_a_rerun_resumes(tmp_path, presses):
         return len(path.read_text().splitlines())
 
     assert measured("qkv_projection") == 4
+    if presses == 2:
+        return
     again = subprocess.run(_tune_command(tmp_path), capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr
