@@ -206,6 +206,7 @@ def test_quick_run_of_the_avx2_class(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--no-memory", "--target", "x86-avx2",
          "--shapes", "1x512x64x2", "--impls", "mhagen", "mhagen_host", "numpy",
+         "--wait-quiet", "0",     # (the run above waits; beside another test, 5 s a turn)
          "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -503,6 +503,10 @@ def test_bfloat16_gemms_compile_to_amx_tiles_on_any_host():
         order = [text.index(s) for s in ("T.parallel", "mhagen_amx_config", "for m_0 in",
                                           "mhagen_amx_tile_32x32", "mhagen_amx_release")]
         assert order == sorted(order) and text.count("mhagen_amx_config") >= 1, kernel
+        # A's copy into tiles: a tile row (32 bfloat16) a vector, not 1,024 unrolled copies
+        # (LLVM took 6 s to compile those)
+        pack = text[:text.index("mhagen_amx_config")]
+        assert "T.vectorized(32)" in pack and "T.unroll" not in pack, (kernel, pack)
     assert "tdpbf16ps" not in function_asm(asm, "attention_compute_")   # head_dim 40
     assert "attention converts to float32 on load" in m.precision
     assert {n for n, b in m.program.buffers.items() if (b.pack or {}).get("amx")} == {
