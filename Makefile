@@ -22,7 +22,7 @@ demo: $(STAMP)
 # The tests include aarch64 builds run under qemu: setup-arm installs the cross toolchain and
 # qemu-user with apt (skipped when present).
 test: $(STAMP) setup-arm
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
