@@ -402,6 +402,7 @@ def test_a_remote_kernel_that_does_not_build_is_not_measured(monkeypatch):
     assert search._failure_note(errors) == (
         "not measured (1 failure(s)); first, at build: LLVM ERROR: Cannot select: "
         "intrinsic %llvm.x86.tdpbf16ps")
+    assert search._failure_note(["build: "]).endswith("first, at build: no message")
     outs, error = search._Remote(("127.0.0.1", 1, "none")).outputs(
         [default], mhagen.target.resolve("x86").tvm)
     assert outs is None and error.endswith("Cannot select: intrinsic %llvm.x86.tdpbf16ps")

@@ -168,7 +168,7 @@ def _built_here(funcs, target):
         try:
             out.append((export(fast_build(tvm.IRModule({"main": f}), target, None)), None))
         except Exception as err:  # noqa: BLE001 - a kernel that does not build: not measured
-            out.append((None, str(err)))
+            out.append((None, str(err) or type(err).__name__))
     return out
 
 
@@ -335,8 +335,8 @@ def _failure_note(errors) -> str:
     (build, run on the device) and the error's last line (TVM puts the cause there)."""
     if not errors:
         return ""
-    where, error = errors[0].split(":", 1)
-    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    where, _, error = errors[0].partition(":")
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()] or ["no message"]
     return f"not measured ({len(errors)} failure(s)); first, at {where}: {lines[-1][:300]}"
 
 
