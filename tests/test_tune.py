@@ -110,11 +110,29 @@ def _build_with(records, tmp_path):
     return {d["kernel"]: d["source"] for d in m.decisions}
 
 
+def _first(trace, kind):
+    """Index of the trace's first instruction of `kind`."""
+    return next(i for i, inst in enumerate(trace[0]) if inst[0] == kind)
+
+
+def _sampled(trace):
+    """The decision of the trace's first SampleCategorical."""
+    at = _first(trace, "SampleCategorical")
+    return next(d for d in trace[1] if d[0] == at)
+
+
+# Each of the last three crashed the process in TVM's replay (heap corruption, SIGSEGV)
 @pytest.mark.parametrize("damage,match", [
-    (lambda r: r.update(trace=[["NoSuchInstruction", [], [], []]]), "does not apply"),
+    (lambda r: r.update(trace=[["NoSuchInstruction", [], [], []]]), "damaged: not"),
+    (lambda r: r["trace"][0].append(["NoSuchInstruction", [], [], []]), "does not apply"),
     (lambda r: r.update(kernel_hash="0" * 16), "kernel changed"),
     (lambda r: r.update(tvm="0.1.0"), "made with TVM 0.1.0"),
-], ids=["garbage-trace", "stale-hash", "other-tvm"])
+    (lambda r: _sampled(r["trace"]).__setitem__(0, -1), "names no instruction"),
+    (lambda r: _sampled(r["trace"]).__setitem__(1, 99), "no such candidate"),
+    (lambda r: r["trace"][0][_first(r["trace"], "GetSBlock")].__setitem__(2, []),
+     r"\(GetSBlock\) has 0 attributes, not 2"),
+], ids=["garbage-trace", "unknown-instruction", "stale-hash", "other-tvm",
+        "decision-index", "decision-value", "attributes"])
 def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, match):
     records = _forced_records(tuned)
     damage(next(r for r in records if r["key"]["kernel"] == "qkv_projection"))
