@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from mhagen.backends import backend_for
-from mhagen.tuning.apply import apply_trace
+from mhagen.tuning.apply import apply_trace, refuse_record, replay_differs
 
 
 @dataclass
@@ -67,8 +67,11 @@ def _schedule(kernel, target, rules, record):
         return func, decisions
     sch = apply_trace(kernel, record, default_configs(decisions))
     if sch is not None:
-        return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
-                                          {"trials": record.get("trials")}, "tuned")]
+        wrong = replay_differs(func, sch.mod["main"], target)
+        if wrong is None:
+            return sch.mod["main"], [Decision(kernel.name, "*", "metaschedule",
+                                              {"trials": record.get("trials")}, "tuned")]
+        refuse_record(kernel, f"its trace replays, but {wrong}", stacklevel=3)
     return func, [replace(d, source="stale") for d in decisions]
 
 

@@ -121,7 +121,7 @@ def _sampled(trace):
     return next(d for d in trace[1] if d[0] == at)
 
 
-# Each of the last three crashed the process in TVM's replay (heap corruption, SIGSEGV)
+# decision-index, decision-value, attributes: each crashed the process in TVM's replay
 @pytest.mark.parametrize("damage,match", [
     (lambda r: r.update(trace=[["NoSuchInstruction", [], [], []]]), "damaged: not"),
     (lambda r: r["trace"][0].append(["NoSuchInstruction", [], [], []]), "does not apply"),
@@ -131,8 +131,11 @@ def _sampled(trace):
     (lambda r: _sampled(r["trace"]).__setitem__(1, 99), "no such candidate"),
     (lambda r: r["trace"][0][_first(r["trace"], "GetSBlock")].__setitem__(2, []),
      r"\(GetSBlock\) has 0 attributes, not 2"),
+    # a sound trace that computes something else: its row split's loops swapped
+    (lambda r: r["trace"][0][_first(r["trace"], "Split")][3].reverse(),
+     "its trace replays, but its output differs from the default schedule's"),
 ], ids=["garbage-trace", "unknown-instruction", "stale-hash", "other-tvm",
-        "decision-index", "decision-value", "attributes"])
+        "decision-index", "decision-value", "attributes", "swapped-loops"])
 def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, match):
     records = _forced_records(tuned)
     damage(next(r for r in records if r["key"]["kernel"] == "qkv_projection"))

@@ -87,6 +87,12 @@ def trace_problem(trace) -> str | None:
     return None
 
 
+def refuse_record(kernel, why, stacklevel=4):
+    warnings.warn(f"tuning record for kernel {kernel.name!r} not used: {why}; using the "
+                  "default schedule (re-run `mhagen tune` to refresh it)", TuningWarning,
+                  stacklevel=stacklevel)
+
+
 def apply_trace(kernel, record, default):
     """A Schedule of `kernel` with the record's trace applied, or None (with a warning).
     default: the rules' configs of today's default schedule (schedules.default_configs),
@@ -96,9 +102,7 @@ def apply_trace(kernel, record, default):
     from tvm.s_tir.schedule import Trace
 
     def refuse(why):
-        warnings.warn(f"tuning record for kernel {kernel.name!r} not used: {why}; using the "
-                      "default schedule (re-run `mhagen tune` to refresh it)", TuningWarning,
-                      stacklevel=4)
+        refuse_record(kernel, why, stacklevel=5)
         return None
 
     if record.get("tvm") != versions()["tvm"]:
@@ -119,3 +123,15 @@ def apply_trace(kernel, record, default):
         return refuse(f"its trace does not apply ({type(err).__name__}: "
                       f"{str(err).splitlines()[-1][:200] if str(err) else ''})")
     return sch
+
+
+def replay_differs(default_func, traced_func, target) -> str | None:
+    """Why a replayed trace's kernel computes something other than the default schedule's
+    on the same random inputs (the check `mhagen tune` makes before it keeps a schedule), or
+    None. A structurally sound trace with its decisions edited can still replay: one Split
+    whose two loops were swapped gave wrong outputs, silently. Not checked (None) where this
+    machine cannot run the target's code: a board's records tuned over RPC."""
+    if target.device != "cpu" or target.cannot_run() is not None:
+        return None
+    from mhagen.tuning.search import _wrong_result
+    return _wrong_result([default_func, traced_func], target)
