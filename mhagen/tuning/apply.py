@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import warnings
 
+from mhagen.tolerances import max_error, tolerance
 from mhagen.tuning.records import TuningWarning, stale_default
 from mhagen.version import __version__
 
@@ -133,5 +134,49 @@ def replay_differs(default_func, traced_func, target) -> str | None:
     machine cannot run the target's code: a board's records tuned over RPC."""
     if target.device != "cpu" or target.cannot_run() is not None:
         return None
-    from mhagen.tuning.search import _wrong_result
-    return _wrong_result([default_func, traced_func], target)
+    calls = _prepared([default_func, traced_func], target.tvm)
+    if calls[1] is None:
+        return "it does not build"
+    want, got = (c[1][-1].numpy() for c in calls)
+    err, tol = max_error(got, want), tolerance(want)
+    if not (err <= tol):     # NaN too
+        return f"its output differs from the default schedule's (max error {err:.2e} > {tol:.1e})"
+    return None
+
+
+def _arguments(func, fixed, seed):
+    """The numpy arguments of one call: the `fixed` arrays ({index: array}), random floats
+    from `seed` (the same for every function of one check), zeros for integers."""
+    import numpy as np
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    rng = np.random.default_rng(seed)
+    fixed = {int(k): v for k, v in (fixed or {}).items()}
+    args = []
+    for i, info in enumerate(ArgInfo.from_prim_func(func)):
+        shape, dtype = [int(s) for s in info.shape], str(info.dtype)
+        if i in fixed:
+            args.append(np.ascontiguousarray(fixed[i]))
+        elif "float" in dtype:
+            args.append(rng.standard_normal(shape).astype(dtype))
+        else:
+            args.append(np.zeros(shape, dtype))
+    return args
+
+
+def _prepared(funcs, target, fixed=None, seed=0):
+    """Each PrimFunc compiled here with its arguments (_arguments; `fixed`: one dict for all,
+    or a list of dicts), called once; None where it does not build."""
+    import tvm
+    per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
+    calls = []
+    for f, fixed in zip(funcs, per_func):
+        try:
+            ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
+        except Exception:  # noqa: BLE001 - a candidate that does not build is not timed
+            calls.append(None)
+            continue
+        args = [tvm.runtime.tensor(a, tvm.cpu()) for a in _arguments(f, fixed, seed)]
+        func = ex["main"]
+        func(*args)
+        calls.append((func, args))
+    return calls

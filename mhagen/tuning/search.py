@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
 from mhagen.backends import backend_for
 from mhagen.cross import ARCHES
@@ -48,7 +47,7 @@ from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
 from mhagen.tolerances import max_error, tolerance
-from mhagen.tuning.apply import kernel_hash, versions
+from mhagen.tuning.apply import _arguments, _prepared, kernel_hash, versions
 from mhagen.tuning.records import Database, Tuning, user_database_path
 
 
@@ -358,41 +357,6 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
                 n += 1
             samples[i].append((time.perf_counter() - start) / n)
     return [float(np.median(s)) if s else None for s in samples]
-
-
-def _arguments(func, fixed, seed):
-    """The numpy arguments of one call: the `fixed` arrays ({index: array}), random floats
-    from `seed` (the same for every function of one check), zeros for integers."""
-    rng = np.random.default_rng(seed)
-    fixed = {int(k): v for k, v in (fixed or {}).items()}
-    args = []
-    for i, info in enumerate(ArgInfo.from_prim_func(func)):
-        shape, dtype = [int(s) for s in info.shape], str(info.dtype)
-        if i in fixed:
-            args.append(np.ascontiguousarray(fixed[i]))
-        elif "float" in dtype:
-            args.append(rng.standard_normal(shape).astype(dtype))
-        else:
-            args.append(np.zeros(shape, dtype))
-    return args
-
-
-def _prepared(funcs, target, fixed=None, seed=0):
-    """Each PrimFunc compiled here with its arguments (_arguments; `fixed`: one dict for all,
-    or a list of dicts), called once; None where it does not build."""
-    per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
-    calls = []
-    for f, fixed in zip(funcs, per_func):
-        try:
-            ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
-        except Exception:  # noqa: BLE001 - a candidate that does not build is not timed
-            calls.append(None)
-            continue
-        args = [tvm.runtime.tensor(a, tvm.cpu()) for a in _arguments(f, fixed, seed)]
-        func = ex["main"]
-        func(*args)
-        calls.append((func, args))
-    return calls
 
 
 def _wrong_result(funcs, t, fixed=None, rows=None, remote=None) -> str | None:
