@@ -134,12 +134,23 @@ def replay_differs(default_func, traced_func, target) -> str | None:
     machine cannot run the target's code: a board's records tuned over RPC."""
     if target.device != "cpu" or target.cannot_run() is not None:
         return None
-    calls = _prepared([default_func, traced_func], target.tvm)
-    if calls[1] is None:
-        return "it does not build"
-    want, got = (c[1][-1].numpy() for c in calls)
+    outs = local_outputs([default_func, traced_func], target.tvm)
+    return "it does not build here" if outs is None else outputs_differ(*outs)
+
+
+def local_outputs(funcs, tvm_target, fixed=None):
+    """The last argument of each PrimFunc after one call here on the same arguments
+    (_prepared), or None when one does not build."""
+    calls = _prepared(funcs, tvm_target, fixed)
+    return None if any(c is None for c in calls) else [c[1][-1].numpy() for c in calls]
+
+
+def outputs_differ(want, got) -> str | None:
+    """Why `got` (a schedule's output) is not `want` (the default's) within the tolerance
+    table, or is not finite; None when they agree."""
+    import numpy as np
     err, tol = max_error(got, want), tolerance(want)
-    if not (err <= tol):     # NaN too
+    if not np.all(np.isfinite(got)) or err > tol:
         return f"its output differs from the default schedule's (max error {err:.2e} > {tol:.1e})"
     return None
 

@@ -46,8 +46,8 @@ from mhagen.lower import lower
 from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
-from mhagen.tolerances import max_error, tolerance
-from mhagen.tuning.apply import _arguments, _prepared, kernel_hash, versions
+from mhagen.tuning.apply import (_arguments, _prepared, kernel_hash, local_outputs,
+                                 outputs_differ, versions)
 from mhagen.tuning.records import Database, Tuning, user_database_path
 
 
@@ -365,19 +365,14 @@ def _wrong_result(funcs, t, fixed=None, rows=None, remote=None) -> str | None:
     agree. Both run where they were timed: here, or on the RPC device (`remote`). A kept
     schedule is checked so before it is recorded."""
     if remote is None:
-        calls = _prepared(funcs, t.tvm, fixed)
-        if any(c is None for c in calls):
+        outs = local_outputs(funcs, t.tvm, fixed)
+        if outs is None:
             return "it does not build here"
-        outs = [c[1][-1].numpy() for c in calls]
     else:
         outs, error = remote.outputs(funcs, t.tvm, fixed)
         if error:
             return f"it could not be checked on the device ({error})"
-    outs = [o[:rows] for o in outs]
-    err, tol = max_error(outs[-1], outs[0]), tolerance(outs[0])
-    if not np.all(np.isfinite(outs[-1])) or err > tol:
-        return f"its output differs from the default schedule's (max error {err:.2e} > {tol:.1e})"
-    return None
+    return outputs_differ(outs[0][:rows], outs[-1][:rows])
 
 
 def _alloc_with(fixed):
