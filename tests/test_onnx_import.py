@@ -328,6 +328,30 @@ def test_a_model_the_backend_cannot_load_or_run_is_an_onnx_error(backend, tmp_pa
 
 
 # -- real exports of Hugging Face models -----------------------------------------------------
+
+@pytest.mark.parametrize("damage, message", [
+    ("nan_weight", r"Attention node 'attention': the model's w_k of head 1 holds NaN or inf"),
+    ("inf_scale", r"Attention node 'attention': what the model computes is not a valid "
+                  r"mhagen layer: .*finite")])
+def test_values_mhagen_cannot_take_are_onnx_errors_naming_the_node(damage, message, tmp_path,
+                                                                   no_onnxruntime):
+    """Found by editing exported models at random (1,000 edits): a NaN in a weight or an
+    infinite Attention scale came out as the graph verifier's or the reference's error,
+    naming mhagen's own node or weight instead of the ONNX node."""
+    layer = mhagen.mha(16, 2, kv_heads=2)
+    model = onnx.load(str(export_onnx(layer, tmp_path / "m.onnx", layer.init_weights(),
+                                      form="fused", seq_len=6)))
+    if damage == "nan_weight":
+        init = next(t for t in model.graph.initializer if t.name == "w_k")
+        w = nh.to_array(init).copy()
+        w[0, 8 + 3] = np.nan             # K/V heads side by side: column 11 is head 1's
+        init.CopyFrom(nh.from_array(w, "w_k"))
+    else:
+        attention = next(n for n in model.graph.node if n.op_type == "Attention")
+        next(a for a in attention.attribute if a.name == "scale").f = float("inf")
+    with pytest.raises(OnnxError, match=message):
+        import_onnx(model)
+
 def _hf_import(model, torch):
     """A transformers model (random config) exported with token ids as its only input, as a
     user would; the one imported layer."""

@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from mhagen.checks import positive_int
+from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, need_onnx
 from mhagen.onnx.build_graph import layer_graph, layer_weights
@@ -211,7 +212,13 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     bias = any(p.has_bias for c in blk.cores for p in c.paths.values()) or any(
         c.qkv_bias or c.out.has_bias for c in blk.cores)
     weights = layer_weights(rec, kv_heads, bias)
-    graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
+    label = blk.cores[0].label
+    _check_finite(label, weights, rec.source)
+    try:
+        graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
+    except GraphError as err:   # a value read from the model mhagen cannot take (scale inf)
+        raise OnnxError(f"{label}: what the model computes is not a valid mhagen layer: "
+                        f"{err}") from None
     try:
         err = _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes)
     except OnnxError as e:
@@ -225,6 +232,18 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     return ImportedAttention(graph, weights, blk.cores[0].source, blk.x, blk.y, blk.layout,
                              tuple(_block_nodes(m, blk.x, blk.y)), tuple(dict.fromkeys(notes)),
                              err, rec.source)
+
+
+def _check_finite(label, weights, source):
+    """OnnxError naming the weight and head when one read from the model is NaN or inf."""
+    for key, w in weights.items():
+        bad = ~np.isfinite(w)
+        if bad.any():
+            where = (f" of head {int(np.argwhere(bad)[0][0])}" if key[0] in "wb" and
+                     key[2] in "qkv" else "")
+            how = "in its initializers" if source == "initializers" else "as fitted"
+            raise OnnxError(f"{label}: the model's {key}{where} holds NaN or inf ({how}); "
+                            "mhagen layers need finite weights: fix the model's weights")
 
 
 def _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes):
