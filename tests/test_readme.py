@@ -15,7 +15,7 @@ from mhagen.cli import parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
-        ROOT / "examples" / "c_app" / "README.md"]
+        ROOT / "benchmarks" / "PERFORMANCE.md", ROOT / "examples" / "c_app" / "README.md"]
 # mhagen's wrappers whose keywords the compiler's functions take
 FORWARDED = {"build": "mhagen.compile.build", "tune": "mhagen.tuning.search.tune"}
 
