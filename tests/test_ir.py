@@ -514,6 +514,16 @@ ERRORS = [
         {"name": "m", "kind": "mask", "inputs": ["s0"],
          "attrs": {"head": 0, "mask": {"$expr": {"var": "i"}}}})),
      ["bad node", "unknown mask variable 'i'"]),
+    ("json-node-attrs-a-number", _from_json(_bad_node_json(     # found by editing
+        {"name": "z", "kind": "softmax", "inputs": ["s0"], "attrs": 0.5})),  # JSON at random
+     ["bad node", "'attrs' must be an object"]),
+    ("json-node-inputs-a-string", _from_json(_bad_node_json(
+        {"name": "z", "kind": "softmax", "inputs": "s0", "attrs": {}})),
+     ["bad node", "'inputs' must be a list of node names"]),
+    ("json-nodes-an-object", _from_json(_good_json(nodes={"a": 1})),
+     ["bad graph JSON", "'nodes' must be a list of nodes"]),
+    ("json-options-a-list", _from_json(_good_json(options=[1])),
+     ["bad graph JSON", "'options' must be an object"]),
     ("json-unknown-kind", _from_json(_bad_node_json({"name": "z", "kind": "gelu",
                                                      "inputs": ["x"], "attrs": {}})),
      ["'gelu'", "use one of"]),

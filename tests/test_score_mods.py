@@ -162,6 +162,29 @@ def test_heads_with_different_modifiers_do_not_fuse_and_say_why():
     assert_close(layer.reference(xs, w), g.reference(xs, w))
 
 
+@pytest.mark.parametrize("size", [4, 40], ids=["select-table", "param-table"])
+def test_heads_whose_tables_differ_only_in_values_do_not_fuse(size):
+    """Found by editing graph JSON at random: the fusion pass compared the heads' modifiers
+    by repr, which abbreviates a table to its length, so heads whose distance tables held
+    other values fused into head 0's expression (max error 0.18, silently)."""
+    rng = np.random.default_rng(size)
+    g = mhagen.Graph("own_tables")
+    x = g.input("x", 32)
+    outs = []
+    for h in range(2):
+        q, k, v = (g.head_projection(x, w, h, 16) for w in ("w_q", "w_k", "w_v"))
+        bias = ex.table(rng.standard_normal(size).tolist(), ex.q_idx - ex.kv_idx + 3)
+        s = g.score_mod(g.scale(g.scores(q, k), 0.25), ex.score + bias, head=h)
+        outs.append(g.weighted_sum(g.softmax(s), v))
+    g.set_output(g.output_projection(g.concat_heads(outs), "w_o", 32))
+    result = run_passes(g, fuse=True)
+    assert not result.fused and "different score modifiers" in result.reason
+    w, xs = g.init_weights(0), random_input(g, 2, 9)
+    m = mhagen.build(g, "x86-avx2" if not resolve("x86").runs_here() else "x86",
+                     batch=2, seq_len=9, weights=w)
+    assert_close(m(xs), g.reference(xs, w))
+
+
 def test_bad_expressions_are_refused_clearly():
     with pytest.raises(GraphError, match="score_mod= takes a numeric expression"):
         mhagen.mha(32, 2, score_mod=mhagen.kv_idx <= mhagen.q_idx)

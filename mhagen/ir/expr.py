@@ -169,7 +169,7 @@ class Table(Expr):
     def to_json(self):
         return {"table": list(self.values), "index": self.index.to_json()}
 
-    def __repr__(self):
+    def __repr__(self):   # short for printing: compare expressions with ==, not repr
         return f"table[{len(self.values)}][{self.index!r}]"
 
 

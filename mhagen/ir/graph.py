@@ -36,13 +36,24 @@ class Node:
         if not isinstance(data, dict):
             raise GraphError(f"bad node in graph JSON {data!r}: expected an object with "
                              "'name', 'kind', 'inputs' and 'attrs'")
+        inputs, attrs = data.get("inputs", []), data.get("attrs", {})
+        wrong = [f"{key!r} must be {what}" for key, ok, what in (
+            ("name", isinstance(data.get("name"), str), "a string"),
+            ("kind", isinstance(data.get("kind"), str), "a string"),
+            ("inputs", isinstance(inputs, list) and all(isinstance(i, str) for i in inputs),
+             "a list of node names"),
+            ("attrs", isinstance(attrs, dict), "an object")) if not ok]
+        if wrong:
+            raise GraphError(f"bad node in graph JSON {data!r}: {'; '.join(wrong)}; each node "
+                             "needs 'name', 'kind', 'inputs' and 'attrs' as Graph.to_json() "
+                             "writes them")
         try:
             attrs = {k: (ex.from_json(v["$expr"]) if isinstance(v, dict) and "$expr" in v else v)
-                     for k, v in data.get("attrs", {}).items()}
-            return Node(data["name"], data["kind"], tuple(data.get("inputs", ())), attrs)
-        except (KeyError, TypeError, ValueError) as err:
-            raise GraphError(f"bad node in graph JSON {data!r}: {err}; each node needs "
-                             "'name', 'kind', 'inputs' and 'attrs'") from None
+                     for k, v in attrs.items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise GraphError(f"bad node {data['name']!r} in graph JSON: {err}; write "
+                             "expressions as Graph.to_json() does") from None
+        return Node(data["name"], data["kind"], tuple(inputs), attrs)
 
 
 class Graph:
@@ -253,8 +264,18 @@ class Graph:
             raise GraphError(f"graph JSON version {data.get('version')} is not supported by this "
                              f"mhagen (reads version {GRAPH_VERSION}); upgrade mhagen or "
                              "re-export the graph")
-        g = Graph(data.get("name", "graph"), data.get("dtype", "float32"), data.get("options"))
-        for nd in data.get("nodes", []):
+        name, options, nodes = data.get("name", "graph"), data.get("options"), data.get("nodes", [])
+        wrong = [f"{key!r} must be {what}" for key, ok, what in (
+            ("name", isinstance(name, str), "a string"),
+            ("dtype", isinstance(data.get("dtype", "float32"), str), "a string"),
+            ("options", options is None or isinstance(options, dict), "an object"),
+            ("nodes", isinstance(nodes, list), "a list of nodes"),
+            ("output", data.get("output") is None or isinstance(data.get("output"), str),
+             "a node name")) if not ok]
+        if wrong:
+            raise GraphError(f"bad graph JSON: {'; '.join(wrong)} (as Graph.to_json() writes it)")
+        g = Graph(name, data.get("dtype", "float32"), options)
+        for nd in nodes:
             node = Node.from_json(nd)
             g.add(node.kind, node.inputs, node.name, **node.attrs)
         g.output = data.get("output")

@@ -492,7 +492,7 @@ class _Builder:
                 return self.op("Not", [self.op("Equal", [a, c], "mask_eq")], "mask_ne"), True
             return self.op(_CMP[e.op], [a, c], "mask_" + _CMP[e.op].lower()), True
 
-        key = ("computed", repr(expr), head if "head" in ex.variables(expr) else None, rank)
+        key = ("computed", expr, head if "head" in ex.variables(expr) else None, rank)
 
         def make():
             t, _ = emit(expr)
@@ -727,13 +727,12 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     mask = att.attrs.get("mask")
     decoding = att.attrs.get("cache") is not None
     if decoding:   # the cache's own rule (kv_idx < kv_len) is the past + new keys: implied
-        known = {repr(ex.kv_idx < ex.kv_len): None,
-                 repr(ex.causal() & (ex.kv_idx < ex.kv_len)): ex.causal()}
-        if repr(mask) not in known:
+        known = {ex.kv_idx < ex.kv_len: None, ex.causal() & (ex.kv_idx < ex.kv_len): ex.causal()}
+        if mask not in known:
             raise OnnxError(f"decoding layer {layer.name!r} has mask {mask!r}; its ONNX form "
                             "(Attention with past_key/past_value) carries causal or no mask "
                             "only")
-        mask = known[repr(mask)]
+        mask = known[mask]
     if mask is not None and mask == ex.causal():
         attrs["is_causal"] = 1
     elif mask is not None:
