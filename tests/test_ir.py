@@ -667,3 +667,72 @@ def test_edited_graphs_verify_or_raise_a_graph_error():
         except GraphError:
             outcomes["refused"] += 1
     assert outcomes["valid"] > 100 and outcomes["refused"] > 500, outcomes
+
+
+def _tree_edits(seed, count):
+    """Graph JSON of layers whose heads carry expressions (tables, where, softcap) with one
+    value anywhere in the tree changed: a number moved, a list's items swapped, a key or item
+    dropped or duplicated, or a value of another type."""
+    rng = random.Random(seed)
+    table = np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32)
+    layers = [mhagen.mha(16, 2, score_mod=mhagen.relative_bias(table, max_distance=8)),
+              mhagen.mha(16, 2, causal=True, score_mod=[mhagen.alibi(2), mhagen.softcap(3.0)]),
+              mhagen.mha(16, 2, kv_heads=1, mask=mhagen.sliding_window(3),
+                         score_mod=mhagen.where(mhagen.kv_idx < 2, mhagen.score + 1.0,
+                                                mhagen.score))]
+    sources = [json.loads(layer.to_json()) for layer in layers]
+
+    def paths(node, at=()):
+        yield at
+        items = node.items() if isinstance(node, dict) else (
+            enumerate(node) if isinstance(node, list) else ())
+        for k, v in items:
+            yield from paths(v, at + (k,))
+
+    while count:
+        data = copy.deepcopy(rng.choice(sources))
+        at = rng.choice([p for p in paths(data) if p])
+        parent = data
+        for k in at[:-1]:
+            parent = parent[k]
+        key, value = at[-1], parent[at[-1]]
+        edit = rng.choice(["number", "swap", "drop", "duplicate", "odd"])
+        if edit == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            parent[key] = rng.choice([value + 1, value - 1, -value, 2 * value, value + 0.5])
+        elif edit == "swap" and isinstance(parent, list) and len(parent) > 1:
+            other = rng.randrange(len(parent))
+            parent[key], parent[other] = parent[other], parent[key]
+        elif edit == "drop":
+            del parent[key]
+        elif edit == "duplicate" and isinstance(parent, list):
+            parent.insert(key, copy.deepcopy(value))
+        elif edit == "odd":
+            parent[key] = rng.choice(ODD_VALUES)
+        else:
+            continue
+        count -= 1
+        yield data
+
+
+def test_fusion_keeps_what_edited_graphs_compute():
+    """Any one edit of a graph's JSON verifies or raises a GraphError, and where the edited
+    graph fuses, the fused graph's reference is the edited graph's: the fusion pass never
+    merges heads that compute differently (it compared tables by their repr, which shows
+    only their length, and fused heads with other table values into head 0's)."""
+    outcomes = collections.Counter()
+    x = np.random.default_rng(0).standard_normal((1, 9, 16)).astype(np.float32)
+    for data in _tree_edits(seed=1, count=1000):
+        try:
+            g = Graph.from_json(json.dumps(data))
+            mhagen.verify(g)
+        except GraphError:
+            outcomes["refused"] += 1
+            continue
+        fused = run_passes(g)
+        outcomes["fused" if fused.fused else "not fused"] += 1
+        if fused.fused:
+            w = g.init_weights(0)
+            np.testing.assert_allclose(fused.graph.reference(x, w), g.reference(x, w),
+                                       rtol=0, atol=1e-12, err_msg=json.dumps(data)[:300])
+    assert outcomes["fused"] > 50 and outcomes["not fused"] > 10 and outcomes["refused"] > 100, \
+        outcomes
