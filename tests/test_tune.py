@@ -167,9 +167,16 @@ def test_records_measured_against_another_default_are_stale(tuned, tmp_path):
             if m in str(w.message)} == {"'qkv_projection'", "attention"}
 
 
-def test_invalid_attention_config_falls_back(tuned, tmp_path):
+@pytest.mark.parametrize("edit", [
+    {"q_tile": 12},
+    # found by editing records at random: a P V vector wider than a head's columns met an
+    # assertion in the template, tiles of 2^31 rows a TVM InternalError
+    {"out_cols": 64},
+    {"out_rows": 2 ** 31, "q_tile": 65536, "tile_cols": 65536},
+    {"tile_rows": 160, "kv_block": 160}], ids=["q_tile", "out_cols", "huge", "tile_rows"])
+def test_invalid_attention_config_falls_back(tuned, tmp_path, edit):
     records = _forced_records(tuned)
-    next(r for r in records if r["key"]["kernel"] == "attention")["config"]["q_tile"] = 12
+    next(r for r in records if r["key"]["kernel"] == "attention")["config"].update(edit)
     with pytest.warns(TuningWarning, match="invalid"):
         sources = _build_with(records, tmp_path)
     assert sources["attention"] == "default"
@@ -227,10 +234,14 @@ def test_decode_steps_sweep_their_template_on_a_full_cache(tmp_path, monkeypatch
         stale = _decode_sources(layer, [{**record, "default_config": {**default,
                                                                       "workers": 99}}],
                                 tmp_path)
-    with pytest.warns(TuningWarning, match="invalid"):
-        invalid = _decode_sources(layer, [{**record, "config": {**other, "lanes": 4}}],
-                                  tmp_path)
-    assert stale["source"] == invalid["source"] == "default"
+    # the wrong lanes; edited at random: a row tile of 10^6 rows (its build hung), 2^31
+    # workers (int32 overflow in TVM)
+    for edit in ({"lanes": 4}, {"row_tile": 10 ** 6}, {"workers": 2 ** 31}):
+        with pytest.warns(TuningWarning, match="invalid"):
+            invalid = _decode_sources(layer, [{**record, "config": {**other, **edit}}],
+                                      tmp_path)
+        assert invalid["source"] == "default", edit
+    assert stale["source"] == "default"
 
 
 def test_corrupt_database_file_is_ignored_with_a_warning(tmp_path):

@@ -119,7 +119,7 @@ def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
     space = rule.candidates(work, t)
     assert space[0] == default and {c.q_tile for c in space} >= {32, 64, 128}
     for c in space:
-        assert rule.make_config(dataclasses.asdict(c), t) == c
+        assert rule.make_config(dataclasses.asdict(c), t, work) == c
     avx512 = resolve("x86-avx512")
     assert all(c.out_rows == 8 for c in rule.candidates(
         next(k for k in mhagen.build(layer, "x86-avx512", batch=1, seq_len=128, tuning=None)

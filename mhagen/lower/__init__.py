@@ -72,11 +72,11 @@ def _tuned_config(rule, tuning, key, target):
     if record is None or record.get("kind") != "config":
         return None
 
-    def choose(default):
+    def choose(default, workload):
         why = stale_default(record, asdict(default))
         if why is None:
             try:
-                return rule.make_config(record["config"], target)
+                return rule.make_config(record["config"], target, workload)
             except (KeyError, TypeError, ValueError) as err:
                 why = f"it is invalid ({err})"
         warnings.warn(f"tuning record for {key['kernel']} not used: {why}; using the default "

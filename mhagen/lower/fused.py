@@ -292,7 +292,7 @@ def lower_fused(graph, batch, seq, target, backend, attention_config=None,
             work["cache_dtype"] = cache_dtype
     rule = backend.attention if cache is None else backend.decode
     default = rule.default_config(work, target)
-    tuned = attention_config(default) if attention_config else None
+    tuned = attention_config(default, work) if attention_config else None
     cfg = tuned or default
 
     # param recipes (mhagen.params): every head's d columns at i * dp

@@ -100,11 +100,11 @@ class CudaAttentionRule:
                              f"{target.name}'s shared memory")
         return found[0]
 
-    def make_config(self, values: dict, target) -> CudaAttentionConfig:
+    def make_config(self, values: dict, target, workload) -> CudaAttentionConfig:
         cfg = CudaAttentionConfig(int(values["q_tile"]), int(values["kv_block"]))
         if (cfg.q_tile < ROWS_PER_THREAD or cfg.q_tile % ROWS_PER_THREAD
                 or cfg.kv_block < COL_THREADS or cfg.kv_block % COL_THREADS
-                or threads(cfg) > target.tvm_target_dict()["max_threads_per_block"]):
+                or not self._fits(cfg, workload, target)):   # threads, shared memory
             raise ValueError(f"{cfg} breaks the CUDA template's tiling constraints")
         return cfg
 

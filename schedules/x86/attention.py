@@ -230,17 +230,32 @@ class AttentionRule:
                     or cfg)
         return cfg
 
-    def make_config(self, values: dict, target) -> AttentionConfig:
-        """A config from a tuning record, checked against the template's constraints."""
+    def make_config(self, values: dict, target, workload) -> AttentionConfig:
+        """A config from a tuning record, checked against the template's constraints for
+        this workload (a record edited by hand met an assertion in build_attention)."""
         cfg = AttentionConfig(**{k: int(values[k]) for k in
                                  ("q_tile", "kv_block", "tile_rows", "tile_cols", "out_rows",
                                   "out_cols")})
-        lanes = target.lanes
-        if (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols, cfg.out_rows,
-                cfg.out_cols) < 1
-                or cfg.q_tile % cfg.tile_cols
-                or cfg.kv_block % cfg.tile_rows or cfg.tile_cols % lanes
-                or cfg.out_cols % lanes):
+        lanes, w = target.lanes, workload
+        keys = w.get("kv_seq") or w["seq"]
+        most = 4 * target.vector_registers     # accumulators of a register tile, spilled or not
+        broken = (min(cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols, cfg.out_rows,
+                      cfg.out_cols) < 1
+                  # tiles within twice the sequence (as candidates) and register tiles
+                  # within reason
+                  or cfg.q_tile > round_up(2 * max(w["seq"], 8), cfg.tile_cols)
+                  or cfg.kv_block > max(round_up(2 * max(keys, 8), cfg.tile_rows),
+                                        round_up(cfg.q_tile, cfg.tile_rows))
+                  or cfg.out_rows > cfg.q_tile
+                  or cfg.tile_rows * cfg.tile_cols > most * lanes
+                  or cfg.out_rows * cfg.out_cols > most * lanes
+                  or cfg.q_tile % cfg.tile_cols or cfg.kv_block % cfg.tile_rows
+                  or cfg.tile_cols % lanes or cfg.out_cols % lanes
+                  # a P V vector lies inside one qkv panel and one head
+                  or w["panel"] % cfg.out_cols or w["v_base"] % cfg.out_cols
+                  or w["head_dim_padded"] % cfg.out_cols
+                  or (w.get("amx") and (cfg.tile_rows, cfg.tile_cols) != (amx.ROWS, amx.COLS)))
+        if broken:
             raise ValueError(f"{cfg} breaks the template's tiling constraints")
         return cfg
 

@@ -121,12 +121,18 @@ class DecodeRule:
                             kv_block=decode_kv_block(row_tile, target.lanes),
                             lanes=target.lanes)
 
-    def make_config(self, values: dict, target) -> DecodeConfig:
-        """A config from a tuning record, checked against the template's constraints."""
+    def make_config(self, values: dict, target, workload) -> DecodeConfig:
+        """A config from a tuning record, checked against the template's constraints and
+        bounded by the workload (an edited record's row tile of 10^6 rows hung the build;
+        2^31 workers overflowed its int32 indices)."""
         cfg = DecodeConfig(**{k: int(values[k]) for k in
                               ("row_tile", "workers", "kv_block", "lanes")})
+        rows = decode_layout(workload, cfg)["rows"] if cfg.row_tile >= 1 else 0
         if (min(cfg.row_tile, cfg.workers, cfg.kv_block) < 1 or cfg.lanes != target.lanes
-                or cfg.kv_block % cfg.lanes):
+                or cfg.kv_block % cfg.lanes
+                or cfg.row_tile > round_up(max(rows, 16), cfg.lanes)
+                or cfg.workers > 64 * max(1, target.cores)
+                or cfg.kv_block > max(round_up(workload["cache"], cfg.lanes), 128)):
             raise ValueError(f"{cfg} breaks the template's constraints for {target.name} "
                              f"({target.lanes} lanes)")
         return cfg
