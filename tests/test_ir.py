@@ -524,6 +524,18 @@ ERRORS = [
      ["bad graph JSON", "'nodes' must be a list of nodes"]),
     ("json-options-a-list", _from_json(_good_json(options=[1])),
      ["bad graph JSON", "'options' must be an object"]),
+    # found by editing graph JSON at random: TVM's folding refused x / 0 (InternalError),
+    # and an index constant of -2^31 wrapped in the kernels' int32 (silently wrong)
+    ("score-mod-divides-by-zero", lambda: mhagen.verify(
+        mhagen.mha(16, 2, score_mod=mhagen.tanh(mhagen.score / (ex.Const(2.0) - 2.0)))),
+     ["(score / (2.0 - 2.0)) divides by the constant 0"]),
+    ("int32-index-at-build", lambda: mhagen.build(
+        mhagen.mha(16, 2, mask=mhagen.kv_idx <= mhagen.q_idx + (2 ** 31 - 10)),
+        batch=1, seq_len=16),
+     ["(q_idx + 2147483638) ranges over [2147483638,", "at these sizes", "32-bit"]),
+    ("int32-constant", _verify(lambda g: g.mask("s", mhagen.q_idx * 0 + 2 ** 40 > 1, head=0,
+                                                name="m")),
+     ["mask 'm'", "ranges over [1099511627776, 1099511627776]"]),
     ("json-unknown-kind", _from_json(_bad_node_json({"name": "z", "kind": "gelu",
                                                      "inputs": ["x"], "attrs": {}})),
      ["'gelu'", "use one of"]),

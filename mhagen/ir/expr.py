@@ -259,6 +259,46 @@ def is_integer(expr: Expr) -> bool:
     return False
 
 
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def subexpressions(expr: Expr):
+    """expr and every expression inside it."""
+    yield expr
+    for c in children(expr):
+        yield from subexpressions(c)
+
+
+def int_overflow(expr: Expr, bound: int | None):
+    """(subexpression, (lo, hi)) of the first integer subexpression of `expr` whose value
+    can leave int32 when every index variable lies in [0, bound] (bound None: sizes not
+    known, constants only), else None. The kernels compute integer expressions in int32 and
+    the reference in int64: an edited index constant of -2^31 wrapped in the kernel and
+    clamped in the reference (max error 0.14, silently)."""
+    def span(e):
+        if isinstance(e, Var):
+            return None if bound is None else (0, bound)
+        if isinstance(e, Const):
+            return (e.value, e.value)
+        if e.is_bool:
+            return (0, 1)
+        a, b = span(e.lhs), span(e.rhs)
+        if a is None or b is None:
+            return None
+        if e.op == "+":
+            return (a[0] + b[0], a[1] + b[1])
+        if e.op == "-":
+            return (a[0] - b[1], a[1] - b[0])
+        products = [x * y for x in a for y in b]
+        return (min(products), max(products))
+    for e in subexpressions(expr):
+        if is_integer(e):
+            r = span(e)
+            if r is not None and (r[0] < INT32_MIN or r[1] > INT32_MAX):
+                return e, r
+    return None
+
+
 def substitute(expr: Expr, name: str, value: Expr) -> Expr:
     """expr with variable `name` replaced by `value` (composes score modifiers)."""
     if isinstance(expr, Var):

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
+from mhagen.reference import NUMPY_OPS
 
 
 def _fmt(shape):
@@ -152,6 +155,7 @@ def verify(graph, **dims) -> dict:
         shapes = {k: [dims.get(d, d) if isinstance(d, str) else d for d in s]
                   for k, s in shapes.items()}
     _check_sizes(specs, shapes)
+    _check_int32(graph, shapes)
     for n in graph.nodes:
         new = shapes[n.inputs[0]][1] if n.kind == "cache" else None
         if isinstance(new, int) and new > n.attrs["max_len"]:
@@ -384,6 +388,33 @@ def _check_score_mod(m, where):
     if not ex.is_score_mod(m):
         raise GraphError(f"{where}: a score modifier is a numeric expression of score, batch, "
                          f"head, q_idx, kv_idx (e.g. mhagen.softcap(30.0)), got {m!r}")
+    for e in ex.subexpressions(m):    # TVM's constant folding refuses x / 0
+        if isinstance(e, ex.BinOp) and e.op == "/" and not ex.variables(e.rhs):
+            with np.errstate(all="ignore"):
+                if ex.evaluate(e.rhs, {}, NUMPY_OPS) == 0:
+                    raise GraphError(f"{where}: {e!r} divides by the constant 0; write the "
+                                     "value the modifier should give there (where(...))")
+
+
+def _check_int32(graph, shapes) -> None:
+    """Masks and score modifiers whose integer parts can leave int32 at these sizes (the
+    kernels compute them in int32, the reference in int64): refused. Every index variable
+    is bounded by the largest size of the layer (sequence, cache, batch; the node count
+    bounds the heads)."""
+    sizes = [d for s in shapes.values() for d in s if isinstance(d, int)]
+    sizes += [n.attrs["max_len"] for n in graph.nodes if n.kind == "cache"]
+    bound = max(sizes + [len(graph.nodes)]) if all(
+        isinstance(d, int) for s in shapes.values() for d in s) else None
+    for n in graph.nodes:
+        for attr in ("mask", "expr", "score_mod"):
+            e = n.attrs.get(attr)
+            found = ex.int_overflow(e, bound) if isinstance(e, ex.Expr) else None
+            if found is not None:
+                part, (lo, hi) = found
+                raise GraphError(f"{n.kind} {n.name!r}: {part!r} ranges over [{lo}, {hi}] "
+                                 f"{'at these sizes' if bound is not None else ''}, beyond the "
+                                 "32-bit integers the kernels compute it in; use smaller "
+                                 "constants")
 
 
 def check_head_tables(m, heads, where, at_least=False):
