@@ -536,6 +536,14 @@ ERRORS = [
     ("int32-constant", _verify(lambda g: g.mask("s", mhagen.q_idx * 0 + 2 ** 40 > 1, head=0,
                                                 name="m")),
      ["mask 'm'", "ranges over [1099511627776, 1099511627776]"]),
+    ("output-is-the-input", lambda: mhagen.verify(Graph.from_json(json.dumps(
+        _good_json(output="x")))),   # it had built TIR that TVM called ill-formed
+     ["the graph output 'x' is an input", "set_output()"]),
+    ("score-mod-plus-inf-table", lambda: mhagen.verify(mhagen.mha(16, 2, score_mod=(
+        mhagen.score + mhagen.table([0.0, float("inf")], mhagen.kv_idx - mhagen.q_idx)))),
+     ["can make a score +inf or NaN", "-inf to hide a key"]),
+    ("score-mod-times-inf", lambda: mhagen.verify(mhagen.mha(16, 2, score_mod=(
+        mhagen.score * float("-inf")))), ["(score * -inf) can make a score +inf or NaN"]),
     ("json-unknown-kind", _from_json(_bad_node_json({"name": "z", "kind": "gelu",
                                                      "inputs": ["x"], "attrs": {}})),
      ["'gelu'", "use one of"]),

@@ -331,17 +331,29 @@ def test_a_model_the_backend_cannot_load_or_run_is_an_onnx_error(backend, tmp_pa
 
 @pytest.mark.parametrize("damage, message", [
     ("nan_weight", r"Attention node 'attention': the model's w_k of head 1 holds NaN or inf"),
+    # a NaN before the layer (a LayerNorm's weight in Hugging Face exports) had raised
+    # numpy's LinAlgError from the fit or ValueError from the rotary reader
+    ("nan_input", r"Attention node 'attention': the layer's input 'x_scaled' holds NaN or "
+                  r"inf when the model runs on random probe inputs"),
     ("inf_scale", r"Attention node 'attention': what the model computes is not a valid "
                   r"mhagen layer: .*finite")])
 def test_values_mhagen_cannot_take_are_onnx_errors_naming_the_node(damage, message, tmp_path,
                                                                    no_onnxruntime):
-    """Found by editing exported models at random (1,000 edits): a NaN in a weight or an
-    infinite Attention scale came out as the graph verifier's or the reference's error,
-    naming mhagen's own node or weight instead of the ONNX node."""
+    """Found by editing exported models at random: a NaN in a weight or an infinite
+    Attention scale came out as the graph verifier's or the reference's error, naming
+    mhagen's own node or weight instead of the ONNX node; a NaN before the layer as numpy's
+    errors."""
     layer = mhagen.mha(16, 2, kv_heads=2)
     model = onnx.load(str(export_onnx(layer, tmp_path / "m.onnx", layer.init_weights(),
                                       form="fused", seq_len=6)))
-    if damage == "nan_weight":
+    if damage == "nan_input":      # x -> Mul(x, [1, .., NaN]) -> the layer
+        scale = np.ones(16, np.float32)
+        scale[5] = np.nan
+        model.graph.initializer.append(nh.from_array(scale, "nan_scale"))
+        for n in model.graph.node:
+            n.input[:] = ["x_scaled" if i == "x" else i for i in n.input]
+        model.graph.node.insert(0, oh.make_node("Mul", ["x", "nan_scale"], ["x_scaled"]))
+    elif damage == "nan_weight":
         init = next(t for t in model.graph.initializer if t.name == "w_k")
         w = nh.to_array(init).copy()
         w[0, 8 + 3] = np.nan             # K/V heads side by side: column 11 is head 1's

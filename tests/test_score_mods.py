@@ -378,3 +378,23 @@ def test_steep_alibi_flushes_denormals_in_its_tasks_and_leaves_the_callers_mxcsr
     for module in (m, unfused):
         assert_close(module(x), layer.reference(x, w))
         assert read() == before, (hex(before), hex(read()))
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_minus_inf_from_a_modifier_hides_keys_and_empty_rows_give_zeros(fuse):
+    """-inf from a score modifier hides a key as a mask does (FlexAttention's score_mod
+    idiom), through where() or a table value added to the score; a row it hides whole gives
+    zeros. +inf, or inf times a score, is refused (test_ir): it made the softmax NaN."""
+    inf = float("inf")
+    mod = ex.where((ex.kv_idx > ex.q_idx) | (ex.q_idx.eq(3)), -inf, ex.score) + ex.table(
+        [0.0, -inf, 0.25], ex.kv_idx - ex.q_idx + 2)
+    layer = mhagen.mha(32, 2, score_mod=mod)
+    w, x = layer.init_weights(0), random_input(layer, 2, 9)
+    ref = layer.reference(x, w)
+    assert np.isfinite(ref).all()
+    m = mhagen.build(layer, "x86-avx2" if not resolve("x86").runs_here() else "x86",
+                     batch=2, seq_len=9, weights=w, fuse=fuse)
+    y = m(x)
+    assert_close(y, ref)
+    bias = w["b_o"] if "b_o" in w else 0.0      # row 3 sees no key: its heads give zeros
+    np.testing.assert_allclose(y[:, 3], np.broadcast_to(bias, y[:, 3].shape), atol=1e-6)

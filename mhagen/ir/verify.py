@@ -142,6 +142,9 @@ def verify(graph, **dims) -> dict:
         raise GraphError(f"the graph output {graph.output!r} is not a node; set_output() takes "
                          "the name a builder method returned")
     out_shape = shapes[graph.output]
+    if any(n.name == graph.output and n.kind == "input" for n in graph.nodes):
+        raise GraphError(f"the graph output {graph.output!r} is an input: it computes "
+                         "nothing; set_output() takes the last node (the output projection)")
     if len(out_shape) != 3:
         raise GraphError(f"the graph output must be [batch, seq, features], got {_fmt(out_shape)}")
     specs = _collect_weights(graph, shapes)
@@ -388,12 +391,29 @@ def _check_score_mod(m, where):
     if not ex.is_score_mod(m):
         raise GraphError(f"{where}: a score modifier is a numeric expression of score, batch, "
                          f"head, q_idx, kv_idx (e.g. mhagen.softcap(30.0)), got {m!r}")
-    for e in ex.subexpressions(m):    # TVM's constant folding refuses x / 0
+    for e in ex.subexpressions(m):
+        # -inf hides a key (a where() branch, a table value added); +inf or inf * x would
+        # make the softmax NaN: an edited table value of +inf did, silently
+        if _infinite(e, positive=True) or (isinstance(e, ex.BinOp) and (
+                (e.op in "*/" and (_infinite(e.lhs) or _infinite(e.rhs)))
+                or (e.op == "-" and _infinite(e.rhs)))):
+            raise GraphError(f"{where}: {e!r} can make a score +inf or NaN; a score "
+                             "modifier may give -inf to hide a key (where(cond, -inf, "
+                             "score), or a table value added to the score), nothing else "
+                             "infinite")
+        # TVM's constant folding refuses x / 0
         if isinstance(e, ex.BinOp) and e.op == "/" and not ex.variables(e.rhs):
             with np.errstate(all="ignore"):
                 if ex.evaluate(e.rhs, {}, NUMPY_OPS) == 0:
                     raise GraphError(f"{where}: {e!r} divides by the constant 0; write the "
                                      "value the modifier should give there (where(...))")
+
+
+def _infinite(e, positive=False) -> bool:
+    """Whether e is an infinite constant, or a table holding one (+inf only: positive)."""
+    values = (e.value,) if isinstance(e, ex.Const) else e.values if isinstance(e, ex.Table) \
+        else ()
+    return any(math.isinf(v) and (v > 0 or not positive) for v in values)
 
 
 def _check_int32(graph, shapes) -> None:

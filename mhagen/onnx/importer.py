@@ -203,6 +203,10 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     if blk.layout == "SBD":
         notes.append(f"{blk.x!r} is [seq, batch, D] (seq-first); mhagen takes [batch, seq, D]")
     batch, d_model = bsd(first[blk.x], blk.layout).shape[0], first[blk.x].shape[-1]
+    if not np.all(np.isfinite(first[blk.x])):   # (NaN weights before it: a LayerNorm's)
+        raise OnnxError(f"{blk.cores[0].label}: the layer's input {blk.x!r} holds NaN or inf "
+                        "when the model runs on random probe inputs; a layer cannot be read "
+                        "from it: check the weights that compute it")
     specs = [read_core(c, first, batch, notes) for c in blk.cores]
     rec = recover_weights(m, blk, specs, prober, shapes, first, rng, batch)
     if rec.source == "fit":

@@ -241,6 +241,9 @@ def read_rotary(c, vals, head_dim):
         angle = (turn(last) + 2 * np.pi * wraps) / last
         # base from the second pair (angle base^(-2/r): the best determined one)
         base = float(angle[1] ** (-r / 2)) if h > 1 else 10000.0
+        if not math.isfinite(base):
+            raise OnnxError(f"{what} turn by angles that give no rotary base ({base}); "
+                            "not supported")
         whole = float(round(base))        # 10000.0 rather than 9999.9997
         base = whole if abs(base - whole) <= 1e-4 * base else base
         want = rope.apply(x, r, base)
