@@ -264,6 +264,10 @@ def _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes):
                         f"saw, so it cannot check the fitted weights; {VARIED_INPUTS_HINT}")
     ref = graph.reference(xv.astype(np.float32), weights)
     rows = np.all(np.isfinite(yv), axis=-1)
+    if not rows.any():
+        raise OnnxError(f"{blk.cores[0].label}: every row of the ONNX output {blk.y!r} is NaN "
+                        "or inf on the check input, so nothing shows that the import "
+                        "reproduces it; check the model")
     err = float(np.max(np.abs(ref[rows] - yv[rows]))) if rows.any() else 0.0
     tol = 1e-4 + 2e-4 * float(np.max(np.abs(yv[rows]))) if rows.any() else 0.0
     if not rows.all():
