@@ -1,5 +1,6 @@
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,12 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "TVM_NUM_THREADS" not in os.environ
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     from mhagen.host import host_cores      # (standard library and numpy only, no TVM)
     os.environ["TVM_NUM_THREADS"] = str(max(1, host_cores() // _workers))
+
+# Tests never read or write the user's tuning records and replay checks
+# (~/.cache/mhagen/tuning): a developer's own tuning would change what they build.
+# Subprocesses inherit it.
+if "MHAGEN_TUNING_DIR" not in os.environ:
+    os.environ["MHAGEN_TUNING_DIR"] = tempfile.mkdtemp(prefix="mhagen-test-tuning-")
 
 
 CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")

@@ -144,6 +144,27 @@ def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, mat
     assert sources["qkv_projection"] == "stale"
 
 
+def test_a_replay_check_that_passed_is_not_repeated(tuned, tmp_path, monkeypatch):
+    """The replay check compiles the default kernel beside the replayed one (twice the build
+    time of the default layer with two trace records); once it passed for the same pair
+    of kernels, target and versions, later builds skip it. A failed check is never kept."""
+    import mhagen.tuning.apply as apply
+    monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path / "dir"))
+    runs, local = [], apply.local_outputs
+    monkeypatch.setattr(apply, "local_outputs", lambda *a, **k: runs.append(1) or local(*a, **k))
+    records = _forced_records(tuned)
+    for expected_runs in (1, 1):
+        assert _build_with(records, tmp_path)["qkv_projection"] == "tuned"
+        assert len(runs) == expected_runs
+    assert len(apply._passed_checks()) == 1
+    swapped = next(r for r in records if r["key"]["kernel"] == "qkv_projection")
+    swapped["trace"][0][_first(swapped["trace"], "Split")][3].reverse()
+    for expected_runs in (2, 3):
+        with pytest.warns(TuningWarning, match="output differs"):
+            assert _build_with(records, tmp_path)["qkv_projection"] == "stale"
+        assert len(runs) == expected_runs
+
+
 def test_records_measured_against_another_default_are_stale(tuned, tmp_path):
     """A record beat the default of its day (default_config): against today's default it
     applies, against another one it is stale, warned of, and the default is used."""
