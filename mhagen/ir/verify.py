@@ -395,7 +395,7 @@ def _check_score_mod(m, where):
         # -inf hides a key (a where() branch, a table value added); +inf or inf * x would
         # make the softmax NaN: an edited table value of +inf did, silently
         if _infinite(e, positive=True) or (isinstance(e, ex.BinOp) and (
-                (e.op in "*/" and (_infinite(e.lhs) or _infinite(e.rhs)))
+                (e.op in ("*", "/") and (_infinite(e.lhs) or _infinite(e.rhs)))
                 or (e.op == "-" and _infinite(e.rhs)))):
             raise GraphError(f"{where}: {e!r} can make a score +inf or NaN; a score "
                              "modifier may give -inf to hide a key (where(cond, -inf, "
@@ -431,10 +431,10 @@ def _check_int32(graph, shapes) -> None:
             found = ex.int_overflow(e, bound) if isinstance(e, ex.Expr) else None
             if found is not None:
                 part, (lo, hi) = found
-                raise GraphError(f"{n.kind} {n.name!r}: {part!r} ranges over [{lo}, {hi}] "
-                                 f"{'at these sizes' if bound is not None else ''}, beyond the "
-                                 "32-bit integers the kernels compute it in; use smaller "
-                                 "constants")
+                sizes = " at these sizes" if bound is not None else ""
+                raise GraphError(f"{n.kind} {n.name!r}: {part!r} ranges over [{lo}, {hi}]"
+                                 f"{sizes}, beyond the 32-bit integers the kernels compute it "
+                                 "in; use smaller constants")
 
 
 def check_head_tables(m, heads, where, at_least=False):
