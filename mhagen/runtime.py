@@ -61,8 +61,28 @@ def ffi():
     return tvm_ffi
 
 
+_LOADED: dict = {}      # real path -> (device, inode) of the file first loaded from it
+_ALIASES: list = []     # the temporary directory of aliases, once made
+
+
 def load_library(path):
-    """A compiled kernel library (kernel.so) as a tvm-ffi Module."""
+    """A compiled kernel library (kernel.so) as a tvm-ffi Module.
+
+    dlopen hands back the library already loaded under the same name: a module saved
+    again to a directory (a new kernel.so) and loaded again in the same process ran the
+    old kernels (another layer's: max error 3.56, silently). A file that is not the one
+    first loaded from its path is loaded through an alias of its own (a symlink in a
+    temporary directory), which dlopen tells apart by its inode."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    if _LOADED.setdefault(real, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+        if not _ALIASES:
+            import tempfile
+            _ALIASES.append(tempfile.TemporaryDirectory(prefix="mhagen-kernels-"))
+        alias = Path(_ALIASES[0].name) / f"{st.st_dev}-{st.st_ino}-{Path(real).name}"
+        if not alias.is_symlink():
+            alias.symlink_to(real)
+        path = alias
     return ffi().load_module(str(path))
 
 

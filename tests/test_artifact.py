@@ -136,3 +136,20 @@ def test_each_call_returns_its_own_array(saved):
     kept = y1.copy()
     y2 = m(x2)
     assert np.array_equal(y1, kept) and not np.shares_memory(y1, y2)
+
+
+def test_a_module_saved_again_to_its_directory_loads_its_new_kernels(tmp_path):
+    """dlopen returns the library already loaded under a name: a module saved again to the
+    same directory and loaded again in the same process (a notebook rebuilding a layer) ran
+    the old layer's kernels, silently (max error 3.56). Each load gets the kernels on disk;
+    the modules loaded earlier keep theirs."""
+    x = random_input(mhagen.mha(32, 4), 1, 9)
+    layers = [mhagen.mha(32, 4, causal=True), mhagen.mha(32, 4), mhagen.mha(32, 4, kv_heads=1)]
+    loaded = []
+    for i, layer in enumerate(layers):
+        w = layer.init_weights(i)
+        mhagen.build(layer, batch=1, seq_len=9, weights=w).save(tmp_path / "m")
+        loaded.append((layer, w, mhagen.load(tmp_path / "m"), mhagen.load(tmp_path / "m")))
+    for layer, w, first, again in loaded:
+        assert_close(first(x), layer.reference(x, w))
+        assert_close(again(x), layer.reference(x, w))
