@@ -154,9 +154,13 @@ def test_load_rejects_corrupt_files(small, tmp_path):
     (lambda m: m["params"][0].update(nbytes=None), "malformed.*TypeError"),
     (lambda m: next(n for n in m["graph"]["nodes"] if n["kind"] == "head_projection")[
         "attrs"].update(head=-1), "invalid graph.*head must be an int >= 0"),
+    # found by editing manifests at random: the weight table and the graph disagreeing
+    # came out as bind()'s InputError, which asks the caller for other weights
+    (lambda m: m["weights"][0].update(name="w_zz"), "weights.bin does not fit the "
+                                                    "manifest's graph.*w_zz"),
 ], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph", "shape-not-int",
         "buffer-dtype", "kernel-arg-unknown", "kernel-not-in-library", "feature-not-a-name",
-        "weight-shape", "param-size", "graph-invalid"])
+        "weight-shape", "param-size", "graph-invalid", "weight-table-vs-graph"])
 def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
     """Manifests that are consistent (content hash recomputed) but describe what this mhagen
     or this machine cannot run, or what no build writes: an ArtifactError, never another

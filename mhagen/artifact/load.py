@@ -8,7 +8,7 @@ from mhagen import runtime
 from mhagen.artifact.cuda_module import CudaArtifactModule
 from mhagen.artifact.files import KERNEL_FILES, read_tensors, sha256_file
 from mhagen.artifact.manifest import read_manifest
-from mhagen.errors import ArtifactError, GraphError, MhagenError
+from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError
 from mhagen.host import RUNTIME_FEATURES
 from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
@@ -105,6 +105,10 @@ def _load(path, man) -> Module:
     module = Module(graph, target, batch, seq_len, program, library, info=info,
                     kv_seq_len=kv_seq_len)
     if weights is not None:
-        module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
-                                     for b in program.role("param")})
+        try:
+            module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
+                                         for b in program.role("param")})
+        except InputError as err:    # the manifest's weight table and graph disagree
+            raise ArtifactError(f"{path}: weights.bin does not fit the manifest's graph "
+                                f"({err}); rebuild the module") from None
     return module
