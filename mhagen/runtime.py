@@ -61,29 +61,35 @@ def ffi():
     return tvm_ffi
 
 
-_LOADED: dict = {}      # real path -> (device, inode) of the file first loaded from it
+_LOADED: dict = {}      # real path -> (device, inode) of the file first opened there
 _ALIASES: list = []     # the temporary directory of aliases, once made
 
 
-def load_library(path):
-    """A compiled kernel library (kernel.so) as a tvm-ffi Module.
+def fresh_path(path) -> Path:
+    """A path under which dlopen opens the file now at `path`.
 
     dlopen hands back the library already loaded under the same name: a module saved
     again to a directory (a new kernel.so) and loaded again in the same process ran the
     old kernels (another layer's: max error 3.56, silently). A file that is not the one
-    first loaded from its path is loaded through an alias of its own (a symlink in a
-    temporary directory), which dlopen tells apart by its inode."""
+    first opened from its path gets an alias of its own (a symlink in a temporary
+    directory), which dlopen tells apart by its inode."""
     real = os.path.realpath(path)
     st = os.stat(real)
-    if _LOADED.setdefault(real, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
-        if not _ALIASES:
-            import tempfile
-            _ALIASES.append(tempfile.TemporaryDirectory(prefix="mhagen-kernels-"))
-        alias = Path(_ALIASES[0].name) / f"{st.st_dev}-{st.st_ino}-{Path(real).name}"
-        if not alias.is_symlink():
-            alias.symlink_to(real)
-        path = alias
-    return ffi().load_module(str(path))
+    if _LOADED.setdefault(real, (st.st_dev, st.st_ino)) == (st.st_dev, st.st_ino):
+        return Path(path)
+    if not _ALIASES:
+        import tempfile
+        _ALIASES.append(tempfile.TemporaryDirectory(prefix="mhagen-libraries-"))
+    alias = Path(_ALIASES[0].name) / f"{st.st_dev}-{st.st_ino}-{Path(real).name}"
+    if not alias.is_symlink():
+        alias.symlink_to(real)
+    return alias
+
+
+def load_library(path):
+    """A compiled kernel library (kernel.so) as a tvm-ffi Module (fresh_path: the file on
+    disk now, not one loaded from that path before)."""
+    return ffi().load_module(str(fresh_path(path)))
 
 
 def tensor(array):

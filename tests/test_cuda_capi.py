@@ -267,6 +267,23 @@ def test_python_load_runs_the_c_api(artifacts, tools, tmp_path, monkeypatch):
         m(x)
 
 
+def test_a_replaced_artifact_directory_loads_its_new_library(artifacts, tools, tmp_path,
+                                                              monkeypatch):
+    """dlopen hands back the library already loaded under a name: a directory replaced by
+    another artifact and loaded again in the same process must open the new libmha.so
+    (the old one, the first artifact's content hash baked in, refused the new manifest)."""
+    driver, _ = tools
+    monkeypatch.setenv("MHA_CUDA_DRIVER", str(driver))
+    art = tmp_path / "art"
+    for name, dtype in (("fp16_causal_gqa", np.float16), ("fp32", np.float32)):
+        shutil.rmtree(art, ignore_errors=True)
+        shutil.copytree(artifacts[name], art)
+        m = mhagen.load(art)
+        x = np.random.default_rng(0).standard_normal(m.in_shape).astype(dtype)
+        assert m(x).dtype == dtype and m.graph.dtype == np.dtype(dtype).name
+        m.close()
+
+
 def test_python_load_says_there_is_no_gpu(artifacts, tmp_path, monkeypatch):
     art = tmp_path / "art"
     shutil.copytree(artifacts["fp32"], art)

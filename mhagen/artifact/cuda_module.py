@@ -18,6 +18,7 @@ from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.ir.graph import Graph     # (before mhagen.reference, which mhagen.ir imports)
 from mhagen.reference import check_lengths
+from mhagen.runtime import fresh_path
 
 MHA_ERR_DEVICE = 11      # mhagen.artifact.capi.STATUS
 
@@ -37,7 +38,7 @@ class CudaArtifactModule:
             raise ArtifactError(f"{self.path}: a CUDA artifact runs through its C API, and it "
                                 f"has none ({why}); save it again where g++ is installed")
         try:
-            lib = ctypes.CDLL(str(library))
+            lib = ctypes.CDLL(str(fresh_path(library)))   # the file there now
         except OSError as err:
             raise ArtifactError(f"{library} does not load ({err}); rebuild the artifact") \
                 from None
