@@ -406,7 +406,8 @@ class Module:
         for func, args, name in self._calls:
             try:
                 func(*[buffers[a] for a in args])
-            except ValueError as err:   # TVM checks every argument's ndim, shape and dtype
+            # TVM checks every argument's count (TypeError), ndim, shape and dtype (ValueError)
+            except (ValueError, TypeError, KeyError) as err:
                 raise ArtifactError(
                     f"kernel {name} refused its arguments ({str(err).splitlines()[0]}): "
                     "the program this module describes does not match its compiled kernels; "

@@ -173,18 +173,28 @@ def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
         mhagen.load(path)
 
 
+@pytest.mark.parametrize("edit", ["temp-shape", "one-argument-less"])
 def test_a_program_that_does_not_match_its_kernels_fails_its_first_call_clearly(small,
-                                                                                tmp_path):
-    """TVM's kernels check every argument's shape: a manifest describing a temp buffer of
-    another (valid) shape loads, and its first call says what does not match."""
+                                                                                tmp_path,
+                                                                                edit):
+    """TVM's kernels check every argument: a manifest describing a temp buffer of another
+    (valid) shape, or a kernel call with an argument less (found by editing manifests at
+    random: TVM's TypeError came through), loads, and its first call says what does not
+    match."""
     path, manifest = _saved(small, tmp_path)
     temp = next(b for b in manifest["program"]["buffers"] if b["role"] == "temp")
-    temp["shape"] = temp["shape"][:-1]
+    if edit == "temp-shape":
+        temp["shape"] = temp["shape"][:-1]
+        match = f"refused its arguments.*{temp['name']}"
+    else:
+        kernel = manifest["program"]["kernels"][0]
+        kernel["args"] = kernel["args"][:-1]
+        match = f"kernel {kernel['name']} refused its arguments.*Expected"
     manifest["content_hash"] = content_hash(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
     module = mhagen.load(path)
-    with pytest.raises(mhagen.ArtifactError, match=f"refused its arguments.*{temp['name']}"
-                                                   ".*does not match its compiled kernels"):
+    with pytest.raises(mhagen.ArtifactError,
+                       match=f"{match}.*does not match its compiled kernels"):
         module(small[2])
 
 
