@@ -137,6 +137,7 @@ class Program:
 
 
 ROLES = ("input", "param", "temp", "output", "state")
+SYMBOLIC_AXES = ("batch", "rows", "padded_rows", "kv_rows", "kv_padded_rows")
 BUFFER_DTYPES = SUPPORTED_DTYPES + ("int32",)   # int32: key lengths, block tables
 
 
@@ -158,10 +159,12 @@ def _check_description(d) -> None:
         if b.get("role") not in ROLES or b.get("dtype") not in BUFFER_DTYPES:
             raise ValueError(f"buffer {b['name']!r} has role {b.get('role')!r} and dtype "
                              f"{b.get('dtype')!r}")
-        if not isinstance(b.get("pack", {}) or {}, dict) or not isinstance(
-                b.get("symbolic", {}), dict):
+        symbolic = b.get("symbolic", {})
+        if not isinstance(b.get("pack", {}) or {}, dict) or not isinstance(symbolic, dict) \
+                or any(k not in [str(a) for a in range(len(shape))] or v not in SYMBOLIC_AXES
+                       for k, v in symbolic.items()):
             raise ValueError(f"buffer {b['name']!r} has pack or symbolic entries of the "
-                             "wrong type")
+                             f"wrong type (symbolic: axis -> one of {', '.join(SYMBOLIC_AXES)})")
         names.add(b["name"])
     for k in d["kernels"]:
         if not isinstance(k, dict) or not isinstance(k.get("name"), str) or not k["name"] \

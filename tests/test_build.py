@@ -158,9 +158,15 @@ def test_load_rejects_corrupt_files(small, tmp_path):
     # came out as bind()'s InputError, which asks the caller for other weights
     (lambda m: m["weights"][0].update(name="w_zz"), "weights.bin does not fit the "
                                                     "manifest's graph.*w_zz"),
+    # and the program's buffers not holding the manifest's shapes, or a symbolic axis of
+    # no known kind, which the first call met as numpy's ValueError or a KeyError
+    (lambda m: m["program"]["buffers"][0]["shape"].__setitem__(-1, 3),
+     "input and output buffers do not hold the manifest's shapes"),
+    (lambda m: m["program"]["buffers"][0].update(symbolic={"0": -1}), "malformed.*symbolic"),
 ], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph", "shape-not-int",
         "buffer-dtype", "kernel-arg-unknown", "kernel-not-in-library", "feature-not-a-name",
-        "weight-shape", "param-size", "graph-invalid", "weight-table-vs-graph"])
+        "weight-shape", "param-size", "graph-invalid", "weight-table-vs-graph",
+        "x-buffer-size", "symbolic-axis"])
 def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
     """Manifests that are consistent (content hash recomputed) but describe what this mhagen
     or this machine cannot run, or what no build writes: an ArtifactError, never another

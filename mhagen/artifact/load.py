@@ -2,6 +2,7 @@
 schedule templates, no `import tvm`: mhagen/runtime.py loads kernel.so with TVM's runtime)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from mhagen import runtime
@@ -30,9 +31,10 @@ def _check_files(path: Path, files: dict, kernels: str) -> None:
         raise ArtifactError(f"{path}: the manifest lists no {kernels}; rebuild the module")
 
 
-def _check_program(program: Program, params: dict, path) -> None:
+def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
     """The kernels' params as the program describes them; the inputs and output a Module
-    passes."""
+    passes, as large as the manifest's shapes (x and the output hold its elements, key or
+    cache lengths one per batch row)."""
     for b in program.role("param"):
         p = params.get(b.name)
         if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
@@ -46,6 +48,13 @@ def _check_program(program: Program, params: dict, path) -> None:
         raise ArtifactError(f"{path}: the program needs the input x (then a context and key "
                             "lengths, if any) "
                             "and one output buffer")
+    out = program.role("output")[0]
+    if (math.prod(floats[0].shape) != math.prod(shapes["input"])
+            or math.prod(out.shape) != math.prod(shapes["output"])
+            or any(b.dtype == "int32" and tuple(b.shape) != (shapes["batch"],) for b in inputs)):
+        raise ArtifactError(f"{path}: the program's input and output buffers do not hold the "
+                            f"manifest's shapes ({shapes['input']} in, {shapes['output']} out); "
+                            "rebuild the module")
 
 
 def load(path) -> Module:
@@ -90,7 +99,7 @@ def _load(path, man) -> Module:
     if man.get("params"):
         weights = read_tensors(path / "weights.bin", man.get("weights") or [])
         params = read_tensors(path / "params.bin", man["params"])
-        _check_program(program, params, path)
+        _check_program(program, params, path, shapes)
     texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
              if (path / f"{w}.txt").is_file()}
     for b in program.role("param"):   # constants (block tables) come from params.bin
