@@ -33,8 +33,8 @@ def _check_files(path: Path, files: dict, kernels: str) -> None:
 
 def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
     """The kernels' params as the program describes them; the inputs and output a Module
-    passes, as large as the manifest's shapes (x and the output hold its elements, key or
-    cache lengths one per batch row)."""
+    passes, as large as the manifest's shapes (x and the output hold its rows and columns,
+    the output's padded to whole panels maybe; key or cache lengths one per batch row)."""
     for b in program.role("param"):
         p = params.get(b.name)
         if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
@@ -48,9 +48,11 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
         raise ArtifactError(f"{path}: the program needs the input x (then a context and key "
                             "lengths, if any) "
                             "and one output buffer")
-    out = program.role("output")[0]
-    if (math.prod(floats[0].shape) != math.prod(shapes["input"])
-            or math.prod(out.shape) != math.prod(shapes["output"])
+    def holds(buffer, shape):   # its rows, and at least its columns (outputs may be padded)
+        return (math.prod(buffer.shape[:-1]) == math.prod(shape[:-1])
+                and buffer.shape[-1] >= shape[-1])
+    if (not holds(floats[0], shapes["input"])
+            or not holds(program.role("output")[0], shapes["output"])
             or any(b.dtype == "int32" and tuple(b.shape) != (shapes["batch"],) for b in inputs)):
         raise ArtifactError(f"{path}: the program's input and output buffers do not hold the "
                             f"manifest's shapes ({shapes['input']} in, {shapes['output']} out); "
