@@ -163,10 +163,12 @@ def test_load_rejects_corrupt_files(small, tmp_path):
     (lambda m: m["program"]["buffers"][0]["shape"].__setitem__(-1, 3),
      "input and output buffers do not hold the manifest's shapes"),
     (lambda m: m["program"]["buffers"][0].update(symbolic={"0": -1}), "malformed.*symbolic"),
+    (lambda m: m["shapes"].update(seq_len=m["shapes"]["seq_len"] + 1),
+     "input and output buffers do not hold the manifest's shapes"),
 ], ids=["newer-format", "other-arch", "missing-cpu-feature", "no-graph", "shape-not-int",
         "buffer-dtype", "kernel-arg-unknown", "kernel-not-in-library", "feature-not-a-name",
         "weight-shape", "param-size", "graph-invalid", "weight-table-vs-graph",
-        "x-buffer-size", "symbolic-axis"])
+        "x-buffer-size", "symbolic-axis", "seq-len-vs-input"])
 def test_load_rejects_bad_manifest(small, tmp_path, edit, match):
     """Manifests that are consistent (content hash recomputed) but describe what this mhagen
     or this machine cannot run, or what no build writes: an ArtifactError, never another

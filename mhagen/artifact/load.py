@@ -51,7 +51,9 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
     def holds(buffer, shape):   # its rows, and at least its columns (outputs may be padded)
         return (math.prod(buffer.shape[:-1]) == math.prod(shape[:-1])
                 and buffer.shape[-1] >= shape[-1])
-    if (not holds(floats[0], shapes["input"])
+    if (any(list(shapes[k][:2]) != [shapes["batch"], shapes["seq_len"]]
+            for k in ("input", "output"))
+            or not holds(floats[0], shapes["input"])
             or not holds(program.role("output")[0], shapes["output"])
             or any(b.dtype == "int32" and tuple(b.shape) != (shapes["batch"],) for b in inputs)):
         raise ArtifactError(f"{path}: the program's input and output buffers do not hold the "
