@@ -202,9 +202,10 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     notes = []
     if blk.layout == "SBD":
         notes.append(f"{blk.x!r} is [seq, batch, D] (seq-first); mhagen takes [batch, seq, D]")
+    label = blk.cores[0].label
     batch, d_model = bsd(first[blk.x], blk.layout).shape[0], first[blk.x].shape[-1]
     if not np.all(np.isfinite(first[blk.x])):   # (NaN weights before it: a LayerNorm's)
-        raise OnnxError(f"{blk.cores[0].label}: the layer's input {blk.x!r} holds NaN or inf "
+        raise OnnxError(f"{label}: the layer's input {blk.x!r} holds NaN or inf "
                         "when the model runs on random probe inputs; a layer cannot be read "
                         "from it: check the weights that compute it")
     specs = [read_core(c, first, batch, notes) for c in blk.cores]
@@ -216,7 +217,6 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     bias = any(p.has_bias for c in blk.cores for p in c.paths.values()) or any(
         c.qkv_bias or c.out.has_bias for c in blk.cores)
     weights = layer_weights(rec, kv_heads, bias)
-    label = blk.cores[0].label
     _check_finite(label, weights, rec.source)
     try:
         graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
@@ -243,8 +243,8 @@ def _check_finite(label, weights, source):
     for key, w in weights.items():
         bad = ~np.isfinite(w)
         if bad.any():
-            where = (f" of head {int(np.argwhere(bad)[0][0])}" if key[0] in "wb" and
-                     key[2] in "qkv" else "")
+            per_head = key in ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v")   # [heads, ...]
+            where = f" of head {int(np.argwhere(bad)[0][0])}" if per_head else ""
             how = "in its initializers" if source == "initializers" else "as fitted"
             raise OnnxError(f"{label}: the model's {key}{where} holds NaN or inf ({how}); "
                             "mhagen layers need finite weights: fix the model's weights")
