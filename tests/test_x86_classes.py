@@ -102,6 +102,23 @@ def test_register_tiles_fit_each_class():
             assert rows * vectors + vectors + 1 <= t.vector_registers
 
 
+@pytest.mark.parametrize("preset", ["x86-avx2", "x86-avx512"])
+def test_a_short_sequence_has_attention_configs_to_sweep(preset):
+    """At seq 32 a 64-key goal is 66 keys in AVX2's 6-row tiles, within make_config's bound
+    (twice the sequence, rounded up to whole tiles); the candidates' own bound had been
+    stricter, and on AVX2 hosts the sweep of a short causal layer measured the default
+    alone."""
+    from mhagen.schedules.x86.attention import AttentionRule
+    rule, t = AttentionRule(), resolve(preset)
+    m = mhagen.build(mhagen.mha(64, 4, causal=True), t, batch=1, seq_len=32, tuning=None)
+    work = next(k for k in m.program.kernels if k.name == "attention").workload
+    space = rule.candidates(work, t)
+    assert len(space) >= 3 and space[0] == rule.default_config(work, t)
+    assert {c.kv_block for c in space[1:]} == {66 if preset == "x86-avx2" else 64}
+    for c in space:
+        assert rule.make_config(dataclasses.asdict(c), t, work) == c
+
+
 def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
     """AVX2's 6-row P V tile does not divide query tiles of 16, 32 or 64: P V covers them in
     tiles one row apart, so seq 128 computes 128 query rows, not 144 (query tiles of 48).
@@ -973,8 +990,10 @@ def test_qkv_gemm_tasks_run_head_by_head():
     """The QKV GEMM's panel tasks run Q, K and V of one head after the other: the first half
     of the tasks (one core's share of the parallel loop on 2 cores) writes heads 0-3 whole,
     which the attention's first half of tasks reads (1x128x512x8, 2 threads: the layer
-    0.98-0.99x the time of the panel order Q, K, V, Intel Xeon)."""
-    m = mhagen.build(mhagen.mha(512, 8), "x86-avx512", batch=1, seq_len=128, tuning=None)
+    0.98-0.99x the time of the panel order Q, K, V, Intel Xeon). A 1 MiB L2 holds the 128
+    rows in one row block (a 512 KiB one splits them in two: 96 tasks)."""
+    m = mhagen.build(mhagen.mha(512, 8), l2_of_1mib("x86-avx512"), batch=1, seq_len=128,
+                     tuning=None)
     tir = m.inspect("tir")
     tir = tir[tir.index("def qkv_projection"):]
     var, extent = re.search(r"for (\w+) in T\.parallel\((\d+)\)", tir).groups()

@@ -273,7 +273,8 @@ class AttentionRule:
             for kv_goal in (64, 128, 256):
                 kv_block = round_up(kv_goal, rows)
                 q_tile = max(default.tile_cols, q_goal // default.tile_cols * default.tile_cols)
-                if q_tile > 2 * seq or kv_block > 2 * max(seq, 8):
+                # make_config's bound (a 64-key goal on AVX2 at seq 32: 66 keys, measured)
+                if q_tile > 2 * seq or kv_block > round_up(2 * max(seq, 8), rows):
                     continue
                 c = replace(default, q_tile=q_tile, kv_block=kv_block, tile_rows=rows)
                 if c not in out:
