@@ -24,7 +24,7 @@ import pytest
 import mhagen
 from mhagen.host import (X86_FEATURES, _cpuinfo_field, cpu_reported_features, host_arch,
                          runtime_features)
-from mhagen.target import Target, host_llvm_cpu
+from mhagen.target import Target, host_llvm_cpu, resolve
 from mhagen.tolerances import assert_close
 from tests.conftest import build_c_app, random_input, unavailable
 
@@ -53,8 +53,8 @@ def _on_cpu(qemu, cpu, argv):
 
 
 def _host_is_avx2_only() -> bool:
-    features = set(runtime_features())
-    return {"avx2", "fma"} <= features and "avx512f" not in features
+    """This CPU runs the x86-avx2 preset's code and not the x86-avx512 one's."""
+    return resolve("x86-avx2").runs_here() and not resolve("x86-avx512").runs_here()
 
 
 def _on_avx2_only_cpu(qemu, argv):

@@ -243,8 +243,8 @@ class AttentionRule:
                       cfg.out_cols) < 1
                   # tiles within twice the sequence (as candidates) and register tiles
                   # within reason
-                  or cfg.q_tile > round_up(2 * max(w["seq"], 8), cfg.tile_cols)
-                  or cfg.kv_block > max(round_up(2 * max(keys, 8), cfg.tile_rows),
+                  or cfg.q_tile > longest_tile(w["seq"], cfg.tile_cols)
+                  or cfg.kv_block > max(longest_tile(keys, cfg.tile_rows),
                                         round_up(cfg.q_tile, cfg.tile_rows))
                   or cfg.out_rows > cfg.q_tile
                   or cfg.tile_rows * cfg.tile_cols > most * lanes
@@ -273,8 +273,8 @@ class AttentionRule:
             for kv_goal in (64, 128, 256):
                 kv_block = round_up(kv_goal, rows)
                 q_tile = max(default.tile_cols, q_goal // default.tile_cols * default.tile_cols)
-                # make_config's bound (a 64-key goal on AVX2 at seq 32: 66 keys, measured)
-                if q_tile > 2 * seq or kv_block > round_up(2 * max(seq, 8), rows):
+                # make_config's key bound (a 64-key goal on AVX2 at seq 32: 66 keys)
+                if q_tile > 2 * seq or kv_block > longest_tile(seq, rows):
                     continue
                 c = replace(default, q_tile=q_tile, kv_block=kv_block, tile_rows=rows)
                 if c not in out:
@@ -283,6 +283,12 @@ class AttentionRule:
 
     def build(self, w, cfg, target):
         return build_attention(w, cfg, target.lanes, flush=target.arch == "x86_64")
+
+
+def longest_tile(length, multiple):
+    """The longest query tile or key block worth having over `length` rows: twice the
+    length (at least 16), rounded up to whole register tiles of `multiple` rows."""
+    return round_up(2 * max(length, 8), multiple)
 
 
 def padded_head_dim(head_dim, lanes):
