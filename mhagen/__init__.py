@@ -19,7 +19,7 @@ from mhagen.kvcache import KVCache
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.version import __version__
-from mhagen.weights import weights_from_torch
+from mhagen.weights import load_weights, save_weights, weights_from_torch
 
 
 def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
@@ -50,4 +50,4 @@ __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", 
            "combine", "exp", "export_onnx", "head", "import_onnx", "kv_idx", "kv_len", "load",
            "max_error", "maximum", "mha", "minimum", "q_idx", "q_len", "relative_bias",
            "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
-           "weights_from_torch", "where"]
+           "weights_from_torch", "where", "load_weights", "save_weights"]

@@ -99,3 +99,54 @@ def weights_from_torch(module) -> dict:
         raise InputError("the module has bias on only some projections; mhagen.mha(bias=...) "
                          "adds or drops all of them together")
     return out
+
+
+def save_weights(path, weights: dict, metadata: dict | None = None):
+    """Write a layer's weights (name -> array) to `path`: safetensors (the format torch and
+    Hugging Face tools read; mhagen/tensor_file.py), or numpy's .npz where the path ends in
+    .npz. metadata (string -> string) goes in a safetensors header. Nothing is written when
+    the weights are refused."""
+    from pathlib import Path
+
+    from mhagen.tensor_file import write_safetensors
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a directory: give save_weights a file path, e.g. "
+                         f"{path / 'weights.safetensors'}")
+    if not isinstance(weights, dict) or not all(isinstance(k, str) for k in weights):
+        raise InputError(f"weights must be a dict of name -> array, got "
+                         f"{type(weights).__name__}")
+    arrays = {name: np.asarray(w) for name, w in weights.items()}
+    if path.suffix == ".npz":
+        if metadata:
+            raise InputError(".npz files keep no metadata: save to a .safetensors path")
+        np.savez(path, **arrays)
+    else:
+        write_safetensors(path, arrays, metadata)
+    return path
+
+
+def load_weights(path, graph=None) -> dict:
+    """The weights in a safetensors or .npz file (told apart by their first bytes), as a
+    dict of name -> numpy array; with `graph`, checked against it (missing, extra and
+    wrong-shaped names are an InputError that names them)."""
+    from pathlib import Path
+
+    from mhagen.tensor_file import read_safetensors
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no weights file at {path}" + (" (a directory)" if path.is_dir()
+                                                          else ""))
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    if zipped:
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                weights = {name: npz[name] for name in npz.files}
+        except ValueError as err:
+            raise InputError(f"{path}: an .npz mhagen cannot read ({err})") from None
+    else:
+        weights, _ = read_safetensors(path)
+    if graph is not None:
+        check_weights(graph, weights)
+    return weights
