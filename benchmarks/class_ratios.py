@@ -7,7 +7,7 @@ On an AVX-512 host the AVX2 code (`x86-avx2`) and the AVX-512 code run on the sa
 Zen 4, the same 256-bit pipes), so most kernels come out at 1.0-1.1x; a ratio far above
 that is a schedule to read (on December 5 this scan found GEMMs of 15-112 rows at half speed
 on AVX2, RoPE 6x slower on AVX-512 at seq 256, decode steps' GEMMs and 12-row decode tiles
-on AVX2, sliding windows in too-wide tiles; README, x86 CPU classes). Every module is
+on AVX2, sliding windows in too-wide tiles; docs/cpus-and-tuning.md). Every module is
 checked against the float64 reference first. Then each kernel of the two builds runs in
 paired turns (paired_ratios): the two alternate, each turn the best of 3 batches of ~4 ms,
 and the ratio is the median of --rounds per-turn ratios, with its quartiles. At 1 thread the

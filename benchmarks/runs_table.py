@@ -1,7 +1,8 @@
-"""The README's table of every committed x86 run of bench_mha.py, newest first, computed
-from the results folders (benchmarks/results/x86_64-*/results.json):
+"""The table of every committed x86 run of bench_mha.py (benchmarks/PERFORMANCE.md, "Every
+x86 run"), newest first, computed from the results folders
+(benchmarks/results/x86_64-*/results.json):
 
-    python benchmarks/runs_table.py        # paste its output under README's Performance
+    python benchmarks/runs_table.py        # paste its output under PERFORMANCE.md's table
     python benchmarks/runs_table.py --plot # benchmarks/results/runs.png: the newest run of
                                            # each class on each CPU, row by row
 
@@ -62,7 +63,7 @@ def run_line(folder: Path) -> tuple:
         "{:.0f}-{:.0f}%".format(100 * min(s.values()), 100 * max(s.values()))
         for s in (run["data"]["summary"][t]["mhagen_peak_share_seq512_nomask"]
                   for t in ("1", "2")))
-    line = (f"| [{folder.name}](benchmarks/results/{folder.name}/results.md) "
+    line = (f"| [{folder.name}](results/{folder.name}/results.md) "
             f"| {run['date'][:10]} | {CPUS[run['cpu']]}: {run['how']} "
             f"| {'torch, numpy (AVX2)' if run['via_preset'] else 'all'} "
             f"| {sum(x <= 1.0 for x in ratios)} of {len(ratios)} "

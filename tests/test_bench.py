@@ -347,18 +347,19 @@ def runs_table():
     return load_script("runs_table")
 
 
-def test_readme_runs_table_is_the_one_the_results_give(runs_table):
-    """README's table of every committed x86 run is benchmarks/runs_table.py's output from
+def test_performance_runs_table_is_the_one_the_results_give(runs_table):
+    """benchmarks/PERFORMANCE.md's table of every committed x86 run is benchmarks/runs_table.py's output from
     the results folders, line for line (rerun the script after committing a run)."""
     table = runs_table.table()
     assert len(table.splitlines()) == 2 + len(list(runs_table.RESULTS.glob("x86_64-*")))
-    assert table in (ROOT / "README.md").read_text(), "rerun benchmarks/runs_table.py"
+    assert table in (ROOT / "benchmarks" / "PERFORMANCE.md").read_text(), \
+        "rerun benchmarks/runs_table.py"
 
 
 def test_runs_plot_draws_the_newest_run_of_each_class_on_each_cpu(runs_table, tmp_path):
-    """The README's figure: one series per (class, host CPU), its newest results folder,
+    """PERFORMANCE.md's figure: one series per (class, host CPU), its newest results folder,
     with the ratios of the table's computation; the committed PNG names the folders it drew
-    in its text, today's newest ones, and the README shows it."""
+    in its text, today's newest ones, and PERFORMANCE.md shows it."""
     every = [runs_table.run_ratios(f) for f in runs_table.RESULTS.glob("x86_64-*")]
     runs = runs_table.latest_runs()
     assert sorted((r["cls"], r["cpu"]) for r in runs) == sorted({(r["cls"], r["cpu"])
@@ -374,7 +375,7 @@ def test_runs_plot_draws_the_newest_run_of_each_class_on_each_cpu(runs_table, tm
     committed = Image.open(runs_table.RESULTS / "runs.png")
     assert committed.text.get("Description") == runs_table.plotted(runs), \
         "rerun python benchmarks/runs_table.py --plot"
-    assert "](benchmarks/results/runs.png)" in (ROOT / "README.md").read_text()
+    assert "](results/runs.png)" in (ROOT / "benchmarks" / "PERFORMANCE.md").read_text()
 
 
 @pytest.mark.parametrize("script", ["bench_mha.py", "bench_decode.py", "bench_half.py",

@@ -1,6 +1,7 @@
-"""The documentation names only what exists: every `mhagen.<name>` the READMEs use resolves,
-the Python blocks parse and pass only keywords their functions take, every `mhagen <command>`
-line uses real options, and every repository path named is there. (A reader copies these;
+"""The documentation (the READMEs, docs/*.md, benchmarks/PERFORMANCE.md) names only what
+exists: every `mhagen.<name>` it uses resolves, the Python blocks parse and pass only
+keywords their functions take, every `mhagen <command>` line uses real options, and every
+repository path named is there. (A reader copies these;
 a rename that forgets them would otherwise go unnoticed.)"""
 import ast
 import importlib
@@ -14,8 +15,9 @@ import mhagen
 from mhagen.cli import parser
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
-        ROOT / "benchmarks" / "PERFORMANCE.md", ROOT / "examples" / "c_app" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "PERFORMANCE.md",
+        ROOT / "examples" / "c_app" / "README.md"]
 # mhagen's wrappers whose keywords the compiler's functions take
 FORWARDED = {"build": "mhagen.compile.build", "tune": "mhagen.tuning.search.tune"}
 
@@ -70,7 +72,7 @@ def _mhagen_calls(tree):
 
 def test_python_blocks_parse_and_call_with_keywords_their_functions_take():
     blocks = [(doc, line, src) for doc in DOCS for line, src in _python_blocks(doc)]
-    assert len(blocks) >= 8, "the check reads README's Python blocks"
+    assert len(blocks) >= 8, "the check reads the docs' Python blocks"
     wrong, calls = [], 0
     for doc, first, src in blocks:
         tree = ast.parse(src, filename=f"{doc.name}:{first}")   # a SyntaxError fails here
