@@ -1,10 +1,9 @@
 """Float32 <-> half-precision storage conversions compiled into a CPU half layer's library.
 
 A half layer (float16, bfloat16 storage) also takes float32 x and then answers in float32
-(mhagen/module.py). numpy and ml_dtypes convert 2M floats in 3.5-7 ms on one core, and the
-range checks took more passes: 5-12 ms a 1x2048x1024 call on the Intel Xeon, beside the
-AMX bfloat16 layer's 18-37 ms. These two functions convert at memory speed (0.5-0.8 ms
-there), in parallel chunks, vectorized:
+(mhagen/module.py). numpy and ml_dtypes convert on one core, and their range checks took
+more passes, a cost next to a fast layer's time; these two functions convert at memory speed
+(benchmarks/PERFORMANCE.md, Schedule decisions), in parallel chunks, vectorized:
     TO    (src float32[n], dst storage[n], n)   round to nearest even, as numpy / ml_dtypes
     FROM  (src storage[n], dst float32[n], n)   exact
 bfloat16 is stored and passed as its uint16 bits: TVM's own float32 -> bfloat16 cast turned

@@ -2,10 +2,9 @@
 finishing scheduled kernels (wrap_loop_bodies).
 
 TVM's parser calls inspect.stack() for every prim_func and inspect.getouterframes() for every
-macro call; both look up each frame's source file through all of sys.modules. That took 65 s
-of the first float16 CUDA build in a process (the ~250 tensor-intrinsic functions that dlight
-and MetaSchedule tensorize with), 80-190 s of a tuning run, and 0.9 s of every 1.4 s parse of
-an attention template (its ~8 macro calls), on a Zen 3 VM. TVM reads only the frames and
+macro call; both look up each frame's source file through all of sys.modules, which made
+the first CUDA build, a tuning run's start and every attention template's parse slow (see
+benchmarks/PERFORMANCE.md, Schedule decisions). TVM reads only the frames and
 their locals and globals, and the third frame's source line (is_defined_in_class), which
 the cheap stack below keeps.
 """

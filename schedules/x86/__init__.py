@@ -34,8 +34,8 @@ def cpu_backend(family: str) -> Backend:
 def rows_alias_in_l1(target, depth) -> bool:
     """A GEMM's rows of A lie 4 KiB apart or a multiple (depth 1024, 2048): the rows of one
     register tile then share one set of the L1 (4 KiB per way), and the GEMM copies A into
-    row-tile panels first (Zen 3, 2048 x 1024 x 3072: 7% faster at 1 thread, 10-18% at 2,
-    the copy included)."""
+    row-tile panels first (faster, the copy included: benchmarks/PERFORMANCE.md, Schedule
+    decisions)."""
     return depth * 4 % 4096 == 0
 
 

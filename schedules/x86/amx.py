@@ -20,23 +20,20 @@ call, C in the tile registers until it is stored.
   P V (PV)       computed as O^T = V^T P^T, 32 head columns x 32 queries, accumulated into
                  the task's O^T: P^T's bfloat16 pairs of keys are B tiles just as the
                  softmax packs them (the pair path's PACK; P V as P times V would need P's
-                 rows of keys, 16 x 16 transposes of every block of every task: 10% of the
-                 attention's time), V^T's rows of 32 keys are A tiles, transposed once a
-                 call (TRANSPOSE_32_I16, the attention kernel's first loop), not zipped into
-                 pairs once a query tile (another 10%).
-Tile configuration (ldtilecfg, ~0.1 us) is per thread: each parallel task loads it at its
-start and releases the tiles at its end (with_task_config for the GEMMs, CONFIG / RELEASE
-in the attention's task), as oneDNN does per primitive run; loaded per tile it cost 20-30%
-at depth 512 (a C loop, 512 x 1536 x 512). Linux hands AMX's 8 KiB of tile state to a
+                 rows of keys, 16 x 16 transposes of every block of every task), V^T's rows
+                 of 32 keys are A tiles, transposed once a call (TRANSPOSE_32_I16, the
+                 attention kernel's first loop), not zipped into pairs once a query tile
+                 (what each cost: benchmarks/PERFORMANCE.md, Schedule decisions).
+Tile configuration (ldtilecfg) is per thread: each parallel task loads it at its start and
+releases the tiles at its end (with_task_config for the GEMMs, CONFIG / RELEASE in the
+attention's task), as oneDNN does per primitive run; loaded per tile it cost too much (see
+benchmarks/PERFORMANCE.md, Schedule decisions). Linux hands AMX's 8 KiB of tile state to a
 process only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile
 instruction is SIGILL): mhagen asks before it runs such code (mhagen.host.cannot_run_reason;
 the C API's mha_create likewise).
 
-Measured on the Intel Xeon VM (LLVM `rocketlake`), 1 thread: a C loop of the GEMM tile
-kernel 1.96 TFLOP/s with A and B in L1, 1.68 over a 512 x 1536 x 512 GEMM; in the layers
-(kernels alone, 1x128x512x8 to 1x2048x1024x16) the GEMMs 0.9-1.15 TFLOP/s (float32 FMAs:
-167-178 GFLOP/s), the attention 334-612 GFLOP/s (float32 FMAs: 120-163; P V as P times V:
-290-390). Deep GEMMs run in blocks of the depth (gemm_depth_block).
+Deep GEMMs run in blocks of the depth (gemm_depth_block). How fast the kernels run:
+benchmarks/PERFORMANCE.md, Schedule decisions.
 """
 import functools
 
@@ -166,7 +163,7 @@ def intrinsic(steps: int, accumulate: bool = False) -> str:
     (registered once per depth): one call of KERNEL, or of KERNEL_ACC (accumulate). KERNEL
     starts its C tiles at zero (tilezero), not from C: where the GEMM rule tensorizes the
     whole depth right after the reduction's init, C holds zeros there (the init's 4 KiB
-    store per tile stays, under 5% of a tile's time at depth 512); over blocks of the depth
+    store per tile stays: a small share of a tile's time); over blocks of the depth
     (gemm_depth_block) C holds the blocks before: KERNEL_ACC loads it."""
     name = f"mhagen_x86_amx_32x32x{steps * DEPTH}" + ("_acc" if accumulate else "")
     pairs = steps * DEPTH // 2   # B: the weight panel's pair rows (wp[n // 32, k2, n % 32, p])
@@ -209,9 +206,8 @@ def gemm_depth_block(target, depth: int, symbolic: bool) -> int:
     panel (depth x 64 bytes) from L1 while the panel fits beside them (up to 2/3 of L1d);
     past that from L2 too, 4 KiB a step of 64 cycles of tdpbf16ps. Blocks of 256 of the
     depth keep a panel's block in L1 for the task's row tiles, which then accumulate in
-    memory (C tiles loaded and stored once a block). Intel Xeon (L1d 48 KiB), GEMMs alone,
-    1 thread: depth 768 and 1024 (panels of 48 and 64 KiB) 0.88-0.96x the time blocked by
-    256, 0.91-1.02x by 128; depth 512 (32 KiB) 1.01-1.04x: not blocked. Symbolic builds
+    memory (C tiles loaded and stored once a block); 256 beat 128, and a panel within 2/3 of
+    L1d is not blocked (benchmarks/PERFORMANCE.md, Schedule decisions). Symbolic builds
     keep the whole depth (their single row block would accumulate the call's every row)."""
     steps, block = depth // DEPTH, 8
     if symbolic or depth * 64 <= target.l1d_kib * 1024 * 2 // 3 or steps % block:

@@ -13,8 +13,8 @@ table does not skip:
         apart: q_tile need not be a multiple of out_rows) x out_cols head columns (the
         rescale happens when the tile is loaded), V rows read straight from qkv.
 Partial blocks differ from full ones only in the write-back's mask: their key rows stay
-affine (no clamp per row, which cost 4 integer instructions per broadcast: on an AVX2 Zen 3
-the masked S^T loop ran at 2/3 of the full one's speed). Only a block that runs past the last
+affine (no clamp per row, which cost 4 integer instructions per broadcast; see
+benchmarks/PERFORMANCE.md, Schedule decisions). Only a block that runs past the last
 key is cut: its S^T tiles stop at the tile holding the last key (that tile alone clamps its
 rows) and P V stops at the last key: seq 512 in key blocks of 132 computes 4 padded keys in
 S^T and none in P V, not 16 in both.
@@ -122,11 +122,9 @@ def narrow_band_tiles(workload, cfg):
     """Query tiles and key blocks of BAND_TILE, aligned (S^T tiles of fewer key rows where
     the target's do not divide it: AVX2 4 x 16), when the mask's block table leaves them at
     most 0.8x the scores of cfg to compute: a band of keys per query, as a sliding window,
-    whose wider tiles compute mostly hidden scores. Windows of 64-256 at seq 256-2048, Zen 4,
-    1 and 2 threads: AVX-512 0.84-0.88x the attention's time in 64 x 64 tiles, AVX2
-    0.62-0.81x that in its 64 x 66 ones (AVX-512, tiles of 32 x 40, misaligned: 1.02x). A
-    causal mask saves too little (0.94x the scores at seq 512; 32-wide tiles timed at
-    0.97-1.02x): cfg stays. None: keep cfg."""
+    whose wider tiles compute mostly hidden scores. A causal mask saves too little: cfg
+    stays (the measurements: benchmarks/PERFORMANCE.md, Schedule decisions). None: keep
+    cfg."""
     tr = rows_dividing(BAND_TILE, cfg.tile_rows)
     if BAND_TILE % cfg.tile_cols or tr is None or cfg.q_tile == cfg.kv_block == BAND_TILE:
         return None
@@ -141,10 +139,8 @@ def aligned_key_blocks(workload, cfg):
     them (AVX2's 6 rows, query tiles of 16, 32 or 64), with S^T tiles of the most rows up to
     cfg's that do (AVX2: 4), where that computes at most 3/4 of the scores through the mask:
     blocks of 36 or 66 keys straddle a causal diagonal's query tiles, each of which then
-    meets two partial blocks, not one. Causal, AVX2 on Zen 4, 1 thread, the attention alone:
-    seq 128 0.92-0.93x the time (d_model 512 and 768), seq 97 0.955x, 200 0.99x, 512 0.995x,
-    2048 0.97x; the 4-row tiles cost 1.4% on full blocks (unmasked seq 512). None: keep
-    cfg."""
+    meets two partial blocks, not one (measured: benchmarks/PERFORMANCE.md, Schedule
+    decisions). None: keep cfg."""
     rows = rows_dividing(cfg.q_tile, cfg.tile_rows)
     if rows is None or rows == cfg.tile_rows:
         return None
@@ -158,8 +154,8 @@ def aligned_key_blocks(workload, cfg):
 def _balanced(total, goal, unit):
     """A tile size: a multiple of `unit` within [goal/2, 1.5 goal] (at least one unit) that
     covers `total` with the least padding, the closest to `goal` among those. Padding is
-    work thrown away: 128 keys in blocks of 96 waste a third (AVX2 attention at seq 128:
-    1.44x slower than blocks of 66)."""
+    work thrown away: 128 keys in blocks of 96 waste a third (benchmarks/PERFORMANCE.md,
+    Schedule decisions)."""
     import math
     sizes = [k * unit for k in range(1, int(1.5 * goal) // unit + 1) if k * unit >= goal / 2]
     sizes = sizes or [unit]
@@ -186,14 +182,13 @@ class AttentionRule:
         keys = workload.get("kv_seq") or seq    # the context's length in cross-attention
         tr, tc, orows, ocols = self.tiles(workload, target)
         # q_tile: whole S^T tiles (P V covers it in tiles one row apart where out_rows does
-        # not divide it: AVX2's query tiles of 64, not 48, compute 512 queries at seq 512, not
-        # 528, and 128 at seq 128, not 144: the attention 0.97x and 0.91x the time, Zen 4)
+        # not divide it: AVX2's query tiles of 64, not 48, pad fewer queries; see
+        # benchmarks/PERFORMANCE.md, Schedule decisions)
         q_tile = _balanced(seq, 64 if seq >= 256 else 32, tc)
         if seq < 256 and workload.get("mask") is None:
             # unmasked and short: ~64 where that pads no more queries and leaves every core 4
-            # tasks (seq 128, 1x128x768x12 on Zen 4: 0.965x the time of 32 on AVX2 and on
-            # AVX-512; masked layers keep 32: a causal one skips more blocks, 64 was 6-10%
-            # slower; seq 97 on AVX2 keeps 16: 112 queries, not 128, and 64 was 1.04x)
+            # tasks; masked layers keep 32: a causal one skips more blocks (measured:
+            # benchmarks/PERFORMANCE.md, Schedule decisions)
             wider = _balanced(seq, 64, tc)
             tasks = workload["batch"] * workload["heads"] * -(-seq // wider)
             if (round_up(seq, wider) <= round_up(seq, q_tile)
@@ -207,21 +202,17 @@ class AttentionRule:
             q_tile = max(tc, q_tile // 2 // tc * tc)
         # key blocks of ~128 keys (~96 with 16 registers: smaller tiles, and a 32 KiB L1);
         # ~256 on AMX tiles: P V then loads and stores its O^T tiles, and rescales O^T, once
-        # per 8 steps of 32 keys, not 4 (Intel Xeon, bfloat16 attention alone: 0.90-0.97x
-        # the time of 128 at seq 512 and 2048, 1 and 2 threads; 512 and q_tile 32 less);
-        # ~512 on bfloat16 pairs, for the same reason (Zen 4, attention alone, 1 and 2
-        # threads: 0.90-0.96x the time of 128 at seq 512-4096, head_dim 64 and 128; 256
-        # 0.92-0.99x); fewer keys than the goal: one block of them
+        # per 8 steps of 32 keys, not 4; ~512 on bfloat16 pairs, for the same reason (see
+        # benchmarks/PERFORMANCE.md, Schedule decisions); fewer keys than the goal: one
+        # block of them
         kv_goal = (256 if workload.get("amx") else 512 if workload.get("pairs")
                    else 128 if target.vector_registers >= 32 else 96)
         kv_block = (_balanced(keys, min(kv_goal, keys), tr) if keys >= 128
                     else round_up(keys, tr))
         if workload.get("mask") is not None and keys == seq:
             # key blocks as wide as the query tiles: a causal diagonal block then wastes a
-            # quarter of a 64 x 64 tile, not of 64 x 128 (2.4% less time at seq 2048), and a
-            # short causal sequence skips blocks at all (seq 128, Zen 4, 1 thread: 0.69x the
-            # time of one 128-key block on AVX-512, 0.75x on AVX2; a mask that skips nothing
-            # pays 0-2% for the smaller blocks)
+            # quarter of a 64 x 64 tile, not of 64 x 128, and a short causal sequence skips
+            # blocks at all (see benchmarks/PERFORMANCE.md, Schedule decisions)
             kv_block = round_up(q_tile, tr)
         cfg = AttentionConfig(q_tile=q_tile, kv_block=kv_block, tile_rows=tr, tile_cols=tc,
                               out_rows=orows, out_cols=ocols)
@@ -301,9 +292,8 @@ def padded_head_dim(head_dim, lanes):
 def query_tile_order(i, n):
     """The query tile of a head's i-th task (of n): 0, n-1, 1, n-2, ... TVM hands each thread
     a run of consecutive tasks, and under a causal mask a later tile has more key blocks:
-    paired light with heavy, runs of even length hold the same work (1 head, seq 2048, 2
-    threads: one thread had 0.27 of the blocks, the other 0.73; the attention now 0.68x
-    the time; 3 heads at seq 1024: 0.88x; AVX-512 on Zen 4). ints or TIR expressions."""
+    paired light with heavy, runs of even length hold the same work (see
+    benchmarks/PERFORMANCE.md, Schedule decisions). ints or TIR expressions."""
     odd = i % 2
     return odd * (n - 1) + (1 - 2 * odd) * (i // 2)
 
@@ -312,10 +302,8 @@ def task_tile(task, batch, heads, n_q, batch_inner):
     """(batch row, head, query tile) of parallel task `task`: tasks run by batch row, head,
     then query tile (in query_tile_order); with key lengths per call (batch_inner) by head,
     query tile, then batch row, so a thread's run of tasks holds every row's alike,
-    whatever each row's length (2 rows of lengths 512 and 64, 2 threads: one thread had run
-    all the long row's tasks; the attention 0.58x the time; 4 causal rows of 512, 400, 200
-    and 100 keys: 0.80x; AVX-512 on Zen 4; full lengths and 1 thread 1.00x). ints or TIR
-    expressions."""
+    whatever each row's length (see benchmarks/PERFORMANCE.md, Schedule decisions). ints or
+    TIR expressions."""
     if batch_inner:
         b, rest = task % batch, task // batch
     else:
@@ -391,7 +379,7 @@ def build_attention(w, cfg, lanes, flush=False):
     O_SHAPE = (DP, MQ) if AMX else (MQ, DP)   # the task's O: O^T on AMX tiles
     AVX512 = flush and LN == 16       # x86 (flush) with 512-bit vectors: EXP2_16's helpers
     # Q^T on x86: LN x LN blocks of words through registers (transpose.py), where a strided
-    # copy became one scalar insert per element (1x128x512x8, AVX-512: 16% of the attention)
+    # copy became one scalar insert per element (benchmarks/PERFORMANCE.md, Schedule decisions)
     QW = 2 if QT_PAIRS else 1         # Q^T's words: int32 pairs of head columns, or floats
     NW = d // QW                      # words a query
     QT_SHUFFLE = (flush and LN in (8, 16) and PW % (LN * QW) == 0

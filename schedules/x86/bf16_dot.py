@@ -21,7 +21,7 @@ holds), and call small LLVM IR functions (HELPERS: bitcast to bfloat, call the i
 that TVM links into the kernel (`pragma_import_llvm`; TVM marks imported functions
 always-inline, so each call is one instruction). The earlier way, float32 operands narrowed
 in registers by `vcvtne2ps2bf16` (the one intrinsic that hands TVM a bfloat vector), spent a
-conversion per B vector and per A broadcast: 1.36x float32 on Zen 5, 1.05x on Zen 4.
+conversion per B vector and per A broadcast (benchmarks/PERFORMANCE.md, Schedule decisions).
 """
 import tvm
 from tvm import tirx
@@ -66,7 +66,7 @@ declare <32 x bfloat> @llvm.x86.avx512bf16.cvtne2ps2bf16.512(<16 x float>, <16 x
                                             for i in range(32)) + ">")
 
 
-with cheap_stack():   # parsed at import: 2.9 s with TVM's own stack lookups
+with cheap_stack():   # parsed at import: slow with TVM's own stack lookups (tvmscript.py)
     @T.prim_func(s_tir=True)
     def _desc(A: T.Buffer((2,), "bfloat16", offset_factor=2),
               B: T.Buffer((16, 2), "bfloat16", offset_factor=2),
@@ -108,13 +108,11 @@ def with_llvm_ir(func, ir: str):
 
 
 # CPUs (LLVM's names) whose vdpbf16ps does more multiply-adds a cycle than the float32 FMA,
-# so pairs pay (FLOP/s of vdpbf16ps / vfmadd231ps in register-only loops of 20 accumulators;
-# benchmarks/register_tiles.c times the 8 x 32 tiles of both). Zen 5: 2.26x; Zen 4 runs a
-# 512-bit FMA as two 256-bit halves (the bfloat16 layer at 1.67-1.77x the float32 layer's
-# throughput). Not the Intel Xeon with AMX that LLVM calls `rocketlake` (Sapphire Rapids
-# class; 0.50x: vdpbf16ps issues every other cycle, the FMA twice a cycle; the tiles 115
-# against 201 GFLOP/s; the bfloat16 layer on pairs took 1.5-1.6x the float32 layer's time,
-# converted on load 1.01-1.04x), nor unmeasured ones (Cooper Lake, Granite Rapids).
+# so pairs pay (benchmarks/register_tiles.c times the 8 x 32 tiles of both; the measurements:
+# benchmarks/PERFORMANCE.md, Schedule decisions). Zen 4 runs a 512-bit FMA as two 256-bit
+# halves. Not the Intel Xeon with AMX that LLVM calls `rocketlake` (Sapphire Rapids class:
+# vdpbf16ps issues every other cycle, the FMA twice a cycle), nor unmeasured ones (Cooper
+# Lake, Granite Rapids).
 PAIRS_PAY = ("znver4", "znver5")
 
 

@@ -19,11 +19,10 @@ attention     a decode step has one query per head (or a few: S new tokens x the
               partial (O, m, l); a second parallel loop merges each group's pieces: O = sum_p
               2^(m_p - m) O_p, l = sum_p 2^(m_p - m) l_p, out = O / l (0 for a row that saw
               no key). Only the call's keys (kv_len = cache_lens[b] + S) count, so every
-              thread runs the same work whatever the rows' cache lengths (rows of 4000 and
-              100 keys, 2 threads: 0.48x the time of splits of the cache, which left a
-              thread the long row; 1 K/V head at 1024 of 4096 keys: 0.56x; full caches and
-              1 thread 0.98-1.01x), and each task streams one stretch of the cache (splits
-              interleaved with the rows or with each other took 1.15-1.7x at full caches).
+              thread runs the same work whatever the rows' cache lengths (splits of the
+              cache had left a thread the long row), and each task streams one stretch of
+              the cache (not splits interleaved with the rows or with each other; measured:
+              benchmarks/PERFORMANCE.md, Schedule decisions).
               Each K and V row is read from memory once per piece (the rows of a tile reuse
               it from L1): the step is bound by reading the cache.
 Positions are absolute: query t of row b is at q_idx = cache_lens[b] + t; every score goes
@@ -73,13 +72,9 @@ def decode_kv_block(row_tile, lanes):
     """Keys per online-softmax step. Lanes along head_dim: 8 per query row of the tile, 16
     to 64: a block's fixed cost per row (its max, exp2 and rescale of O) wants many keys
     when rows are many; with one or two rows the step streams the cache, and short blocks
-    keep the K and V streams both in flight (Zen 4, 1 thread, full 4096-key caches, against
-    32 keys: 1 row 16 keys 0.91x, 64 keys 1.19x; 2 rows 0.90x / 1.36x; 4 rows 16 keys
-    1.23x, 64 keys 1.03x). Rows in the lanes (rows_in_lanes): 16 keys, whose K and V
-    blocks (4 KiB each at head_dim 64) stay in L1 while every row of the tile reads V
-    (Zen 4, against 64 keys, attention kernel, caches of 2 MiB and 16-32 MiB: AVX-512
-    0.55-1.00x at 1 thread, 0.87-1.04x at 2; AVX2 0.59-1.06x and 0.81-1.04x; the big wins
-    on the caches that stream from memory)."""
+    keep the K and V streams both in flight. Rows in the lanes (rows_in_lanes): 16 keys,
+    whose K and V blocks (4 KiB each at head_dim 64) stay in L1 while every row of the tile
+    reads V. The measurements: benchmarks/PERFORMANCE.md, Schedule decisions."""
     if rows_in_lanes(row_tile, lanes):
         return round_up(16, lanes)
     return round_up(min(64, max(16, 8 * row_tile)), lanes)
@@ -108,15 +103,12 @@ class DecodeRule:
         padded = round_up(row_tile, target.lanes)
         if (row_tile >= 8 and not rows_in_lanes(row_tile, target.lanes) and padded <= 16
                 and rows_in_lanes(padded, target.lanes) and 3 * padded <= 4 * row_tile):
-            # rows in the lanes pay for a few copied rows: AVX2, 12 rows a K/V head in a
-            # tile of 16, 0.84-0.91x the time of lanes along head_dim (1 and 2 threads)
+            # rows in the lanes pay for a few copied rows (AVX2, 12 rows a K/V head in a
+            # tile of 16: benchmarks/PERFORMANCE.md, Schedule decisions)
             row_tile = padded
         # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
-        # thread, so more tasks balance nothing and add partials to merge. Zen 4, attention
-        # kernel against 4 a core over 7 steps (1-16 K/V heads, caches of 100-4095 keys, 1
-        # and 2 threads): 0.76-0.87x on caches of 100-300 keys, 0.86-1.01x on full ones
-        # (an older run had 1 a core at 1.00-1.22x on 4096 keys of one K/V head, 2
-        # threads; 4 runs now: 0.93-1.01x)
+        # thread, so more tasks balance nothing and add partials to merge (against 4 a
+        # core: benchmarks/PERFORMANCE.md, Schedule decisions)
         return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores),
                             kv_block=decode_kv_block(row_tile, target.lanes),
                             lanes=target.lanes)
@@ -242,19 +234,17 @@ def build_cache_append(w, cfg):
 def rows_in_lanes(row_tile, lanes):
     """Whether a tile's scores put its query rows in the vector lanes (8, 12 or 16 rows:
     the query heads of a K/V head x the new tokens): a multiply-add per head_dim column
-    then makes a score for every row, with no horizontal sum per score. Attention kernel on
-    Zen 4 against lanes along head_dim: 8 rows 0.79x (AVX2 0.79-0.80x), 12 rows 0.80x, 16
-    rows 0.68-0.71x (AVX2 0.66-0.68x), a 512-token prompt's layer 0.87x; 4 rows 1.09-1.12x,
-    so fewer than 8 rows keep the lanes along head_dim. A row vector fits one register or is
-    whole registers: 12 rows on 8 lanes (AVX2) came out of LLVM as lane inserts through the
-    stack (the kernel 3.3-4.5x the time of lanes along head_dim)."""
+    then makes a score for every row, with no horizontal sum per score; fewer than 8 rows
+    keep the lanes along head_dim, where they ran faster. A row vector fits one register or
+    is whole registers: 12 rows on 8 lanes (AVX2) came out of LLVM as lane inserts through
+    the stack. The measurements: benchmarks/PERFORMANCE.md, Schedule decisions."""
     return row_tile >= 8 and row_tile % 4 == 0 and (row_tile <= lanes or row_tile % lanes == 0)
 
 
 def keys_in_flight(row_tile, lanes, registers, kv_block):
     """Keys whose row-lane scores accumulate at once: as many as the registers hold (4 kept
-    for Q^T and K's broadcasts), at most 8, a power of two dividing kv_block (AVX2, 8 rows:
-    4 keys took 1.13x the time of 8, 16 rows 2 keys 1.22x that of 4). A key's row vector
+    for Q^T and K's broadcasts), at most 8, a power of two dividing kv_block (fewer were
+    slower: benchmarks/PERFORMANCE.md, Schedule decisions). A key's row vector
     takes whole registers: 12 rows on 8 lanes take 2 (8 keys of them spilled)."""
     fit = max(1, (registers - 4) // -(-row_tile // lanes))
     ju = 1
@@ -348,7 +338,7 @@ def build_decode(w, cfg, registers=16, flush=False):
     @T.macro
     def add_values(o, v_cache, p, b, g, kr):
         # o: a local [DP] row, unrolled so that it lives in registers (accumulated in
-        # part_o, each key's FMAs waited on the last key's stores: GQA steps 1.6x slower)
+        # part_o, each key's FMAs waited on the last key's stores; see PERFORMANCE.md)
         for ch in T.unroll(NCH):
             for ln in T.vectorized(LN):
                 o[ch * LN + ln] = o[ch * LN + ln] + p * loaded(v_cache[b, g, kr, ch * LN + ln])
@@ -360,8 +350,8 @@ def build_decode(w, cfg, registers=16, flush=False):
     @T.macro
     def rescaled_row(o, part_o, slot, r, scale):
         # o = a row of part_o x scale, QCH vectors (as one vector of DP floats, a DP not a
-        # power of two, 40-112, was legalised lane by lane by LLVM: vinsertps; 8 heads on
-        # one K/V head at head_dim 80 took 11x the time)
+        # power of two, 40-112, was legalised lane by lane by LLVM: vinsertps; see
+        # benchmarks/PERFORMANCE.md, Schedule decisions)
         for ch in T.unroll(QCH):
             for ln in T.vectorized(LN):
                 o[ch * LN + ln] = part_o[slot, r, ch * LN + ln] * scale

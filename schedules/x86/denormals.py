@@ -3,12 +3,10 @@
 The online softmax makes tiny values where scores lie far below their row's maximum (ALiBi's
 steep slopes over long sequences): probabilities near 2^-126 times V, and accumulators
 scaled down by alpha, come out denormal, and an Intel core takes a microcode assist for each
-operation that makes or reads one. The attention of 1x2048x1024x16 on the Intel Xeon with
-AMX, against the plain layer's: ALiBi with slope 0.7 on all 16 heads 4.2x, flushed 1.05x;
-`mhagen.alibi(16)` (slopes 0.71 down to 0.004) 1.26x / 1.45x at 1 / 2 threads (the steep
-heads fall to one core), flushed 1.06x / 1.02x; plain layers alike with and without (0.99-
-1.02x). AMD's Zen cores pay little for denormals (ALiBi there: 1.03-1.09x the plain layer's
-time before this). Each task saves its thread's MXCSR, sets FTZ | DAZ and puts
+operation that makes or reads one: ALiBi layers ran several times slower than plain ones on
+the Intel Xeon with AMX, and as fast flushed; AMD's Zen cores pay little for denormals (see
+benchmarks/PERFORMANCE.md, Schedule decisions). Each task saves its thread's MXCSR, sets
+FTZ | DAZ and puts
 the saved value back at its end: the caller's floating-point state is left as it was (the
 calling thread runs tasks too). What is flushed lies below 2^-126 of the row's largest
 probability: below anything a float32 output shows; inputs already denormal (|q|, |k|, |v|

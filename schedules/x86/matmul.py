@@ -8,9 +8,7 @@ Two forms, one schedule:
 Inside a task: a tile_rows x tile_cols accumulator in registers (rows unrolled, columns
 vectorised), k innermost-but-two. Elementwise epilogues that follow (bias, scale, mask) are
 folded into the tile's write-back, so they cost no extra pass over memory.
-First measurements (1 thread, AVX-512, 512x512x1536, the first template, before row
-blocks and padded tiles): 8x32 tiles ~150-160 GFLOP/s, 12x32 ~95 (see packed_tile), 6x64 ~70
-(LLVM spills), 8x16 ~130. At 2048x768x2304, blocks of 16 row tiles: 163 vs 146.
+The measurements behind the tiles and blocks: benchmarks/PERFORMANCE.md, Schedule decisions.
 """
 from dataclasses import dataclass
 
@@ -44,9 +42,8 @@ def few_rows_panels(rows, panels, lanes_per_panel, registers, cores=1):
     2 vectors a panel) up to 12, with the panels' B vectors (held when rows > 1; one row
     reads each once, from memory) and one broadcast within the registers; a divisor of the
     panel count leaving 2 tasks a core or more. A tile of one panel had 2 accumulators at 1
-    row, 4 at 2: each multiply-add waited on the last (AVX2 decode steps' GEMMs took
-    1.3-1.9x the AVX-512 ones' time; with several panels 0.63-0.85x their former time,
-    AVX-512 0.82-1.01x; Zen 4, 1 and 2 threads)."""
+    row, 4 at 2: each multiply-add waited on the last (benchmarks/PERFORMANCE.md, Schedule
+    decisions)."""
     vectors = lanes_per_panel
     best = 1
     for p in range(1, panels + 1):
@@ -71,17 +68,12 @@ GEMM_ROWS_MOST = 12   # the packed GEMM's tile rows on 16 lanes at most (packed_
 def packed_tile(target, pairs=False, on_amx=False):
     """(tile_rows, tile_cols) of the packed GEMM: two vectors wide, as many rows as the
     vector registers hold after the 2 B vectors and the A broadcast, at most 12 on 16 lanes
-    and 8 on fewer or for GEMMs over bfloat16 pairs (`pairs`: AVX-512 BF16's vdpbf16ps;
-    12 rows took 1.00-1.04x the time of 8 there, 1x128-1x2048, 1 thread, the Intel Xeon).
-    AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators); AVX2 (16, 8): 6 x 16; NEON
-    (32, 4): 8 x 8 (14 rows would fit; not measured).
-    AVX-512 12 x 32 against 8 x 32 (Intel Xeon with AMX, two 512-bit FMA pipes; the GEMMs of
-    the benchmark layers alone, alternated, 7 rounds): 0.91-0.99x the time at 1 thread,
-    0.90-0.99x at 2; 14 x 32 (28 accumulators, 31 registers) 0.87-1.00x: 12 leaves registers
-    for the write-back. A taller tile loads the 2 B vectors once per 24 multiply-adds, not
-    16, and runs fewer tiles. (The first template's 12 x 32 ran at ~60% of 8 x 32 before the
-    GEMM rows were padded to whole tiles: a partial last tile's guard kept accumulators in
-    memory, see packed_blocking.)
+    and 8 on fewer or for GEMMs over bfloat16 pairs (`pairs`: AVX-512 BF16's vdpbf16ps,
+    where 12 rows gained nothing). AVX-512 (32 regs, 16 lanes): 12 x 32 (24 accumulators);
+    AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8 (14 rows would fit; not measured).
+    A taller tile loads the 2 B vectors once per 24 multiply-adds, not 16, and runs fewer
+    tiles; 12 rows, not 14, leave registers for the write-back (the measurements of 8, 12
+    and 14 rows: benchmarks/PERFORMANCE.md, Schedule decisions).
     on_amx: a GEMM on AMX tiles (amx.py): 32 x 32, four 16 x 16 tiles."""
     if on_amx:
         return amx.ROWS, amx.COLS
@@ -94,25 +86,21 @@ def packed_blocking(target, rows, depth, cols=0, pairs=False, on_amx=False):
     `cols` columns (0: not known, or a symbolic build's: no blocks for the cores' sake).
     A row block of A (row_block tiles x K floats) takes at most half the L2 (at most 24
     tiles), the rest holds a weight panel and the tile's output: every row block streams all
-    the weights once, so larger blocks halve that traffic (Zen 3, L2 512 KiB, the 2048 x
-    1024 x 3072 QKV GEMM: 9-tile blocks 7-10% faster than 6-tile ones; AVX-512 2048 x 768:
-    16 tiles 1.1x faster than 8). The blocks are balanced.
+    the weights once, so larger blocks halve that traffic. The blocks are balanced.
     Rows in one block are not padded where the last tile is partial by 1 or 2 rows, or the
     rows make 2 tiles: the guard (row < rows) depends only on the task's serial tile loop,
     so LLVM hoists it out of the k loop and gives the last tile a loop of its own rows
-    (AVX2, 128 rows = 21 tiles of 6 + 2 rows, not 132: the GEMMs 2-4% faster; AVX-512 at
-    97 rows, not 104: 5%). LLVM does so for this loop nest only (with k split and unrolled
-    by 2 it did not: 2.25x slower); a test reads the assembly for the whole tile's
-    unguarded loop. With 3 or more tiles and 3 or more rows in the last, LLVM kept the
-    whole tiles' accumulators of the guarded rows in memory (Zen 4, 1 thread, 512 wide:
-    AVX2 at 15-112 rows 47-59 GFLOP/s, padded 77-110; AVX-512 at 27-100 rows 59-87,
-    padded 96-110): those rows are padded to whole tiles.
+    (AVX2, 128 rows = 21 tiles of 6 + 2 rows, not 132). LLVM does so for this loop nest
+    only (not with k split and unrolled by 2); a test reads the assembly for the whole
+    tile's unguarded loop. With 3 or more tiles and 3 or more rows in the last, LLVM kept
+    the whole tiles' accumulators of the guarded rows in memory: those rows are padded to
+    whole tiles.
     Rows in several blocks are padded to whole tiles: there the guard depends on the
-    parallel (block, panel) index, LLVM leaves it on every multiply-add (AVX2, 512 rows:
-    2.9x slower). They are not padded to whole blocks: the last block may hold fewer
-    tiles, and the guard that skips the missing ones stands per tile, out of the k loop
-    (AVX2 on Zen 4, 512 rows in 4 blocks of 22 tiles: 516 rows computed, not 528, the
-    GEMMs 2.5-3% faster). Waste: under one tile.
+    parallel (block, panel) index, LLVM leaves it on every multiply-add. They are not
+    padded to whole blocks: the last block may hold fewer tiles, and the guard that skips
+    the missing ones stands per tile, out of the k loop (AVX2, 512 rows in 4 blocks of 22
+    tiles: 516 rows computed, not 528). Waste: under one tile. What each choice gained:
+    benchmarks/PERFORMANCE.md, Schedule decisions.
     Rows that fit one block are split into blocks all the same where the panels alone do
     not spread over the target's cores (core_blocks).
     pairs: a GEMM over bfloat16 pairs (packed_tile's pair tile), its rows padded to whole
@@ -193,12 +181,10 @@ class MatmulRule:
                 pairs=bool(workload.get("pairs")), on_amx=bool(workload.get("amx")))
             # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
             # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
-            # second, and the two threads' halves of the parallel loop did 86% and 14% of the
-            # work (Zen 3, 2 threads: QKV GEMM 1.8x, output GEMM 1.6x the exact build's time).
-            # The panel-major GEMM splits the panels into a group per core, outermost (A then
-            # streams once a group); the row-major one (its write-back ran 1.6x slower with
-            # groups, not explained) gives each block every n-th tile instead (apply). Both
-            # now within 1.05x of the exact build at 128 rows and 1.1x at 2048.
+            # second, and one thread did most of the work. The panel-major GEMM splits the
+            # panels into a group per core, outermost (A then streams once a group); the
+            # row-major one (slower with groups, not explained) gives each block every n-th
+            # tile instead (apply). Measured: benchmarks/PERFORMANCE.md, Schedule decisions.
             if workload.get("amx") and workload.get("symbolic"):
                 # TVM's tensorize does not match the AMX intrinsic under a row block of
                 # symbolic extent (an InternalError; the random AMX layers found batch 3 of
@@ -315,8 +301,8 @@ class MatmulRule:
         # output's end (an inlined copy would store them out of bounds).
         # A parallel task runs many tiles (a row block's tiles of one panel), not one: TVM
         # gets a "local" buffer from TVMBackendAllocWorkspace at the start of the task's
-        # body, and with a task per tile every tile of ~1.5 microseconds paid that call and
-        # the free (AVX2 on Zen 4, 2048 x 768 x 768: 11% of the GEMM's time).
+        # body, and with a task per tile every tile paid that call and the free (see
+        # benchmarks/PERFORMANCE.md, Schedule decisions).
         absorbed, first = [], None
         consumers = sch.get_consumers(blk)
         while len(consumers) == 1:
@@ -362,9 +348,8 @@ class MatmulRule:
         """A's copy into row-tile panels (a "pack" stage the lowering put before the
         GEMM): one task per panel, its rows unrolled; AMX's A tiles (a_t[i, s, r, k2, p])
         a vector of a tile row (32 bfloat16) at a time instead: their rows and pairs
-        unrolled (1,024 copies) took LLVM 6 s a GEMM to compile, for the same speed (the
-        copy alone, Zen 4: 18.5 vs 18.9 us at 128 x 512, 297 vs 279 at 2048 x 1024).
-        Returns the stages it scheduled."""
+        unrolled (1,024 copies) took LLVM seconds a GEMM to compile, for the same speed
+        (benchmarks/PERFORMANCE.md, Schedule decisions). Returns the stages it scheduled."""
         done = []
         for producer in sch.get_producers(blk):
             pack = plan.by_block.get(sch.get(producer).name_hint)

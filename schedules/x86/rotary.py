@@ -10,10 +10,9 @@ built at build time in float64) and stored back. A head's columns lie in a few c
 panels, each a contiguous [rows, panel] array, so a task streams those panels down (and the
 block's cos/sin rows stay in L1 from head to head); a task per row, across every head, had
 jumped a panel's rows x 128 bytes from one head to the next, 32 KiB at 256 rows on AVX-512,
-every access in one L1 set (d_model 1024, 16 heads, 1 thread, Zen 4: 206 us at seq 256 and
-34 us at seq 257; now 30 and 34 us; AVX2 43 -> 37 us). Cost: read and write rotary_dim
-columns of each of heads + kv_heads heads per row, about 2% of the QKV GEMM's memory
-traffic and nothing next to its flops; no extra temporary.
+every access in one L1 set (see benchmarks/PERFORMANCE.md, Schedule decisions). Cost: read
+and write rotary_dim columns of each of heads + kv_heads heads per row, a small share of the
+QKV GEMM's memory traffic and nothing next to its flops; no extra temporary.
 """
 from __future__ import annotations
 
