@@ -552,10 +552,6 @@ def _cmd_run(args):
     return 0
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
-    print(f"mhagen: warning: {message}", file=sys.stderr)
-
-
 def main(argv=None) -> int:
     p = parser()
     args, unknown = p.parse_known_args(argv)
@@ -566,7 +562,8 @@ def main(argv=None) -> int:
         "tune": _cmd_tune}[args.command]
     try:
         with warnings.catch_warnings():   # (restores showwarning on the way out)
-            warnings.showwarning = _one_line_warning
+            warnings.showwarning = lambda message, *where, **_: print(
+                f"mhagen {args.command}: warning: {message}", file=sys.stderr)
             return cmd(args)
     except (MhagenError, _Fail) as err:
         print(f"mhagen {args.command}: error: {err}", file=sys.stderr)
