@@ -446,13 +446,13 @@ def _read_arrays(path: Path, flag: str) -> dict:
                                                       else ""))
     try:
         data = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
+        if isinstance(data, np.ndarray):
+            return {"x": data}
+        with data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError) as err:   # (ValueError: also an array of Python objects)
         raise _Fail(f"{flag} {path} is not a .npy or .npz file numpy can read "
                     f"({str(err).splitlines()[0][:200]})") from None
-    if isinstance(data, np.ndarray):
-        return {"x": data}
-    with data:
-        return {name: data[name] for name in data.files}
 
 
 def _run_arguments(module, arrays: dict, path: Path) -> dict:
@@ -493,20 +493,19 @@ def _run_arguments(module, arrays: dict, path: Path) -> dict:
         if given:
             spec = cache_shape(graph)
             want = np.dtype(numpy_dtype(spec["dtype"]))
+            expected = (batch, spec["kv_heads"], spec["max_len"], spec["head_dim"])
             for name in ("k_cache", "v_cache"):
                 a = arrays[name]
                 if a.dtype != want:
                     raise _Fail(f"{name} is {a.dtype}; this module's cache holds "
                                 f"{want.name}: save it as {want.name}")
+                if a.shape != expected:
+                    raise _Fail(f"{name} has shape {a.shape}; this module's cache is "
+                                f"{expected} [batch, kv_heads, max_len, head_dim]")
             lens = arrays["cache_lens"]
             if not np.issubdtype(lens.dtype, np.integer):
                 raise _Fail(f"cache_lens is {lens.dtype}; give the tokens cached per batch row "
                             "as integers")
-            for name in ("k_cache", "v_cache"):
-                expected = (batch, spec["kv_heads"], spec["max_len"], spec["head_dim"])
-                if arrays[name].shape != expected:
-                    raise _Fail(f"{name} has shape {arrays[name].shape}; this module's cache "
-                                f"is {expected} [batch, kv_heads, max_len, head_dim]")
             call["cache"] = KVCache.from_arrays(arrays["k_cache"], arrays["v_cache"], lens)
         else:
             call["cache"] = KVCache.empty(module, batch)

@@ -90,7 +90,8 @@ def test_onnx_weights_build_into_an_artifact_that_runs_on_a_file(artifact, tmp_p
     (lambda d: _npy(d, np.zeros((1, SEQ, 64), np.float32)), ["--repeat", "0"],
      "--repeat must be >= 1"),
 ], ids=["no-inputs", "missing-file", "not-numpy", "context-for-self-attention",
-        "cache-for-a-plain-layer", "unknown-name", "no-x", "wrong-width", "outputs-not-npz", "repeat"])
+        "cache-for-a-plain-layer", "unknown-name", "no-x", "wrong-width", "outputs-not-npz",
+        "repeat"])
 def test_run_refuses_bad_inputs_in_one_line(artifact, tmp_path, capsys, make, args,
                                             fragment):
     art = artifact[0]

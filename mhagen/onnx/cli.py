@@ -17,6 +17,7 @@ from mhagen.kvcache import KVCache
 from mhagen.onnx._common import OnnxError, ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
 from mhagen.onnx.fit import VARIED_INPUTS_HINT
+from mhagen.onnx.importer import _load as load_model
 from mhagen.onnx.importer import import_onnx
 from mhagen.tolerances import max_error, tolerance
 from mhagen.weights import load_weights
@@ -71,8 +72,8 @@ def add_parsers(subparsers, layer_options, layer) -> dict:
         description="Find attention layers (the Attention operator, com.microsoft."
                     "MultiHeadAttention, or MatMul-Softmax-MatMul as PyTorch exports "
                     "nn.MultiheadAttention) and print each as a mhagen graph; --out saves the "
-                    "graph JSON and weights (.npz) for `mhagen build --graph` and "
-                    "`export-onnx --graph ... --weights ...`.")
+                    "graph JSON and weights (.npz) for `mhagen build --graph G.json --weights "
+                    "G.npz` and `export-onnx --graph ... --weights ...`.")
     i.add_argument("model", type=Path, help="an .onnx file")
     i.add_argument("--seq-len", type=int, default=32,
                    help="sequence length to probe a dynamic sequence axis at (default 32)")
@@ -138,22 +139,14 @@ def _cmd_export(args, layer) -> int:
     return 0 if ok else 1
 
 
-def _sample_inputs(specs, model):
+def _sample_inputs(specs, graph):
     """import_onnx()'s sample_inputs from --sample-input NAME=FILE.npy flags: one dict, or
     a list of them when a name is repeated (the k-th file of each name in sample k; a name
-    given once is in every sample). Names must be the model's non-float inputs."""
+    given once is in every sample). Names must be the non-float inputs of `graph`."""
     if not specs:
         return None
-    import onnx
-    if not Path(model).is_file():   # import_onnx says so
-        return None
-
     from mhagen.onnx.probe import FLOAT_TYPES
-    try:
-        graph = onnx.load(str(model), load_external_data=False).graph
-    except Exception as err:  # noqa: BLE001 - import_onnx says what is wrong with the model
-        raise OnnxError(f"cannot read {model} as an ONNX model ({err})") from None
-    feeds = {i.name: i for i in graph.input} if graph else {}
+    feeds = {i.name: i for i in graph.input}
     for init in graph.initializer:
         feeds.pop(init.name, None)
     floats = {n for n, i in feeds.items() if i.type.tensor_type.elem_type in FLOAT_TYPES}
@@ -198,8 +191,9 @@ def _cmd_import(args) -> int:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise InputError(f"--out {args.out} is a file: give a directory for the graphs")
     try:
-        found = import_onnx(args.model, seq_len=args.seq_len, batch=args.batch,
-                            sample_inputs=_sample_inputs(args.sample_input, args.model))
+        model = load_model(args.model)
+        found = import_onnx(model, seq_len=args.seq_len, batch=args.batch,
+                            sample_inputs=_sample_inputs(args.sample_input, model.graph))
     except OnnxError as err:
         raise OnnxError(_in_cli_words(str(err))) from None
     print(f"{args.model}: {len(found)} attention layer{'s' if len(found) != 1 else ''}")
