@@ -11,6 +11,8 @@ import onnx
 import pytest
 
 from mhagen.cli import main
+from mhagen.onnx.cli import _in_cli_words
+from mhagen.onnx.fit import VARIED_INPUTS_HINT
 from tests.test_onnx_import import column_scaled_model
 
 IDS = np.array([[1, 2, 3, 4]], np.int64)
@@ -132,3 +134,23 @@ def test_a_bert_export_imports_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "1 attention layer" in r.stdout and "read exactly from the initializers" in r.stdout
     assert "num_heads=4" in r.stdout and len(list((tmp_path / "out").glob("*.npz"))) == 1
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("the probe rows span 4 of the 8 directions; " + VARIED_INPUTS_HINT,
+     "the probe rows span 4 of the 8 directions; give more varied samples: repeat "
+     "--sample-input NAME=FILE.npy with other arrays (e.g. several batches of different token "
+     "ids), so the probe rows span the layer input"),
+    ("cannot run the model on inputs of shapes {}; if the model only runs at the sequence "
+     "length it was exported with, pass that length as seq_len=",
+     "cannot run the model on inputs of shapes {}; if the model only runs at the sequence "
+     "length it was exported with, pass that length as --seq-len"),
+    ("import with a seq_len longer than the model's farthest distinct distance (T5: "
+     "max_distance 128, so seq_len=160)",
+     "import with a --seq-len longer than the model's farthest distinct distance (T5: "
+     "max_distance 128, so --seq-len 160)"),
+    ("seq_len=1 must be an integer >= 2", "--seq-len 1 must be an integer >= 2"),
+    ("batch=0 must be a positive integer", "--batch 0 must be a positive integer"),
+], ids=["varied", "exported-length", "t5-length", "seq-len", "batch"])
+def test_the_importers_advice_names_the_commands_flags(message, expected):
+    assert _in_cli_words(message) == expected

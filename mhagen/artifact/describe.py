@@ -46,7 +46,6 @@ def damaged_files(directory, man: dict | None = None) -> list:
     man = man if man is not None else _read_manifest(directory / "manifest.json")
     try:
         listed = {**(man.get("files") or {}), **((man.get("c_api") or {}).get("files") or {})}
-        listed = {str(name): str(digest) for name, digest in listed.items()}
     except _WRONG_TYPES as err:
         raise _malformed(directory / "manifest.json", err) from None
     bad = []

@@ -23,13 +23,15 @@ from mhagen.tolerances import max_error, tolerance
 from mhagen.weights import load_weights
 
 # the importer's advice names import_onnx()'s keywords: on the command line, its flags
+_VARIED_SAMPLES = ("give more varied samples: repeat --sample-input NAME=FILE.npy with other "
+                   "arrays (e.g. several batches of different token ids), so the probe rows "
+                   "span the layer input")
 _CLI_WORDS = [
-    (re.escape(VARIED_INPUTS_HINT.split(" (")[0]) + r" \(a list of dicts, e\.g\. ",
-     "give more varied samples: repeat --sample-input NAME=FILE.npy with other arrays (e.g. "),
     (r"sample_inputs=\{'([^']*)': array\} to import_onnx", r"--sample-input \1=FILE.npy"),
     (r"\bsample_inputs=?", "--sample-input"),
     (r"\bseq_len=(\d+)", r"--seq-len \1"),
     (r"\bseq_len=", "--seq-len"),
+    (r"\ba seq_len\b", "a --seq-len"),
     (r"\bbatch=", "--batch "),
 ]
 
@@ -182,6 +184,7 @@ def _sample_inputs(specs, graph):
 
 
 def _in_cli_words(message: str) -> str:
+    message = message.replace(VARIED_INPUTS_HINT, _VARIED_SAMPLES)
     for pattern, flag in _CLI_WORDS:
         message = re.sub(pattern, flag, message)
     return message
