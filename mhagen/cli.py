@@ -14,8 +14,8 @@ import mhagen
 from mhagen.artifact.describe import damaged_files, describe
 from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
-from mhagen.module import Module
 from mhagen.ir.kinds import SUPPORTED_DTYPES
+from mhagen.module import Module
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
 from mhagen.targets import preset_names
@@ -527,6 +527,10 @@ def _cmd_run(args):
     if getattr(module, "cannot_run", None):
         raise _Fail(f"cannot run {args.artifact} here: {module.cannot_run}")
     call = _run_arguments(module, arrays, args.inputs)
+    beyond = [name for name in call if name not in signature(module.__call__).parameters]
+    if beyond:   # a CUDA artifact's module: x and kv_lens only
+        raise _Fail(f"{args.artifact} takes no {', '.join(beyond)} from Python: run it "
+                    "through its C API (mha.h)")
     cache = call.get("cache")
     before = cache.copy() if cache is not None else None   # timing appends where this call did
     y = module(**call)

@@ -180,3 +180,31 @@ def test_run_steps_a_decoding_layer_on_the_cache_it_is_given(loaded, tmp_path, c
     assert main(["run", "art", "--inputs", str(_npz(tmp_path, x=x, k_cache=cache.k,
                                                     v_cache=cache.v, cache_lens=full))]) == 2
     assert "2 new ones need lens <= 14" in capsys.readouterr().err
+
+
+class CallOnly:
+    """A module as a CUDA artifact loads: called with x (and kv_lens), no kernel timer."""
+
+    def __init__(self, graph):
+        self.graph, self.batch = graph, 1
+
+    def __call__(self, x, *, kv_lens=None):
+        return np.ones_like(x)
+
+    def __repr__(self):
+        return "<call-only module>"
+
+
+def test_run_of_a_module_that_takes_fewer_arguments_or_has_no_timer(loaded, tmp_path,
+                                                                     capsys):
+    x = np.zeros((1, SEQ, 64), np.float32)
+    loaded(CallOnly(mhagen.mha(64, 2, cross=True)))
+    assert main(["run", "art", "--inputs", str(_npz(tmp_path, x=x, context=x))]) == 2
+    assert "art takes no context from Python: run it through its C API" in \
+        capsys.readouterr().err
+    loaded(CallOnly(mhagen.mha(64, 2)))
+    assert main(["run", "art", "--inputs", str(_npy(tmp_path, x)), "--outputs",
+                 str(tmp_path / "y.npz")]) == 0
+    assert "latency: not measured (this module has no kernel timer)" in capsys.readouterr().out
+    with np.load(tmp_path / "y.npz") as f:
+        np.testing.assert_array_equal(f["y"], np.ones_like(x))
