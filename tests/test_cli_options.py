@@ -98,12 +98,10 @@ def no_build(monkeypatch):
     monkeypatch.setattr(mhagen, "build", refuse)
 
 
-def _weights(d, **change):
+def _weights(d, name="w.npz", **change):
     w = mhagen.mha(64, 2).init_weights(0)
     w.update(change)
-    w = {k: v for k, v in w.items() if v is not None}
-    np.savez(d / "w.npz", **w)
-    return d / "w.npz"
+    return mhagen.save_weights(d / name, {k: v for k, v in w.items() if v is not None})
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -113,11 +111,13 @@ def _weights(d, **change):
      "no tuning database there; write one with mhagen tune --db"),
     (lambda d: ["--weights", d / "nope.npz"], "no weights file at"),
     (lambda d: ["--weights", _weights(d, w_q=None)], "missing ['w_q']"),
+    (lambda d: ["--weights", _weights(d, "w.safetensors", b_k=None)], "missing ['b_k']"),
     (lambda d: ["--weights", _weights(d, extra=np.zeros(2))], "unexpected ['extra']"),
     (lambda d: ["--weights", _weights(d, w_o=np.zeros((64, 32)))],
      "weight 'w_o' has shape (64, 32), expected (64, 64)"),
     (lambda d: ["--no-c-api"], "--no-c-api says how to save the module: give --out DIR too"),
 ], ids=["out-file", "out-under-file", "records-missing", "weights-missing", "weights-lack",
+        "safetensors-lack",
         "weights-extra", "weights-shape", "save-flag-without-out"])
 def test_build_refuses_bad_files_before_building(args, fragment, tmp_path, capsys, no_build):
     err = one_line_error(capsys, "build", "--d-model", 64, "--heads", 2, *args(tmp_path))
