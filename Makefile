@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` (the main job) and `make test`.
-# Both create .venv and install mhagen with its test extras on first use.
+# Both create .venv and install mhagen with its test and tuning extras on first use.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,tune]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -29,7 +29,10 @@ def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options)
 
 
 def tune(layer, target="x86", **options):
-    """Autotune `layer`'s kernels with TVM MetaSchedule; see mhagen.tuning.search.tune."""
+    """Autotune `layer`'s kernels with TVM MetaSchedule; see mhagen.tuning.search.tune.
+    Needs the tuning extra: pip install 'mhagen[tune]'."""
+    from mhagen.tuning.deps import require_tuning_dependencies
+    require_tuning_dependencies()
     from mhagen.tuning.search import tune as _tune
     return _tune(layer, target, **options)
 

@@ -1,4 +1,4 @@
-"""The `mhagen` command line: build, inspect, bench, tune, export-onnx, import-onnx.
+"""The `mhagen` command line: build, run, inspect, bench, tune, export-onnx, import-onnx.
 
 Errors in options or layers print one line `mhagen CMD: error: ...` and exit with status 2.
 """
@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from inspect import signature
 from pathlib import Path
 
 import mhagen
@@ -13,10 +15,14 @@ from mhagen.artifact.describe import damaged_files, describe
 from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
 from mhagen.ir.kinds import SUPPORTED_DTYPES
+from mhagen.module import Module
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
+from mhagen.targets import preset_names
 from mhagen.tolerances import judged_as, tolerance
+from mhagen.tuning.deps import require_tuning_dependencies
 from mhagen.tuning.records import describe_record
+from mhagen.version import version_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +58,15 @@ def _layer_options(p):
     g.add_argument("--kv-dim", type=int, help="the context's width (--cross; default d_model)")
 
 
-def _shape_options(p):
-    p.add_argument("--target", default="x86", help="target preset (default x86: this machine)")
+def _target_option(p):
+    p.add_argument("--target", default="x86", metavar="PRESET",
+                   help=f"target preset: {', '.join(preset_names())} (default x86: this "
+                        "machine's CPU)")
+
+
+def _shape_options(p, seed_help=None):
+    """Target, shape and fusion options; seed_help: what --seed seeds (None: no --seed)."""
+    _target_option(p)
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
     p.add_argument("--max-seq-len", type=int, metavar="N",
@@ -61,7 +74,8 @@ def _shape_options(p):
                         "--seq-len is then the length it is checked and timed at")
     p.add_argument("--kv-seq-len", type=int, metavar="T",
                    help="the context's length of a cross-attention layer (--cross)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and input")
+    if seed_help:
+        p.add_argument("--seed", type=int, default=0, help=f"seed of {seed_help} (default 0)")
     p.add_argument("--no-fuse", action="store_true",
                    help="compile node by node (no fused QKV GEMM / attention kernels)")
 
@@ -85,43 +99,84 @@ def _layer(args):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mhagen", description="A compiler for multi-head attention layers.")
+    p.add_argument("--version", action="version", version=version_text(),
+                   help="print mhagen's and TVM's versions")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
     p.commands = sub.choices     # to report unknown flags in the command's own name
 
     b = sub.add_parser("build", help="compile a layer, check it against the reference, time it",
                        description="Compile a layer for a target, compare it with the float64 "
-                                   "numpy reference, report the median latency.")
+                                   "numpy reference, report the median latency; --out saves "
+                                   "it (for mhagen run, mhagen.load and the C API).")
     _layer_options(b)
-    _shape_options(b)
-    b.add_argument("--out", type=Path, help="save the compiled module to this directory")
+    _shape_options(b, seed_help="the random input (and of the weights, without --weights)")
+    b.add_argument("--weights", type=Path, metavar="FILE",
+                   help="the layer's weights: a .safetensors or .npz of name -> array (as "
+                        "import-onnx --out and mhagen.save_weights write), checked against "
+                        "the layer (default: random, from --seed)")
+    b.add_argument("--records", type=Path, metavar="DB",
+                   help="the tuning database to use (written by mhagen tune --db DB), "
+                        "instead of the user's database and the shipped records")
+    b.add_argument("--out", type=Path, metavar="DIR",
+                   help="save the compiled module to this directory")
+    b.add_argument("--no-c-api", action="store_true",
+                   help="with --out: leave out the C API (mha.h, libmha.so); a faster save, "
+                        "for mhagen run and mhagen.load")
+    b.add_argument("--self-contained", action="store_true",
+                   help="with --out: copy TVM's runtime libraries into DIR/lib, so the C API "
+                        "runs where mhagen is not installed")
     b.add_argument("--repeat", type=int, default=5, help="timing repeats (median is reported)")
 
+    r = sub.add_parser("run", help="run a saved module on inputs from files; print its latency",
+                       description="Load a module saved by build --out (its files checked "
+                                   "against the manifest), run it on the arrays of --inputs, "
+                                   "print the output's shape and the median latency; "
+                                   "--outputs saves the output.")
+    r.add_argument("artifact", type=Path, metavar="ARTIFACT",
+                   help="a directory written by build --out")
+    r.add_argument("--inputs", type=Path, metavar="FILE",
+                   help="a .npy holding x, or a .npz of the module's inputs by name: "
+                        f"{', '.join(_RUN_INPUTS)} (the cache arrays of a decoding layer: "
+                        "default an empty cache)")
+    r.add_argument("--outputs", type=Path, metavar="FILE.npz",
+                   help="write the output y here (and, for a decoding layer, the cache after "
+                        "the call: k_cache, v_cache, cache_lens)")
+    r.add_argument("--repeat", type=int, default=5, help="timing repeats (median is reported)")
+
     i = sub.add_parser("inspect", help="print a module's graph, TE, TIR, source or manifest",
-                       description="Show one stage of a saved module (DIR) or of a layer built "
-                                   "from the options.")
-    i.add_argument("module", nargs="?", type=Path, help="a directory written by build --out")
-    i.add_argument("--what", default="graph", help="graph, te, tir, source, schedule, manifest")
+                       description="Show one stage of a saved module (DIR), or of a layer "
+                                   "built from the options (without DIR).")
+    i.add_argument("module", nargs="?", type=Path, metavar="DIR",
+                   help="a directory written by build --out")
+    i.add_argument("--what", default="graph",
+                   help=f"one of {', '.join(INSPECT_KINDS)} (default graph); manifest also "
+                        "checks every file of DIR against its sha256")
     _layer_options(i)
     _shape_options(i)
+    i.set_defaults(layer_flags=_flags(i, exclude={"module", "what", "help"}))
     n = sub.add_parser("bench", help="time one layer on a target: latency and GFLOP/s",
                        description="Build a layer (checked against the reference) and time it "
                                    "at each thread count; prints median latency and GFLOP/s.")
     _layer_options(n)
-    _shape_options(n)
+    _shape_options(n, seed_help="the random weights and input")
+    n.add_argument("--records", type=Path, metavar="DB",
+                   help="the tuning database to use (written by mhagen tune --db DB)")
     n.add_argument("--threads", type=int, nargs="+", help="thread counts (default: 1 .. cores)")
     n.add_argument("--repeat", type=int, default=7, help="timing repeats (median is reported)")
     t = sub.add_parser("tune", help="autotune a layer's kernels with TVM MetaSchedule",
                        description="Tune the kernels of a layer for a target at the given "
                                    "shapes; records go to the tuning database that builds "
                                    "consult. Ctrl-C stops and keeps what was measured; a "
-                                   "re-run resumes.")
+                                   "re-run resumes. Needs the tuning extra: pip install "
+                                   "'mhagen[tune]'.")
     _layer_options(t)
-    t.add_argument("--target", default="x86", help="target preset (default x86)")
+    _target_option(t)
     t.add_argument("--shapes", nargs="+",
                    help="BATCHxSEQ shapes to tune (default 1x128; with --kv-cache 1x1, a "
                         "decode step of one new token)")
-    t.add_argument("--trials", type=int, default=64, help="MetaSchedule trials per GEMM kernel (and at most that many attention "
+    t.add_argument("--trials", type=int, default=64,
+                   help="MetaSchedule trials per GEMM kernel (and at most that many attention "
                         "template configs)")
     t.add_argument("--time-budget", type=float, help="stop after this many seconds")
     t.add_argument("--db", type=Path, help="records file (default: the user database)")
@@ -130,11 +185,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--device-key", help="device key registered with the tracker")
     t.add_argument("--kernels", nargs="+", help="only these kernels (e.g. qkv_projection)")
     t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="seed of MetaSchedule's random search (default 0)")
 
     for name, handler in add_parsers(sub, _layer_options, _layer).items():
         sub.choices[name].set_defaults(handler=handler)
     return p
+
+
+def _flags(p, exclude) -> list:
+    """(dest, flag, default) of a parser's options but `exclude`: inspect DIR refuses them."""
+    return [(a.dest, a.option_strings[0], a.default) for a in p._actions
+            if a.option_strings and a.dest not in exclude]
 
 
 def _shape_arg(text):
@@ -148,6 +210,7 @@ def _shape_arg(text):
 
 
 def _cmd_tune(args):
+    require_tuning_dependencies()
     layer = _layer(args)
     default = "1x1" if getattr(args, "kv_cache", None) else "1x128"
     shapes = [_shape_arg(s) for s in args.shapes or [default]]
@@ -162,9 +225,9 @@ def _cmd_tune(args):
             raise _Fail(f"--rpc-tracker takes HOST:PORT, not {args.rpc_tracker!r}")
         rpc = (host, int(port), args.device_key)
     report = mhagen.tune(layer, args.target, shapes=shapes, trials=args.trials,
-                              time_budget=args.time_budget, database=args.db,
-                              work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
-                              kernels=args.kernels)
+                         time_budget=args.time_budget, database=args.db,
+                         work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
+                         kernels=args.kernels, seed=args.seed)
     print(report.table())
     state = (f"stopped by {report.stopped_by}: kept what was measured; re-run to resume"
              if report.interrupted else "done")
@@ -183,14 +246,23 @@ def _schedule_summary(module) -> str:
 
 
 def _build_checked(args, layer):
-    """Build `layer` from CLI args with random weights; (module, max error, tolerance)."""
+    """Build `layer` from CLI args with the weights of --weights or random ones; (module,
+    max error, tolerance)."""
     import numpy as np
 
     if getattr(args, "repeat", 1) < 1:
         raise _Fail(f"--repeat must be >= 1, got {args.repeat}")
-    weights = layer.init_weights(args.seed)
+    tuning = _records(args)
+    weights_file = getattr(args, "weights", None)
+    if weights_file is not None:
+        try:
+            weights = mhagen.load_weights(weights_file, layer)
+        except InputError as err:
+            raise InputError(f"--weights {weights_file}: {err}") from None
+    else:
+        weights = layer.init_weights(args.seed)
     module = mhagen.build(layer, args.target, weights=weights, fuse=not args.no_fuse,
-                          **_shape(args))
+                          **tuning, **_shape(args))
     if not module.target.runs_here():
         return module, None, None
     rng = np.random.default_rng(args.seed)
@@ -210,6 +282,43 @@ def _build_checked(args, layer):
     args.x, args.context = x, context    # what latency and GFLOP/s are measured at
     return module, mhagen.max_error(module(x, cache=cache, context=context), expected), \
         tolerance(expected, judged_as(layer))
+
+
+def _records(args) -> dict:
+    """build()'s tuning= from --records DB (none given: the default lookup)."""
+    db = getattr(args, "records", None)
+    if db is None:
+        return {}
+    if not db.is_file():
+        raise _Fail(f"--records {db}: no tuning database there" +
+                    (" (a directory)" if db.is_dir() else "") +
+                    f"; write one with mhagen tune --db {db}")
+    return {"tuning": str(db)}
+
+
+def _save_options(args) -> dict:
+    """Module.save()'s keywords for the flags given (only those: a save without them keeps
+    its defaults); checked before anything is built."""
+    flags = {"c_api": ("--no-c-api", False), "self_contained": ("--self-contained", True)}
+    wanted = {name: value for name, (_, value) in flags.items()
+              if getattr(args, name if name != "c_api" else "no_c_api")}
+    given = " and ".join(flags[name][0] for name in wanted)
+    if wanted and not args.out:
+        raise _Fail(f"{given} says how to save the module: give --out DIR too")
+    if any(name not in signature(Module.save).parameters for name in wanted):
+        raise _Fail(f"{given}: this mhagen's Module.save() has no such option")
+    return wanted
+
+
+def _check_writable_dir(path: Path, flag: str) -> None:
+    """Refuse a directory path that is a file, or lies under one, before any work."""
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"is under {p}, a file"
+                raise _Fail(f"{flag} {path} {where}: give a directory path (one that does not "
+                            "exist yet, or a directory)")
+            return
 
 
 def _shape(args) -> dict:
@@ -252,11 +361,17 @@ def _cmd_bench(args):
 
 
 def _cmd_build(args):
+    save_options = _save_options(args)
+    if args.out:
+        _check_writable_dir(args.out, "--out")
     layer = _layer(args)
     module, err, tol = _build_checked(args, layer)
+    origin = f"from {args.weights}" if args.weights else f"random (seed {args.seed})"
     print(f"built {layer!r}\n  {module.program.fusion}\n  for {module.target.describe()}\n"
           f"  input {_input_text(module)} in {module.compile_seconds:.1f} s\n"
-          f"  schedules: {_schedule_summary(module)}")
+          f"  weights: {origin}\n"
+          f"  schedules: {_schedule_summary(module)}" +
+          (f" (tuning database {args.records})" if args.records else ""))
     if module.precision:
         print(f"  precision: {module.precision}")
     for record in module.tuning_records:
@@ -269,10 +384,11 @@ def _cmd_build(args):
                   file=sys.stderr)
             return 1
     if args.out:
-        out = module.save(args.out)
+        out = module.save(args.out, **save_options)
         gpu = module.target.device != "cpu"
+        runtime_libs = "lib/ (TVM runtime), " if (out / "lib").is_dir() else ""
         c_api = ("mha.h + libmha.so (C API" + (", CUDA driver" if gpu else "") + "), " +
-                 ("" if gpu else "lib/ (TVM runtime), ")) if (out / "mha.h").exists() else ""
+                 runtime_libs) if (out / "mha.h").exists() else ""
         print(f"wrote {out}/ ({'kernels.fatbin' if gpu else 'kernel.so'}, manifest.json, "
               f"weights.bin, params.bin, {c_api}te/tir/source text)")
     if err is None:
@@ -296,6 +412,11 @@ def _input_text(module) -> str:
 def _cmd_inspect(args):
     if args.what not in INSPECT_KINDS:
         raise _Fail(f"--what must be one of {', '.join(INSPECT_KINDS)}, not {args.what!r}")
+    given = [flag for dest, flag, default in args.layer_flags if getattr(args, dest) != default]
+    if args.module is not None and given:
+        raise _Fail(f"{' '.join(given)}: inspect {args.module} shows the module saved there; "
+                    "layer and shape options describe a layer to build instead (drop DIR "
+                    "or the options)")
     if args.module is not None and args.what == "manifest":
         print(describe(args.module))   # exit status 1: a file is missing or damaged
         return 1 if args.module.is_dir() and damaged_files(args.module) else 0
@@ -310,16 +431,143 @@ def _cmd_inspect(args):
     return 0
 
 
+# what a .npz given to `mhagen run` may hold: the module call's arrays, and a decoding
+# layer's cache as three arrays
+_RUN_INPUTS = ("x", "context", "kv_lens", "k_cache", "v_cache", "cache_lens")
+_CACHE_ARRAYS = ("k_cache", "v_cache", "cache_lens")
+
+
+def _read_arrays(path: Path, flag: str) -> dict:
+    """{name: array} of a .npz, or {"x": array} of a .npy (told apart by their content)."""
+    import numpy as np
+
+    if not path.is_file():
+        raise _Fail(f"{flag} {path}: no such file" + (" (a directory)" if path.is_dir()
+                                                      else ""))
+    try:
+        data = np.load(path, allow_pickle=False)
+        if isinstance(data, np.ndarray):
+            return {"x": data}
+        with data:
+            return {name: data[name] for name in data.files}
+    except (OSError, ValueError) as err:   # (ValueError: also an array of Python objects)
+        raise _Fail(f"{flag} {path} is not a .npy or .npz file numpy can read "
+                    f"({str(err).splitlines()[0][:200]})") from None
+
+
+def _run_arguments(module, arrays: dict, path: Path) -> dict:
+    """The module call's keyword arguments from the arrays of --inputs; refuses names the
+    module takes none of and missing ones, naming both."""
+    import numpy as np
+
+    from mhagen.dtypes import numpy_dtype
+    from mhagen.kvcache import KVCache, cache_shape
+    graph = module.graph
+    takes = {"x": True, "context": graph.context_input is not None,
+             "kv_lens": graph.lengths_input is not None}
+    decoding = graph.cache_lens_input is not None
+    takes.update((name, decoding) for name in _CACHE_ARRAYS)
+    accepted = [name for name, ok in takes.items() if ok]
+    unknown = sorted(set(arrays) - set(accepted))
+    if unknown:
+        why = {"context": "it is not a cross-attention layer", "kv_lens": "it pads no keys",
+               "k_cache": "it keeps no K/V cache", "v_cache": "it keeps no K/V cache",
+               "cache_lens": "it keeps no K/V cache"}
+        reasons = "; ".join(f"{n} ({why[n]})" if n in why else n for n in unknown)
+        raise _Fail(f"--inputs {path} holds arrays this module takes none of: {reasons}; "
+                    f"it takes {', '.join(accepted)}")
+    required = [n for n in ("x", "context", "kv_lens") if takes[n]]
+    missing = [n for n in required if n not in arrays]
+    if missing:
+        form = ("a .npz with arrays " + ", ".join(required)) if len(required) > 1 else \
+            "a .npy of x, or a .npz with an array x"
+        raise _Fail(f"--inputs {path} lacks {', '.join(missing)}: this module takes {form}")
+    call = {name: arrays[name] for name in ("x", "context", "kv_lens") if name in arrays}
+    given = [n for n in _CACHE_ARRAYS if n in arrays]
+    if decoding and given and len(given) < 3:
+        raise _Fail(f"--inputs {path} holds {', '.join(given)} but not "
+                    f"{', '.join(n for n in _CACHE_ARRAYS if n not in given)}: give the "
+                    "cache as all three arrays, or none of them (an empty cache)")
+    if decoding:
+        batch = np.shape(arrays["x"])[0] if np.ndim(arrays["x"]) == 3 else module.batch
+        if given:
+            spec = cache_shape(graph)
+            want = np.dtype(numpy_dtype(spec["dtype"]))
+            expected = (batch, spec["kv_heads"], spec["max_len"], spec["head_dim"])
+            for name in ("k_cache", "v_cache"):
+                a = arrays[name]
+                if a.dtype != want:
+                    raise _Fail(f"{name} is {a.dtype}; this module's cache holds "
+                                f"{want.name}: save it as {want.name}")
+                if a.shape != expected:
+                    raise _Fail(f"{name} has shape {a.shape}; this module's cache is "
+                                f"{expected} [batch, kv_heads, max_len, head_dim]")
+            lens = arrays["cache_lens"]
+            if not np.issubdtype(lens.dtype, np.integer):
+                raise _Fail(f"cache_lens is {lens.dtype}; give the tokens cached per batch row "
+                            "as integers")
+            call["cache"] = KVCache.from_arrays(arrays["k_cache"], arrays["v_cache"], lens)
+        else:
+            call["cache"] = KVCache.empty(module, batch)
+    return call
+
+
+def _cmd_run(args):
+    import numpy as np
+
+    if args.inputs is None:
+        raise _Fail("give the input: --inputs x.npy (the layer's input x) or --inputs "
+                    "inputs.npz (x and the module's other inputs by name)")
+    if args.repeat < 1:
+        raise _Fail(f"--repeat must be >= 1, got {args.repeat}")
+    if args.outputs is not None and (args.outputs.suffix != ".npz" or args.outputs.is_dir()):
+        raise _Fail(f"--outputs {args.outputs}: give a file path ending in .npz")
+    arrays = _read_arrays(args.inputs, "--inputs")
+    module = mhagen.load(args.artifact)
+    if getattr(module, "cannot_run", None):
+        raise _Fail(f"cannot run {args.artifact} here: {module.cannot_run}")
+    call = _run_arguments(module, arrays, args.inputs)
+    beyond = [name for name in call if name not in signature(module.__call__).parameters]
+    if beyond:   # a CUDA artifact's module: x and kv_lens only
+        raise _Fail(f"{args.artifact} takes no {', '.join(beyond)} from Python: run it "
+                    "through its C API (mha.h)")
+    cache = call.get("cache")
+    before = cache.copy() if cache is not None else None   # timing appends where this call did
+    y = module(**call)
+    print(f"ran {args.artifact}: {module!r}")
+    print(f"  y {tuple(y.shape)} {y.dtype}" +
+          (f"; cache now holds {cache.lens.tolist()} tokens per row" if cache is not None
+           else ""))
+    if args.outputs is not None:
+        # bfloat16 (ml_dtypes) is no dtype .npz readers know: written as float32
+        saved = {"y": y if y.dtype.kind == "f" else y.astype(np.float32)}
+        if cache is not None:
+            saved.update(k_cache=cache.k, v_cache=cache.v, cache_lens=cache.lens)
+        np.savez(args.outputs, **saved)
+        print(f"  wrote {args.outputs} ({', '.join(saved)})")
+    if not hasattr(module, "latency"):   # a CUDA artifact's module: calls only
+        print("latency: not measured (this module has no kernel timer)")
+        return 0
+    if cache is not None:
+        call["cache"] = before
+    seconds = module.latency(repeat=args.repeat, **call)
+    print(f"median latency: {seconds * 1e3:.3f} ms over {args.repeat} repeats")
+    return 0
+
+
 def main(argv=None) -> int:
     p = parser()
     args, unknown = p.parse_known_args(argv)
     if unknown:
         p.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     cmd = getattr(args, "handler", None) or {
-        "build": _cmd_build, "inspect": _cmd_inspect, "bench": _cmd_bench,
+        "build": _cmd_build, "run": _cmd_run, "inspect": _cmd_inspect, "bench": _cmd_bench,
         "tune": _cmd_tune}[args.command]
     try:
-        return cmd(args)
+        with warnings.catch_warnings():   # (restores showwarning on the way out)
+            warnings.showwarning = lambda message, *where, **_: print(
+                f"mhagen {args.command}: warning: {message}", file=sys.stderr)
+            return cmd(args)
     except (MhagenError, _Fail) as err:
         print(f"mhagen {args.command}: error: {err}", file=sys.stderr)
         return 2

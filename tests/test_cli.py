@@ -12,7 +12,8 @@ def run(*args):
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("args", [[], ["build"], ["inspect"]], ids=["top", "build", "inspect"])
+@pytest.mark.parametrize("args", [[], ["build"], ["run"], ["inspect"]],
+                         ids=["top", "build", "run", "inspect"])
 def test_help(args):
     r = run(*args, "--help")
     assert r.returncode == 0 and "usage: mhagen" in r.stdout

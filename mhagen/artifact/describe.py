@@ -27,6 +27,16 @@ def _read_manifest(mpath: Path) -> dict:
     return man
 
 
+_WRONG_TYPES = (AttributeError, TypeError, KeyError, ValueError, IndexError)
+
+
+def _malformed(mpath, err) -> ArtifactError:
+    """A manifest whose JSON holds other types than mhagen writes (edited by hand or a tool)."""
+    return ArtifactError(f"{mpath} is malformed: its fields are not of the types mhagen "
+                         f"writes ({type(err).__name__}: {str(err)[:200]}); rebuild the module "
+                         "or copy it again")
+
+
 def damaged_files(directory, man: dict | None = None) -> list:
     """The files of the artifact in `directory` that are missing or differ from the sha256
     its manifest lists, the C API's included ("name (why)"). libmha.so cannot check itself
@@ -34,7 +44,10 @@ def damaged_files(directory, man: dict | None = None) -> list:
     artifact is checked whole: `mhagen inspect DIR --what manifest`."""
     directory = Path(directory)
     man = man if man is not None else _read_manifest(directory / "manifest.json")
-    listed = {**(man.get("files") or {}), **((man.get("c_api") or {}).get("files") or {})}
+    try:
+        listed = {**(man.get("files") or {}), **((man.get("c_api") or {}).get("files") or {})}
+    except _WRONG_TYPES as err:
+        raise _malformed(directory / "manifest.json", err) from None
     bad = []
     for name, digest in sorted(listed.items()):
         path = directory / name
@@ -48,13 +61,20 @@ def damaged_files(directory, man: dict | None = None) -> list:
 def describe(manifest_or_dir) -> str:
     """A saved module's manifest as readable text (for `mhagen inspect DIR`): versions, layer,
     target, shapes, kernels and buffers, weights and params, files, the C API."""
-    where = None
+    where, mpath = None, "the manifest"
     if isinstance(manifest_or_dir, (str, Path)):
         where = Path(manifest_or_dir)
         mpath = where / "manifest.json" if where.is_dir() else where
         man = _read_manifest(mpath)
     else:
         man = manifest_or_dir
+    try:
+        return _describe(man, where)
+    except _WRONG_TYPES as err:
+        raise _malformed(mpath, err) from None
+
+
+def _describe(man: dict, where: Path | None) -> str:
     t, sh = man.get("target", {}), man.get("shapes", {})
     lines = [f"{man.get('format')} version {man.get('version')}  (mhagen "
              f"{man.get('mhagen_version')}, TVM {man.get('tvm_version')})",

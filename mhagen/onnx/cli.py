@@ -7,16 +7,33 @@ options or models (the main program prints them as one line and exits with statu
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from mhagen.errors import InputError
 from mhagen.kvcache import KVCache
-from mhagen.onnx._common import ort_session
+from mhagen.onnx._common import OnnxError, ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
+from mhagen.onnx.fit import VARIED_INPUTS_HINT
+from mhagen.onnx.importer import _load as load_model
 from mhagen.onnx.importer import import_onnx
 from mhagen.tolerances import max_error, tolerance
+from mhagen.weights import load_weights
+
+# the importer's advice names import_onnx()'s keywords: on the command line, its flags
+_VARIED_SAMPLES = ("give more varied samples: repeat --sample-input NAME=FILE.npy with other "
+                   "arrays (e.g. several batches of different token ids), so the probe rows "
+                   "span the layer input")
+_CLI_WORDS = [
+    (r"sample_inputs=\{'([^']*)': array\} to import_onnx", r"--sample-input \1=FILE.npy"),
+    (r"\bsample_inputs=?", "--sample-input"),
+    (r"\bseq_len=(\d+)", r"--seq-len \1"),
+    (r"\bseq_len=", "--seq-len"),
+    (r"\ba seq_len\b", "a --seq-len"),
+    (r"\bbatch=", "--batch "),
+]
 
 
 def add_parsers(subparsers, layer_options, layer) -> dict:
@@ -30,8 +47,9 @@ def add_parsers(subparsers, layer_options, layer) -> dict:
     e.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
     e.add_argument("--form", choices=FORMS, default="decomposed",
                    help="decomposed (default: portable plain ops) or fused (Attention op)")
-    e.add_argument("--weights", type=Path,
-                   help="weights .npz (e.g. from import-onnx --out); default: random")
+    e.add_argument("--weights", type=Path, metavar="FILE",
+                   help="the layer's weights: a .safetensors or .npz of name -> array (e.g. "
+                        "from import-onnx --out), checked against the layer; default: random")
     e.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     e.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     e.add_argument("--seq-len", type=int, default=128, help="sequence length (default 128)")
@@ -56,31 +74,28 @@ def add_parsers(subparsers, layer_options, layer) -> dict:
         description="Find attention layers (the Attention operator, com.microsoft."
                     "MultiHeadAttention, or MatMul-Softmax-MatMul as PyTorch exports "
                     "nn.MultiheadAttention) and print each as a mhagen graph; --out saves the "
-                    "graph JSON and weights (.npz) for `mhagen build --graph` and "
-                    "`export-onnx --graph ... --weights ...`.")
+                    "graph JSON and weights (.npz) for `mhagen build --graph G.json --weights "
+                    "G.npz` and `export-onnx --graph ... --weights ...`.")
     i.add_argument("model", type=Path, help="an .onnx file")
     i.add_argument("--seq-len", type=int, default=32,
                    help="sequence length to probe a dynamic sequence axis at (default 32)")
     i.add_argument("--batch", type=int, default=1,
                    help="batch size to probe a dynamic batch axis at (default 1)")
-    i.add_argument("--out", type=Path, help="write <name>.json and <name>.npz here")
+    i.add_argument("--sample-input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="the values of a model input that is not floating point (token ids, "
+                        "e.g. input_ids=ids.npy); float inputs are random. Repeat it for "
+                        "each such input, and repeat a NAME with other files for several "
+                        "samples (a model whose weights must be fitted needs varied ones)")
+    i.add_argument("--out", type=Path, metavar="DIR",
+                   help="write <name>.json and <name>.npz here")
     i.add_argument("--show", action="store_true", help="print each graph node by node")
     return {"export-onnx": lambda args: _cmd_export(args, layer(args)),
             "import-onnx": _cmd_import}
 
 
-def _load_weights(path):
-    try:
-        with np.load(path) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as err:
-        raise InputError(f"cannot read weights {path}: {err}; pass an .npz of name -> array "
-                         "(as import-onnx --out writes)") from None
-
-
 def _cmd_export(args, layer) -> int:
     if args.weights:
-        weights, origin = _load_weights(args.weights), f"from {args.weights}"
+        weights, origin = load_weights(args.weights, layer), f"from {args.weights}"
     else:
         weights, origin = layer.init_weights(args.seed), f"random, seed {args.seed}"
     path = export_onnx(layer, args.out, weights, form=args.form, batch=args.batch,
@@ -126,9 +141,64 @@ def _cmd_export(args, layer) -> int:
     return 0 if ok else 1
 
 
-def _cmd_import(args) -> int:
+def _sample_inputs(specs, graph):
+    """import_onnx()'s sample_inputs from --sample-input NAME=FILE.npy flags: one dict, or
+    a list of them when a name is repeated (the k-th file of each name in sample k; a name
+    given once is in every sample). Names must be the non-float inputs of `graph`."""
+    if not specs:
+        return None
+    from mhagen.onnx.probe import FLOAT_TYPES
+    feeds = {i.name: i for i in graph.input}
+    for init in graph.initializer:
+        feeds.pop(init.name, None)
+    floats = {n for n, i in feeds.items() if i.type.tensor_type.elem_type in FLOAT_TYPES}
+    by_name = {}
+    for spec in specs:
+        name, eq, file = spec.partition("=")
+        if not eq or not name or not file:
+            raise InputError(f"--sample-input takes NAME=FILE.npy (e.g. input_ids=ids.npy), "
+                             f"not {spec!r}")
+        if name not in feeds:
+            raise InputError(f"--sample-input {spec}: the model has no input {name!r}; its "
+                             f"inputs: {', '.join(feeds) or 'none'}")
+        if name in floats:
+            raise InputError(f"--sample-input {spec}: {name!r} is a floating-point input, "
+                             "probed with random values; give samples of the others only")
+        try:
+            array = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise InputError(f"--sample-input {spec}: cannot read {file} as a .npy "
+                             f"({str(err).splitlines()[0][:200]})") from None
+        if not isinstance(array, np.ndarray):
+            raise InputError(f"--sample-input {spec}: {file} is an .npz; give one .npy array")
+        by_name.setdefault(name, []).append(array)
+    count = max(len(arrays) for arrays in by_name.values())
+    uneven = [n for n, arrays in by_name.items() if len(arrays) not in (1, count)]
+    if uneven:
+        raise InputError(f"--sample-input: {', '.join(uneven)} given "
+                         f"{', '.join(str(len(by_name[n])) for n in uneven)} times, others "
+                         f"{count}: give each name once or as many times as the others")
+    samples = [{n: arrays[k % len(arrays)] for n, arrays in by_name.items()}
+               for k in range(count)]
+    return samples[0] if count == 1 else samples
 
-    found = import_onnx(args.model, seq_len=args.seq_len, batch=args.batch)
+
+def _in_cli_words(message: str) -> str:
+    message = message.replace(VARIED_INPUTS_HINT, _VARIED_SAMPLES)
+    for pattern, flag in _CLI_WORDS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
+def _cmd_import(args) -> int:
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise InputError(f"--out {args.out} is a file: give a directory for the graphs")
+    try:
+        model = load_model(args.model)
+        found = import_onnx(model, seq_len=args.seq_len, batch=args.batch,
+                            sample_inputs=_sample_inputs(args.sample_input, model.graph))
+    except OnnxError as err:
+        raise OnnxError(_in_cli_words(str(err))) from None
     print(f"{args.model}: {len(found)} attention layer{'s' if len(found) != 1 else ''}")
     for k, item in enumerate(found):
         print(f"[{k}] {item}")
