@@ -154,23 +154,33 @@ def write_params_file(path, buffers: list, params: dict, weights: dict | None) -
 
 
 def read_params_file(path, buffers: list, ptable: list, wtable: list) -> tuple:
-    """(weights, params) of a TENSOR_FILE: the params the manifest's table lists (shape and
-    dtype checked), the weights unpacked from them or read where stored."""
+    """(weights, params) of a TENSOR_FILE: the params the manifest's table lists (shape,
+    dtype and byte offsets checked against the file's header: libmha.so reads them there),
+    the weights unpacked from them or read where stored."""
     from mhagen.errors import InputError
-    from mhagen.tensor_file import read_safetensors
+    from mhagen.tensor_file import read_header, read_safetensors
     try:
         tensors, _ = read_safetensors(path)
+        header, start = read_header(path)
     except InputError as err:
         raise ArtifactError(f"{err}; rebuild the module or copy it again") from None
     params = {}
     for e in ptable:
-        p = tensors.get(e["name"])
-        if p is None or list(p.shape) != list(e["shape"]) or name_of(p.dtype) != e["dtype"]:
+        p, entry = tensors.get(e["name"]), header.get(e["name"]) or {}
+        offsets = entry.get("data_offsets") or [0, 0]
+        if p is None or list(p.shape) != list(e["shape"]) or name_of(p.dtype) != e["dtype"] \
+                or [e["offset"], e["nbytes"]] != [start + offsets[0], offsets[1] - offsets[0]]:
             raise ArtifactError(f"{path} does not hold param {e['name']!r} as the manifest "
-                                f"lists it ({e['dtype']} {e['shape']}); rebuild the module")
+                                f"lists it ({e['dtype']} {e['shape']} at byte {e['offset']}); "
+                                "rebuild the module")
         params[e["name"]] = p
-    need = {e["name"]: tuple(e["shape"]) for e in wtable if e["from"] == "params"}
-    recovered = unpack_weights(buffers, params, need)
+    try:
+        need = {e["name"]: tuple(e["shape"]) for e in wtable if e["from"] == "params"}
+        recovered = unpack_weights(buffers, params, need)
+    except (ValueError, TypeError, IndexError, KeyError) as err:
+        raise ArtifactError(f"{path}: the manifest's weights cannot be unpacked from the "
+                            f"params ({type(err).__name__}: {err}); rebuild the module"
+                            ) from None
     weights = {}
     for e in wtable:
         w = recovered.get(e["name"]) if e["from"] == "params" else tensors.get(e["from"])
