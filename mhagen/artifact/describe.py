@@ -117,6 +117,11 @@ def describe(manifest_or_dir) -> str:
         lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ {extra}), by "
                      f"{c.get('compiler')}")
         lines.append("  build   cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR")
+        shared = c.get("shared_runtime")
+        if shared:   # links to mhagen's cache: copy with cp -rL, or save self_contained=True
+            lines.append(f"  lib/    links to the shared TVM runtime in "
+                         f"{Path(next(iter(shared.values()))).parent} (save with "
+                         "self_contained=True for copies)")
     if where is not None and where.is_dir():
         bad = damaged_files(where, man)
         lines.append(f"check         DAMAGED: {', '.join(bad)}; copy the artifact again or "
