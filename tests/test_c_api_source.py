@@ -142,8 +142,8 @@ def test_generated_config_is_data_and_hashes_only_what_the_runtime_reads(artifac
 
 
 def test_runtime_never_reads_a_checked_file_whole():
-    """kernel.so and weights.safetensors are hashed in chunks (params copied into their buffers on the
-    way); only manifest.json and a CUDA artifact's kernels.fatbin (checked first, then handed
+    """kernel.so and weights.safetensors are hashed in chunks (params copied into their buffers
+    on the way); only manifest.json and a CUDA artifact's kernels.fatbin (checked first, then handed
     to the driver from memory), both bounded, are read whole."""
     code = (capi.RUNTIME_DIR / "mha_runtime.cc").read_text()
     assert "std::vector<uint8_t> chunk(size_t(1) << 20)" in code

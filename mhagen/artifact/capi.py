@@ -379,7 +379,8 @@ CUDA_MEMORY_DOC = """\
  * runtime shares, so cudaMalloc'ed and PyTorch tensors' pointers work) and checks the directory
  * before it loads anything: manifest.json's format version and content hash against the ones
  * baked into this library, the size and sha256 of kernels.fatbin and weights.safetensors (the
- * parameters, copied to device memory), the GPU's compute capability and shared memory. A machine without the driver or a GPU gets MHA_ERR_DEVICE, never a crash.
+ * parameters, copied to device memory), the GPU's compute capability and shared memory. A
+ * machine without the driver or a GPU gets MHA_ERR_DEVICE, never a crash.
  *
  * Memory: mha_run (and mha_run_padded / mha_run_cross) take host arrays: x is copied to the
  * device, the kernels run on the legacy default stream, y is copied back (the call waits).

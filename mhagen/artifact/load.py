@@ -39,8 +39,9 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
     for b in program.role("param"):
         p = params.get(b.name)
         if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
-            raise ArtifactError(f"{path}: the params file does not hold {b.name!r} as the program "
-                                f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
+            raise ArtifactError(f"{path}: the params file does not hold {b.name!r} as the "
+                                f"program describes it ({b.dtype} {list(b.shape)}); rebuild "
+                                "the module")
     inputs = program.role("input")
     storage = inputs[0].dtype if inputs else None    # the layer's dtype (mhagen/dtypes.py)
     floats = [b for b in inputs if b.dtype == storage]

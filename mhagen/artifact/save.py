@@ -25,9 +25,10 @@ def save_module(module, path, *, c_api: bool = True, self_contained: bool = Fals
     and the launch table in the manifest), weights.safetensors (the kernels' params, and the
     weights only where the params cannot give them back: files.write_params_file), texts,
     manifest.json, and the C API when a compiler is at hand and `c_api` (its libraries come
-    from mhagen's cache when the same sources were compiled before). lib/ links to TVM's runtime libraries in mhagen's
-    cache, or holds copies when `self_contained` (an artifact to ship elsewhere). Returns the
-    path; refuses a path that is not a directory before anything is built or written."""
+    from mhagen's cache when the same sources were compiled before). lib/ links to TVM's
+    runtime libraries in mhagen's cache, or holds copies when `self_contained` (an artifact to
+    ship elsewhere). Returns the path; refuses a path that is not a directory before anything
+    is built or written."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ArtifactError(f"{path} is a file, not a directory: save the module into a new "
