@@ -490,10 +490,11 @@ class Module:
         """One stage as text: graph, te, tir (scheduled), source (assembly), schedule, manifest."""
         return inspection.inspect(self, what)
 
-    def save(self, path):
-        """Write the module to directory `path` (created); returns the path. See
-        mhagen/artifact/save.py for the files."""
-        return save_module(self, path)
+    def save(self, path, *, c_api=True, self_contained=False):
+        """Write the module to directory `path` (created); returns the path. c_api=False
+        skips the C API (mha.h, libmha.so); self_contained=True copies TVM's runtime
+        libraries into lib/ instead of linking mhagen's cache. See mhagen/artifact/save.py."""
+        return save_module(self, path, c_api=c_api, self_contained=self_contained)
 
     def __repr__(self):
         shape = self.in_shape

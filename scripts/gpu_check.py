@@ -35,7 +35,7 @@ from pathlib import Path
 
 BUNDLE_LIMIT = 64 << 20          # what the GPU machine accepts
 FORMAT = "mhagen.gpu_bundle"
-KEEP = ("manifest.json", "kernels.fatbin", "params.bin", "weights.bin", "libmha.so", "mha.h")
+KEEP = ("manifest.json", "kernels.fatbin", "weights.safetensors", "libmha.so", "mha.h")
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 

@@ -93,7 +93,7 @@ def copy_of(art, tmp_path):
 # -- the directory -------------------------------------------------------------------------
 def test_artifact_layout(small):
     d = small.dir
-    for name in ("kernel.so", "params.bin", "weights.bin", "manifest.json", "mha.h", "libmha.so",
+    for name in ("kernel.so", "weights.safetensors", "manifest.json", "mha.h", "libmha.so",
                  "mha_config.h", "mha_libraries.h", "mha_runtime.h", "mha_runtime.cc", "mha_cpu.h",
                  "lib/libtvm_ffi.so", "lib/libtvm_runtime.so", "lib/libmha_impl.so"):
         assert (d / name).is_file(), name
@@ -199,15 +199,16 @@ def _truncate(path):
 
 
 DAMAGE = {
-    "corrupt-params": (lambda d: _flip(d / "params.bin"), "MHA_ERR_CORRUPT",
-                       "params.bin is corrupted"),
-    "truncated-weights": (lambda d: _truncate(d / "weights.bin"), "MHA_ERR_CORRUPT",
-                          "weights.bin has"),
+    "corrupt-params": (lambda d: _flip(d / "weights.safetensors", 3000), "MHA_ERR_CORRUPT",
+                       "weights.safetensors is corrupted"),
+    "corrupt-params-header": (lambda d: _flip(d / "weights.safetensors", 20), "MHA_ERR_CORRUPT",
+                              "weights.safetensors is corrupted"),
     "corrupt-kernel": (lambda d: _flip(d / "kernel.so", 5000), "MHA_ERR_CORRUPT",
                        "kernel.so is corrupted"),
-    "truncated-params": (lambda d: _truncate(d / "params.bin"), "MHA_ERR_CORRUPT", "truncated"),
-    "missing-params": (lambda d: (d / "params.bin").unlink(), "MHA_ERR_NOT_FOUND",
-                       "params.bin is missing"),
+    "truncated-params": (lambda d: _truncate(d / "weights.safetensors"), "MHA_ERR_CORRUPT",
+                         "truncated"),
+    "missing-params": (lambda d: (d / "weights.safetensors").unlink(), "MHA_ERR_NOT_FOUND",
+                       "weights.safetensors is missing"),
     "missing-manifest": (lambda d: (d / "manifest.json").unlink(), "MHA_ERR_NOT_FOUND",
                          "manifest.json is missing"),
     "garbage-manifest": (lambda d: (d / "manifest.json").write_text("{not json"),
@@ -271,13 +272,75 @@ def test_inspect_checks_every_file_libmha_too(small, tmp_path, capsys):
     assert "DAMAGED: lib/libtvm_ffi.so (missing), libmha.so (sha256 differs)" in out, out
 
 
-def test_weights_bin_is_checked_for_size_only(small, tmp_path):
-    """libmha.so never reads weights.bin (the kernels run params.bin): a flipped byte there is
-    mhagen.load's business, not mha_create's."""
-    d = copy_of(small, tmp_path)
-    _flip(d / "weights.bin")
-    r = small.run("driver", "create", d)
-    assert r.stdout.startswith("MHA_OK|"), r.stdout + r.stderr
+def test_the_params_file_is_safetensors_at_the_offsets_libmha_reads(small):
+    """weights.safetensors holds the kernels' params: the safetensors package reads them, and
+    each lies at the byte offset baked into mha_config.h (what libmha.so copies)."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    d = small.dir
+    theirs = safetensors_numpy.load_file(str(d / "weights.safetensors"))
+    params = mhagen.load(d).bound_params
+    assert sorted(theirs) == sorted(params)
+    raw = (d / "weights.safetensors").read_bytes()
+    config = (d / "mha_config.h").read_text()
+    man = json.loads((d / "manifest.json").read_text())
+    for e in man["params"]:
+        assert np.array_equal(theirs[e["name"]], params[e["name"]]), e["name"]
+        at = e["offset"]
+        assert raw[at:at + e["nbytes"]] == np.ascontiguousarray(params[e["name"]]).tobytes()
+        assert f", {e['nbytes']}, {at}, " in config, e["name"]
+
+
+def test_the_c_example_reads_the_weights_file(small, tmp_path):
+    """examples/c_app/weights_info.c, a safetensors reader in plain C: it lists the tensors
+    the safetensors package reads, at the offsets libmha.so reads, and copies one out bit for
+    bit; a damaged file gives a message and exit status 1."""
+    exe = tmp_path / "weights_info"
+    subprocess.run([CC, "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror",
+                    str(APP / "weights_info.c"), "-o", str(exe)], check=True)
+    d = small.dir
+    man = json.loads((d / "manifest.json").read_text())
+    params = mhagen.load(d).bound_params
+    name = man["params"][0]["name"]
+    r = subprocess.run([str(exe), str(d / "weights.safetensors"), name, str(tmp_path / "t")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    dtypes = {"float32": "F32", "int32": "I32", "bfloat16": "BF16", "float16": "F16"}
+    assert sorted(r.stdout.splitlines()) == sorted(
+        f"{e['name']} {dtypes[e['dtype']]} [{', '.join(map(str, e['shape']))}] "
+        f"{e['nbytes']} bytes at {e['offset']}" for e in man["params"])
+    assert (tmp_path / "t").read_bytes() == np.ascontiguousarray(params[name]).tobytes()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((d / "weights.safetensors").read_bytes()[:-9])
+    r = subprocess.run([str(exe), str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and "data_offsets lie outside the file" in r.stderr, r.stderr
+
+
+def test_lib_links_to_the_shared_runtime_and_a_cleared_cache_is_named(small, tmp_path):
+    """lib/ links TVM's runtime libraries to one copy in mhagen's cache; with that copy gone,
+    mha_create names the link and its missing target (a copy made with symlinks kept)."""
+    for name in ("libtvm_ffi.so", "libtvm_runtime.so"):
+        assert (small.dir / "lib" / name).is_symlink(), name
+    d = Path(shutil.copytree(small.dir, tmp_path / "copy", symlinks=True))
+    gone = tmp_path / "cleared-cache" / "libtvm_ffi.so"
+    (d / "lib/libtvm_ffi.so").unlink()
+    (d / "lib/libtvm_ffi.so").symlink_to(gone)
+    r = small.run("c", d, small.xfile)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "MHA_ERR_NOT_FOUND" in r.stderr and f"links to {gone}, which is missing" in \
+        r.stderr and "self_contained=True" in r.stderr, r.stderr
+
+
+def test_a_self_contained_artifact_copies_the_runtime_and_runs(small, tmp_path):
+    module = mhagen.build(small.layer, "x86", batch=small.batch, seq_len=small.seq_len,
+                          weights=small.w)
+    d = module.save(tmp_path / "m", self_contained=True)
+    for name in ("libtvm_ffi.so", "libtvm_runtime.so"):
+        assert (d / "lib" / name).is_file() and not (d / "lib" / name).is_symlink(), name
+    assert "shared_runtime" not in json.loads((d / "manifest.json").read_text())["c_api"]
+    r = small.run("c", d, small.xfile, tmp_path / "y.f32")
+    assert r.returncode == 0, r.stderr
+    y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(small.expected.shape)
+    assert_close(y, small.expected)
 
 
 def test_another_artifacts_directory_is_refused(small, artifacts):

@@ -18,7 +18,7 @@ from mhagen.artifact import capi, toolchain, tvm_runtime
 from mhagen.errors import ArtifactError
 
 ROOT = Path(__file__).resolve().parents[1]
-V1 = ROOT / "tests" / "data" / "artifact-v1"
+V3 = ROOT / "tests" / "data" / "artifact-v3"   # the format the C API is generated for
 LINT = ["-std=c++17", "-Wall", "-Wextra", "-Wpedantic", "-Wshadow", "-Werror", "-fsyntax-only"]
 STATUS_NAMES = [name for name, _, _ in capi.STATUS]
 
@@ -26,7 +26,7 @@ STATUS_NAMES = [name for name, _, _ in capi.STATUS]
 @pytest.fixture
 def artifact(tmp_path):
     """A copy of the small test artifact (x86-avx2, no C API) and its manifest."""
-    d = Path(shutil.copytree(V1, tmp_path / "a"))
+    d = Path(shutil.copytree(V3, tmp_path / "a"))
     return d, json.loads((d / "manifest.json").read_text())
 
 
@@ -132,18 +132,18 @@ def test_generated_config_is_data_and_hashes_only_what_the_runtime_reads(artifac
     d, man = artifact
     config = capi.generate_config(man, capi._file_table(d, man))
     assert not re.search(r"\)\s*(const\s*)?\{", _code_only(config))   # no function bodies
-    assert man["files"]["kernel.so"] in config and man["files"]["params.bin"] in config
-    size = (d / "weights.bin").stat().st_size
-    assert f'{{"weights.bin", {size}, nullptr}}' in config      # size only: never read
-    assert man["files"]["weights.bin"] not in config
+    assert man["files"]["kernel.so"] in config
+    size = (d / "weights.safetensors").stat().st_size
+    assert f'{{"weights.safetensors", {size}, "{man["files"]["weights.safetensors"]}"}}' in \
+        config
     assert "kDeviceType = kDLCPU" in config
     # the CPU features as CPUID bits (leaf, subleaf, register, bit, XCR0 state)
     assert 'X("avx2", 0x7, 0, 1, 5, 0x6)' in config and 'X("fma", 0x1, 0, 2, 12, 0x6)' in config
 
 
 def test_runtime_never_reads_a_checked_file_whole():
-    """kernel.so and params.bin are hashed in chunks (params copied into their buffers on the
-    way); only manifest.json and a CUDA artifact's kernels.fatbin (checked first, then handed
+    """kernel.so and weights.safetensors are hashed in chunks (params copied into their buffers
+    on the way); only manifest.json and a CUDA artifact's kernels.fatbin (checked first, then handed
     to the driver from memory), both bounded, are read whole."""
     code = (capi.RUNTIME_DIR / "mha_runtime.cc").read_text()
     assert "std::vector<uint8_t> chunk(size_t(1) << 20)" in code

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mhagen.artifact.files import read_tensors
+from mhagen.artifact.files import TENSOR_FILE, read_params_file
 from mhagen.ir.graph import Graph
 from mhagen.reference import run_reference
 
@@ -62,7 +62,7 @@ def test_bundle_holds_what_the_gpu_machine_runs(bundle):
     for case in meta["cases"]:
         art = bundle / case["name"]
         names = {f.name for f in art.iterdir()}
-        assert {"kernels.fatbin", "libmha.so", "params.bin", "manifest.json"} <= names
+        assert {"kernels.fatbin", "libmha.so", TENSOR_FILE, "manifest.json"} <= names
         assert not names & {"kernel.so", "lib", "tir.txt", "source.txt"}
 
 
@@ -74,7 +74,8 @@ def test_bundled_reference_is_the_layers_float64_output(bundle):
         art = bundle / case["name"]
         man = json.loads((art / "manifest.json").read_text())
         graph = Graph.from_json(man["graph"])
-        weights = read_tensors(art / "weights.bin", man["weights"])
+        weights, _ = read_params_file(art / TENSOR_FILE, man["program"]["buffers"],
+                                      man["params"], man["weights"])
         x = np.frombuffer((art / "x.bin").read_bytes(), np.float32).reshape(
             case["batch"], case["seq_len"], case["d_model"])
         expected = np.frombuffer((art / "expected.bin").read_bytes(), np.float64)

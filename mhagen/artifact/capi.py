@@ -14,12 +14,14 @@ cxx="aarch64-linux-gnu-g++" and that architecture's runtime libraries).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
-from mhagen.artifact.files import KERNEL_FILES, sha256_file
+from mhagen.artifact import build_cache
+from mhagen.artifact.files import KERNEL_FILES, TENSOR_FILE, sha256_file
 from mhagen.artifact.toolchain import Toolchain
 from mhagen.artifact.tvm_runtime import RUNTIME_LIBS, find_tvm_runtime
 from mhagen.errors import ArtifactError
@@ -65,11 +67,10 @@ STATUS = (
 )
 
 # The files mha_create checks: (name, how). "sha256": size, then the sha256 of its bytes read
-# in chunks (kernel.so: TVM loads it; params.bin: the kernels' parameters, copied into their
-# buffers while hashed). "size": only that it exists with the manifest's size -- libmha.so never
-# reads weights.bin (the user-layout weights; the kernels run params.bin), so its bytes are
-# left to mhagen.load, and the size check only catches an incomplete copy of the directory.
-CHECKED_FILES = (("kernel.so", "sha256"), ("params.bin", "sha256"), ("weights.bin", "size"))
+# in chunks (kernel.so: TVM loads it; weights.safetensors: the kernels' parameters, copied
+# from their byte offsets into their buffers while hashed, so the header needs no parsing:
+# the checksum vouches for the offsets mhagen baked in).
+CHECKED_FILES = (("kernel.so", "sha256"), (TENSOR_FILE, "sha256"))
 
 # The C API asks the CPU for each feature the kernels need the way the feature table of the
 # artifact's architecture says (mhagen.host.FEATURES_OF_ARCH; x86: CPUID and XGETBV, no
@@ -358,7 +359,7 @@ MHA_API const char *mha_kernel_name(int kernel);
 CPU_MEMORY_DOC = """\
  * mha_create checks the directory before it loads anything: manifest.json's format version
  * and content hash against the ones baked into this library, the CPU's features, the size and
- * sha256 of kernel.so and params.bin, and the size of weights.bin (which it never reads). It
+ * sha256 of kernel.so and weights.safetensors (the kernels' parameters, safetensors format). It
  * never crashes on a missing, truncated or corrupted file: it returns NULL with a status and a
  * message.
  *
@@ -377,9 +378,9 @@ CUDA_MEMORY_DOC = """\
  * mha_create opens the GPU (MHA_CUDA_DEVICE, default 0: its primary context, which the CUDA
  * runtime shares, so cudaMalloc'ed and PyTorch tensors' pointers work) and checks the directory
  * before it loads anything: manifest.json's format version and content hash against the ones
- * baked into this library, the size and sha256 of kernels.fatbin and params.bin (copied to
- * device memory), the size of weights.bin (never read), the GPU's compute capability and
- * shared memory. A machine without the driver or a GPU gets MHA_ERR_DEVICE, never a crash.
+ * baked into this library, the size and sha256 of kernels.fatbin and weights.safetensors (the
+ * parameters, copied to device memory), the GPU's compute capability and shared memory. A
+ * machine without the driver or a GPU gets MHA_ERR_DEVICE, never a crash.
  *
  * Memory: mha_run (and mha_run_padded / mha_run_cross) take host arrays: x is copied to the
  * device, the kernels run on the legacy default stream, y is copied back (the call waits).
@@ -455,8 +456,6 @@ def _file_table(directory: Path, manifest) -> list:
     table = []
     for name, how in _checked(manifest):
         if name not in manifest.get("files", {}):
-            if name == "weights.bin":
-                continue
             raise ArtifactError(f"the C API needs {name}, which the manifest does not list")
         digest = manifest["files"][name] if how == "sha256" else None
         table.append((name, (directory / name).stat().st_size, digest))
@@ -465,8 +464,8 @@ def _file_table(directory: Path, manifest) -> list:
 
 def generate_config(manifest, files: list) -> str:
     """mha_config.h: the tables of one artifact that mha_runtime.cc reads (data only).
-    `files`: (name, size, sha256 or None) of the files mha_create checks, params.bin among
-    them."""
+    `files`: (name, size, sha256 or None) of the files mha_create checks, the params file
+    among them."""
     lay = _layout(manifest)
     prog = manifest["program"]
     device = manifest["target"].get("device", "cpu")
@@ -485,11 +484,11 @@ def generate_config(manifest, files: list) -> str:
         if b["role"] == "param":
             p = params.get(b["name"])
             if p is None or p["nbytes"] != nbytes:
-                raise ArtifactError(f"param {b['name']!r} is missing from params.bin or has "
-                                    "another size; save the module with weights bound")
+                raise ArtifactError(f"param {b['name']!r} is missing from {TENSOR_FILE} or "
+                                    "has another size; save the module with weights bound")
             offset = p["offset"]
-            if offset < 0 or offset + nbytes > sizes["params.bin"]:
-                raise ArtifactError(f"param {b['name']!r} lies outside params.bin; rebuild "
+            if offset < 0 or offset + nbytes > sizes[TENSOR_FILE]:
+                raise ArtifactError(f"param {b['name']!r} lies outside {TENSOR_FILE}; rebuild "
                                     "the module")
         if len(b["shape"]) > _MAX_DIMS:
             raise ArtifactError(f"buffer {b['name']} has more than {_MAX_DIMS} dimensions")
@@ -558,7 +557,7 @@ def generate_config(manifest, files: list) -> str:
             "// The files mha_create checks: size, and sha256 unless nullptr (never read).",
             f"constexpr int kNumFiles = {len(file_rows)};",
             "constexpr FileSpec kFiles[kNumFiles] = {", *file_rows, "};",
-            f"constexpr int kParamsFile = {names.index('params.bin')};", "",
+            f"constexpr int kParamsFile = {names.index(TENSOR_FILE)};", "",
             *device_tables, "",
             "}  // namespace config", "}  // namespace mha", "", "#endif  // MHA_CONFIG_H_", ""]
     return "\n".join(out)
@@ -644,50 +643,88 @@ def write_sources(directory, manifest) -> list:
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:
+    if dst.is_symlink():
+        dst.unlink()
     if not (dst.exists() and dst.stat().st_size == src.stat().st_size
             and sha256_file(dst) == sha256_file(src)):
         shutil.copy(src, dst)
 
 
-def write_c_api(directory, manifest, toolchain: Toolchain, *, copy_runtime: bool = True) -> dict:
-    """Write mha.h, mha_config.h and the runtime sources into `directory`, copy TVM's runtime
-    libraries into directory/lib and compile libmha.so. The manifest must carry its
-    content_hash and file table. Returns the manifest's "c_api" section; raises ArtifactError
-    if the C API cannot run this artifact or the compiler fails."""
+def _link(src: Path, dst: Path) -> None:
+    """dst becomes a symbolic link to src (absolute), replacing a file or link."""
+    if dst.is_symlink() and Path(os.readlink(dst)) == src:
+        return
+    if dst.is_symlink() or dst.exists():
+        dst.unlink()
+    os.symlink(src, dst)
+
+
+def place_runtime_libs(libdir: Path, libs, self_contained: bool) -> bool:
+    """TVM's runtime libraries in `libdir`: links to the shared copy in mhagen's cache
+    (build_cache.shared_runtime_libs), or copies when `self_contained` or the cache cannot be
+    written. Returns True when they are links."""
+    shared = None if self_contained else build_cache.shared_runtime_libs(libs)
+    if shared is None or None in shared:
+        for src in libs:
+            _copy_if_changed(Path(src), libdir / Path(src).name)
+        return False
+    for src, target in zip(libs, shared):
+        _link(target, libdir / Path(src).name)
+    return True
+
+
+def write_c_api(directory, manifest, toolchain: Toolchain, *,
+                self_contained: bool = False) -> dict:
+    """Write mha.h, mha_config.h and the runtime sources into `directory`, put TVM's runtime
+    libraries into directory/lib (links to mhagen's cache, or copies when `self_contained`)
+    and compile libmha.so -- or copy it from mhagen's cache when these very sources were
+    compiled before (build_cache). The manifest must carry its content_hash and file table.
+    Returns the manifest's "c_api" section; raises ArtifactError if the C API cannot run this
+    artifact or the compiler fails."""
     directory = Path(directory)
     sources = write_sources(directory, manifest)
     device = manifest["target"].get("device", "cpu")
     libdir = directory / LIB_DIR
+    shared = False
     if device == "cpu":
         libdir.mkdir(exist_ok=True)
-    if copy_runtime and device == "cpu":
-        for src in toolchain.runtime_libs:
-            _copy_if_changed(Path(src), libdir / Path(src).name)
+        shared = place_runtime_libs(libdir, toolchain.runtime_libs, self_contained)
     cmds = compile_commands(toolchain, device)
-    for i, cmd in enumerate(cmds):
-        if i == 1:   # the loader checks what the first command built
-            (directory / LIBRARIES_HEADER).write_text(generate_libraries_header(directory))
-            sources.append(LIBRARIES_HEADER)
-        try:
-            r = subprocess.run(cmd, cwd=directory, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise ArtifactError(f"compiling the C API failed: {err}") from None
-        if r.returncode != 0:
-            raise ArtifactError(f"compiling the C API ({' '.join(cmd)}) failed:\n"
-                                f"{r.stderr[-4000:]}")
-    version = subprocess.run([*shlex.split(toolchain.cxx), "--version"], capture_output=True,
-                             text=True).stdout.splitlines()
+
+    def build():
+        for i, cmd in enumerate(cmds):
+            if i == 1:   # the loader checks what the first command built
+                (directory / LIBRARIES_HEADER).write_text(generate_libraries_header(directory))
+            try:
+                r = subprocess.run(cmd, cwd=directory, capture_output=True, text=True,
+                                   timeout=300)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                raise ArtifactError(f"compiling the C API failed: {err}") from None
+            if r.returncode != 0:
+                raise ArtifactError(f"compiling the C API ({' '.join(cmd)}) failed:\n"
+                                    f"{r.stderr[-4000:]}")
+    outputs = [LIBRARY] if device == "cuda" else [RUNTIME_LIBRARY, LIBRARIES_HEADER, LIBRARY]
+    key = build_cache.build_key(directory, sources, cmds, toolchain)
+    cached = build_cache.cached_build(directory, outputs, key, build)
+    if device != "cuda":
+        sources.append(LIBRARIES_HEADER)
+    version = build_cache.compiler_identity(toolchain.cxx).split("\n")[1:2]
     runtime_libs = [f"{LIB_DIR}/{n}" for n in RUNTIME_LIBS] + [RUNTIME_LIBRARY] \
         if device == "cpu" else []
     names = [*sources, LIBRARY] + [n for n in runtime_libs if (directory / n).exists()]
-    return {"header": HEADER, "library": LIBRARY, "source": SOURCE, "config": CONFIG,
-            "runtime_libs": runtime_libs,
-            "compiler": version[0] if version else toolchain.cxx,
-            "build_command": " && ".join(" ".join(shlex.quote(c) for c in cmd)
-                                         for cmd in cmds),
-            "checks": {name: how for name, how in _checked(manifest)
-                       if name in manifest.get("files", {})},
-            "files": {n: sha256_file(directory / n) for n in names}}
+    section = {"header": HEADER, "library": LIBRARY, "source": SOURCE, "config": CONFIG,
+               "runtime_libs": runtime_libs,
+               "compiler": version[0] if version and version[0] else toolchain.cxx,
+               "build_command": " && ".join(" ".join(shlex.quote(c) for c in cmd)
+                                            for cmd in cmds),
+               "checks": {name: how for name, how in _checked(manifest)
+                          if name in manifest.get("files", {})},
+               "files": {n: build_cache.file_digest(directory / n) for n in names},
+               "cache_key": key, "cached": cached}
+    if shared:   # where lib/'s links point (a self-contained artifact has copies)
+        section["shared_runtime"] = {f"{LIB_DIR}/{n}": os.readlink(libdir / n)
+                                     for n in RUNTIME_LIBS}
+    return section
 
 
 def remove_c_api(directory) -> None:

@@ -98,9 +98,22 @@ def _describe(man: dict, where: Path | None) -> str:
         for la in code.get("launches", []):
             lines.append(f"  launch  {la['entry']} grid {la['grid']} block {la['block']} "
                          f"dynamic shared {la['dynamic_shared']} B ({', '.join(la['args'])})")
+    new_format = man.get("version", 0) >= 3      # one safetensors file (files.py)
     for key, fname in (("weights", "weights.bin"), ("params", "params.bin")):
         table = man.get(key)
-        if table:
+        if table and new_format and key == "weights":
+            lines.append(f"weights       {len(table)} tensors, in the layer's layout (from the "
+                         "params, or stored as named)")
+            for e in table:
+                lines.append(f"  {e['name']:<10} {str(e['shape']):<22} {e['dtype']:<8} "
+                             f"from {e['from']}")
+        elif table and new_format:
+            lines.append(f"params        weights.safetensors, {len(table)} tensors, "
+                         f"{_fmt_bytes(sum(e['nbytes'] for e in table))}")
+            for e in table:
+                lines.append(f"  {e['name']:<10} {str(e['shape']):<22} {e['dtype']:<8} "
+                             f"@{e['offset']}")
+        elif table:
             lines.append(f"{key:<13} {fname}, {len(table)} tensors, "
                          f"{_fmt_bytes(sum(e['nbytes'] for e in table))}")
             for e in table:
@@ -124,6 +137,11 @@ def _describe(man: dict, where: Path | None) -> str:
         lines.append(f"C API         {c.get('header')}, {c.get('library')} (+ {extra}), by "
                      f"{c.get('compiler')}")
         lines.append("  build   cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR")
+        shared = c.get("shared_runtime")
+        if shared:   # links to mhagen's cache: copy with cp -rL, or save self_contained=True
+            lines.append(f"  lib/    links to the shared TVM runtime in "
+                         f"{Path(next(iter(shared.values()))).parent} (save with "
+                         "self_contained=True for copies)")
     if where is not None and where.is_dir():
         bad = damaged_files(where, man)
         lines.append(f"check         DAMAGED: {', '.join(bad)}; copy the artifact again or "

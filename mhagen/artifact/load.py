@@ -1,4 +1,4 @@
-"""Load a saved module: the manifest, kernel.so and params.bin only (no lowering, no TE/TIR, no
+"""Load a saved module: the manifest, kernel.so and the params only (no lowering, no TE/TIR, no
 schedule templates, no `import tvm`: mhagen/runtime.py loads kernel.so with TVM's runtime)."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from mhagen import runtime
 from mhagen.artifact.cuda_module import CudaArtifactModule
-from mhagen.artifact.files import KERNEL_FILES, read_tensors, sha256_file
+from mhagen.artifact.files import (KERNEL_FILES, TENSOR_FILE, read_params_file, read_tensors,
+                                   sha256_file)
 from mhagen.artifact.manifest import read_manifest
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError
 from mhagen.host import RUNTIME_FEATURES
@@ -38,8 +39,9 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
     for b in program.role("param"):
         p = params.get(b.name)
         if p is None or p.shape != tuple(b.shape) or str(p.dtype) != b.dtype:
-            raise ArtifactError(f"{path}: params.bin does not hold {b.name!r} as the program "
-                                f"describes it ({b.dtype} {list(b.shape)}); rebuild the module")
+            raise ArtifactError(f"{path}: the params file does not hold {b.name!r} as the "
+                                f"program describes it ({b.dtype} {list(b.shape)}); rebuild "
+                                "the module")
     inputs = program.role("input")
     storage = inputs[0].dtype if inputs else None    # the layer's dtype (mhagen/dtypes.py)
     floats = [b for b in inputs if b.dtype == storage]
@@ -101,12 +103,16 @@ def _load(path, man) -> Module:
         raise ArtifactError(f"{path}: {why}")
     weights = params = None
     if man.get("params"):
-        weights = read_tensors(path / "weights.bin", man.get("weights") or [])
-        params = read_tensors(path / "params.bin", man["params"])
+        if man["version"] >= 3:
+            weights, params = read_params_file(path / TENSOR_FILE, man["program"]["buffers"],
+                                               man["params"], man.get("weights") or [])
+        else:
+            weights = read_tensors(path / "weights.bin", man.get("weights") or [])
+            params = read_tensors(path / "params.bin", man["params"])
         _check_program(program, params, path, shapes)
     texts = {w: (path / f"{w}.txt").read_text() for w in TEXT_FILES
              if (path / f"{w}.txt").is_file()}
-    for b in program.role("param"):   # constants (block tables) come from params.bin
+    for b in program.role("param"):   # constants (block tables) come from the params file
         if params and (b.pack or {}).get("kind") == "constant":
             b.value = params[b.name]
     info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=texts,
@@ -122,6 +128,6 @@ def _load(path, man) -> Module:
             module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
                                          for b in program.role("param")})
         except InputError as err:    # the manifest's weight table and graph disagree
-            raise ArtifactError(f"{path}: weights.bin does not fit the manifest's graph "
+            raise ArtifactError(f"{path}: the weights do not fit the manifest's graph "
                                 f"({err}); rebuild the module") from None
     return module

@@ -4,6 +4,10 @@ Format versions (MODULE_VERSION is written; READABLE_VERSIONS load):
   1  program buffers without param recipes: loads and runs with its params.bin; binding other
      weights needs a rebuild
   2  program buffers carry their param recipes (mhagen.params); target carries family/device
+  3  the tensors in one safetensors file, weights.safetensors (files.write_params_file): the
+     params table gives each param's byte offset in it, the weights table where each weight
+     comes from (unpacked from the params, or a tensor of its own); formats 1 and 2 keep
+     weights.bin and params.bin (files.read_tensors)
 
 content_hash is the sha256 of the manifest (sorted keys, compact JSON) without its
 "content_hash" and "c_api" entries; as the manifest holds every file's sha256, it names the
@@ -19,8 +23,8 @@ from mhagen.errors import ArtifactError
 from mhagen.version import __version__
 
 MODULE_FORMAT = "mhagen.module"
-MODULE_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+MODULE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 NOT_HASHED = ("content_hash", "c_api")
 
 

@@ -8,21 +8,31 @@ import warnings
 from pathlib import Path
 
 from mhagen.artifact import capi
-from mhagen.artifact.files import KERNEL_FILES, sha256_file, write_tensors
+from mhagen.artifact.files import (KERNEL_FILES, OLD_TENSOR_FILES, TENSOR_FILE, sha256_file,
+                                   write_params_file)
 from mhagen.artifact.manifest import content_hash, module_manifest
 from mhagen.cross import export_options
 from mhagen.errors import ArtifactError
 from mhagen.host import host_arch
 from mhagen.inspection import TEXT_FILES, source_text
 
-HASHED_FILES = (*KERNEL_FILES.values(), "weights.bin", "params.bin") + tuple(
+HASHED_FILES = (*KERNEL_FILES.values(), TENSOR_FILE) + tuple(
     f"{w}.txt" for w in TEXT_FILES)
 
 
-def save_module(module, path) -> Path:
+def save_module(module, path, *, c_api: bool = True, self_contained: bool = False) -> Path:
     """Write `module` to directory `path` (created): kernel.so (GPU targets: kernels.fatbin
-    and the launch table in the manifest), weights and params, texts, manifest.json, and the
-    C API when a compiler is at hand. Returns the path."""
+    and the launch table in the manifest), weights.safetensors (the kernels' params, and the
+    weights only where the params cannot give them back: files.write_params_file), texts,
+    manifest.json, and the C API when a compiler is at hand and `c_api` (its libraries come
+    from mhagen's cache when the same sources were compiled before). lib/ links to TVM's
+    runtime libraries in mhagen's cache, or holds copies when `self_contained` (an artifact to
+    ship elsewhere). Returns the path; refuses a path that is not a directory before anything
+    is built or written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArtifactError(f"{path} is a file, not a directory: save the module into a new "
+                            "or existing directory")
     device = module.target.device
     if device == "cpu":
         # the cross compiler first: nothing is written when it is missing
@@ -33,8 +43,11 @@ def save_module(module, path) -> Path:
     elif not module.info.device_code.launches:
         raise ArtifactError(f"this {device} module cannot be saved: its C API could not launch "
                             f"it ({module.info.device_code.launch_problem}); build it fused")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):   # a parent is a file
+        raise ArtifactError(f"cannot create directory {path}: a part of that path is a file"
+                            ) from None
     if device == "cpu":
         _write_library(module, path, options)
     else:
@@ -45,14 +58,13 @@ def save_module(module, path) -> Path:
     for what in TEXT_FILES:
         (path / f"{what}.txt").write_text(module.info.texts.get(what, ""))
     table = params = None
+    for name in (*OLD_TENSOR_FILES, TENSOR_FILE):   # an earlier save's, in any format
+        if (path / name).exists():
+            os.remove(path / name)
     if module.weights is not None:
-        table = write_tensors(path / "weights.bin",
-                              {n: module.weights[n] for n in sorted(module.weights)})
-        params = write_tensors(path / "params.bin", module.bound_params)
-    else:
-        for name in ("weights.bin", "params.bin"):
-            if (path / name).exists():
-                os.remove(path / name)
+        params, table = write_params_file(
+            path / TENSOR_FILE, module.program.describe()["buffers"], module.bound_params,
+            module.weights)
     files = {n: sha256_file(path / n) for n in HASHED_FILES if (path / n).exists()}
     manifest = module_manifest(module, table, files, params)
     if device != "cpu":
@@ -61,7 +73,7 @@ def save_module(module, path) -> Path:
             "file": KERNEL_FILES[device], "arch": code.arch,
             "launches": [la.to_dict() for la in code.launches],
             "resources": {e: r.__dict__ for e, r in sorted(code.resources.items())}}
-    manifest = finish(path, manifest)
+    manifest = finish(path, manifest, c_api=c_api, self_contained=self_contained)
     (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return path
 
@@ -77,7 +89,8 @@ def _write_library(module, path: Path, options: dict) -> None:
         raise ArtifactError("this module has no library to save")
 
 
-def finish(path, manifest: dict, *, toolchain=None) -> dict:
+def finish(path, manifest: dict, *, toolchain=None, c_api: bool = True,
+           self_contained: bool = False) -> dict:
     """Complete a manifest that Module.save is about to write to `path`: add tuning (if
     absent) and content_hash, then generate and compile the C API (mha.h, libmha.so,
     lib/) -- or record in manifest["c_api"]["skipped"] why not (no C++ compiler, no weights,
@@ -86,8 +99,10 @@ def finish(path, manifest: dict, *, toolchain=None) -> dict:
     manifest.pop("c_api", None)
     manifest["content_hash"] = content_hash(manifest)
     reason = None
-    if not manifest.get("params"):
-        reason = "no weights bound (bind weights, then save: the C API runs params.bin)"
+    if not c_api:
+        reason = "not asked for (saved with c_api=False)"
+    elif not manifest.get("params"):
+        reason = "no weights bound (bind weights, then save: the C API runs the params)"
     elif toolchain is None:
         arch = manifest["target"]["arch"]
         # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross);
@@ -98,7 +113,8 @@ def finish(path, manifest: dict, *, toolchain=None) -> dict:
             reason = toolchain
     if reason is None:
         try:
-            manifest["c_api"] = capi.write_c_api(path, manifest, toolchain)
+            manifest["c_api"] = capi.write_c_api(path, manifest, toolchain,
+                                                 self_contained=self_contained)
         except ArtifactError as err:
             reason = str(err)
             warnings.warn(f"mhagen: no C API in {path}: {err}", stacklevel=3)

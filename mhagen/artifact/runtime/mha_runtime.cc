@@ -53,6 +53,7 @@
 
 #include <sched.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -247,6 +248,16 @@ class Sha256 {
 // returns it in *size).
 int check_size(const std::string &path, int64_t expected, int64_t *size = nullptr) {
   struct stat st;
+  char target[4096];
+  if (stat(path.c_str(), &st) != 0 && lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    // lib/ links to TVM's runtime in mhagen's cache unless the artifact is self-contained
+    const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
+    target[n > 0 ? n : 0] = '\0';
+    return fail(MHA_ERR_NOT_FOUND, "mha_create: " + path + " links to " + target +
+                                       ", which is missing (mhagen's cache was cleared?); "
+                                       "save the module again, or with self_contained=True "
+                                       "to ship it");
+  }
   if (stat(path.c_str(), &st) != 0)
     return fail(MHA_ERR_NOT_FOUND, "mha_create: " + path + " is missing (" +
                                        std::strerror(errno) +
@@ -645,8 +656,8 @@ int allocate(mha_handle *h) {
   return MHA_OK;
 }
 
-// Checks kernel.so and params.bin (size and sha256; weights.bin: size only, libmha.so never
-// reads it) and copies the parameters into their buffers while hashing params.bin.
+// Checks kernel.so and weights.safetensors (size and sha256) and copies the parameters into
+// their buffers while hashing weights.safetensors (at the byte offsets baked into kBuffers).
 int verify_files(const std::string &dir, mha_handle *h) {
   for (int i = 0; i < kNumFiles; ++i)   // sizes first: a truncated copy fails before any read
     if (check_size(dir + "/" + kFiles[i].name, kFiles[i].size) != MHA_OK) return g_code;

@@ -60,7 +60,7 @@ struct BufferSpec {
   int ndim;
   int64_t shape[kMaxDims];
   int64_t nbytes;
-  int64_t offset;           // params: byte offset in params.bin; else -1
+  int64_t offset;           // params: byte offset in weights.safetensors; else -1
   int sym_axis;             // the axis that follows the call (SymbolicDim), or -1
   int sym_kind;             // SymbolicDim
 };
