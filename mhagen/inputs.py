@@ -53,7 +53,11 @@ def argument(value, name: str, *, need: str = FLOAT, dtype=None, expects: str = 
         be a numpy array of `dtype` (and `shape`; C-contiguous, writable and 64-byte aligned
         where `aligned`), else it is refused saying so."""
     if in_place is not None:
-        return _in_place(value, name, numpy_dtype(dtype), in_place, aligned, shape)
+        if (isinstance(value, np.ndarray) and value.dtype == dtype
+                and (shape is None or value.shape == shape)
+                and (not aligned or is_aligned(value))):
+            return value
+        _refuse_in_place(value, name, numpy_dtype(dtype), in_place, aligned, shape)
     if need == LENGTHS:
         if type(value) is np.ndarray and value.dtype == np.int32:
             return value
@@ -77,11 +81,11 @@ def _numbers(value, name, expects) -> np.ndarray:
         try:
             arr = np.asarray(value)
         except Exception as err:   # noqa: BLE001 - a foreign array type's own refusal
-            raise InputError(f"{name} is a {_type(value)} that numpy cannot read "
+            raise InputError(f"{name} is {_a_type(value)} that numpy cannot read "
                              f"({_first_line(err)}); pass a numpy array {expects}".rstrip()
                              ) from None
     else:
-        what = "None" if value is None else f"a {_type(value)}"
+        what = "None" if value is None else _a_type(value)
         raise InputError(f"{name} is {what}; pass a numpy array {expects}".rstrip())
     _check_kind(arr, name, expects)
     return arr
@@ -110,7 +114,7 @@ def _from_torch(t, name, expects) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         if hasattr(t, "__array__"):
             return np.asarray(t)
-        raise InputError(f"{name} is a {_type(t)}; pass a numpy array {expects}".rstrip())
+        raise InputError(f"{name} is {_a_type(t)}; pass a numpy array {expects}".rstrip())
     if t.device.type != "cpu":
         raise InputError(f"{name} is on {t.device}; mhagen's CPU modules take CPU tensors: "
                          f"{name}.cpu()")
@@ -177,12 +181,7 @@ def _lengths(arr, name, expects) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def _in_place(value, name, dtype, why, aligned, shape) -> np.ndarray:
-    fits = (isinstance(value, np.ndarray) and value.dtype == dtype
-            and (shape is None or value.shape == tuple(shape))
-            and (not aligned or is_aligned(value)))
-    if fits:
-        return value
+def _refuse_in_place(value, name, dtype, why, aligned, shape):
     layout = f"C-contiguous, writable, {ALIGNMENT}-byte aligned " if aligned else ""
     wanted = f"{layout}{name_of(dtype)} numpy array"
     wanted = ("an " if wanted[0] in "aeiou" else "a ") + wanted
@@ -200,14 +199,16 @@ def _described(value, aligned) -> str:
             ", read-only" if not value.flags.writeable else f", not {ALIGNMENT}-byte aligned")
         return f"{name_of(value.dtype)} {value.shape}{how}"
     if hasattr(value, "dtype") and hasattr(value, "shape"):
-        return f"a {_type(value)} {value.dtype} {tuple(value.shape)}"
-    return "None" if value is None else f"a {_type(value)}"
+        return f"{_a_type(value)} {value.dtype} {tuple(value.shape)}"
+    return "None" if value is None else _a_type(value)
 
 
-def _type(value) -> str:
+def _a_type(value) -> str:
+    """'a dict', 'an object', 'a torch.Tensor': what value is, for messages."""
     kind = type(value)
     module = kind.__module__.split(".")[0]
-    return kind.__name__ if module == "builtins" else f"{module}.{kind.__name__}"
+    name = kind.__name__ if module == "builtins" else f"{module}.{kind.__name__}"
+    return ("an " if name[0] in "aeiouAEIOU" else "a ") + name
 
 
 def _first_line(err) -> str:
