@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhagen.arrays import ALIGNMENT, aligned_empty, aligned_zeros, is_aligned
+from mhagen.arrays import aligned_empty, aligned_zeros
 from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
+from mhagen.inputs import LENGTHS, argument
 from mhagen.runtime import tensor
 
 
@@ -90,8 +91,12 @@ class KVCache:
 
     @classmethod
     def from_arrays(cls, k, v, lens) -> "KVCache":
-        """A cache holding copies of k, v ([batch, kv_heads, max_len, head_dim]) and lens."""
-        k, v = np.asarray(k), np.asarray(v)
+        """A cache holding copies of k, v ([batch, kv_heads, max_len, head_dim]; float
+        arrays keep their dtype, integers become float64) and lens (int32): numpy arrays,
+        lists or torch CPU tensors, read as mhagen/inputs.py says."""
+        shape = "[batch, kv_heads, max_len, head_dim]"
+        k, v = (argument(a, f"cache.{n}", expects=shape) for n, a in (("k", k), ("v", v)))
+        lens = argument(lens, "cache.lens", need=LENGTHS, expects="[batch]")
         ck, cv = aligned_empty(k.shape, k.dtype), aligned_empty(v.shape, v.dtype)
         ck[...], cv[...] = k, v
         return cls(ck, cv, np.array(lens, dtype=np.int32).reshape(-1))
@@ -109,18 +114,12 @@ class KVCache:
                                  "[batch, kv_heads, max_len, head_dim], got "
                                  f"{getattr(a, 'shape', type(a).__name__)}; make one with "
                                  "mhagen.KVCache.empty(module, batch)")
-            if dtype is not None and (a.dtype != dtype or not is_aligned(a)):
-                raise InputError(f"cache.{name} must be a writable, C-contiguous, "
-                                 f"{ALIGNMENT}-byte aligned {np.dtype(dtype).name} array "
-                                 "(the kernels write it in place): make the cache with "
-                                 "mhagen.KVCache.empty(module, batch) or "
-                                 "KVCache.from_arrays(k, v, lens)")
-        lens = self.lens
-        if not isinstance(lens, np.ndarray) or lens.shape != (batch,) \
-                or lens.dtype != np.int32:
-            raise InputError(f"cache.lens must be an int32 array of shape ({batch},), got "
-                             f"{getattr(lens, 'dtype', type(lens).__name__)} "
-                             f"{getattr(lens, 'shape', '')}")
+            if dtype is not None:
+                argument(a, f"cache.{name}", dtype=dtype, aligned=True, in_place=(
+                    "the kernels write it in place: make the cache with "
+                    "mhagen.KVCache.empty(module, batch) or KVCache.from_arrays(k, v, lens)"))
+        lens = argument(self.lens, "cache.lens", dtype=np.int32, shape=(batch,),
+                        in_place="each call advances it in place")
         check_room(lens, new_tokens, spec["max_len"])
 
     def __repr__(self):

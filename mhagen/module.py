@@ -20,6 +20,7 @@ from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
 from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, half_precision_path, name_of, numpy_dtype,
                             overflow_limit, to_storage)
 from mhagen.errors import ArtifactError, InputError, TargetError
+from mhagen.inputs import argument
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes, maps_graph
 from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
@@ -51,7 +52,8 @@ class Module:
     `module(x)` runs it on a numpy array x of the layer's dtype (float32 by default; see
     mhagen/dtypes.py: a half-precision layer also takes float32, rounded on the way in,
     and then returns float32; on CPUs its library converts both, schedules/casts.py) and
-    returns a new array;
+    returns a new array; other inputs (lists, float64 or integer arrays, torch CPU tensors)
+    are converted to float32 first, or refused (mhagen/inputs.py: the input policy);
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
     A Module owns its temporaries, so calls from several threads are serialised by a lock
@@ -145,10 +147,8 @@ class Module:
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len. context: the keys' and values' input of a
         cross-attention layer, [batch, kv_seq_len, kv_dim]."""
-        returns = self.dtype
-        if self.dtype != np.float32 and getattr(x, "dtype", None) == np.float32:
-            returns = np.dtype(np.float32)     # a half layer called on float32 answers so
         with self._lock:
+            x, returns = self._check_x(x)
             buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
             result, target = self._output_array(out, dims, returns)
             buffers[self._output.name] = runtime.tensor(target)
@@ -164,15 +164,21 @@ class Module:
         next input into x (and kv_lens, context) in place; each run of a decoding call
         advances cache.lens by seq_len, as module(x, cache=...) does. x (and context) must be
         64-byte aligned arrays of the module's dtype (mhagen.aligned_empty), so the kernels
-        read them where they are; the output is `out`, or one array made here, returned by
-        every run. The weights are those bound now: a later bind() makes runs raise."""
+        read them where they are, and kv_lens a numpy integer array: nothing is converted
+        here (mhagen/inputs.py: a copy would not see the next run's values); the output is
+        `out`, or one array made here, returned by every run. The weights are those bound now: a later bind() makes runs raise."""
+        reads = ("prepare() reads it in place every run: mhagen.aligned_empty(shape, "
+                 f"{name_of(self.dtype)!r})")
         for name, a in (("x", x), ("context", context)):
-            if a is not None and (type(a) is not np.ndarray or a.dtype != self.dtype
-                                  or not is_aligned(a)):
-                raise InputError(f"prepare() reads {name} in place: pass a C-contiguous, "
-                                 f"64-byte aligned {name_of(self.dtype)} array "
-                                 f"(mhagen.aligned_empty(shape, {name_of(self.dtype)!r}))")
+            if a is not None:
+                argument(a, name, dtype=self.dtype, in_place=reads, aligned=True)
+        if kv_lens is not None and not (isinstance(kv_lens, np.ndarray)
+                                        and np.issubdtype(kv_lens.dtype, np.integer)):
+            raise InputError("kv_lens must be a numpy integer array (prepare() reads it anew "
+                             "every run: change it in place), got "
+                             f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)}")
         with self._lock:
+            x, _ = self._check_x(x)
             buffers, dims = self._buffers(x, None, kv_lens, cache, context)
             result, target = self._output_array(out, dims, self.dtype)
             buffers[self._output.name] = runtime.tensor(target)
@@ -202,11 +208,8 @@ class Module:
                 a = aligned_empty(out_shape, self._output.dtype)
                 return a, a.reshape(full)
             return np.empty(out_shape, returns), self._view(self._output, dims)
-        if not isinstance(out, np.ndarray) or out.shape != out_shape \
-                or out.dtype != returns:
-            raise InputError(f"out= must be a {name_of(returns)} numpy array of shape "
-                             f"{out_shape}, got {getattr(out, 'dtype', type(out).__name__)} "
-                             f"{getattr(out, 'shape', '')}")
+        argument(out, "out=", dtype=returns, shape=out_shape,
+                 in_place="the call writes its answer into it")
         if direct and is_aligned(out):
             return out, out.reshape(full)
         return out, self._view(self._output, dims)
@@ -217,14 +220,13 @@ class Module:
 
     def _buffers(self, x, weights, kv_lens=None, cache=None, context=None):
         """(the kernels' arguments by name: TVM tensors over numpy memory and, symbolic
-        builds, the call's batch and seq; the call's dims: Program.call_dims). x is passed
-        without a copy when C-contiguous float32 on a 64-byte boundary, else copied; a
-        decoding layer's cache arrays are always passed as they are (written in place)."""
+        builds, the call's batch and seq; the call's dims: Program.call_dims). x: checked by
+        _check_x; it is passed without a copy when C-contiguous in the layer's dtype on a
+        64-byte boundary, else copied; a decoding layer's cache arrays are always passed as
+        they are (written in place)."""
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
-        if type(x) is not np.ndarray or x.dtype != self.dtype or x.shape != self.in_shape:
-            x = self._check_x(x)
         batch, seq = x.shape[:2]
         # each check also refuses an argument the layer takes none of
         if context is not None or self._context_node is not None:
@@ -357,18 +359,29 @@ class Module:
         return full.reshape(-1)[:math.prod(shape)].reshape(shape)
 
     def _check_x(self, x):
-        x = check_input(self.graph, x)
+        """(x as the kernels take it, the dtype the call answers in): x in the layer's
+        dtype as it is, anything else converted to float32 (mhagen/inputs.py) and then, for
+        a half layer, rounded into storage (_deferred), the answer then in float32."""
+        if type(x) is np.ndarray and x.dtype == self.dtype and x.shape == self.in_shape:
+            return x, self.dtype
+        x = check_input(self.graph, x, self._takes)
         if self.symbolic:
-            return self._check_symbolic_x(x)
-        if x.shape != self.in_shape:
+            self._check_symbolic_x(x)
+        elif x.shape != self.in_shape:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
-        return self._deferred("x", x)
+        return self._deferred("x", x), x.dtype
+
+    @property
+    def _takes(self) -> tuple:
+        """The dtypes x and a context are taken in as they are (others: converted to the
+        first, float32)."""
+        return (np.dtype(np.float32), self.dtype)
 
     def _check_context(self, context, batch):
         """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
-        context = check_context(self.graph, context, batch)
+        context = check_context(self.graph, context, batch, self._takes)
         if context is None:
             return None
         want = (batch, self.kv_seq_len, self.graph.context_input.attrs["shape"][2])
@@ -397,7 +410,6 @@ class Module:
                                  f"max_{name}=N for any)")
         if x.shape[2] != self.d_model:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
-        return self._deferred("x", x)
 
     def _run(self, buffers):
         if self._calls is None:
@@ -423,6 +435,7 @@ class Module:
         rng = np.random.default_rng(0)
         if x is None:
             x = rng.standard_normal(self.in_shape).astype(np.float32).astype(self.dtype)
+        x = check_input(self.graph, x, self._takes)
         node = self.graph.context_input
         if context is None and node is not None:
             context = rng.standard_normal((x.shape[0], self.kv_seq_len,
@@ -438,6 +451,7 @@ class Module:
             return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache, context)
 
     def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache, context):
+        x, _ = self._check_x(x)
         buffers, dims = self._buffers(x, None, kv_lens, cache, context)
         buffers[self._output.name] = runtime.tensor(self._view(self._output, dims))
         self._run(buffers)
@@ -457,9 +471,10 @@ class Module:
         if self.weights is None:
             raise InputError("no weights: bind them (module.bind(weights)) before asking "
                              "for attention maps")
+        x = check_input(self.graph, x, self._takes)
         batch, seq = self.batch, self.seq_len
         if self.symbolic:     # maps for the call's shape (one unfused build per shape)
-            batch, seq = np.shape(x)[:2]
+            batch, seq = x.shape[:2]
         if self._maps is None or self._maps.in_shape[:2] != (batch, seq):
             build = self.info.builder
             if build is None:
@@ -474,7 +489,7 @@ class Module:
             self._maps_for = self.weights
         heads = len(head_softmaxes(self.graph))
         if self.dtype != np.float32:   # the half layer's own rounded x, in float32
-            x = self._stored("x", check_input(self.graph, x)).astype(np.float32)
+            x = self._stored("x", x).astype(np.float32)
         p = self._maps(x, kv_lens=kv_lens)
         b, s, _ = p.shape
         return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))
@@ -507,14 +522,11 @@ class Module:
 
 
     def _stored(self, name, a):
-        """x or a context in the layer's dtype: as given, or a float32 array rounded."""
+        """x or a context (of the dtypes _takes) in the layer's dtype: as given, or a
+        float32 array rounded."""
         if a.dtype == self.dtype:
             return a
-        if self.dtype != np.float32 and a.dtype == np.float32:
-            return to_storage(name, a, name_of(self.dtype))
-        also = "" if self.dtype == np.float32 else " or float32"
-        raise InputError(f"{name} has dtype {a.dtype}; this module takes {name_of(self.dtype)}"
-                         f"{also}: pass {name}.astype({_spelling(self.dtype)})")
+        return to_storage(name, a, name_of(self.dtype))
 
 
 def deliver(result, target):
@@ -551,10 +563,6 @@ class Call:
 
 
 _BFLOAT16 = numpy_dtype("bfloat16")
-
-
-def _spelling(dtype) -> str:
-    return "ml_dtypes.bfloat16" if name_of(dtype) == "bfloat16" else f"np.{name_of(dtype)}"
 
 
 def aligned_copy(arr, buffer) -> np.ndarray:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhagen.dtypes import is_float, numpy_dtype, to_storage
+from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import InputError
+from mhagen.inputs import LENGTHS, argument
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.kvcache import KVCache
@@ -68,20 +69,19 @@ def softmax_rows(s: np.ndarray) -> np.ndarray:
 
 
 def check_input(graph, x, dtype=None) -> np.ndarray:
-    """Check x against the graph's input [batch, seq, d_model]; return it as an array."""
-    x = np.asarray(x)
+    """Check x against the graph's input [batch, seq, d_model]; return it as a numpy array
+    (mhagen/inputs.py: converted or refused; dtype: what it is converted to, as there)."""
     d_model = graph.inputs[0].attrs["shape"][2]
+    x = argument(x, "x", dtype=dtype, expects=f"[batch, seq, {d_model}]")
     if x.ndim != 3 or x.shape[2] != d_model:
         raise InputError(f"x has shape {x.shape}; graph {graph.name!r} takes "
                          f"[batch, seq, {d_model}]")
-    if not is_float(x.dtype):
-        raise InputError(f"x has dtype {x.dtype}; pass a floating-point array (float32)")
-    return np.ascontiguousarray(x, dtype=dtype) if dtype else x
+    return x
 
 
 def check_context(graph, context, batch: int, dtype=None):
-    """The context of a cross-attention graph ([batch, kv_seq, kv_dim], as an array), or
-    None for other graphs (which must not get one)."""
+    """The context of a cross-attention graph ([batch, kv_seq, kv_dim], as a numpy array:
+    mhagen/inputs.py, dtype as there), or None for other graphs (which must not get one)."""
     node = graph.context_input
     if node is None:
         if context is not None:
@@ -92,16 +92,13 @@ def check_context(graph, context, batch: int, dtype=None):
         raise InputError(f"graph {graph.name!r} is a cross-attention layer: pass context= "
                          f"(keys and values come from it), [batch, kv_seq, "
                          f"{node.attrs['shape'][2]}]")
-    context = np.asarray(context)
     width = node.attrs["shape"][2]
+    context = argument(context, "context", dtype=dtype, expects=f"[batch, kv_seq, {width}]")
     if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != width \
             or context.shape[1] < 1:
         raise InputError(f"context has shape {context.shape}; this layer takes [batch, "
                          f"kv_seq, {width}] with batch {batch} (x's) and kv_seq >= 1")
-    if not is_float(context.dtype):
-        raise InputError(f"context has dtype {context.dtype}; pass a floating-point array "
-                         "(float32)")
-    return np.ascontiguousarray(context, dtype=dtype) if dtype else context
+    return context
 
 
 def check_lengths(graph, kv_lens, batch: int, seq: int):
@@ -115,12 +112,12 @@ def check_lengths(graph, kv_lens, batch: int, seq: int):
     if kv_lens is None:
         raise InputError(f"graph {graph.name!r} pads keys by length: pass kv_lens (int, "
                          f"[batch] = [{batch}], each in 0..{seq})")
-    lens = np.asarray(kv_lens)
-    if lens.shape != (batch,) or not np.issubdtype(lens.dtype, np.integer):
+    lens = argument(kv_lens, "kv_lens", need=LENGTHS, expects=f"of shape ({batch},)")
+    if lens.shape != (batch,):
         raise InputError(f"kv_lens must be integers of shape ({batch},), got {lens.dtype} "
                          f"{lens.shape}")
     check_length_range(lens, seq)
-    return np.ascontiguousarray(lens, dtype=np.int32)
+    return np.ascontiguousarray(lens)
 
 
 def check_length_range(lens, seq: int) -> None:

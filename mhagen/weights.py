@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mhagen.dtypes import is_float, numpy_dtype
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
+from mhagen.inputs import argument
 
 
 def init_weights(graph, seed: int = 0) -> dict:
@@ -26,9 +27,10 @@ def init_weights(graph, seed: int = 0) -> dict:
 
 
 def check_weights(graph, weights, dtype=None) -> dict:
-    """Check names and shapes against the graph; return the arrays (cast to dtype if given;
-    a half-precision graph's weights are always rounded to its dtype first: that is what its
-    kernels hold)."""
+    """Check names and shapes against the graph; return the arrays, each read by the input
+    policy (mhagen/inputs.py: lists, float64 or integer arrays and torch CPU tensors
+    converted, as x is; cast to dtype if given; a half-precision graph's weights are always
+    rounded to its dtype first: that is what its kernels hold)."""
     if not isinstance(weights, dict):
         raise InputError(f"weights must be a dict of name -> array, got {type(weights).__name__}; "
                          "use layer.init_weights() or mhagen.weights_from_torch()")
@@ -40,18 +42,17 @@ def check_weights(graph, weights, dtype=None) -> dict:
         raise InputError(f"weights do not match graph {graph.name!r}: missing {missing}, "
                          f"unexpected {extra}; expected names {sorted(names)}")
     out = {}
+    storage = None if graph.dtype == "float32" else numpy_dtype(graph.dtype)
     for s in specs:
-        arr = np.asarray(weights[s.name])
+        name = f"weights[{s.name!r}]"
+        arr = argument(weights[s.name], name, dtype=storage or dtype,
+                       expects=f"of shape {tuple(s.shape)}")
         if arr.shape != tuple(s.shape):
-            raise InputError(f"weight {s.name!r} has shape {arr.shape}, expected {tuple(s.shape)} "
+            raise InputError(f"{name} has shape {arr.shape}, expected {tuple(s.shape)} "
                              f"({'heads x ' if len(s.shape) == 3 else ''}in x out for a "
                              f"{s.role})")
-        if not is_float(arr.dtype):
-            raise InputError(f"weight {s.name!r} has dtype {arr.dtype}; pass floating-point arrays")
-        if graph.dtype != "float32":
-            arr = arr.astype(numpy_dtype(graph.dtype), copy=False)
         if not np.all(np.isfinite(arr)):
-            raise InputError(f"weight {s.name!r} contains NaN or inf"
+            raise InputError(f"{name} contains NaN or inf"
                              + ("" if graph.dtype == "float32" else
                                 f" (as {graph.dtype}: its largest finite value is "
                                 f"{float(np.finfo(numpy_dtype(graph.dtype)).max):.4g})"))

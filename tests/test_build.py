@@ -92,9 +92,9 @@ def test_save_load_round_trip(small, tmp_path):
 @pytest.mark.parametrize("x_shape,dtype,match", [
     ((2, 9, 63), np.float32, r"takes \[batch, seq, 64\]"),
     ((2, 10, 64), np.float32, "rebuild with"),
-    ((2, 9, 64), np.float64, "astype"),
-    ((2, 9, 64), np.int32, "floating-point"),
-], ids=["d_model", "seq_len", "float64", "int"])
+    ((2, 9, 64), np.bool_, "x is a bool array"),
+    ((2, 9, 64), np.complex64, "x is complex"),
+], ids=["d_model", "seq_len", "bool", "complex"])
 def test_bad_input_to_module(small, x_shape, dtype, match):
     module = small[3]
     with pytest.raises(mhagen.InputError, match=match):
