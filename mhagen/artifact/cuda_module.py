@@ -16,6 +16,7 @@ import numpy as np
 
 from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
+from mhagen.inputs import argument
 from mhagen.ir.graph import Graph     # (before mhagen.reference, which mhagen.ir imports)
 from mhagen.reference import check_lengths
 from mhagen.runtime import fresh_path
@@ -70,7 +71,8 @@ class CudaArtifactModule:
         half-precision layer: rounded on the way in, and float32 comes back)."""
         if self._handle is None:
             raise ArtifactError("this module was closed")
-        a = np.asarray(x)
+        storage = numpy_dtype(self.graph.dtype)
+        a = argument(x, "x", dtype=(storage, np.float32), expects=f"of shape {self.in_shape}")
         if a.shape != self.in_shape:
             raise InputError(f"x has shape {a.shape}; this artifact runs {self.in_shape} "
                              "(build another one for other shapes)")
