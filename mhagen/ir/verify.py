@@ -14,7 +14,7 @@ from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
-from mhagen.reference import NUMPY_OPS
+from mhagen.ir.numpy_ops import NUMPY_OPS
 
 
 def _fmt(shape):
