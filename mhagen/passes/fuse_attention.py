@@ -75,6 +75,8 @@ def _score_chain(nodes, uses, cur, h, matched):
 
 
 def _fuse(g: Graph) -> Graph:
+    """g fused (inputs, qkv_projection(s), [lengths,] attention, output_projection), or
+    _NoMatch saying why not: the pattern matched head by head, then what the heads share."""
     g.shapes()
     m = _Matcher(g)
     out, concat = m.output_nodes()
