@@ -23,7 +23,7 @@ from mhagen.weights import load_weights, save_weights, weights_from_torch
 
 
 def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
-    """Compile `layer` for `target` at [batch, seq_len]; returns a callable mhagen.Module."""
+    """Compile `layer` for `target` at [batch, seq_len]; returns a callable mhagen.module.Module."""
     from mhagen.compile import build as _build
     return _build(layer, target, batch=batch, seq_len=seq_len, weights=weights, **options)
 

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 
 from mhagen.ir import expr as ex
-from mhagen.reference import NUMPY_OPS
+from mhagen.ir.numpy_ops import NUMPY_OPS
 
 SKIP, PARTIAL, FULL = 0, 1, 2
 KEY_PADDING = ex.kv_idx < ex.kv_len   # with key lengths given per call: skipped at run time

@@ -76,6 +76,38 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     b_o [D]. Input x: [batch, seq, D] (cross: and context [batch, kv_seq, kv_dim]); output
     [batch, seq, D].
     """
+    head_dim, kv_heads = _head_sizes(d_model, num_heads, head_dim, kv_heads)
+    _check_mask_and_flags(mask, causal, bias)
+    score_mod = _checked_score_mod(score_mod, num_heads)
+    rotary = _checked_rotary(rotary, head_dim)
+    cache_dtype = _checked_cache(kv_cache, cache_dtype, key_padding)
+    kv_dim = _checked_cross(cross, kv_dim, d_model, rotary, kv_cache)
+    full_mask = _full_mask(causal, mask, key_padding, kv_cache)
+    options = _graph_options(d_model=d_model, num_heads=num_heads, head_dim=head_dim,
+                             kv_heads=kv_heads, causal=causal, bias=bias, mask=mask,
+                             score_mod=score_mod, rotary=rotary, key_padding=key_padding,
+                             kv_cache=kv_cache, cache_dtype=cache_dtype, cross=cross,
+                             kv_dim=kv_dim, dtype=dtype)
+    g = Graph(name, dtype=dtype, options=options)
+    x = g.input("x", d_model)
+    context = g.input("context", kv_dim, seq="kv_seq") if cross else None
+    lengths = g.lengths("kv_lens") if key_padding else None
+    if kv_cache is not None:
+        lengths = g.cache_lens("cache_lens")
+    g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
+                           [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
+                           score_mod=score_mod,
+                           rotary=None if rotary is None else rotary.attrs(head_dim),
+                           lengths=lengths, max_len=kv_cache, context=context,
+                           cache_dtype=cache_dtype))
+    g.shapes()
+    return g
+
+
+# -- mha()'s steps: each checks (and normalises) a group of options, in the order mha() asks --
+
+def _head_sizes(d_model, num_heads, head_dim, kv_heads) -> tuple[int, int]:
+    """(head_dim, kv_heads) with their defaults, checked against d_model and num_heads."""
     positive_int("d_model", d_model)
     positive_int("num_heads", num_heads)
     if head_dim is None:
@@ -93,12 +125,20 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     if num_heads % kv_heads:
         raise GraphError(f"kv_heads={kv_heads} does not divide num_heads={num_heads}; choose "
                          f"kv_heads in {_divisors(num_heads)}")
+    return head_dim, kv_heads
+
+
+def _check_mask_and_flags(mask, causal, bias) -> None:
     if mask is not None and not (isinstance(mask, ex.Expr) and mask.is_bool):
         raise GraphError("mask= takes a boolean mask expression, e.g. mhagen.sliding_window(64) "
                          "or (mhagen.kv_idx <= mhagen.q_idx)")
     for flag, value in (("causal", causal), ("bias", bias)):
         if not isinstance(value, (bool, np.bool_)):
             raise GraphError(f"{flag}= takes True or False, got {value!r}")
+
+
+def _checked_score_mod(score_mod, num_heads) -> ex.Expr | None:
+    """One score modifier (a list is combined in order) or None."""
     if isinstance(score_mod, (list, tuple)):
         bad = [m for m in score_mod if not ex.is_score_mod(m)]
         if bad:
@@ -111,6 +151,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                          "mhagen.softcap(30.0), mhagen.alibi(num_heads)) or a list of them")
     if score_mod is not None:
         check_head_tables(score_mod, num_heads, "score_mod=")
+    return score_mod
+
+
+def _checked_rotary(rotary, head_dim) -> rope.Rotary | None:
+    """A checked rope.Rotary (True: the defaults), or None (None or False)."""
     if rotary is True:
         rotary = rope.Rotary()
     if rotary is not None and rotary is not False and not isinstance(rotary, rope.Rotary):
@@ -121,17 +166,26 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     rotary = rotary or None
     if rotary is not None:
         rope.check_attrs(rotary.attrs(head_dim), head_dim, "mha(rotary=...)")
+    return rotary
+
+
+def _checked_cache(kv_cache, cache_dtype, key_padding) -> str:
+    """The K/V cache's dtype (default float32), kv_cache and cache_dtype checked."""
     if cache_dtype is not None:
         if kv_cache is None:
             raise GraphError("cache_dtype= is what a decoding layer's K/V cache stores: pass "
                              "kv_cache=N too, or drop cache_dtype")
         check_dtype(cache_dtype)
-    cache_dtype = cache_dtype or "float32"
     if kv_cache is not None:
         positive_int("kv_cache", kv_cache)
         if key_padding:
             raise GraphError("kv_cache= and key_padding=True do not combine yet: a decoding "
                              "layer's keys are the cached ones (cache.lens says how many)")
+    return cache_dtype or "float32"
+
+
+def _checked_cross(cross, kv_dim, d_model, rotary, kv_cache) -> int | None:
+    """The context's width of a cross-attention layer (default d_model); None otherwise."""
     if not isinstance(cross, (bool, np.bool_)):
         raise GraphError(f"cross= takes True or False, got {cross!r}")
     if kv_dim is not None and not cross:
@@ -143,13 +197,23 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             if value is not None:
                 raise GraphError(f"cross=True does not combine with {option}= yet (queries and "
                                  "keys come from two sequences); drop one")
+    return kv_dim
+
+
+def _full_mask(causal, mask, key_padding, kv_cache) -> ex.Expr | None:
+    """causal & mask & (kv_idx < kv_len when keys have lengths), or None."""
     full_mask = ex.causal() if causal else None
     if mask is not None:
         full_mask = mask if full_mask is None else (full_mask & mask)
     if key_padding or kv_cache is not None:
         padding = ex.kv_idx < ex.kv_len
         full_mask = padding if full_mask is None else (full_mask & padding)
+    return full_mask
 
+
+def _graph_options(*, d_model, num_heads, head_dim, kv_heads, causal, bias, mask, score_mod,
+                   rotary, key_padding, kv_cache, cache_dtype, cross, kv_dim, dtype) -> dict:
+    """The options the graph records (Graph.options): the defaults left out."""
     options = {"d_model": d_model, "num_heads": num_heads, "head_dim": head_dim,
                "kv_heads": kv_heads, "causal": bool(causal), "bias": bool(bias)}
     if mask is not None:
@@ -168,21 +232,7 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         options.update(cross=True, kv_dim=kv_dim)
     if dtype != "float32":
         options["dtype"] = dtype
-    g = Graph(name, dtype=dtype, options=options)
-    x = g.input("x", d_model)
-    context = g.input("context", kv_dim, seq="kv_seq") if cross else None
-    lengths = g.lengths("kv_lens") if key_padding else None
-    if kv_cache is not None:
-        lengths = g.cache_lens("cache_lens")
-    g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
-                           [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
-                           score_mod=score_mod,
-                           rotary=None if rotary is None else rotary.attrs(head_dim),
-                           lengths=lengths, max_len=kv_cache, context=context,
-                           cache_dtype=cache_dtype))
-    g.shapes()
-    return g
-
+    return options
 
 def add_heads(g: Graph, x: str, scales, masks, kv_heads: int, head_dim: int, d_out: int,
               bias: bool, score_mod=None, rotary: dict | None = None, lengths=None,

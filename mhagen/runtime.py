@@ -24,8 +24,6 @@ from mhagen.dtypes import numpy_dtype
 from mhagen.errors import ArtifactError
 from mhagen.host import host_cores
 
-DEVICES = {"cpu": 1}   # DLPack device types of the devices mhagen's modules run on
-
 
 def prepare_tvm_threads() -> None:
     """Call before TVM's thread pool starts (mhagen does, on its first use of TVM)."""

@@ -6,7 +6,8 @@ inputs and weights, and round their output: the reference takes the same rounded
 the error is the output's rounding (half an ulp: eps/2 relative) plus float32's. rtol is one
 eps of the dtype (2x that), as FlashAttention's tests allow a small multiple of a
 half-precision reference's own error; tests also check that multiple directly
-(`within_half_reference`: error <= 2x that of mhagen.run_reference(..., rounded_to=dtype)).
+(`within_half_reference`: error <= 2x that of
+mhagen.reference.run_reference(..., rounded_to=dtype)).
 A decoding layer with a half-precision K/V cache is judged by its cache dtype's row
 (`judged_as`).
 """
@@ -49,7 +50,7 @@ def within_half_reference(actual, expected, rounded, factor: float = 2.0,
                           atol: float = 1e-5) -> tuple[float, float]:
     """FlashAttention's criterion: (error of actual, factor * error of `rounded` + atol), both
     against the float64 `expected`; `rounded` is a half-precision reference's result
-    (mhagen.run_reference(..., rounded_to=dtype)). Passes when the first <= the second."""
+    (mhagen.reference.run_reference(..., rounded_to=dtype)). Passes when the first <= the second."""
     return max_error(actual, expected), factor * max_error(rounded, expected) + atol
 
 

@@ -129,12 +129,13 @@ def mha_by_hand(w, x, heads, *, causal=False, modify=None, keep=None, rotate=Non
 # --no-loadscope-reorder: xdist would otherwise order them by their number of tests), each
 # taking the next file when it runs out; longest first keeps both busy to the end. Order of
 # their CI times on Zen 4 (2026-12-06: test_tune ~6 minutes, test_emulated_x86_cpus ~5).
-SLOW_FILES_FIRST = ("test_tune.py", "test_emulated_x86_cpus.py", "test_x86_classes.py",
-                    "test_bench.py", "test_arm.py", "test_fuzz.py", "test_half.py",
-                    "test_cuda.py", "test_build.py", "test_decode.py", "test_examples.py",
-                    "test_threads.py", "test_c_api.py", "test_symbolic.py",
+SLOW_FILES_FIRST = ("test_tune.py", "test_emulated_x86_cpus.py", "test_attention_tiles.py",
+                    "test_gemm_tiles.py", "test_bench.py", "test_arm.py", "test_fuzz.py",
+                    "test_half.py", "test_cuda.py", "test_build.py", "test_decode.py",
+                    "test_examples.py", "test_threads.py", "test_c_api.py", "test_symbolic.py",
                     "test_score_mods.py", "test_gpu_check.py", "test_key_padding.py",
-                    "test_cli.py", "test_rotary.py", "test_cross.py")
+                    "test_cli.py", "test_rotary.py", "test_cross.py",
+                    "test_target_resolution.py", "test_x86_codegen.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,7 @@ from mhagen.schedules.x86.bf16_dot import PAIRS_PAY, bf16_pairs
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close, tolerance, within_half_reference
 from tests.conftest import build_c_app, random_cache
-from test_x86_classes import function_asm, multiply_add_loops, spills_in_fma_loops
+from x86_helpers import function_asm, multiply_add_loops, spills_in_fma_loops
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 RUNNABLE = [p for p in ("x86", "x86-avx2", "x86-avx512", "x86-avx512-bf16", "x86-amx")

@@ -83,7 +83,7 @@ def test_fused_kernels_match_the_reference(target, case):
     t = resolve(target)
     if not t.runs_here():
         pytest.skip(f"{target} code cannot run on this CPU: {t.cannot_run()} "
-                    "(tests/test_x86_classes.py checks the error)")
+                    "(tests/test_target_resolution.py checks the error)")
     options, rotary = CASES[case]
     layer = mhagen.mha(**options, rotary=rotary)
     w, x = layer.init_weights(2), random_input(layer, 2, 97)

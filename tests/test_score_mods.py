@@ -71,7 +71,7 @@ def test_fused_kernels_match_the_reference(target, name, causal):
     t = resolve(target)
     if not t.runs_here():
         pytest.skip(f"{target} code cannot run on this CPU: {t.cannot_run()} "
-                    "(tests/test_x86_classes.py checks the error)")
+                    "(tests/test_target_resolution.py checks the error)")
     make, _ = MODS[name]
     layer = mhagen.mha(320, 8, head_dim=40, kv_heads=2, causal=causal, score_mod=make(8))
     seq = 193 if causal else 97

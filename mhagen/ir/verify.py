@@ -14,7 +14,7 @@ from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.kinds import KINDS, SUPPORTED_DTYPES, WeightSpec
-from mhagen.reference import NUMPY_OPS
+from mhagen.ir.numpy_ops import NUMPY_OPS
 
 
 def _fmt(shape):
@@ -213,159 +213,228 @@ def infer_shapes(graph) -> dict:
 
 
 def _infer(n, ins, graph):
+    """The shape of node n whose inputs have shapes ins, its attributes checked."""
+    rule = _SHAPE_RULES.get(n.kind)
+    if rule is None:   # unreachable: kinds are checked first
+        raise GraphError(f"no shape rule for kind {n.kind!r}")
+    return rule(n, ins, graph)
+
+
+def _input_shape(n, ins, graph):
+    shape = n.attrs["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 3:
+        raise GraphError(f"input {n.name!r} must have shape [batch, seq, d_model], got {shape}")
+    for d in shape:
+        if not (isinstance(d, str) and d.isidentifier()) and not (
+                isinstance(d, int) and not isinstance(d, bool) and d > 0):
+            raise GraphError(f"input {n.name!r}: dim {d!r} must be a positive int or a "
+                             "symbolic name like 'batch'")
+    if not isinstance(shape[2], int):
+        raise GraphError(f"input {n.name!r}: the feature dim must be a number (d_model), "
+                         f"got {shape[2]!r}")
+    return list(shape)
+
+
+def _projection_shape(n, ins, graph):
+    """head_projection and output_projection: [B, S, out_features]."""
+    _check_tensors(n, ins)
+    (x,) = ins
+    if n.kind == "head_projection":
+        head = n.attrs["head"]
+        if not _is_index(head):
+            raise GraphError(f"node {n.name!r}: head must be an int >= 0 (32-bit), got "
+                             f"{head!r}")
+    d_out = _projection_width(n, graph, x[-1])
+    return x[:-1] + [d_out]
+
+
+def _without_lengths(n, ins, graph, kinds=("lengths", "cache_lens")):
+    """ins less an optional last lengths (or cache_lens) input, that input checked."""
+    if len(ins) != 2:
+        return ins
+    _check_lengths_input(n, graph, ins, kinds=kinds)
+    return ins[:1]
+
+
+def _rotary_shape(n, ins, graph):
+    (x,) = _without_lengths(n, ins, graph, kinds=("cache_lens",))
+    if len(x) != 3 or not isinstance(x[-1], int):
+        raise GraphError(f"rotary {n.name!r} takes one head [B, S, d], got {_fmt(x)}")
+    rope.check_attrs(dict(n.attrs), x[-1], f"rotary {n.name!r}")
+    return list(x)
+
+
+def _scores_shape(n, ins, graph):
+    _check_tensors(n, ins)
+    q, kk = ins
+    if q[0] != kk[0] or q[-1] != kk[-1]:
+        raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
+                         "and head width; project Q and K to the same head_dim")
+    return [q[0], q[1], kk[1]]
+
+
+def _cache_shape(n, ins, graph):
+    x, lens = ins
+    _check_lengths_input(n, graph, ins, kinds=("cache_lens",))
+    a = n.attrs
+    if a["cache"] not in ("k_cache", "v_cache"):
+        raise GraphError(f"cache {n.name!r}: cache must be 'k_cache' or 'v_cache', got "
+                         f"{a['cache']!r}")
+    for attr in ("head", "max_len"):
+        v = a[attr]
+        if not _is_index(v) or v < (attr == "max_len"):
+            raise GraphError(f"cache {n.name!r}: {attr} must be an int >= "
+                             f"{int(attr == 'max_len')}, got {v!r}")
+    if a.get("dtype", "float32") not in SUPPORTED_DTYPES:
+        raise GraphError(f"cache {n.name!r}: dtype must be one of {list(SUPPORTED_DTYPES)}, "
+                         f"got {a['dtype']!r}")
+    if len(x) != 3:
+        raise GraphError(f"cache {n.name!r} takes one K or V head [B, S, d], got {_fmt(x)}")
+    return [x[0], a["max_len"], x[2]]
+
+
+def _lengths_shape(n, ins, graph):
+    """lengths and cache_lens: one int32 per batch row."""
+    if not (isinstance(n.attrs["batch"], str) and n.attrs["batch"].isidentifier()) and \
+            not (isinstance(n.attrs["batch"], int) and n.attrs["batch"] > 0):
+        raise GraphError(f"{n.kind} {n.name!r}: batch must be the input's batch dim")
+    return [n.attrs["batch"]]
+
+
+def _score_op_shape(n, ins, graph):
+    """scale, mask, score_mod and softmax: scores [B, S, T] in, the same shape out."""
     k = n.kind
-    if k == "input":
-        shape = n.attrs["shape"]
-        if not isinstance(shape, (list, tuple)) or len(shape) != 3:
-            raise GraphError(f"input {n.name!r} must have shape [batch, seq, d_model], got {shape}")
-        for d in shape:
-            if not (isinstance(d, str) and d.isidentifier()) and not (
-                    isinstance(d, int) and not isinstance(d, bool) and d > 0):
-                raise GraphError(f"input {n.name!r}: dim {d!r} must be a positive int or a "
-                                 "symbolic name like 'batch'")
-        if not isinstance(shape[2], int):
-            raise GraphError(f"input {n.name!r}: the feature dim must be a number (d_model), "
-                             f"got {shape[2]!r}")
-        return list(shape)
-    if k in ("head_projection", "output_projection", "qkv_projection", "concat_heads"):
-        _check_tensors(n, ins)
-    if k in ("head_projection", "output_projection"):
-        (x,) = ins
-        if k == "head_projection":
-            head = n.attrs["head"]
-            if not _is_index(head):
-                raise GraphError(f"node {n.name!r}: head must be an int >= 0 (32-bit), got "
-                                 f"{head!r}")
-        d_out = _projection_width(n, graph, x[-1])
-        return x[:-1] + [d_out]
-    if k in ("rotary", "score_mod") and len(ins) == 2:
-        _check_lengths_input(n, graph, ins, kinds=("cache_lens",))
-        ins = ins[:1]
-    if k == "rotary":
-        (x,) = ins
-        if len(x) != 3 or not isinstance(x[-1], int):
-            raise GraphError(f"rotary {n.name!r} takes one head [B, S, d], got {_fmt(x)}")
-        rope.check_attrs(dict(n.attrs), x[-1], f"rotary {n.name!r}")
-        return list(x)
-    if k == "scores":
-        _check_tensors(n, ins)
-        q, kk = ins
-        if q[0] != kk[0] or q[-1] != kk[-1]:
-            raise GraphError(f"scores {n.name!r}: q {_fmt(q)} and k {_fmt(kk)} must share batch "
-                             "and head width; project Q and K to the same head_dim")
-        return [q[0], q[1], kk[1]]
-    if k == "cache":
-        x, lens = ins
-        _check_lengths_input(n, graph, ins, kinds=("cache_lens",))
-        a = n.attrs
-        if a["cache"] not in ("k_cache", "v_cache"):
-            raise GraphError(f"cache {n.name!r}: cache must be 'k_cache' or 'v_cache', got "
-                             f"{a['cache']!r}")
-        for attr in ("head", "max_len"):
-            v = a[attr]
-            if not _is_index(v) or v < (attr == "max_len"):
-                raise GraphError(f"cache {n.name!r}: {attr} must be an int >= "
-                                 f"{int(attr == 'max_len')}, got {v!r}")
-        if a.get("dtype", "float32") not in SUPPORTED_DTYPES:
-            raise GraphError(f"cache {n.name!r}: dtype must be one of {list(SUPPORTED_DTYPES)}, "
-                             f"got {a['dtype']!r}")
-        if len(x) != 3:
-            raise GraphError(f"cache {n.name!r} takes one K or V head [B, S, d], got {_fmt(x)}")
-        return [x[0], a["max_len"], x[2]]
-    if k in ("lengths", "cache_lens"):
-        if not (isinstance(n.attrs["batch"], str) and n.attrs["batch"].isidentifier()) and \
-                not (isinstance(n.attrs["batch"], int) and n.attrs["batch"] > 0):
-            raise GraphError(f"{k} {n.name!r}: batch must be the input's batch dim")
-        return [n.attrs["batch"]]
+    if k == "score_mod":
+        ins = _without_lengths(n, ins, graph, kinds=("cache_lens",))
+    if k == "mask":
+        ins = _without_lengths(n, ins, graph)
+    (s,) = ins
+    if len(s) != 3:
+        raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
+    if k in ("mask", "score_mod") and not _is_index(n.attrs["head"]):
+        raise GraphError(f"{k} {n.name!r}: head must be an int >= 0 (32-bit), got "
+                         f"{n.attrs['head']!r}")
+    if k == "score_mod":
+        _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
+        check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
+                          at_least=True)
+    if k == "scale" and not _is_finite(n.attrs["factor"]):
+        raise GraphError(f"scale {n.name!r}: factor must be a finite number, got "
+                         f"{n.attrs['factor']!r}")
+    if k == "mask":
+        _check_mask(n.attrs["mask"], f"mask {n.name!r}")
+    return list(s)
+
+
+def _weighted_sum_shape(n, ins, graph):
+    _check_tensors(n, ins[:1], numeric_width=False)
+    _check_tensors(n, ins[1:], names=n.inputs[1:])
+    p, v = ins
+    if p[0] != v[0] or p[2] != v[1]:
+        raise GraphError(f"weighted_sum {n.name!r}: weights {_fmt(p)} and values {_fmt(v)} "
+                         "must share batch and key length (p is [B,S,T], v is [B,T,d])")
+    return [p[0], p[1], v[2]]
+
+
+def _concat_heads_shape(n, ins, graph):
+    _check_tensors(n, ins)
+    first = ins[0]
+    for i, s in zip(n.inputs, ins):
+        if s[:-1] != first[:-1]:
+            raise GraphError(f"concat_heads {n.name!r}: {i!r} is {_fmt(s)} but "
+                             f"{n.inputs[0]!r} is {_fmt(first)}; heads must share batch "
+                             "and seq")
+    return first[:-1] + [sum(s[-1] for s in ins)]
+
+
+def _qkv_projection_shape(n, ins, graph):
+    _check_tensors(n, ins)
+    (x,) = ins
+    segs = n.attrs["segments"]
+    if not isinstance(segs, list) or not segs or not all(
+            isinstance(g, dict) and {"weight", "head", "width"} <= set(g) <= {
+                "weight", "head", "width", "bias"} and _is_index(g["head"])
+            and _is_index(g["width"]) and g["width"] > 0 for g in segs):
+        raise GraphError(f"qkv_projection {n.name!r}: segments must be a non-empty list of "
+                         "{weight, head, bias, width} (head an int >= 0, width a positive "
+                         f"int), got {segs!r}")
+    return x[:-1] + [sum(int(g["width"]) for g in segs)]
+
+
+def _attention_shape(n, ins, graph):
+    """attention: (qkv[, kv of cross-attention][, lengths or cache_lens]) -> [B, S, H*d]."""
     kv = None
-    if k == "attention" and n.attrs.get("cross"):   # (qkv, kv[, lengths]): K/V columns in kv
+    if n.attrs.get("cross"):   # (qkv, kv[, lengths]): K/V columns in kv
         if len(ins) < 2:
             raise GraphError(f"attention {n.name!r}: cross takes qkv and kv inputs")
         kv, ins = ins[1], ins[:1] + ins[2:]
-    if k in ("mask", "attention") and len(ins) == 2:
-        _check_lengths_input(n, graph, ins)
-        ins = ins[:1]
-    if k == "attention" and n.attrs.get("cache") is not None:
-        c = n.attrs["cache"]
-        if len(n.inputs) != 2 or not isinstance(c, dict) or not isinstance(
-                c.get("max_len"), int) or c["max_len"] < 1 or c.get(
-                "dtype", "float32") not in SUPPORTED_DTYPES or next(
-                m for m in graph.nodes if m.name == n.inputs[1]).kind != "cache_lens":
-            raise GraphError(f"attention {n.name!r}: cache must be {{'max_len': N}} (and "
-                             "optionally a 'dtype' of the supported ones) with a cache_lens "
-                             "node as the second input")
-    if k in ("scale", "mask", "score_mod", "softmax"):
-        (s,) = ins
-        if len(s) != 3:
-            raise GraphError(f"{k} {n.name!r} takes scores [B, S, T], got {_fmt(s)}")
-        if k in ("mask", "score_mod") and not _is_index(n.attrs["head"]):
-            raise GraphError(f"{k} {n.name!r}: head must be an int >= 0 (32-bit), got "
-                             f"{n.attrs['head']!r}")
-        if k == "score_mod":
-            _check_score_mod(n.attrs["expr"], f"score_mod {n.name!r}")
-            check_head_tables(n.attrs["expr"], n.attrs["head"] + 1, f"score_mod {n.name!r}",
-                              at_least=True)
-        if k == "scale" and not _is_finite(n.attrs["factor"]):
-            raise GraphError(f"scale {n.name!r}: factor must be a finite number, got "
-                             f"{n.attrs['factor']!r}")
-        if k == "mask":
-            _check_mask(n.attrs["mask"], f"mask {n.name!r}")
-        return list(s)
-    if k == "weighted_sum":
-        _check_tensors(n, ins[:1], numeric_width=False)
-        _check_tensors(n, ins[1:], names=n.inputs[1:])
-        p, v = ins
-        if p[0] != v[0] or p[2] != v[1]:
-            raise GraphError(f"weighted_sum {n.name!r}: weights {_fmt(p)} and values {_fmt(v)} "
-                             "must share batch and key length (p is [B,S,T], v is [B,T,d])")
-        return [p[0], p[1], v[2]]
-    if k == "concat_heads":
-        first = ins[0]
-        for i, s in zip(n.inputs, ins):
-            if s[:-1] != first[:-1]:
-                raise GraphError(f"concat_heads {n.name!r}: {i!r} is {_fmt(s)} but "
-                                 f"{n.inputs[0]!r} is {_fmt(first)}; heads must share batch "
-                                 "and seq")
-        return first[:-1] + [sum(s[-1] for s in ins)]
-    if k == "qkv_projection":
-        (x,) = ins
-        segs = n.attrs["segments"]
-        if not isinstance(segs, list) or not segs or not all(
-                isinstance(g, dict) and {"weight", "head", "width"} <= set(g) <= {
-                    "weight", "head", "width", "bias"} and _is_index(g["head"])
-                and _is_index(g["width"]) and g["width"] > 0 for g in segs):
-            raise GraphError(f"qkv_projection {n.name!r}: segments must be a non-empty list of "
-                             "{weight, head, bias, width} (head an int >= 0, width a positive "
-                             f"int), got {segs!r}")
-        return x[:-1] + [sum(int(g["width"]) for g in segs)]
-    if k == "attention":
-        _check_tensors(n, ins + ([kv] if kv is not None else []))
-        (qkv,) = ins
-        d = positive_int(f"attention {n.name!r}: head_dim", n.attrs["head_dim"])
-        if not _is_finite(n.attrs["scale"]):
-            raise GraphError(f"attention {n.name!r}: scale must be a finite number, got "
-                             f"{n.attrs['scale']!r}")
-        offs = [n.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets")]
-        if not all(isinstance(o, list) and all(_is_index(i) for i in o) for o in offs) or len(
-                {len(o) for o in offs}) != 1 or not offs[0]:
-            raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per "
-                             f"head (ints >= 0), got {offs!r}")
-        widths = (qkv[-1], (kv or qkv)[-1], (kv or qkv)[-1])
-        if any(o < 0 or o + d > width for lst, width in zip(offs, widths) for o in lst):
-            raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "
-                             f"(or kv) width {widths}")
-        if kv is not None and kv[0] != qkv[0]:
-            raise GraphError(f"attention {n.name!r}: qkv {_fmt(qkv)} and kv {_fmt(kv)} must "
-                             "share the batch")
-        if n.attrs.get("mask") is not None:
-            _check_mask(n.attrs["mask"], f"attention {n.name!r}")
-        if n.attrs.get("score_mod") is not None:
-            _check_score_mod(n.attrs["score_mod"], f"attention {n.name!r}")
-            check_head_tables(n.attrs["score_mod"], len(offs[0]), f"attention {n.name!r}")
-        if n.attrs.get("rotary") is not None:
-            rope.check_attrs(n.attrs["rotary"], d, f"attention {n.name!r}")
-        return qkv[:-1] + [d * len(offs[0])]
-    raise GraphError(f"no shape rule for kind {k!r}")  # unreachable: kinds are checked first
+    ins = _without_lengths(n, ins, graph)
+    if n.attrs.get("cache") is not None:
+        _check_attention_cache(n, graph)
+    _check_tensors(n, ins + ([kv] if kv is not None else []))
+    (qkv,) = ins
+    d = positive_int(f"attention {n.name!r}: head_dim", n.attrs["head_dim"])
+    if not _is_finite(n.attrs["scale"]):
+        raise GraphError(f"attention {n.name!r}: scale must be a finite number, got "
+                         f"{n.attrs['scale']!r}")
+    offs = _checked_offsets(n, d, qkv, kv)
+    if kv is not None and kv[0] != qkv[0]:
+        raise GraphError(f"attention {n.name!r}: qkv {_fmt(qkv)} and kv {_fmt(kv)} must "
+                         "share the batch")
+    if n.attrs.get("mask") is not None:
+        _check_mask(n.attrs["mask"], f"attention {n.name!r}")
+    if n.attrs.get("score_mod") is not None:
+        _check_score_mod(n.attrs["score_mod"], f"attention {n.name!r}")
+        check_head_tables(n.attrs["score_mod"], len(offs[0]), f"attention {n.name!r}")
+    if n.attrs.get("rotary") is not None:
+        rope.check_attrs(n.attrs["rotary"], d, f"attention {n.name!r}")
+    return qkv[:-1] + [d * len(offs[0])]
+
+
+def _check_attention_cache(n, graph):
+    c = n.attrs["cache"]
+    if len(n.inputs) != 2 or not isinstance(c, dict) or not isinstance(
+            c.get("max_len"), int) or c["max_len"] < 1 or c.get(
+            "dtype", "float32") not in SUPPORTED_DTYPES or next(
+            m for m in graph.nodes if m.name == n.inputs[1]).kind != "cache_lens":
+        raise GraphError(f"attention {n.name!r}: cache must be {{'max_len': N}} (and "
+                         "optionally a 'dtype' of the supported ones) with a cache_lens "
+                         "node as the second input")
+
+
+def _checked_offsets(n, d, qkv, kv):
+    """[q_offsets, k_offsets, v_offsets] of an attention node, each head's columns inside
+    the qkv (K/V of cross-attention: kv) input."""
+    offs = [n.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets")]
+    if not all(isinstance(o, list) and all(_is_index(i) for i in o) for o in offs) or len(
+            {len(o) for o in offs}) != 1 or not offs[0]:
+        raise GraphError(f"attention {n.name!r}: q/k/v_offsets must list one offset per "
+                         f"head (ints >= 0), got {offs!r}")
+    widths = (qkv[-1], (kv or qkv)[-1], (kv or qkv)[-1])
+    if any(o < 0 or o + d > width for lst, width in zip(offs, widths) for o in lst):
+        raise GraphError(f"attention {n.name!r}: an offset + head_dim {d} exceeds the qkv "
+                         f"(or kv) width {widths}")
+    return offs
+
+
+_SHAPE_RULES = {
+    "input": _input_shape,
+    "head_projection": _projection_shape,
+    "output_projection": _projection_shape,
+    "qkv_projection": _qkv_projection_shape,
+    "rotary": _rotary_shape,
+    "scores": _scores_shape,
+    "cache": _cache_shape,
+    "lengths": _lengths_shape,
+    "cache_lens": _lengths_shape,
+    "scale": _score_op_shape,
+    "mask": _score_op_shape,
+    "score_mod": _score_op_shape,
+    "softmax": _score_op_shape,
+    "weighted_sum": _weighted_sum_shape,
+    "concat_heads": _concat_heads_shape,
+    "attention": _attention_shape,
+}
 
 
 def _check_lengths_input(n, graph, ins, kinds=("lengths", "cache_lens")):

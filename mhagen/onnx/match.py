@@ -2,8 +2,8 @@
 paths that feed its Q, K and V, and the output projection after it.
 
 Works on the graph's structure only (no tensor values): what needs values -- masks, scale,
-head counts, which tensors bound a layer -- is read later from probe values (spec.py,
-layers.py).
+head counts, which tensors bound a layer -- is read later from probe values (spec.py, and
+find_blocks() at the end of this file).
 """
 from __future__ import annotations
 
