@@ -77,7 +77,7 @@ def test_progress_on_a_terminal_is_redrawn_in_place():
     _events(_Progress(True, 3, _Budget(None), stream))
     out = stream.getvalue()
     assert out.count("\n") == 2, "only the closing line and the message end a line"
-    assert out.count("\r") == 5 and "[####" in out
+    assert out.count("\r") == 4 and "[####" in out
 
 
 def test_the_table_says_how_it_timed_and_where_the_budget_cut_a_search(tmp_path):

@@ -123,12 +123,14 @@ def apply_trace(kernel, record, default):
         return refuse(why)
     try:
         trace = json.loads(record["trace"]) if isinstance(record["trace"], str) else record["trace"]
+        shaped = isinstance(trace, list) and len(trace) == 2 and all(
+            isinstance(part, list) for part in trace)   # [instructions, decisions]
+        if shaped and record.get("trace_instructions", len(trace[0])) != len(trace[0]):
+            return refuse(f"its trace is damaged: it has {len(trace[0])} instructions, "
+                          f"{record['trace_instructions']} were measured")
         problem = trace_problem(trace)
         if problem is not None:
             return refuse(f"its trace is damaged: {problem}")
-        if "trace_instructions" in record and record["trace_instructions"] != len(trace[0]):
-            return refuse(f"its trace is damaged: it has {len(trace[0])} instructions, "
-                          f"{record['trace_instructions']} were measured")
         sch = s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
         Trace.apply_json_to_schedule(trace, sch)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this record

@@ -14,6 +14,9 @@ steady-state timing the benchmark uses (interleaved rounds, medians); the record
 tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
 "default", and only if its output matches the default's on the device it was timed on.
 Records are keyed by CPU class and say which machine measured them.
+A time budget holds for the whole run: a step starts only if the steps measured so far say
+it ends in time (_Budget), and the deadline cuts one under way; the report says what it
+stopped and how to resume (TuneReport.summary).
 Measurements run locally or on a remote device through TVM's RPC tracker (MetaSchedule's
 runner there).
 """
@@ -286,8 +289,10 @@ class _Budget:
 
 class _Progress:
     """Tuning progress on a stream (stderr): per kernel, the trials done and the time; when a
-    kernel is done, its best latency as the table reports it. On a terminal one line redrawn
-    in place; elsewhere (a pipe, a log file) one line per update, no carriage returns."""
+    kernel is done, its default and tuned latencies as the table reports them (MetaSchedule's
+    own trial timings, cold and short, are not shown: they differ from the table's). On a
+    terminal one line redrawn in place; elsewhere (a pipe, a log file) one line per update,
+    no carriage returns."""
 
     def __init__(self, enabled, total_kernels, budget, stream=None):
         self.enabled, self.total, self.budget = enabled, total_kernels, budget
@@ -339,15 +344,22 @@ class _Progress:
         else:
             tuned = f"{res.tuned_us:.1f} us" if res.tuned_us else "-"
             what = f"default {res.default_us:.1f} us, tuned {tuned}: kept {res.kept}"
-        self.message(f"{self._head()} {res.trials} trials  {what}  {self._clock()}")
+        if self.enabled:
+            self._write(("\r" if self.in_place else "") + f"{self._head()} {res.trials} trials  "
+                        f"{what}  {self._clock()}" + ("\x1b[K\n" if self.in_place else "\n"))
+            self.open = False
 
     def message(self, text):
-        """One whole line (ends a line drawn in place first)."""
-        if not self.enabled:
-            return
-        self._write(("\r" if self.in_place else "") + text + ("\x1b[K" if self.in_place else "")
-                    + "\n")
-        self.open = False
+        """One line of its own (below a line drawn in place)."""
+        if self.enabled:
+            self._write(("\n" if self.open else "") + text + "\n")
+            self.open = False
+
+    def close(self):
+        """End a line drawn in place (what is printed next starts on a line of its own)."""
+        if self.open:
+            self._write("\n")
+            self.open = False
 
     def _write(self, text):
         self.stream.write(text)
@@ -678,6 +690,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
             raise
         report.interrupted = True
     finally:
+        bar.close()
         if remote is not None:
             remote.close()
     report.interrupted = report.interrupted or budget.refused is not None
