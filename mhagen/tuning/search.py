@@ -708,8 +708,6 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     return report
 
 
-
-
 def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc, report):
     """Tune each (shape, program, kernel) of `plans` in turn; save each kernel's record. Once
     the time budget refused a step, no further kernel is started."""
@@ -875,9 +873,9 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
     # two candidates, and the two timed again to confirm the faster
     if not budget.fits(f"{name}'s config sweep", ("config", 4)):
         return None
-    if budget.estimate("config"):
+    if not budget.fits(f"the {planned} configs of {name}", ("config", planned + 2)):
         affordable = int(budget.left() / budget.estimate("config")) - 2
-        candidates = candidates[:max(2, affordable)]
+        candidates = candidates[:max(2, affordable)]   # then the run stops
     started = time.monotonic()
     funcs, fixed = [], []
     for cfg in candidates:
