@@ -8,10 +8,14 @@ import pytest
 
 import mhagen
 from mhagen import tune
+from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.tuning.search import KernelResult, TuneReport, _Budget, _Progress
 
 
 def test_a_tiny_time_budget_stops_the_whole_run_within_it_and_says_so(tmp_path, capsys):
+    # done once per process, and never cut by the deadline (a module cut halfway cannot be
+    # imported again): its 5-25 s here are not what this bounds
+    import_tensor_intrinsics()
     started = time.monotonic()
     report = tune(mhagen.mha(64, 2), shapes=[(1, 16)], trials=4, time_budget=5,
                   database=tmp_path / "db.json", work_dir=tmp_path / "ms")
@@ -44,6 +48,30 @@ def test_a_step_that_would_pass_the_budget_is_not_started():
     assert not budget.fits("the next 32 trials", ("trial", 32), ("closing measurement", 1))
     assert budget.refused == "the next 32 trials (about 52 s) would have passed it (40 s left)"
     assert _Budget(None).fits("anything", ("trial", 10 ** 9))
+
+
+def test_a_kernel_whose_search_would_pass_the_budget_is_not_started(tmp_path, monkeypatch,
+                                                                    capsys):
+    """As if an earlier kernel's search had taken 1000 s: with 100 s of budget the first
+    kernel is not started, and the report says so."""
+    import mhagen.tuning.search as search
+
+    class Measured(search._Budget):
+        def __init__(self, seconds):
+            super().__init__(seconds)
+            self.took("search start", 1000.0)
+    monkeypatch.setattr(search, "_Budget", Measured)
+    report = tune(mhagen.mha(64, 2), shapes=[(1, 16)], trials=2, time_budget=100,
+                  database=tmp_path / "db.json", work_dir=tmp_path / "ms")
+    assert report.stopped_by == "the time budget" and report.results == []
+    assert report.untuned == ["qkv_projection 1x16", "attention 1x16",
+                              "output_projection 1x16"]
+    assert report.budget_note.startswith(
+        "time budget of 100 s: qkv_projection 1x16's search (about 1000 s) would have "
+        "passed it (")
+    assert capsys.readouterr().err.splitlines()[-1] == report.budget_note
+    assert not (tmp_path / "db.json").exists() or '"records": []' in (
+        tmp_path / "db.json").read_text()
 
 
 def _events(bar):

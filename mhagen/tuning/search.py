@@ -217,7 +217,6 @@ class _Budget:
         self.refused = None        # the step the budget did not start, in words
         self.cut = None            # the step the deadline cut, in words
         self.protected = False     # a record is being written: the deadline waits for it
-        self.expired = False       # the deadline passed while protected
 
     def took(self, kind, seconds, units=1):
         total = self.costs.setdefault(kind, [0.0, 0])
@@ -239,22 +238,25 @@ class _Budget:
         if need <= self.left():
             return True
         if self.refused is None:
-            self.refused = (f"{what} (about {need:.0f} s) would have passed it "
-                            f"({max(0.0, self.left()):.0f} s left)")
+            self.refused = (f"the deadline passed before {what}" if self.left() <= 0 else
+                            f"{what} (about {need:.0f} s) would have passed it "
+                            f"({self.left():.0f} s left)")
         return False
 
     @contextlib.contextmanager
     def cut_at_deadline(self, bar):
         """Raise _Stop in whatever runs when the deadline passes (SIGALRM; only from the main
-        thread, where signals are handled: elsewhere the estimates alone hold the budget),
-        except while a record is written (protect), which finishes first."""
+        thread, where signals are handled: elsewhere the estimates alone hold the budget).
+        Never in an import (a module cut halfway, TVM's tensor intrinsics among them, cannot
+        be imported again in this process) nor while a record is written (protect): those
+        finish first."""
         if self.deadline is None or threading.current_thread() is not threading.main_thread():
             yield
             return
 
         def expire(signum, frame):
-            if self.protected:
-                self.expired = True
+            if self.protected or _importing(frame):
+                signal.setitimer(signal.ITIMER_REAL, 0.05)   # look again when it is done
                 return
             self.cut = self.cut or f"cut {bar.name or 'the run'} at the deadline"
             bar.stopped = True
@@ -269,22 +271,27 @@ class _Budget:
             signal.signal(signal.SIGALRM, previous)
 
     @contextlib.contextmanager
-    def protect(self, bar):
-        """Write a record whole even when the deadline passes meanwhile; stop after it."""
+    def protect(self):
+        """Write a record whole even when the deadline passes meanwhile."""
         self.protected = True
         try:
             yield
         finally:
             self.protected = False
-        if self.expired:
-            self.cut = self.cut or "stopped at the deadline"
-            bar.stopped = True
-            raise _Stop()
 
     def stop_line(self) -> str:
         spent = time.monotonic() - self.start
         why = self.refused or self.cut or "reached"
         return f"time budget of {self.seconds:g} s: {why}; stopped after {spent:.0f} s"
+
+
+def _importing(frame) -> bool:
+    """Whether Python's import machinery is among the callers of `frame`."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Progress:
@@ -725,7 +732,7 @@ def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, 
         if not res[0].note:   # a kernel nothing was measured of gets no record
             res[1].update(versions())
             res[1]["measured_on"] = _measured_on(t, rpc)
-            with bar.budget.protect(bar):
+            with bar.budget.protect():
                 db.put(res[1])
                 db.save()
         bar.result(res[0])
@@ -786,7 +793,6 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
         derived_object(Progress)()]
     # Phase 1 (fresh runs): every knob value of our template, so the search starts from the
     # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
-    import_tensor_intrinsics()
     phases = []
     if done == 0 and hasattr(rule, "apply"):   # a template rule (CPUs); GPUs: dlight's
         phases.append((ms.space_generator.ScheduleFn(template), min(len(rows_space), trials)))
@@ -799,6 +805,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
             if done == len(ms_db.get_all_tuning_records()):
                 return None       # not one trial of it: left untuned
             break
+        import_tensor_intrinsics()   # (once a process)
         batch = min(16, count)
         search.update(since=time.monotonic(), first=True, left=count, batch=batch)
         _quiet_metaschedule_logging()
