@@ -28,7 +28,7 @@ def test_a_tiny_time_budget_stops_the_whole_run_within_it_and_says_so(tmp_path, 
     assert {"attention 1x16", "output_projection 1x16"} <= set(report.untuned)
     assert len(report.results) + len(report.untuned) == 3
     summary = report.summary()
-    assert summary.startswith("stopped by the time budget after ")
+    assert summary.startswith("stopped by the time budget: kept what was measured, after ")
     assert report.budget_note in summary and "not tuned (" in summary
     assert summary.splitlines()[-1] == ("run the same command again to resume: trials "
                                         f"measured so far are kept in {tmp_path / 'ms'}")
@@ -122,8 +122,8 @@ def test_ctrl_c_summary_says_how_to_resume(tmp_path):
     report = TuneReport(tmp_path / "db.json", work_dir=tmp_path / "ms", seconds=127.4,
                         interrupted=True, stopped_by="Ctrl-C", untuned=["attention 1x16"])
     first, untuned, resume = report.summary().splitlines()
-    assert first == ("stopped by Ctrl-C after 127 s: kept what was measured; records in "
-                     f"{tmp_path / 'db.json'}")
+    assert first == ("stopped by Ctrl-C: kept what was measured, after 127 s of tuning; "
+                     f"records in {tmp_path / 'db.json'}")
     assert untuned == "not tuned (1): attention 1x16"
     assert resume.startswith("run the same command again to resume")
 
@@ -135,3 +135,11 @@ def test_the_budget_never_cuts_a_run_that_fits(budget):
         pass
     bar.check()   # no stop raised: time is left
     assert not bar.stopped
+
+
+@pytest.mark.parametrize("seconds", [0, -5, float("nan"), float("inf"), "60"])
+def test_a_time_budget_that_is_not_a_positive_number_is_refused(tmp_path, seconds):
+    with pytest.raises(mhagen.MhagenError, match="positive number, not"):
+        tune(mhagen.mha(64, 2), shapes=[(1, 16)], time_budget=seconds,
+             database=tmp_path / "db.json")
+    assert not (tmp_path / "db.json").exists()

@@ -43,7 +43,7 @@ import tvm
 
 from mhagen.backends import backend_for
 from mhagen.cross import ARCHES
-from mhagen.errors import GraphError, MhagenError, TargetError
+from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, default_configs, schedule_kernel
@@ -102,8 +102,8 @@ class TuneReport:
         records = f"records in {self.database}"
         if not self.interrupted:
             return f"done in {self.seconds:.0f} s; {records}"
-        lines = [f"stopped by {self.stopped_by} after {self.seconds:.0f} s: kept what was "
-                 f"measured; {records}"]
+        lines = [f"stopped by {self.stopped_by}: kept what was measured, after "
+                 f"{self.seconds:.0f} s of tuning; {records}"]
         if self.budget_note:
             lines.append(self.budget_note)
         if self.untuned:
@@ -638,6 +638,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     import tvm.s_tir.meta_schedule as ms
 
 
+    if time_budget is not None and not (isinstance(time_budget, (int, float))
+                                        and 0 < time_budget < float("inf")):
+        raise InputError(f"time_budget (--time-budget) is seconds for the whole run, a "
+                         f"positive number, not {time_budget!r}")
     t = resolve(target)
     if rpc is None and t.arch != host_arch():
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
