@@ -1,6 +1,7 @@
 """Tuning: a small MetaSchedule run writes records; builds replay them in a fresh process;
 corrupt or stale records fall back with a warning; distributed tuning over loopback RPC."""
 import contextlib
+import io
 import json
 import os
 import signal
@@ -26,9 +27,12 @@ BATCH, SEQ = 1, 32
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
+    """The run's folder and report; its progress (stderr, not a terminal) in report.progress."""
     d = tmp_path_factory.mktemp("tune")
-    report = tune(mhagen.mha(**LAYER), shapes=[(BATCH, SEQ)], trials=3, database=d / "x86.json",
-                  kernels=["qkv_projection", "attention"], progress=False)
+    with contextlib.redirect_stderr(io.StringIO()) as progress:
+        report = tune(mhagen.mha(**LAYER), shapes=[(BATCH, SEQ)], trials=3,
+                      database=d / "x86.json", kernels=["qkv_projection", "attention"])
+    report.progress = progress.getvalue()
     return d, report
 
 
@@ -44,8 +48,18 @@ def test_small_run_writes_sorted_readable_records(tuned):
         assert r["kind"] in ("trace", "config", "default")
         assert r["default_config"], "the default it was measured against"
         assert r["measured_on"]["cores"] >= 1
+        # a kept trace carries what tells a damaged one (apply_trace checks it)
+        assert ("schedule_hash" in r) == (r["kind"] == "trace")
+        if r["kind"] == "trace":
+            assert r == {**r, **_trace_fields(r["trace"])}
     for res in report.results:  # never keep a slower schedule
         assert res.kept == "default" or res.tuned_us < res.default_us
+        # one number per kernel: its progress line gives the table's
+        tuned_us = f"{res.tuned_us:.1f} us" if res.tuned_us else "-"
+        assert (f"{res.kernel} {BATCH}x{SEQ}" in report.progress and
+                f"default {res.default_us:.1f} us, tuned {tuned_us}: kept {res.kept}"
+                in report.progress)
+    assert "\r" not in report.progress
     assert "default us" in report.table() and not report.interrupted
 
 
@@ -61,15 +75,40 @@ def _best_trace(work_dir):
     return plain_json(best.trace.as_json())
 
 
+_FIELDS = {}
+
+
+def _trace_fields(trace):
+    """What mhagen tune writes beside a trace it keeps (apply.trace_fields: the trace's
+    length, the scheduled kernel's structural hash), for `trace` replayed on the layer's
+    qkv_projection."""
+    import tvm
+    from tvm.s_tir.schedule import Trace
+
+    from mhagen.lower import lower
+    from mhagen.target import resolve
+    from mhagen.tuning.apply import trace_fields
+    key = json.dumps(trace)
+    if key not in _FIELDS:
+        program = lower(mhagen.mha(**LAYER), BATCH, SEQ, resolve("x86"), tuning=Tuning.none())
+        kernel = next(k for k in program.kernels if k.name == "qkv_projection")
+        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": kernel.prim_func}))
+        Trace.apply_json_to_schedule(trace, sch)
+        _FIELDS[key] = trace_fields(sch.mod["main"], trace)
+    return _FIELDS[key]
+
+
 def _forced_records(tuned):
-    """The run's records, with the tuned schedules forced in (so the replay path is used)."""
+    """The run's records, with the tuned schedules forced in (so the replay path is used):
+    the qkv_projection record as mhagen tune writes a trace it keeps."""
     d, _ = tuned
     db = Database.load(d / "x86.json")
     out = []
     for r in db.records.values():
         r = dict(r)
         if r["key"]["kernel"] == "qkv_projection":
-            r.update(kind="trace", trace=_best_trace(d / "x86-work"))
+            trace = _best_trace(d / "x86-work")
+            r.update(kind="trace", trace=trace, **_trace_fields(trace))
         else:
             r.update(kind="config", config={"q_tile": 32, "kv_block": 64, "tile_rows": 4,
                                             "tile_cols": 16, "out_rows": 4, "out_cols": 16})
@@ -131,21 +170,59 @@ def _sampled(trace):
     return next(d for d in trace[1] if d[0] == at)
 
 
+def _written_before_the_damage_fields(record):
+    """The record as mhagen tune wrote it before records carried trace_fields."""
+    for field in ("trace_instructions", "schedule_hash"):
+        del record[field]
+
+
+def _cut_short(record):
+    """The trace cut to its first two instructions, every decision kept (they name the
+    first instruction, the template's sampled row count): it replays, to the unscheduled
+    kernel, which computes the right output and is not the schedule that was measured."""
+    insts, decisions = record["trace"]
+    assert all(index < 2 for index, _ in decisions)
+    record["trace"] = [insts[:2], decisions]
+
+
+def _another_sampled_value(record):
+    """Another row count for the template's sampled one: a sound schedule, computing the
+    right output, not the one measured."""
+    decision = _sampled(record["trace"])
+    candidates = record["trace"][0][decision[0]][2][0]
+    decision[1] = (decision[1] + 1) % len(candidates)
+
+
 # decision-index, decision-value, attributes: each crashed the process in TVM's replay
 @pytest.mark.parametrize("damage,match", [
     (lambda r: r.update(trace=[["NoSuchInstruction", [], [], []]]), "damaged: not"),
-    (lambda r: r["trace"][0].append(["NoSuchInstruction", [], [], []]), "does not apply"),
+    # (TVM refuses it: in a record without the damage fields, which would tell it first)
+    (lambda r: _written_before_the_damage_fields(r) or
+     r["trace"][0].append(["NoSuchInstruction", [], [], []]), "does not apply"),
+    (lambda r: r["trace"][0].append(["NoSuchInstruction", [], [], []]),
+     r"damaged: it has \d+ instructions, \d+ were measured"),
     (lambda r: r.update(kernel_hash="0" * 16), "kernel changed"),
     (lambda r: r.update(tvm="0.1.0"), "made with TVM 0.1.0"),
     (lambda r: _sampled(r["trace"]).__setitem__(0, -1), "names no instruction"),
     (lambda r: _sampled(r["trace"]).__setitem__(1, 99), "no such candidate"),
     (lambda r: r["trace"][0][_first(r["trace"], "GetSBlock")].__setitem__(2, []),
      r"\(GetSBlock\) has 0 attributes, not 2"),
-    # a sound trace that computes something else: its row split's loops swapped
-    (lambda r: r["trace"][0][_row_tile_split(r["trace"])][3].reverse(),
+    # a sound trace that computes something else: its row split's loops swapped (in a
+    # record without the damage fields, which would tell it first)
+    (lambda r: _written_before_the_damage_fields(r) or
+     r["trace"][0][_row_tile_split(r["trace"])][3].reverse(),
      "its trace replays, but its output differs from the default schedule's"),
-], ids=["garbage-trace", "unknown-instruction", "stale-hash", "other-tvm",
-        "decision-index", "decision-value", "attributes", "swapped-loops"])
+    # damaged traces that still replay and compute the right output (issue 60)
+    (_cut_short, r"its trace is damaged: it has 2 instructions, \d+ were measured"),
+    (lambda r: _written_before_the_damage_fields(r) or _cut_short(r),
+     "its trace is damaged: it has no EnterPostproc instruction"),
+    (lambda r: _cut_short(r) or r.update(trace_instructions=2),
+     "its trace is damaged: it has no EnterPostproc instruction"),
+    (_another_sampled_value,
+     "its trace is damaged: it replays to another schedule than the one measured"),
+], ids=["garbage-trace", "unknown-instruction", "instruction-added", "stale-hash", "other-tvm",
+        "decision-index", "decision-value", "attributes", "swapped-loops", "cut-short",
+        "cut-short-old-record", "cut-short-length-edited", "another-sampled-value"])
 def test_bad_trace_records_fall_back_with_a_warning(tuned, tmp_path, damage, match):
     records = _forced_records(tuned)
     damage(next(r for r in records if r["key"]["kernel"] == "qkv_projection"))
@@ -168,6 +245,7 @@ def test_a_replay_check_that_passed_is_not_repeated(tuned, tmp_path, monkeypatch
         assert len(runs) == expected_runs
     assert len(apply._passed_checks()) == 1
     swapped = next(r for r in records if r["key"]["kernel"] == "qkv_projection")
+    _written_before_the_damage_fields(swapped)   # (those would tell the swap first)
     swapped["trace"][0][_row_tile_split(swapped["trace"])][3].reverse()
     for expected_runs in (2, 3):
         with pytest.warns(TuningWarning, match="output differs"):

@@ -66,6 +66,10 @@ def trace_problem(trace) -> str | None:
         if kind == "SampleCategorical" and not (
                 len(attrs[0]) == len(attrs[1]) >= 1 and all(isinstance(a, list) for a in attrs)):
             return f"instruction {i} (SampleCategorical): candidates and probabilities differ"
+    if not any(inst[0] == "EnterPostproc" for inst in insts):
+        # every schedule MetaSchedule measures went through its postprocessors, whose
+        # first instruction this is: a trace without it was cut short
+        return "it has no EnterPostproc instruction (every measured trace has one): cut short"
     seen = set()
     for d in decisions:
         if not (isinstance(d, list) and len(d) == 2 and type(d[0]) is int
@@ -97,7 +101,11 @@ def refuse_record(kernel, why, stacklevel=4):
 def apply_trace(kernel, record, default):
     """A Schedule of `kernel` with the record's trace applied, or None (with a warning).
     default: the rules' configs of today's default schedule (schedules.default_configs),
-    which the record must have been measured against."""
+    which the record must have been measured against. A damaged trace is refused even when
+    it still replays: one cut to its first instructions replays to an unscheduled kernel
+    that computes the right output. Records written by mhagen tune carry the trace's length
+    and the scheduled kernel's structural hash (trace_fields); older ones are accepted as
+    before, their traces checked by trace_problem (a cut one lacks its EnterPostproc)."""
     import tvm
     from tvm import s_tir
     from tvm.s_tir.schedule import Trace
@@ -115,6 +123,11 @@ def apply_trace(kernel, record, default):
         return refuse(why)
     try:
         trace = json.loads(record["trace"]) if isinstance(record["trace"], str) else record["trace"]
+        shaped = isinstance(trace, list) and len(trace) == 2 and all(
+            isinstance(part, list) for part in trace)   # [instructions, decisions]
+        if shaped and record.get("trace_instructions", len(trace[0])) != len(trace[0]):
+            return refuse(f"its trace is damaged: it has {len(trace[0])} instructions, "
+                          f"{record['trace_instructions']} were measured")
         problem = trace_problem(trace)
         if problem is not None:
             return refuse(f"its trace is damaged: {problem}")
@@ -123,7 +136,18 @@ def apply_trace(kernel, record, default):
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this record
         return refuse(f"its trace does not apply ({type(err).__name__}: "
                       f"{str(err).splitlines()[-1][:200] if str(err) else ''})")
+    if "schedule_hash" in record and record["schedule_hash"] != kernel_hash(sch.mod["main"]):
+        return refuse("its trace is damaged: it replays to another schedule than the one "
+                      "measured (structural hash of the scheduled kernel differs)")
     return sch
+
+
+def trace_fields(scheduled_func, trace) -> dict:
+    """What a trace record carries to tell its trace was damaged since it was measured: the
+    trace's instruction count and the structural hash of the kernel it scheduled
+    (apply_trace compares both; records written before them lack them and get only the
+    structural checks of trace_problem)."""
+    return {"trace_instructions": len(trace[0]), "schedule_hash": kernel_hash(scheduled_func)}
 
 
 def replay_differs(default_func, traced_func, target) -> str | None:

@@ -6,6 +6,12 @@ template). Records carry the schema, TVM and mhagen versions, the kernel's struc
 record whose kernel changed is stale), the measured latencies and the machine they were
 measured on (LLVM CPU name, CPU model, cache sizes).
 
+A trace record also holds its trace's instruction count and the structural hash of the kernel
+its trace scheduled ("trace_instructions", "schedule_hash"): a trace damaged since (cut short,
+a decision edited) is refused even where it still replays to a kernel that computes the right
+output. Trace records written before these fields are checked as before (their traces'
+structure, and the output of their replay).
+
 A record also holds the default it was measured against ("default_config": the template's
 config, or the rules' configs of a TE kernel's stages). It beat that default, which says
 nothing of a default changed since: when today's default differs, the record is stale and the

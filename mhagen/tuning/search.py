@@ -14,6 +14,9 @@ steady-state timing the benchmark uses (interleaved rounds, medians); the record
 tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
 "default", and only if its output matches the default's on the device it was timed on.
 Records are keyed by CPU class and say which machine measured them.
+A time budget holds for the whole run: a step starts only if the steps measured so far say
+it ends in time (_Budget), and the deadline cuts one under way; the report says what it
+stopped and how to resume (TuneReport.summary).
 Measurements run locally or on a remote device through TVM's RPC tracker (MetaSchedule's
 runner there).
 """
@@ -40,14 +43,14 @@ import tvm
 
 from mhagen.backends import backend_for
 from mhagen.cross import ARCHES
-from mhagen.errors import GraphError, MhagenError, TargetError
+from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
 from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
 from mhagen.tuning.apply import (_arguments, _prepared, kernel_hash, local_outputs,
-                                 outputs_differ, versions)
+                                 outputs_differ, trace_fields, versions)
 from mhagen.tuning.records import Database, Tuning, user_database_path
 
 
@@ -61,6 +64,7 @@ class KernelResult:
     tuned_us: float | None
     kept: str                     # "tuned" or "default"
     note: str = ""                # why nothing was measured (the device's first error)
+    planned: int = 0              # the trials asked for (more than `trials`: the budget)
 
 
 @dataclass
@@ -70,6 +74,9 @@ class TuneReport:
     interrupted: bool = False
     stopped_by: str | None = None   # "Ctrl-C" or "the time budget" when interrupted
     seconds: float = 0.0
+    work_dir: Path | None = None    # MetaSchedule's databases: a re-run resumes from them
+    untuned: list = field(default_factory=list)   # "kernel BxS" left without a record
+    budget_note: str = ""           # what the time budget stopped, in one line
 
     def table(self) -> str:
         rows = [f"{'shape':>10} {'kernel':<18} {'method':<12} {'trials':>6} {'default us':>11} "
@@ -83,7 +90,27 @@ class TuneReport:
                         f"{r.trials:>6} {d:>11} {t:>9} {sp:>7} {r.kept}")
             if r.note:
                 rows.append(f"{'':>10} {r.note}")
+            elif r.planned > r.trials:
+                rows.append(f"{'':>10} search stopped by the time budget after {r.trials} of "
+                            f"{r.planned} trials")
+        rows.append("us: median time per call, the default and the best tuned schedule timed "
+                    "side by side after the search (steady state, as `mhagen bench` times)")
         return "\n".join(rows)
+
+    def summary(self) -> str:
+        """The run's closing line: how it ended, and how to resume one that stopped early."""
+        records = f"records in {self.database}"
+        if not self.interrupted:
+            return f"done in {self.seconds:.0f} s; {records}"
+        lines = [f"stopped by {self.stopped_by}: kept what was measured, after "
+                 f"{self.seconds:.0f} s of tuning; {records}"]
+        if self.budget_note:
+            lines.append(self.budget_note)
+        if self.untuned:
+            lines.append(f"not tuned ({len(self.untuned)}): {', '.join(self.untuned)}")
+        lines.append("run the same command again to resume: trials measured so far are "
+                     f"kept in {self.work_dir}")
+        return "\n".join(lines)
 
 
 # A tuned schedule replaces the default only when at least 3% faster (timing noise here is
@@ -102,7 +129,12 @@ def template_rows(target) -> tuple:
 
 
 class _Stop(Exception):
-    pass
+    """Stops the whole run (Ctrl-C, or the time budget's deadline reached)."""
+
+
+class _SearchStop(Exception):
+    """Stops one kernel's search (its next batch would pass the time budget); the kernel
+    is still measured and recorded with the trials it has."""
 
 
 def fast_build(mod, target, _params):
@@ -171,45 +203,181 @@ def _built_here(funcs, target):
     return out
 
 
-class _Progress:
-    """One status line on stderr: trials done, best latency per kernel, time left."""
+class _Budget:
+    """The run's time budget (seconds for the whole command, every kernel together): a step
+    (a kernel's search start, a batch of trials, the closing measurement, a config sweep)
+    starts only if what such steps took so far says it ends within the budget. A step of a
+    kind not yet seen has no estimate; it starts, and the deadline cuts it (cut_at_deadline)."""
 
-    def __init__(self, enabled, total_kernels, deadline):
-        self.enabled, self.total, self.deadline = enabled, total_kernels, deadline
-        self.index, self.name, self.budget, self.done, self.best = 0, "", 0, 0, None
-        self.start = time.time()
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self.deadline = self.start + seconds if seconds else None
+        self.costs = {}            # step kind -> [seconds, units] measured so far
+        self.refused = None        # the step the budget did not start, in words
+        self.cut = None            # the step the deadline cut, in words
+        self.protected = False     # a record is being written: the deadline waits for it
+
+    def took(self, kind, seconds, units=1):
+        total = self.costs.setdefault(kind, [0.0, 0])
+        total[0] += seconds
+        total[1] += units
+
+    def estimate(self, kind, units=1) -> float:
+        """Seconds `units` of `kind` should take (0: never measured, no estimate)."""
+        seconds, measured = self.costs.get(kind, (0.0, 0))
+        return seconds / measured * units if measured else 0.0
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() if self.deadline else float("inf")
+
+    def fits(self, what, *steps) -> bool:
+        """Whether the steps ((kind, units), ...) should end within the budget; when not,
+        remember `what` was not started (for the stop message)."""
+        need = sum(self.estimate(kind, units) for kind, units in steps)
+        if need <= self.left():
+            return True
+        if self.refused is None:
+            self.refused = (f"the deadline passed before {what}" if self.left() <= 0 else
+                            f"{what} (about {need:.0f} s) would have passed it "
+                            f"({self.left():.0f} s left)")
+        return False
+
+    @contextlib.contextmanager
+    def cut_at_deadline(self, bar):
+        """Raise _Stop in whatever runs when the deadline passes (SIGALRM; only from the main
+        thread, where signals are handled: elsewhere the estimates alone hold the budget).
+        Never in an import (a module cut halfway, TVM's tensor intrinsics among them, cannot
+        be imported again in this process) nor while a record is written (protect): those
+        finish first."""
+        if self.deadline is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def expire(signum, frame):
+            if self.protected or _importing(frame):
+                signal.setitimer(signal.ITIMER_REAL, 0.05)   # look again when it is done
+                return
+            self.cut = self.cut or f"cut {bar.name or 'the run'} at the deadline"
+            bar.stopped = True
+            raise _Stop()
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, max(0.001, self.left()))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    @contextlib.contextmanager
+    def protect(self):
+        """Write a record whole even when the deadline passes meanwhile."""
+        self.protected = True
+        try:
+            yield
+        finally:
+            self.protected = False
+
+    def stop_line(self) -> str:
+        spent = time.monotonic() - self.start
+        why = self.refused or self.cut or "reached"
+        return f"time budget of {self.seconds:g} s: {why}; stopped after {spent:.0f} s"
+
+
+def _importing(frame) -> bool:
+    """Whether Python's import machinery is among the callers of `frame`."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Progress:
+    """Tuning progress on a stream (stderr): per kernel, the trials done and the time; when a
+    kernel is done, its default and tuned latencies as the table reports them (MetaSchedule's
+    own trial timings, cold and short, are not shown: they differ from the table's). On a
+    terminal one line redrawn in place; elsewhere (a pipe, a log file) one line per update,
+    no carriage returns."""
+
+    def __init__(self, enabled, total_kernels, budget, stream=None):
+        self.enabled, self.total, self.budget = enabled, total_kernels, budget
+        self.stream = stream if stream is not None else sys.stderr
+        self.in_place = enabled and _is_terminal(self.stream)
+        self.index, self.name, self.planned, self.done = 0, "", 0, 0
+        self.open = False          # a line drawn in place and not yet ended
         self.stopped = False
         self.stop_requested = False   # set by Ctrl-C (_ctrl_c_stops_at_the_next_trial)
 
-    def kernel(self, index, name, budget, done=0):
-        self.index, self.name, self.budget, self.done, self.best = index, name, budget, done, None
+    def kernel(self, index, name, planned, done=0):
+        self.index, self.name, self.planned, self.done = index, name, planned, done
         self.show()
 
-    def trial(self, seconds):
-        self.done += 1
-        if seconds is not None and (self.best is None or seconds < self.best):
-            self.best = seconds
+    def trials(self, count):
+        self.done += count
         self.show()
-        self.check()
 
     def check(self):
         """Raise _Stop if Ctrl-C asked to stop or the time budget is spent."""
-        if self.stop_requested or (self.deadline and time.time() > self.deadline):
+        if self.stop_requested or self.budget.left() <= 0:
             self.stopped = True
             raise _Stop()
 
-    def show(self, final=False):
+    def _head(self):
+        return f"[{self.index}/{self.total}] {self.name:<26}"
+
+    def _clock(self):
+        spent = time.monotonic() - self.budget.start
+        left = f", {max(0.0, self.budget.left()):.0f} s left" if self.budget.deadline else ""
+        return f"{spent:.0f} s{left}"
+
+    def show(self):
         if not self.enabled:
             return
-        width = 24
-        filled = int(width * min(self.done, self.budget) / max(self.budget, 1))
-        best = f"{self.best * 1e6:9.1f} us" if self.best else "        - us"
-        left = (f"{max(0, self.deadline - time.time()):5.0f}s left" if self.deadline
-                else f"{time.time() - self.start:5.0f}s")
-        sys.stderr.write(f"\r[{self.index}/{self.total}] {self.name:<26} "
-                         f"[{'#' * filled}{'.' * (width - filled)}] {self.done:>4}/{self.budget} "
-                         f"best {best}  {left}" + ("\n" if final else ""))
-        sys.stderr.flush()
+        if self.in_place:
+            width = 24
+            filled = int(width * min(self.done, self.planned) / max(self.planned, 1))
+            self._write(f"\r{self._head()} [{'#' * filled}{'.' * (width - filled)}] "
+                        f"{self.done:>4}/{self.planned} trials  {self._clock()}\x1b[K")
+            self.open = True
+        else:
+            self._write(f"{self._head()} {self.done}/{self.planned} trials  {self._clock()}\n")
+
+    def result(self, res):
+        """The kernel's closing line: the numbers of its row in the table."""
+        if res.default_us is None:
+            what = res.note or "not measured"
+        else:
+            tuned = f"{res.tuned_us:.1f} us" if res.tuned_us else "-"
+            what = f"default {res.default_us:.1f} us, tuned {tuned}: kept {res.kept}"
+        if self.enabled:
+            self._write(("\r" if self.in_place else "") + f"{self._head()} {res.trials} trials  "
+                        f"{what}  {self._clock()}" + ("\x1b[K\n" if self.in_place else "\n"))
+            self.open = False
+
+    def message(self, text):
+        """One line of its own (below a line drawn in place)."""
+        if self.enabled:
+            self._write(("\n" if self.open else "") + text + "\n")
+            self.open = False
+
+    def close(self):
+        """End a line drawn in place (what is printed next starts on a line of its own)."""
+        if self.open:
+            self._write("\n")
+            self.open = False
+
+    def _write(self, text):
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):   # no isatty, or closed
+        return False
 
 
 def _quiet_metaschedule_logging():
@@ -403,8 +571,9 @@ def _ctrl_c_stops_at_the_next_trial(bar):
         if bar.stop_requested:
             raise KeyboardInterrupt
         bar.stop_requested = True
-        sys.stderr.write("\nCtrl-C: stopping after the measurements under way "
-                         "(Ctrl-C again: at once)\n")
+        sys.stderr.write(("\n" if bar.open else "") + "Ctrl-C: stopping after the "
+                         "measurements under way (Ctrl-C again: at once)\n")
+        bar.open = False
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
@@ -456,7 +625,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
 
     trials: MetaSchedule trials per GEMM kernel, and at most that many candidate configs of
     the attention template (it has about 9; the default is always one); time_budget:
-    seconds for the whole run (stops early, keeping what was measured); database: the
+    seconds for the whole run, a limit: no step (a kernel's search, a batch of trials, the
+    closing measurement, a config sweep) starts that the steps measured so far say would
+    pass it, and one under way at the deadline is cut (in the main thread); what was
+    measured is kept and the report says what the budget stopped; database: the
     records file (default: the user database that builds consult); work_dir: MetaSchedule's
     databases (default: beside the records), reused to resume; rpc: (tracker_host,
     tracker_port, device_key) to measure on a remote device; kernels: names of the kernels
@@ -466,6 +638,10 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     import tvm.s_tir.meta_schedule as ms
 
 
+    if time_budget is not None and not (isinstance(time_budget, (int, float))
+                                        and 0 < time_budget < float("inf")):
+        raise InputError(f"time_budget (--time-budget) is seconds for the whole run, a "
+                         f"positive number, not {time_budget!r}")
     t = resolve(target)
     if rpc is None and t.arch != host_arch():
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
@@ -482,9 +658,8 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     db_path = Path(database) if database else user_database_path(t.name)
     db = Database.load(db_path)
     work_dir = Path(work_dir) if work_dir else db_path.parent / f"{t.name}-work"
-    report = TuneReport(db_path)
-    start = time.time()
-    deadline = start + time_budget if time_budget else None
+    report = TuneReport(db_path, work_dir=work_dir)
+    budget = _Budget(time_budget)
     remote = _Remote(rpc) if rpc is not None else None
 
     plans, known, fixed = [], set(), []
@@ -512,33 +687,41 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
             raise MhagenError(f"no tunable kernel named {unknown}; this layer has "
                               f"{sorted(known)}")
     report.results.extend(fixed)
-    bar = _Progress(progress, len(plans), deadline)
+    bar = _Progress(progress, len(plans), budget)
     try:
-        with _reaped_workers_without_ctrl_c(), _ctrl_c_stops_at_the_next_trial(bar):
+        with _reaped_workers_without_ctrl_c(), _ctrl_c_stops_at_the_next_trial(bar), \
+                budget.cut_at_deadline(bar):
             _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc,
                         report)
     except (KeyboardInterrupt, _Stop):
         report.interrupted = True
-        bar.show(final=True)
     except Exception:
         # a stop raised inside MetaSchedule's callback comes back wrapped as a TVM error
         if not (bar.stopped or bar.stop_requested):
             raise
         report.interrupted = True
-        bar.show(final=True)
     finally:
+        bar.close()
         if remote is not None:
             remote.close()
+    report.interrupted = report.interrupted or budget.refused is not None
     if report.interrupted:
-        report.stopped_by = "Ctrl-C" if bar.stop_requested or not bar.stopped \
-            else "the time budget"
-    report.seconds = time.time() - start
+        done = {(r.kernel, r.shape) for r in report.results}
+        report.untuned = [f"{k.name} {shape[0]}x{shape[1]}" for shape, _, k in plans
+                          if (k.name, shape) not in done]
+        by_ctrl_c = bar.stop_requested or not (bar.stopped or budget.refused)
+        report.stopped_by = "Ctrl-C" if by_ctrl_c else "the time budget"
+        if not by_ctrl_c:
+            report.budget_note = budget.stop_line()
+            bar.message(report.budget_note)
+    report.seconds = time.monotonic() - budget.start
     db.save()
     return report
 
 
 def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc, report):
-    """Tune each (shape, program, kernel) of `plans` in turn; save each kernel's record."""
+    """Tune each (shape, program, kernel) of `plans` in turn; save each kernel's record. Once
+    the time budget refused a step, no further kernel is started."""
     for i, (shape, program, kernel) in enumerate(plans, 1):
         key = program.key(kernel.name)
         if kernel.template:
@@ -547,13 +730,18 @@ def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, 
         else:
             res = _tune_metaschedule(kernel, t, remote, bar, i, key, trials, work_dir,
                                      seed)
+        if res is None:           # the budget left no time for it
+            return
         report.results.append(res[0])
         if not res[0].note:   # a kernel nothing was measured of gets no record
             res[1].update(versions())
             res[1]["measured_on"] = _measured_on(t, rpc)
-            db.put(res[1])
-            db.save()
-        bar.show(final=True)
+            with bar.budget.protect():
+                db.put(res[1])
+                db.save()
+        bar.result(res[0])
+        if bar.budget.refused:
+            return
         if i < len(plans):
             bar.check()
 
@@ -562,12 +750,14 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
 
+    budget = bar.budget
+    name = f"{kernel.name} {key['batch']}x{key['seq']}"
     mod = tvm.IRModule({"main": kernel.prim_func})
     work = work_dir / f"{key['graph']}-{key['batch']}x{key['seq']}-{kernel.name}"
     work.mkdir(parents=True, exist_ok=True)
     ms_db = ms.database.JSONDatabase(work_dir=str(work))
     done = len(ms_db.get_all_tuning_records())
-    bar.kernel(index, f"{kernel.name} {key['batch']}x{key['seq']}", trials, done)
+    bar.kernel(index, name, trials, done)
     stages = kernel.stages
     gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
     rule = backend_for(t).gemm_rule
@@ -580,35 +770,68 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
         rule.apply(sch, gemm, dataclasses.replace(cfg, tile_rows=rows), Plan(stages, t))
         return sch
 
+    # the phase under way: when it (or its last batch) started, its trials left, its batch
+    search = {"since": 0.0, "first": True, "left": 0, "batch": 0, "stopped": False}
+
     class Progress(ms.measure_callback.PyMeasureCallback):
+        """After each batch of trials: the time it took, and whether the next one fits."""
+
         def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results):
-            for r in runner_results:
-                secs = [float(s) for s in r.run_secs] if r.error_msg is None else None
-                bar.trial(sorted(secs)[len(secs) // 2] if secs else None)
+            now, count = time.monotonic(), len(runner_results)
+            if search["first"]:   # the search's start (workers, sampling) and first batch
+                budget.took("search start", now - search["since"])
+                budget.took("first batch", now - search["since"], count)
+            else:
+                budget.took("trial", now - search["since"], count)
+            search.update(since=now, first=False, left=search["left"] - count)
+            bar.trials(count)
+            bar.check()
+            upcoming = min(search["batch"], search["left"])
+            if upcoming > 0 and not budget.fits(
+                    f"the next {upcoming} trials of {name}", *_next_trials(budget, upcoming),
+                    ("closing measurement", 1)):
+                search["stopped"] = True
+                raise _SearchStop()
 
     callbacks = ms.measure_callback.MeasureCallback.create("default") + [
         derived_object(Progress)()]
     # Phase 1 (fresh runs): every knob value of our template, so the search starts from the
     # hand-written schedule's neighbourhood. Phase 2: TVM's generic space (evolutionary).
-    import_tensor_intrinsics()
     phases = []
     if done == 0 and hasattr(rule, "apply"):   # a template rule (CPUs); GPUs: dlight's
         phases.append((ms.space_generator.ScheduleFn(template), min(len(rows_space), trials)))
     phases.append(("post-order-apply", trials - done - sum(n for _, n in phases)))
-    for space, budget in phases:
-        if budget <= 0:
+    for space, count in phases:
+        if count <= 0:
             continue
+        if not budget.fits(f"{name}'s search", ("search start", 1),
+                           ("closing measurement", 1)):
+            if done == len(ms_db.get_all_tuning_records()):
+                return None       # not one trial of it: left untuned
+            break
+        import_tensor_intrinsics()   # (once a process)
+        batch = min(16, count)
+        search.update(since=time.monotonic(), first=True, left=count, batch=batch)
         _quiet_metaschedule_logging()
-        with contextlib.redirect_stdout(io.StringIO()):  # its console log; our bar is on stderr
-            ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=budget,
-                        num_trials_per_iter=min(16, budget), database=ms_db,
-                        builder=_local_builder(t.tvm),
-                        runner=remote.search_runner() if remote else "local",
-                        cost_model="xgb",
-                        measure_callbacks=callbacks, space=space,
-                        strategy=_search_strategy(budget),
-                        num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its console log; ours: stderr
+                ms.tune_tir(mod, t.tvm, work_dir=str(work), max_trials_global=count,
+                            num_trials_per_iter=batch, database=ms_db,
+                            builder=_local_builder(t.tvm),
+                            runner=remote.search_runner() if remote else "local",
+                            cost_model="xgb",
+                            measure_callbacks=callbacks, space=space,
+                            strategy=_search_strategy(count),
+                            num_tuning_cores=max(1, os.cpu_count() or 1), seed=seed)
+        except Exception:
+            # the budget's stop, raised in the callback, comes back wrapped as a TVM error
+            if not search["stopped"]:
+                raise
+            break
     done = len(ms_db.get_all_tuning_records())
+    if not budget.fits(f"the closing measurement of {name}", ("closing measurement", 1)):
+        return None
+    started = time.monotonic()
     best = ms_db.get_top_k(ms_db.commit_workload(mod), 1)
     default_func, default_decisions = schedule_kernel(kernel, t)
     funcs = [default_func]
@@ -624,28 +847,47 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     keep = tuned_s is not None and default_s is not None and tuned_s < KEEP_MARGIN * default_s
     wrong = _wrong_result(funcs, t, remote=remote) if keep else None
     keep = keep and wrong is None
+    budget.took("closing measurement", time.monotonic() - started)
     record = {"key": key, "kind": "trace" if keep else "default", "trials": done,
               "kernel_hash": kernel_hash(kernel.prim_func),
               "default_config": default_configs(default_decisions),
               "default_us": _us(default_s), "tuned_us": _us(tuned_s)}
     if keep:
         record["trace"] = trace_json
+        record.update(trace_fields(funcs[1], trace_json))
     if wrong:
         record["rejected"] = f"the fastest schedule was not kept: {wrong}"
     return (KernelResult((key["batch"], key["seq"]), kernel.name, "metaschedule", done,
                          _us(default_s), _us(tuned_s), "tuned" if keep else "default",
-                         _failure_note(errors) if default_s is None else ""), record)
+                         _failure_note(errors) if default_s is None else "", trials), record)
+
+
+def _next_trials(budget, count):
+    """The step of `count` more trials: as the trials of later batches took, or before one
+    was seen, as the first batch's did (the search's start included: an overestimate)."""
+    return [("trial" if budget.estimate("trial") else "first batch", count)]
 
 
 def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trials):
     """The attention (or decode) template's candidate configs (the default first, at most
     `trials` of them), each built and timed; the fastest kept if right and faster by the
     margin in a second measurement of it against the default alone. A decode step is timed
-    on a cache full up to its last `seq` rows (as module.latency() times it)."""
+    on a cache full up to its last `seq` rows (as module.latency() times it). Under a time
+    budget, as many candidates as the configs timed so far say fit (at least two)."""
     decoding = kernel.template == "decode"
+    budget = bar.budget
+    name = f"{kernel.name} {shape[0]}x{shape[1]}"
     rule = backend_for(t).decode if decoding else backend_for(t).attention
     candidates = rule.candidates(kernel.workload, t)[:max(2, trials)]
-    bar.kernel(index, f"{kernel.name} {shape[0]}x{shape[1]}", len(candidates))
+    planned = len(candidates)
+    bar.kernel(index, name, planned)
+    # two candidates, and the two timed again to confirm the faster
+    if not budget.fits(f"{name}'s config sweep", ("config", 4)):
+        return None
+    if not budget.fits(f"the {planned} configs of {name}", ("config", planned + 2)):
+        affordable = int(budget.left() / budget.estimate("config")) - 2
+        candidates = candidates[:max(2, affordable)]   # then the run stops
+    started = time.monotonic()
     funcs, fixed = [], []
     for cfg in candidates:
         program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key))
@@ -661,18 +903,19 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
                 f[i] = np.full(shape[0], full, np.int32)
     errors = []
     times = _measure(funcs, t.tvm, remote, fixed=fixed, errors=errors)
-    for s in times:
-        bar.trial(s)
+    bar.trials(len(candidates))
     best = min(range(len(candidates)), key=lambda i: times[i] if times[i] else float("inf"))
     default_s, tuned_s = times[0], times[best]
     keep = (best != 0 and tuned_s is not None and default_s is not None
             and tuned_s < KEEP_MARGIN * default_s)
+    timed = len(candidates)
     if keep:
         # the fastest of many noisy medians is biased low (the winner's curse: on Zen 4 a
         # sweep of 15 kept a config 1.07x "faster" that paired runs found 1.02x slower), so
         # a fresh measurement of the two alone decides, and the record holds its times
         default_s, tuned_s = _measure([funcs[0], funcs[best]], t.tvm, remote,
                                       fixed=[fixed[0], fixed[best]], errors=errors)
+        timed += 2
         keep = (tuned_s is not None and default_s is not None
                 and tuned_s < KEEP_MARGIN * default_s)
     wrong = None
@@ -680,6 +923,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
         wrong = _wrong_result([funcs[0], funcs[best]], t, [fixed[0], fixed[best]],
                               rows=shape[0] * shape[1], remote=remote)
         keep = wrong is None
+    budget.took("config", time.monotonic() - started, timed)
     record = {"key": key, "kind": "config" if keep else "default", "trials": len(candidates),
               "config": asdict(candidates[best if keep else 0]),
               "default_config": asdict(candidates[0]),
@@ -688,7 +932,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
         record["rejected"] = f"the fastest config was not kept: {wrong}"
     return (KernelResult(shape, kernel.name, "config sweep", len(candidates), _us(default_s),
                          _us(tuned_s), "tuned" if keep else "default",
-                         _failure_note(errors) if default_s is None else ""), record)
+                         _failure_note(errors) if default_s is None else "", planned), record)
 
 
 class _Fixed:
