@@ -178,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--trials", type=int, default=64,
                    help="MetaSchedule trials per GEMM kernel (and at most that many attention "
                         "template configs)")
-    t.add_argument("--time-budget", type=float, help="stop after this many seconds")
+    t.add_argument("--time-budget", type=float, help="a limit in seconds for the whole run (every kernel): no trial starts that would pass it")
     t.add_argument("--db", type=Path, help="records file (default: the user database)")
     t.add_argument("--work-dir", type=Path, help="MetaSchedule databases (to resume)")
     t.add_argument("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker (remote measuring)")
@@ -229,9 +229,7 @@ def _cmd_tune(args):
                          work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
                          kernels=args.kernels, seed=args.seed)
     print(report.table())
-    state = (f"stopped by {report.stopped_by}: kept what was measured; re-run to resume"
-             if report.interrupted else "done")
-    print(f"{state} in {report.seconds:.0f} s; records in {report.database}")
+    print(report.summary())
     if report.stopped_by == "Ctrl-C":
         print("mhagen tune: interrupted", file=sys.stderr)
         return 130
