@@ -511,7 +511,7 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     """Median seconds per call of each PrimFunc, timed like benchmarks/bench_mha.py: warm
     buffers, interleaved rounds (one per function in turn), each round back-to-back calls
     for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
-    differ from what a user sees by 10-50% (see the README)."""
+    differ from what a user sees by 10-50% (see docs/cpus-and-tuning.md)."""
     calls = _prepared(funcs, target, fixed)
     samples = [[] for _ in funcs]
     for _ in range(rounds):
