@@ -387,8 +387,9 @@ def _cmd_build(args):
         runtime_libs = "lib/ (TVM runtime), " if (out / "lib").is_dir() else ""
         c_api = ("mha.h + libmha.so (C API" + (", CUDA driver" if gpu else "") + "), " +
                  runtime_libs) if (out / "mha.h").exists() else ""
+        weights = "weights.safetensors, " if (out / "weights.safetensors").exists() else ""
         print(f"wrote {out}/ ({'kernels.fatbin' if gpu else 'kernel.so'}, manifest.json, "
-              f"weights.bin, params.bin, {c_api}te/tir/source text)")
+              f"{weights}{c_api}te/tir/source text)")
     if err is None:
         print(f"not run: {module.cannot_run}")
         return 0

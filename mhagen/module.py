@@ -126,7 +126,7 @@ class Module:
 
     def bind(self, weights, *, params=None) -> "Module":
         """Bind weights: checked, repacked for the kernels once. `params` (a loaded
-        artifact's params.bin) are taken as they are instead of repacking."""
+        artifact's packed params, weights.safetensors) are taken as they are instead of repacking."""
         self.weights = check_weights(self.graph, weights, dtype=self.dtype)
         self._params = params if params is not None else self._pack(self.weights)
         return self

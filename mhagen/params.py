@@ -11,7 +11,7 @@ keeps, so a loaded artifact repacks new weights exactly as its build did:
                     true marks the GEMMs on AMX tiles, which read the same layout)
   {"kind": "vector", "length": N, "pieces": [{"weight": "b_q", "head": 0, "at": 0}, ...]}
                     biases placed in a zero vector
-  {"kind": "constant"}  fixed at build time (block tables): kept in params.bin, not derived
+  {"kind": "constant"}  fixed at build time (block tables): kept in the artifact's weights.safetensors, not derived
 """
 from __future__ import annotations
 
