@@ -18,6 +18,7 @@ from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
+from mhagen.tuning.deps import require_tuning_dependencies
 from mhagen.version import __version__
 from mhagen.weights import load_weights, save_weights, weights_from_torch
 
@@ -31,7 +32,6 @@ def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options)
 def tune(layer, target="x86", **options):
     """Autotune `layer`'s kernels with TVM MetaSchedule; see mhagen.tuning.search.tune.
     Needs the tuning extra: pip install 'mhagen[tune]'."""
-    from mhagen.tuning.deps import require_tuning_dependencies
     require_tuning_dependencies()
     from mhagen.tuning.search import tune as _tune
     return _tune(layer, target, **options)

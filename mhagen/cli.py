@@ -12,9 +12,11 @@ from pathlib import Path
 
 import mhagen
 from mhagen.artifact.describe import damaged_files, describe
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError, MhagenError
 from mhagen.inspection import INSPECT_KINDS
 from mhagen.ir.kinds import SUPPORTED_DTYPES
+from mhagen.kvcache import KVCache, cache_shape
 from mhagen.module import Module
 from mhagen.onnx.cli import add_parsers
 from mhagen.runtime import num_threads, set_num_threads
@@ -459,8 +461,6 @@ def _run_arguments(module, arrays: dict, path: Path) -> dict:
     module takes none of and missing ones, naming both."""
     import numpy as np
 
-    from mhagen.dtypes import numpy_dtype
-    from mhagen.kvcache import KVCache, cache_shape
     graph = module.graph
     takes = {"x": True, "context": graph.context_input is not None,
              "kv_lens": graph.lengths_input is not None}

@@ -5,10 +5,13 @@ so y_h = x @ w[h] + b[h]; the output projection's weight is [sum of head widths,
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
+from mhagen.tensor_file import read_safetensors, write_safetensors
 from mhagen.inputs import argument
 
 
@@ -107,9 +110,6 @@ def save_weights(path, weights: dict, metadata: dict | None = None):
     Hugging Face tools read; mhagen/tensor_file.py), or numpy's .npz where the path ends in
     .npz. metadata (string -> string) goes in a safetensors header. Nothing is written when
     the weights are refused."""
-    from pathlib import Path
-
-    from mhagen.tensor_file import write_safetensors
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path} is a directory: give save_weights a file path, e.g. "
@@ -131,9 +131,6 @@ def load_weights(path, graph=None) -> dict:
     """The weights in a safetensors or .npz file (told apart by their first bytes), as a
     dict of name -> numpy array; with `graph`, checked against it (missing, extra and
     wrong-shaped names are an InputError that names them)."""
-    from pathlib import Path
-
-    from mhagen.tensor_file import read_safetensors
     path = Path(path)
     if not path.is_file():
         raise InputError(f"no weights file at {path}" + (" (a directory)" if path.is_dir()

@@ -11,7 +11,8 @@ import hashlib
 import numpy as np
 
 from mhagen.dtypes import name_of, numpy_dtype
-from mhagen.errors import ArtifactError
+from mhagen.errors import ArtifactError, InputError
+from mhagen.tensor_file import read_header, read_safetensors, write_safetensors
 
 LITTLE_ENDIAN = {"float32": "<f4", "int32": "<i4", "float16": "<f2", "bfloat16": "<u2"}
 # the file holding an artifact's kernels, by target device: a TVM library for CPUs, the
@@ -127,7 +128,6 @@ def write_params_file(path, buffers: list, params: dict, weights: dict | None) -
     bit. Returns (params table, weights table) for the manifest: the params' absolute byte
     offsets (libmha.so reads them there), the weights' names, shapes, dtypes and where each
     comes from ("params" or its tensor in the file)."""
-    from mhagen.tensor_file import read_header, write_safetensors
     weights = weights or {}
     recovered = unpack_weights(buffers, params,
                                {n: np.shape(w) for n, w in weights.items()})
@@ -157,8 +157,6 @@ def read_params_file(path, buffers: list, ptable: list, wtable: list) -> tuple:
     """(weights, params) of a TENSOR_FILE: the params the manifest's table lists (shape,
     dtype and byte offsets checked against the file's header: libmha.so reads them there),
     the weights unpacked from them or read where stored."""
-    from mhagen.errors import InputError
-    from mhagen.tensor_file import read_header, read_safetensors
     try:
         tensors, _ = read_safetensors(path)
         header, start = read_header(path)

@@ -19,6 +19,7 @@ from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
 from mhagen.onnx.fit import VARIED_INPUTS_HINT
 from mhagen.onnx.importer import _load as load_model
 from mhagen.onnx.importer import import_onnx
+from mhagen.onnx.probe import FLOAT_TYPES
 from mhagen.tolerances import max_error, tolerance
 from mhagen.weights import load_weights
 
@@ -147,7 +148,6 @@ def _sample_inputs(specs, graph):
     given once is in every sample). Names must be the non-float inputs of `graph`."""
     if not specs:
         return None
-    from mhagen.onnx.probe import FLOAT_TYPES
     feeds = {i.name: i for i in graph.input}
     for init in graph.initializer:
         feeds.pop(init.name, None)
