@@ -115,3 +115,18 @@ class RowsWorkload(_Fields):
 class ElementwiseWorkload(_Fields):
     """An element-wise stage; scalar: one value per row (no vector axis to split)."""
     scalar: bool = False
+
+
+def as_workload(cls, workload):
+    """`workload` as a `cls` (one of the classes above): itself if it is one already, else the
+    class built from a lowering's dict of its fields (the dicts go once lowering makes the
+    classes itself)."""
+    return workload if isinstance(workload, cls) else cls(**workload)
+
+
+def gemm_workload(workload):
+    """A GEMM stage's workload as its class: a packed GEMM's (weights in column panels) or a
+    batched matmul's."""
+    if isinstance(workload, (GemmWorkload, MatmulWorkload)):
+        return workload
+    return GemmWorkload(**workload) if "panel" in workload else MatmulWorkload(**workload)

@@ -30,6 +30,7 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda import attention_tc
 from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
+from mhagen.workloads import AttentionWorkload, as_workload
 
 ROWS_PER_THREAD, COL_THREADS = RT, CT   # query rows a thread owns; threads across a row
 FLOAT = 4
@@ -74,33 +75,38 @@ class CudaAttentionRule:
     @staticmethod
     def tensor_cores(workload) -> bool:
         """float16 layers run schedules/cuda/attention_tc.py (WMMA)."""
-        return workload.get("temp_dtype") == "float16"
+        workload = as_workload(AttentionWorkload, workload)
+        return workload.temp_dtype == "float16"
 
     def _fits(self, cfg, workload, target) -> bool:
+        workload = as_workload(AttentionWorkload, workload)
         if self.tensor_cores(workload):
             return attention_tc.fits(cfg, workload, target)
         t = target.tvm_target_dict()
-        return (shared_bytes(cfg, workload["head_dim_padded"])
+        return (shared_bytes(cfg, workload.head_dim_padded)
                 <= t["max_shared_memory_per_block"]
                 and threads(cfg) <= t["max_threads_per_block"])
 
     def candidates(self, workload, target) -> list:
         """Configs that fit the target's shared memory and threads, largest tiles first;
         tiles much longer than the sequence are left out (unless nothing else fits)."""
+        workload = as_workload(AttentionWorkload, workload)
         tiles = attention_tc.TILES if self.tensor_cores(workload) else TILES
         fit = [CudaAttentionConfig(q, k) for q, k in tiles
                if self._fits(CudaAttentionConfig(q, k), workload, target)]
-        short = [c for c in fit if c.q_tile <= round_up(workload["seq"], 16)]
+        short = [c for c in fit if c.q_tile <= round_up(workload.seq, 16)]
         return short or fit
 
     def default_config(self, workload, target):
+        workload = as_workload(AttentionWorkload, workload)
         found = self.candidates(workload, target)
         if not found:
-            raise ValueError(f"head_dim {workload['head_dim']}: no attention tile fits "
+            raise ValueError(f"head_dim {workload.head_dim}: no attention tile fits "
                              f"{target.name}'s shared memory")
         return found[0]
 
     def make_config(self, values: dict, target, workload) -> CudaAttentionConfig:
+        workload = as_workload(AttentionWorkload, workload)
         cfg = CudaAttentionConfig(int(values["q_tile"]), int(values["kv_block"]))
         if (cfg.q_tile < ROWS_PER_THREAD or cfg.q_tile % ROWS_PER_THREAD
                 or cfg.kv_block < COL_THREADS or cfg.kv_block % COL_THREADS
@@ -119,24 +125,25 @@ class CudaAttentionRule:
 
 def build_attention(w, cfg):
     """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
-    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
-    DP = w["head_dim_padded"]
+    w = as_workload(AttentionWorkload, w)
+    B, S, H, G, d = w.batch, w.seq, w.heads, w.kv_heads, w.head_dim
+    DP = w.head_dim_padded
     MQ, KB = cfg.q_tile, cfg.kv_block
     NT = threads(cfg)
     SC, OC = KB // CT, DP // CT           # scores and output columns per thread row
     assert MQ % RT == 0 and KB % CT == 0 and DP % CT == 0, (MQ, KB, DP)
     NQT, NKB = -(-S // MQ), -(-S // KB)
     GROUP = H // G
-    PW, HD = w["panel"], H * d            # qkv is [columns / PW, M, PW]
-    NP = w["qkv_width"] // PW
-    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]   # in columns
-    TB, TH = w["table_batch"], w["table_heads"]
-    M = w.get("rows", B * S)
-    MA = w.get("att_rows", M)
+    PW, HD = w.panel, H * d            # qkv is [columns / PW, M, PW]
+    NP = w.qkv_width // PW
+    Q_BASE, K_BASE, V_BASE = w.q_base, w.k_base, w.v_base   # in columns
+    TB, TH = w.table_batch, w.table_heads
+    M = w.rows
+    MA = w.att_rows
     Q_LOADS, KV_LOADS = -(-MQ * DP // NT), -(-KB * DP // NT)
-    c_log2e = T.float32(w["scale"] * LOG2E)
+    c_log2e = T.float32(w.scale * LOG2E)
     zero = T.float32(0.0)
-    TEMP = w.get("temp_dtype", "float32")   # qkv's and out's dtype (a half layer's: fp16/bf16)
+    TEMP = w.temp_dtype   # qkv's and out's dtype (a half layer's: fp16/bf16)
 
     rules = ScoreRules(w)
     key_row, tb, th = rules.key_row, rules.tb, rules.th

@@ -28,6 +28,7 @@ from mhagen.lower.te import LOG2E
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
 from mhagen.schedules.cuda.nvcc import shared_limit
+from mhagen.workloads import AttentionWorkload, as_workload
 
 F = 16                 # the WMMA fragment: 16 x 16 x 16
 HALF_PAD, FLOAT_PAD = 8, 4    # row padding of the tiles (bank conflicts; WMMA ldm rules)
@@ -63,7 +64,8 @@ def output_chunk(cfg, dp) -> int:
 
 def fits(cfg, workload, target) -> bool:
     """cfg (a CudaAttentionConfig) tiles by whole fragments and fits the shared memory."""
-    dp = workload["head_dim_padded"]
+    workload = as_workload(AttentionWorkload, workload)
+    dp = workload.head_dim_padded
     ow = output_chunk(cfg, dp) if dp % F == 0 else 0
     return (cfg.q_tile % F == 0 and cfg.kv_block % F == 0 and ow > 0
             and dynamic_bytes(cfg, dp) + static_bytes(cfg, ow) <= shared_limit(target))
@@ -71,8 +73,9 @@ def fits(cfg, workload, target) -> bool:
 
 def build_attention_tc(w, cfg):
     """The float16 attention PrimFunc for workload w on tensor cores."""
-    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
-    DP = w["head_dim_padded"]
+    w = as_workload(AttentionWorkload, w)
+    B, S, H, G, d = w.batch, w.seq, w.heads, w.kv_heads, w.head_dim
+    DP = w.head_dim_padded
     MQ, KB = cfg.q_tile, cfg.kv_block
     NT = threads(cfg)
     SC, OC = KB // CT, DP // CT
@@ -80,17 +83,17 @@ def build_attention_tc(w, cfg):
     assert MQ % F == 0 and KB % F == 0 and DP % F == 0 and OW, (MQ, KB, DP)
     NQT, NKB = -(-S // MQ), -(-S // KB)
     GROUP = H // G
-    PW, HD = w["panel"], H * d
-    NP = w["qkv_width"] // PW
-    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]
-    TB, TH = w["table_batch"], w["table_heads"]
-    M = w.get("rows", B * S)
-    MA = w.get("att_rows", M)
+    PW, HD = w.panel, H * d
+    NP = w.qkv_width // PW
+    Q_BASE, K_BASE, V_BASE = w.q_base, w.k_base, w.v_base
+    TB, TH = w.table_batch, w.table_heads
+    M = w.rows
+    MA = w.att_rows
     Q_LOADS, KV_LOADS = -(-MQ * DP // NT), -(-KB * DP // NT)
     LDH, LDS, LDP, LDO = DP + HALF_PAD, KB + FLOAT_PAD, KB + HALF_PAD, OW + FLOAT_PAD
     OQ, OK, OV = 0, MQ * LDH, (MQ + KB) * LDH      # in the dynamic float16 buffer
-    c_log2e = T.float32(w["scale"] * LOG2E)
-    TEMP = w["temp_dtype"]
+    c_log2e = T.float32(w.scale * LOG2E)
+    TEMP = w.temp_dtype
     assert TEMP == "float16", TEMP
 
     rules = ScoreRules(w)

@@ -42,6 +42,7 @@ from mhagen.schedules.attention_common import ScoreRules, with_scalars
 from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.bf16_dot import with_llvm_ir
 from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
+from mhagen.workloads import AttentionWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ def decode_kv_block(row_tile, lanes):
 
 
 def decode_layout(w, cfg):
-    rows = w["heads"] // w["kv_heads"] * w["seq"]
+    w = as_workload(AttentionWorkload, w)
+    rows = w.heads // w.kv_heads * w.seq
     n_row_tiles = -(-rows // cfg.row_tile)
-    groups = w["batch"] * w["kv_heads"] * n_row_tiles
+    groups = w.batch * w.kv_heads * n_row_tiles
     # a group's blocks split over the workers whose shares meet them: group j's piece of
     # worker t is partial j + t (shares are contiguous runs, so no two pieces meet there)
     return {"rows": rows, "n_row_tiles": n_row_tiles, "groups": groups,
@@ -98,7 +100,8 @@ class DecodeRule:
         return stage.pattern == "decode_template"
 
     def default_config(self, workload, target):
-        rows = workload["heads"] // workload["kv_heads"] * workload["seq"]
+        workload = as_workload(AttentionWorkload, workload)
+        rows = workload.heads // workload.kv_heads * workload.seq
         row_tile = min(rows, 16)
         padded = round_up(row_tile, target.lanes)
         if (row_tile >= 8 and not rows_in_lanes(row_tile, target.lanes) and padded <= 16
@@ -117,6 +120,7 @@ class DecodeRule:
         """A config from a tuning record, checked against the template's constraints and
         bounded by the workload (an edited record's row tile of 10^6 rows hung the build;
         2^31 workers overflowed its int32 indices)."""
+        workload = as_workload(AttentionWorkload, workload)
         cfg = DecodeConfig(**{k: int(values[k]) for k in
                               ("row_tile", "workers", "kv_block", "lanes")})
         rows = decode_layout(workload, cfg)["rows"] if cfg.row_tile >= 1 else 0
@@ -124,7 +128,7 @@ class DecodeRule:
                 or cfg.kv_block % cfg.lanes
                 or cfg.row_tile > round_up(max(rows, 16), cfg.lanes)
                 or cfg.workers > 64 * max(1, target.cores)
-                or cfg.kv_block > max(round_up(workload["cache"], cfg.lanes), 128)):
+                or cfg.kv_block > max(round_up(workload.cache, cfg.lanes), 128)):
             raise ValueError(f"{cfg} breaks the template's constraints for {target.name} "
                              f"({target.lanes} lanes)")
         return cfg
@@ -134,6 +138,7 @@ class DecodeRule:
         1, 2, 4 or 8 tasks a core; key blocks of 16 to 128 (whole vectors); row tiles of
         the default's, and of 4 and 8 rows where a K/V head has more query rows (smaller
         tiles read the head's keys once per tile, but give more tasks)."""
+        workload = as_workload(AttentionWorkload, workload)
         default = self.default_config(workload, target)
         cores = max(1, target.cores)
         tiles = [default.row_tile] + [t for t in (8, 4) if t < default.row_tile]
@@ -153,8 +158,9 @@ class DecodeRule:
     def partial_shapes(self, w, cfg):
         """Shapes of the two temporaries of partial results: O [partials, row_tile, padded
         d] and (m, l) [partials, 2, row_tile]."""
+        w = as_workload(AttentionWorkload, w)
         n = decode_layout(w, cfg)["partials"]
-        return (n, cfg.row_tile, w["head_dim_padded"]), (n, 2, cfg.row_tile)
+        return (n, cfg.row_tile, w.head_dim_padded), (n, 2, cfg.row_tile)
 
 
 @dataclass(frozen=True)
@@ -182,17 +188,18 @@ def _chunks(d, lanes):
 
 
 def build_cache_append(w, cfg):
-    B, S, G, d, DP = w["batch"], w["seq"], w["kv_heads"], w["head_dim"], w["head_dim_padded"]
-    N, PW = w["cache"], w["panel"]
-    NP, M = w["qkv_width"] // PW, w["rows"]
+    w = as_workload(AttentionWorkload, w)
+    B, S, G, d, DP = w.batch, w.seq, w.kv_heads, w.head_dim, w.head_dim_padded
+    N, PW = w.cache, w.panel
+    NP, M = w.qkv_width // PW, w.rows
     scalars = ()
-    if w.get("symbolic"):      # the call's number of new tokens (symbolic-length builds)
+    if w.symbolic:      # the call's number of new tokens (symbolic-length builds)
         scalars = B, S = call_scalars()
-        M = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
-    K_BASE, V_BASE = w["k_base"], w["v_base"]
+        M = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
+    K_BASE, V_BASE = w.k_base, w.v_base
     LN = cfg.lanes
     NCH, TAIL = _chunks(d, LN)
-    CD = w.get("cache_dtype", "float32")
+    CD = w.cache_dtype
     assert PW % LN == 0 and DP % LN == 0 and K_BASE % LN == 0 and V_BASE % LN == 0
 
     def stored(value):
@@ -257,10 +264,11 @@ def build_decode(w, cfg, registers=16, flush=False):
     """The decode attention PrimFunc (qkv, cache_lens, k_cache, v_cache, part_o, part_ml,
     att) for workload w; registers: the target's vector registers; flush: the workers run
     with denormals flushed to zero (x86: denormals.py)."""
-    H, G, d = w["heads"], w["kv_heads"], w["head_dim"]
-    DP, N, PW = w["head_dim_padded"], w["cache"], w["panel"]
-    NP, M, MA = w["qkv_width"] // PW, w["rows"], w["att_rows"]
-    Q_BASE, HD, GROUP = w["q_base"], H * d, H // G
+    w = as_workload(AttentionWorkload, w)
+    H, G, d = w.heads, w.kv_heads, w.head_dim
+    DP, N, PW = w.head_dim_padded, w.cache, w.panel
+    NP, M, MA = w.qkv_width // PW, w.rows, w.att_rows
+    Q_BASE, HD, GROUP = w.q_base, H * d, H // G
     L = decode_layout(w, cfg)
     R, NRT, NG, NP_MAX = L["rows"], L["n_row_tiles"], L["groups"], L["partials"]
     RT, C, KB, LN = cfg.row_tile, cfg.workers, cfg.kv_block, cfg.lanes
@@ -268,11 +276,11 @@ def build_decode(w, cfg, registers=16, flush=False):
     QCH = DP // LN    # vectors of an O row (rows go a vector at a time: see rescaled_row)
     ROW_LANES = rows_in_lanes(RT, LN)
     JU = keys_in_flight(RT, LN, registers, KB)
-    CD = w.get("cache_dtype", "float32")
+    CD = w.cache_dtype
     assert KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and Q_BASE % LN == 0
-    c_log2e = f32(w["scale"] * LOG2E)
+    c_log2e = f32(w.scale * LOG2E)
     neg_inf, zero = f32(float("-inf")), f32(0.0)
-    mask = w.get("mask")
+    mask = w.mask
     # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
     # a prompt's tile skips the blocks above the diagonal, as the prefill template does
     causal = mask is not None and any(p == ex.causal() for p in conjuncts(mask))
@@ -283,7 +291,7 @@ def build_decode(w, cfg, registers=16, flush=False):
         R = GROUP * S
         NRT = (R + RT - 1) // RT
         NG = B * G * NRT
-        M = MA = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
+        M = MA = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
 
     assert LN in (4, 8, 16), LN
 
