@@ -67,13 +67,13 @@ def key_block_macro(k, rules):
 
 def edge_macros(k, rules):
     """(transpose_values, copy_queries, finish) for layout k and the workload's ScoreRules."""
+    return transpose_values_macro(k, rules), copy_queries_macro(k), finish_macro(k)
+
+
+def transpose_values_macro(k, rules):
+    """transpose_values: AMX's V^T, once a call."""
     key_row = rules.key_row
-    q_word = k.q_word
-    B, S, G, KV_LEN, NKT, d, DP, PW = k.B, k.S, k.G, k.KV_LEN, k.NKT, k.d, k.DP, k.PW
-    MQ, LN, NP, M, Q_BASE, V_BASE = k.MQ, k.LN, k.NP, k.M, k.Q_BASE, k.V_BASE
-    QT_PAIRS, QT_SHUFFLE, QT_TRANSPOSE, QW, NW, NB = (k.QT_PAIRS, k.QT_SHUFFLE, k.QT_TRANSPOSE,
-                                                      k.QW, k.NW, k.NB)
-    AMX, c_log2e, zero = k.AMX, k.c_log2e, k.zero
+    B, G, KV_LEN, NKT, DP, PW, V_BASE = k.B, k.G, k.KV_LEN, k.NKT, k.DP, k.PW, k.V_BASE
 
     @T.macro
     def transpose_values(kv, vt):
@@ -99,6 +99,17 @@ def edge_macros(k, rules):
                         "int32", TRANSPOSE_32_I16, vt.data,
                         T.Cast("int64", t) * (DP * 32) + cp * 32 * 32, T.int64(64),
                         v_pad.data, T.int64(0), T.int64(64)))
+
+    return transpose_values
+
+
+def copy_queries_macro(k):
+    """copy_queries: the task's Q^T."""
+    q_word = k.q_word
+    S, DP, PW, MQ, LN, NP, M, Q_BASE = k.S, k.DP, k.PW, k.MQ, k.LN, k.NP, k.M, k.Q_BASE
+    QT_PAIRS, QT_SHUFFLE, QT_TRANSPOSE, QW, NW, NB = (k.QT_PAIRS, k.QT_SHUFFLE, k.QT_TRANSPOSE,
+                                                      k.QW, k.NW, k.NB)
+    c_log2e = k.c_log2e
 
     @T.macro
     def copy_queries(qkv, q_t, q_t32, b, h, q0):
@@ -132,6 +143,13 @@ def edge_macros(k, rules):
                     q_dst[NB + ct, i] = q_word(q_src, h, NB + ct,
                                                b * S + T.min(q0 + i, S - 1), True)
 
+    return copy_queries
+
+
+def finish_macro(k):
+    """finish: out = O / l."""
+    S, d, DP, MQ, AMX, zero = k.S, k.d, k.DP, k.MQ, k.AMX, k.zero
+
     @T.macro
     def finish(o_buf, o_rows, l_buf, vec, out, b, h, q0):
         if AMX:   # O^T's rows of queries into rows of head columns
@@ -148,7 +166,7 @@ def edge_macros(k, rules):
                 for j in range(d):
                     out[b * S + q0 + i, h * d + j] = o_final[i, j] * vec[0, 0]
 
-    return transpose_values, copy_queries, finish
+    return finish
 
 
 def body_macro(k, rules):

@@ -18,12 +18,32 @@ from mhagen.schedules.x86.bf16_dot import DOT
 
 def score_macros(k, rules):
     """s_tiles for layout k (KernelLayout) and the workload's ScoreRules."""
+    vector_tile, amx_tile = vector_tile_macro(k, rules), amx_tile_macro(k, rules)
+    MQ, NR, AMX = k.MQ, k.NR, k.AMX
+
+    @T.macro
+    def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
+                q_t32, k_pad):
+        # one row of S^T register tiles (MR keys from k0 + jo MR, every query tile):
+        # S^T = K Q^T in log2 units; the write-back masks and takes the running max.
+        # clamp: the tile runs past the last key (its key rows clamped, its scores masked)
+        for io in range(MQ // NR):
+            if AMX:
+                amx_tile(masked, clamp, kv, lens, s_buf, m_new, b, h, g, q0, k0, jo, io,
+                         q_t32, k_pad)
+            else:
+                vector_tile(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0,
+                            jo, io, kv32, q_t32)
+
+    return s_tiles
+
+
+def vector_tile_macro(k, rules):
+    """vector_tile: an S^T register tile in vector registers."""
     masked_max = mask_macros(k, rules)
     key_row = rules.key_row
     k_at, k_pair = k.k_at, k.k_pair
-    MQ, MR, NR, LN, d, CW = k.MQ, k.MR, k.NR, k.LN, k.d, k.CW
-    K_BASE, DP, PW = k.K_BASE, k.DP, k.PW
-    PAIRS, AMX, LATE_SCALE, zero = k.PAIRS, k.AMX, k.LATE_SCALE, k.zero
+    MR, NR, LN, d, CW, PAIRS, zero = k.MR, k.NR, k.LN, k.d, k.CW, k.PAIRS, k.zero
 
     @T.macro
     def vector_tile(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, io,
@@ -53,6 +73,16 @@ def score_macros(k, rules):
             for ii in T.vectorized(NR):
                 masked_max(masked, s_buf, m_new, acc[jj, ii], lens, b, h, q0, k0, jo, io, jj,
                            ii)
+
+    return vector_tile
+
+
+def amx_tile_macro(k, rules):
+    """amx_tile: an S^T tile on AMX, written back from s_buf."""
+    masked_max = mask_macros(k, rules)
+    key_row = rules.key_row
+    MQ, MR, NR, d, CW, K_BASE, DP, PW = k.MQ, k.MR, k.NR, k.d, k.CW, k.K_BASE, k.DP, k.PW
+    LATE_SCALE = k.LATE_SCALE
 
     @T.macro
     def amx_tile(masked, clamp, kv, lens, s_buf, m_new, b, h, g, q0, k0, jo, io, q_t32,
@@ -87,18 +117,4 @@ def score_macros(k, rules):
                     m_new[io * NR + ii] = T.max(m_new[io * NR + ii],
                                                 s_buf[jo * MR + jj, io * NR + ii])
 
-    @T.macro
-    def s_tiles(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0, jo, kv32,
-                q_t32, k_pad):
-        # one row of S^T register tiles (MR keys from k0 + jo MR, every query tile):
-        # S^T = K Q^T in log2 units; the write-back masks and takes the running max.
-        # clamp: the tile runs past the last key (its key rows clamped, its scores masked)
-        for io in range(MQ // NR):
-            if AMX:
-                amx_tile(masked, clamp, kv, lens, s_buf, m_new, b, h, g, q0, k0, jo, io,
-                         q_t32, k_pad)
-            else:
-                vector_tile(masked, clamp, kv, lens, q_t, s_buf, m_new, acc, b, h, g, q0, k0,
-                            jo, io, kv32, q_t32)
-
-    return s_tiles
+    return amx_tile
