@@ -17,6 +17,11 @@ Finally out = O / l (a row that saw no key gives 0). Shared memory: Q, K^T, V, P
 the partial max and sum (rows padded by one float against bank conflicts); the config keeps
 it within the target's max_shared_memory_per_block. Same kernel signature and block table
 (0 skip / 1 partial / 2 full) as the CPU template, so the program is target-neutral.
+
+By stage: cuda_layout (CudaLayout, the typed record); key_block_macro (K^T and V into shared
+memory, S, the mask, softmax and rescale of rows.py, P V); body_macro (blocks, the Q tile,
+the key blocks the table keeps, the write-out); build_attention (the entry). float16 layers
+run attention_tc.py.
 """
 from __future__ import annotations
 

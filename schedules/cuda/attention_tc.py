@@ -18,6 +18,11 @@ S, P, the P V scratch and the row partials in static buffers of their own, at mo
 softmax stays out of it). Together above 48 KiB, the kernel opts in (the launch table carries
 both sizes, libmha.so sets the attribute) up to the GPU's limit. Float16 only: TVM's WMMA
 codegen has no bfloat16 fragments, so bfloat16 layers keep the float32 template.
+
+By stage: tc_layout (TcLayout, the typed record); product_macros (the K and V tiles into
+shared memory, S = Q K^T and O += P V on tensor cores); key_block_macro (a key block: those
+and the float32 template's mask, softmax and rescale, rows.py); body_macro (blocks, the Q
+tile, the key blocks the table keeps, the write-out); build_attention_tc (the entry).
 """
 from __future__ import annotations
 

@@ -25,11 +25,11 @@ Finally out = O / l (a row that saw no key gives 0). Memory per task: q_tile x (
 time from the mask expression, like FlexAttention's BlockMask) marks each (query tile, key
 block) as 0 skip, 1 partial (apply the mask), 2 full (no mask work): causal masks skip about
 half the blocks.
-bfloat16 pairs (work["pairs"], targets with AVX-512 BF16): qkv is bfloat16; Q^T is copied
+bfloat16 pairs (w.pairs, targets with AVX-512 BF16): qkv is bfloat16; Q^T is copied
 unscaled as int32 pairs of head columns and the write-back applies the scale; S^T = K Q^T
 and P V run on vdpbf16ps (bf16_dot), P packed into pairs of keys in bfloat16 and the block's
 V rows zipped likewise; the softmax stays float32.
-AMX tiles (work["amx"], AMX-BF16 targets, head_dim whole 32s: amx.py): qkv is bfloat16, Q^T
+AMX tiles (w.amx, AMX-BF16 targets, head_dim whole 32s: amx.py): qkv is bfloat16, Q^T
 is copied as for pairs; S^T runs on tiles of 32 x 32 (key tiles and query tiles of 32), its
 write-back reads the stored tile; P V runs as O^T = V^T P^T: the softmax's bfloat16 pairs
 of P^T are its B tiles as packed, V^T its A tiles (the kernel's first parallel loop
@@ -38,6 +38,16 @@ P V accumulates into it and turned back into rows at the task's end.
 Pairs and AMX: the softmax writes P^T straight into bfloat16 pairs; without a score
 modifier the scores stay unscaled until the softmax's exponent (LATE_SCALE). AVX-512: 2^t
 on LLVM IR helpers (fast_math.EXP2_16: vreduceps, a polynomial, vscalefps).
+
+The template by stage, one file each (as FlashAttention 3's hopper/ kernel):
+  attention.py           the rule (AttentionRule) and build_attention, the entry
+  attention_tiles.py     config, register tiles and the default tiles' heuristics
+  attention_layout.py    KernelLayout: the typed record every stage reads
+  attention_scores.py    S^T = K Q^T in register tiles or on AMX
+  attention_mask.py      the mask, the score modifier and the running max on write-back
+  attention_softmax.py   the online softmax
+  attention_values.py    P V (register tiles, bfloat16 pairs, AMX)
+  attention_kernel.py    the main loop: tasks, Q^T, key blocks, out = O / l
 """
 from dataclasses import replace
 

@@ -27,6 +27,14 @@ attention     a decode step has one query per head (or a few: S new tokens x the
               it from L1): the step is bound by reading the cache.
 Positions are absolute: query t of row b is at q_idx = cache_lens[b] + t; every score goes
 through the mask (no block table: the cache length is known only per call).
+
+The templates by stage, one file each:
+  decode.py          the rules (DecodeRule, CacheAppendRule), build_decode, cache_append
+  decode_tiles.py    config, the split into groups and partials, the default's heuristics
+  decode_params.py   DecodeParams: the typed record every stage reads
+  decode_rows.py     row primitives: lane reductions, dot products, O-row updates
+  decode_blocks.py   a key block's scores, softmax and values (rows in lanes, or not)
+  decode_kernel.py   pieces, workers' shares, the merge of partials, the PrimFunc
 """
 from __future__ import annotations
 

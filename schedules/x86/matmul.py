@@ -9,6 +9,11 @@ Inside a task: a tile_rows x tile_cols accumulator in registers (rows unrolled, 
 vectorised), k innermost-but-two. Elementwise epilogues that follow (bias, scale, mask) are
 folded into the tile's write-back, so they cost no extra pass over memory.
 The measurements behind the tiles and blocks: benchmarks/PERFORMANCE.md, Schedule decisions.
+
+By stage: packed_config (the packed GEMM's default tiles and blocks); packed_loops and
+row_blocks (its loops tiled, the parallel loop); batched_loops (the unfused matmul's);
+write_back (the accumulator tile and the epilogues folded into its write-back);
+amx_products and vector_products (the register tile's products).
 """
 from dataclasses import dataclass
 
