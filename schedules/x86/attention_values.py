@@ -18,10 +18,13 @@ from mhagen.schedules.x86.bf16_dot import DOT, ZIP
 
 def value_macros(k, rules):
     """(zip_values, add_values) for layout k (KernelLayout) and the workload's ScoreRules."""
+    return zip_values_macro(k, rules), add_values_macro(k, rules)
+
+
+def pv_tile_macro(k, rules):
+    """pv_tile: one P V register tile."""
     key_row = rules.key_row
-    MQ, DP, PW, LN, NV, V_BASE = k.MQ, k.DP, k.PW, k.LN, k.NV, k.V_BASE
-    G, NKT, PAIRS, AMX = k.G, k.NKT, k.PAIRS, k.AMX
-    PV_TILES, PV_ROWS, PV_BIG = k.PV_TILES, k.PV_ROWS, k.PV_BIG
+    DP, PW, LN, NV, V_BASE, PAIRS = k.DP, k.PW, k.LN, k.NV, k.V_BASE, k.PAIRS
 
     @T.macro
     def pv_tile(rows, r0, co, n_keys, n_pairs, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32,
@@ -50,6 +53,14 @@ def value_macros(k, rules):
             for cc in T.vectorized(NV):
                 o_buf[r0 + ii, co * NV + cc] = acc_o[ii, cc]
 
+    return pv_tile
+
+
+def zip_values_macro(k, rules):
+    """zip_values: bfloat16 pairs of V rows."""
+    key_row = rules.key_row
+    DP, PW, LN, V_BASE = k.DP, k.PW, k.LN, k.V_BASE
+
     @T.macro
     def zip_values(cut, n_zipped, kv32, v32, b, g, k0):
         # V's rows in pairs of keys (zipped; the pairs past the last key read clamped rows)
@@ -62,6 +73,15 @@ def value_macros(k, rules):
                     kv32[(V_BASE + g * DP + c16 * LN) // PW,
                          key_row(b, k0 + 2 * j2 + 1, cut),
                          T.ramp((V_BASE + g * DP + c16 * LN) % PW // 2, 1, LN // 2)])
+
+    return zip_values
+
+
+def add_values_macro(k, rules):
+    """add_values: the block's P V, on AMX tiles or in PV_TILES register tiles."""
+    pv_tile = pv_tile_macro(k, rules)
+    MQ, DP, NV, G, NKT, AMX = k.MQ, k.DP, k.NV, k.G, k.NKT, k.AMX
+    PV_TILES, PV_ROWS, PV_BIG = k.PV_TILES, k.PV_ROWS, k.PV_BIG
 
     @T.macro
     def add_values(n_keys, n_pairs, n_rows, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32,
@@ -91,4 +111,4 @@ def value_macros(k, rules):
                     pv_tile(PV_ROWS, PV_BIG * (PV_ROWS + 1) + io * PV_ROWS, co, n_keys, n_pairs,
                             kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32)
 
-    return zip_values, add_values
+    return add_values
