@@ -117,11 +117,11 @@ class ElementwiseWorkload(_Fields):
     scalar: bool = False
 
 
-def as_workload(cls, workload):
+def as_workload(cls, workload, **defaults):
     """`workload` as a `cls` (one of the classes above): itself if it is one already, else the
-    class built from a lowering's dict of its fields (the dicts go once lowering makes the
-    classes itself)."""
-    return workload if isinstance(workload, cls) else cls(**workload)
+    class built from a dict of its fields, `defaults` filling fields the dict lacks (as the
+    rules' dict reads did). The dicts go once lowering makes the classes itself."""
+    return workload if isinstance(workload, cls) else cls(**{**defaults, **workload})
 
 
 def gemm_workload(workload):
@@ -129,4 +129,6 @@ def gemm_workload(workload):
     batched matmul's."""
     if isinstance(workload, (GemmWorkload, MatmulWorkload)):
         return workload
-    return GemmWorkload(**workload) if "panel" in workload else MatmulWorkload(**workload)
+    if "panel" in workload:   # a dict: rows, cols and depth default as the rule read them
+        return as_workload(GemmWorkload, workload, rows=0, cols=0, depth=1)
+    return MatmulWorkload(**workload)
