@@ -10,35 +10,37 @@ from mhagen.blockmask import FULL, PARTIAL, SKIP
 from mhagen.lower.te import (LN2, LOG2E, call_scalars, mask_to_tir, score_table_buffers,
                              score_to_tir)
 from mhagen.schedules.tvmscript import cheap_stack
+from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class ScoreRules:
     """Python helpers the TIR templates call while they are parsed."""
 
     def __init__(self, w, math=None):
+        w = as_workload(AttentionWorkload, w)
         self.math = math     # vectorisable tanh/exp for score modifiers (score_to_tir)
         # symbolic-length builds: the call's batch and seq are scalar arguments (free vars
         # while the template is parsed, made parameters by attention_entry / with_scalars)
-        self.symbolic = bool(w.get("symbolic"))
+        self.symbolic = bool(w.symbolic)
         if self.symbolic:
-            self.scalars = call_scalars(bool(w.get("cross")))
+            self.scalars = call_scalars(bool(w.cross))
             self.batch, self.seq = self.scalars[:2]
         else:
-            self.batch, self.seq = w["batch"], w["seq"]
+            self.batch, self.seq = w.batch, w.seq
             self.scalars = ()
         # the keys' length: the context's in cross-attention, else the queries'
-        self.kv_seq = w.get("kv_seq") or self.seq
-        if self.symbolic and w.get("cross"):
+        self.kv_seq = w.kv_seq or self.seq
+        if self.symbolic and w.cross:
             self.kv_seq = self.scalars[2]
-        self.mask, self.score_mod = w.get("mask"), w.get("score_mod")
+        self.mask, self.score_mod = w.mask, w.score_mod
         # the modifier's large tables: the lowering's params (same names and shapes), free
         # buffers while the template is parsed, parameters after with_scalars
         self.tables = [(v, tirx.decl_buffer(b.shape, "float32", name=b.name))
                        for v, b in score_table_buffers(self.score_mod)]
         # block-table extents (templates without a table, as the decode one: 1)
-        self.table_batch, self.table_heads = w.get("table_batch", 1), w.get("table_heads", 1)
-        self.lengths = bool(w.get("lengths"))   # key lengths per batch row, given per call
-        self.skip_by_length = bool(w.get("skip_by_length"))   # the mask has kv_idx < kv_len
+        self.table_batch, self.table_heads = w.table_batch or 1, w.table_heads or 1
+        self.lengths = bool(w.lengths)   # key lengths per batch row, given per call
+        self.skip_by_length = bool(w.skip_by_length)   # the mask has kv_idx < kv_len
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         """The key exists and the mask keeps it. Prefill: keys kj < kv_seq (seq, or the

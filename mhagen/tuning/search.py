@@ -52,6 +52,7 @@ from mhagen.target import resolve
 from mhagen.tuning.apply import (_arguments, _prepared, kernel_hash, local_outputs,
                                  outputs_differ, trace_fields, versions)
 from mhagen.tuning.records import Database, Tuning, user_database_path
+from mhagen.workloads import AttentionWorkload, as_workload, gemm_workload
 
 
 @dataclass
@@ -668,7 +669,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         for k in program.kernels:
             gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
             fixed_by = next((how for s in gemms for key, how in (
-                ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if s.workload.get(key)), None)
+                ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if getattr(gemm_workload(s.workload), key, False)), None)
             if fixed_by:
                 # vdpbf16ps GEMMs (schedules/x86/bf16_dot.py), AMX ones (amx.py):
                 # MetaSchedule's generic space cannot express their tensor intrinsics, so
@@ -896,7 +897,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
         # every candidate with its own block table (and the full key lengths, if any)
         fixed.append({} if decoding else
                      {k.args.index("blocks"): program.buffers["blocks"].make(None)})
-    full = kernel.workload["cache"] - shape[1] if decoding else shape[1]
+    full = as_workload(AttentionWorkload, kernel.workload).cache - shape[1] if decoding else shape[1]
     for i, a in enumerate(kernel.args):
         if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32":
             for f in fixed:

@@ -17,6 +17,11 @@ Finally out = O / l (a row that saw no key gives 0). Shared memory: Q, K^T, V, P
 the partial max and sum (rows padded by one float against bank conflicts); the config keeps
 it within the target's max_shared_memory_per_block. Same kernel signature and block table
 (0 skip / 1 partial / 2 full) as the CPU template, so the program is target-neutral.
+
+By stage: cuda_layout (CudaLayout, the typed record); key_block_macro (K^T and V into shared
+memory, S, the mask, softmax and rescale of rows.py, P V); body_macro (blocks, the Q tile,
+the key blocks the table keeps, the write-out); build_attention (the entry). float16 layers
+run attention_tc.py.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda import attention_tc
 from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
+from mhagen.workloads import AttentionWorkload, as_workload
 
 ROWS_PER_THREAD, COL_THREADS = RT, CT   # query rows a thread owns; threads across a row
 FLOAT = 4
@@ -74,33 +80,38 @@ class CudaAttentionRule:
     @staticmethod
     def tensor_cores(workload) -> bool:
         """float16 layers run schedules/cuda/attention_tc.py (WMMA)."""
-        return workload.get("temp_dtype") == "float16"
+        workload = as_workload(AttentionWorkload, workload)
+        return workload.temp_dtype == "float16"
 
     def _fits(self, cfg, workload, target) -> bool:
+        workload = as_workload(AttentionWorkload, workload)
         if self.tensor_cores(workload):
             return attention_tc.fits(cfg, workload, target)
         t = target.tvm_target_dict()
-        return (shared_bytes(cfg, workload["head_dim_padded"])
+        return (shared_bytes(cfg, workload.head_dim_padded)
                 <= t["max_shared_memory_per_block"]
                 and threads(cfg) <= t["max_threads_per_block"])
 
     def candidates(self, workload, target) -> list:
         """Configs that fit the target's shared memory and threads, largest tiles first;
         tiles much longer than the sequence are left out (unless nothing else fits)."""
+        workload = as_workload(AttentionWorkload, workload)
         tiles = attention_tc.TILES if self.tensor_cores(workload) else TILES
         fit = [CudaAttentionConfig(q, k) for q, k in tiles
                if self._fits(CudaAttentionConfig(q, k), workload, target)]
-        short = [c for c in fit if c.q_tile <= round_up(workload["seq"], 16)]
+        short = [c for c in fit if c.q_tile <= round_up(workload.seq, 16)]
         return short or fit
 
     def default_config(self, workload, target):
+        workload = as_workload(AttentionWorkload, workload)
         found = self.candidates(workload, target)
         if not found:
-            raise ValueError(f"head_dim {workload['head_dim']}: no attention tile fits "
+            raise ValueError(f"head_dim {workload.head_dim}: no attention tile fits "
                              f"{target.name}'s shared memory")
         return found[0]
 
     def make_config(self, values: dict, target, workload) -> CudaAttentionConfig:
+        workload = as_workload(AttentionWorkload, workload)
         cfg = CudaAttentionConfig(int(values["q_tile"]), int(values["kv_block"]))
         if (cfg.q_tile < ROWS_PER_THREAD or cfg.q_tile % ROWS_PER_THREAD
                 or cfg.kv_block < COL_THREADS or cfg.kv_block % COL_THREADS
@@ -117,30 +128,71 @@ class CudaAttentionRule:
         return build_attention(w, cfg)
 
 
-def build_attention(w, cfg):
-    """The attention PrimFunc for workload w (see mhagen/lower/fused.py for its fields)."""
-    B, S, H, G, d = w["batch"], w["seq"], w["heads"], w["kv_heads"], w["head_dim"]
-    DP = w["head_dim_padded"]
+@dataclass(frozen=True)
+class CudaLayout:
+    """The float32 template's sizes in its TIR's short names."""
+    B: int
+    S: int
+    H: int
+    GROUP: int
+    DP: int
+    HD: int
+    MQ: int              # queries a block
+    KB: int              # keys a block of the online softmax
+    NT: int              # threads a block
+    SC: int              # scores a thread row
+    OC: int              # output columns a thread row
+    NQT: int
+    NKB: int
+    PW: int              # qkv is [NP, M, PW] (columns / PW); att [MA, HD]
+    NP: int
+    M: int
+    MA: int
+    Q_BASE: int          # in columns
+    K_BASE: int
+    V_BASE: int
+    TB: int
+    TH: int
+    Q_LOADS: int         # loads a thread of the Q tile, of a K or V tile
+    KV_LOADS: int
+    c_log2e: object
+    zero: object
+    TEMP: str            # qkv's and out's dtype (a half layer's: fp16/bf16)
+
+
+def cuda_layout(w, cfg) -> CudaLayout:
+    """The layout of workload w (typed) under cfg."""
+    B, S, H, G, d = w.batch, w.seq, w.heads, w.kv_heads, w.head_dim
+    DP = w.head_dim_padded
     MQ, KB = cfg.q_tile, cfg.kv_block
     NT = threads(cfg)
-    SC, OC = KB // CT, DP // CT           # scores and output columns per thread row
     assert MQ % RT == 0 and KB % CT == 0 and DP % CT == 0, (MQ, KB, DP)
-    NQT, NKB = -(-S // MQ), -(-S // KB)
-    GROUP = H // G
-    PW, HD = w["panel"], H * d            # qkv is [columns / PW, M, PW]
-    NP = w["qkv_width"] // PW
-    Q_BASE, K_BASE, V_BASE = w["q_base"], w["k_base"], w["v_base"]   # in columns
-    TB, TH = w["table_batch"], w["table_heads"]
-    M = w.get("rows", B * S)
-    MA = w.get("att_rows", M)
-    Q_LOADS, KV_LOADS = -(-MQ * DP // NT), -(-KB * DP // NT)
-    c_log2e = T.float32(w["scale"] * LOG2E)
-    zero = T.float32(0.0)
-    TEMP = w.get("temp_dtype", "float32")   # qkv's and out's dtype (a half layer's: fp16/bf16)
+    return CudaLayout(
+        B=B, S=S, H=H, GROUP=H // G, DP=DP, HD=H * d, MQ=MQ, KB=KB, NT=NT, SC=KB // CT,
+        OC=DP // CT, NQT=-(-S // MQ), NKB=-(-S // KB), PW=w.panel, NP=w.qkv_width // w.panel,
+        M=w.rows, MA=w.att_rows, Q_BASE=w.q_base, K_BASE=w.k_base, V_BASE=w.v_base,
+        TB=w.table_batch, TH=w.table_heads, Q_LOADS=-(-MQ * DP // NT),
+        KV_LOADS=-(-KB * DP // NT), c_log2e=T.float32(w.scale * LOG2E), zero=T.float32(0.0),
+        TEMP=w.temp_dtype)
 
+
+def build_attention(w, cfg):
+    """The attention PrimFunc for workload w (see mhagen/workloads.py for its fields)."""
+    w = as_workload(AttentionWorkload, w)
+    k = cuda_layout(w, cfg)
     rules = ScoreRules(w)
-    key_row, tb, th = rules.key_row, rules.tb, rules.th
-    row = RowMacros(w, rules, SC, OC)
+    row = RowMacros(w, rules, k.SC, k.OC)
+    return attention_entry(body_macro(k, rules, row), rules, (k.NP, k.M, k.PW),
+                           (k.TB, k.TH, k.NQT, k.NKB), k.B, (k.MA, k.HD), dtype=k.TEMP)
+
+
+def key_block_macro(k, rules, row):
+    """key_block for layout k (CudaLayout), the workload's ScoreRules and the RowMacros: K^T
+    and V into shared memory, S = Q K^T in registers, the mask, softmax and rescale
+    (rows.py), O += P V."""
+    key_row = rules.key_row
+    KV_LOADS, NT, KB, DP, SC, OC = k.KV_LOADS, k.NT, k.KB, k.DP, k.SC, k.OC
+    K_BASE, V_BASE, PW, zero = k.K_BASE, k.V_BASE, k.PW, k.zero
 
     @T.macro
     def key_block(masked, qkv, lens, q_s, k_s, v_s, p_s, max_s, sum_s, acc_s, acc_o, st, red,
@@ -175,6 +227,19 @@ def build_attention(w, cfg):
                     acc_o[i, j] = acc_o[i, j] + p_s[row_group * RT + i, k] * v_s[k, lane_col + CT * j]
         # the next key block overwrites K, V, P and the row partials
         T.tvm_storage_sync("shared")
+
+    return key_block
+
+
+def body_macro(k, rules, row):
+    """The kernel's body(qkv, kv, blocks, lens, out): one block per (batch row, head, query
+    tile), the Q tile loaded once (scaled to log2 units), then the key blocks the block
+    table keeps."""
+    key_block = key_block_macro(k, rules, row)
+    tb, th = rules.tb, rules.th
+    B, H, NQT, NKB, NT, MQ, KB, SC, OC, GROUP = (k.B, k.H, k.NQT, k.NKB, k.NT, k.MQ, k.KB, k.SC,
+                                                 k.OC, k.GROUP)
+    Q_LOADS, DP, Q_BASE, PW, S, c_log2e = k.Q_LOADS, k.DP, k.Q_BASE, k.PW, k.S, k.c_log2e
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):   # kv: qkv itself (no cross-attention on CUDA)
@@ -211,5 +276,4 @@ def build_attention(w, cfg):
                           red, b, h, g, q0, kb * KB, tid, row_group, lane_col)
         row.write_out(out, st, red, acc_o, b, h, q0, row_group, lane_col)
 
-    return attention_entry(body, rules, (NP, M, PW), (TB, TH, NQT, NKB), B, (MA, HD),
-                           dtype=TEMP)
+    return body

@@ -12,6 +12,7 @@ from tvm.script import tirx as T
 
 from mhagen.program import round_up
 from mhagen.schedules.x86.rotary import rotary_layout
+from mhagen.workloads import AttentionWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,15 @@ class CudaRotaryRule:
 
 
 def build_rotary(w, cfg):
-    B, S = w["batch"], w["seq"]
+    w = as_workload(AttentionWorkload, w)
+    B, S = w.batch, w.seq
     BASE, SLOTS, DP, RD, HALF = rotary_layout(w)
-    PW = w["panel"]
-    NP, M = w["qkv_width"] // PW, w["rows"]
+    PW = w.panel
+    NP, M = w.qkv_width // PW, w.rows
     NT = cfg.threads
     PAIRS = SLOTS * HALF
     LOOPS = -(-PAIRS // NT)
-    TEMP = w.get("temp_dtype", "float32")   # qkv's dtype (a half layer's: fp16/bf16)
+    TEMP = w.temp_dtype   # qkv's dtype (a half layer's: fp16/bf16)
 
     @T.prim_func
     def rotary(qkv: T.Buffer((NP, M, PW), TEMP),

@@ -1,6 +1,8 @@
 """Injective stages (transposes, concat, unfused epilogues) and the Fallback that always applies."""
 from dataclasses import dataclass
 
+from mhagen.workloads import ElementwiseWorkload, as_workload
+
 
 @dataclass(frozen=True)
 class ElementwiseConfig:
@@ -30,7 +32,7 @@ class ElementwiseRule:
             # both sides, past the end of one head's buffer) keep a scalar loop that LLVM
             # vectorises only where it is safe; wrong numbers at seq_len 1 otherwise.
             vector = fitting_vector(cfg.vector, int(sch.get(loops[-1]).extent))
-            if stage.workload.get("scalar"):
+            if as_workload(ElementwiseWorkload, stage.workload).scalar:
                 vector = 1
             if vector > 1:
                 sch.vectorize(sch.split(loops[-1], [None, vector])[1])

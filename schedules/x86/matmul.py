@@ -9,12 +9,18 @@ Inside a task: a tile_rows x tile_cols accumulator in registers (rows unrolled, 
 vectorised), k innermost-but-two. Elementwise epilogues that follow (bias, scale, mask) are
 folded into the tile's write-back, so they cost no extra pass over memory.
 The measurements behind the tiles and blocks: benchmarks/PERFORMANCE.md, Schedule decisions.
+
+By stage: packed_config (the packed GEMM's default tiles and blocks); packed_loops and
+row_blocks (its loops tiled, the parallel loop); batched_loops (the unfused matmul's);
+write_back (the accumulator tile and the epilogues folded into its write-back);
+amx_products and vector_products (the register tile's products).
 """
 from dataclasses import dataclass
 
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import (HELPERS, IMPORT, INTRIN as BF16_DOT,
                                           LANES as BF16_LANES)
+from mhagen.workloads import GemmWorkload, gemm_workload
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,23 @@ def core_blocks(tiles, panels, cores):
     return best if cost(best) < 0.95 * cost(tiles) else tiles
 
 
+@dataclass(frozen=True)
+class GemmLoops:
+    """The loops apply's stages hand on: the parallel loop (outer), the loop the write-back
+    goes under (tile), the row tile (ii), the reduction (k), the loops inside it (inner), and
+    where used the AMX depth blocks (kto, of `block` steps) and the bf16 pairs' vector split
+    (jv, jl)."""
+    outer: object
+    tile: object
+    ii: object
+    k: object = None
+    inner: tuple = ()
+    kto: object = None
+    block: int = 0
+    jv: object = None
+    jl: object = None
+
+
 class MatmulRule:
     name = "matmul"
 
@@ -171,176 +194,33 @@ class MatmulRule:
         # Accumulators take tile_rows * tile_cols / lanes vector registers; 4 stay free for
         # the A broadcast and the B loads. Packed (packed_tile): AVX-512 (32 regs, 16 lanes)
         # 12 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
+        workload = gemm_workload(workload)
+        if isinstance(workload, GemmWorkload):
+            return packed_config(workload, target)
         lanes, budget = target.lanes, target.vector_registers - 4
-        if "panel" in workload:
-            _, tile_cols = packed_tile(target, on_amx=bool(workload.get("amx")))
-            assert tile_cols == workload["panel"], (tile_cols, workload)
-            tile_rows, row_block, run_rows = packed_blocking(
-                target, workload.get("rows", 0), workload.get("depth", 1),
-                0 if workload.get("symbolic") else workload.get("cols", 0),
-                pairs=bool(workload.get("pairs")), on_amx=bool(workload.get("amx")))
-            # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
-            # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
-            # second, and one thread did most of the work. The panel-major GEMM splits the
-            # panels into a group per core, outermost (A then streams once a group); the
-            # row-major one (slower with groups, not explained) gives each block every n-th
-            # tile instead (apply). Measured: benchmarks/PERFORMANCE.md, Schedule decisions.
-            if workload.get("amx") and workload.get("symbolic"):
-                # TVM's tensorize does not match the AMX intrinsic under a row block of
-                # symbolic extent (an InternalError; the random AMX layers found batch 3 of
-                # up to 264 rows): one block, each panel task over every row tile
-                row_block = 1
-            panels, cores = workload.get("cols", 0) // tile_cols, target.cores
-            if workload.get("symbolic"):
-                groups = cores if row_block > 1 and workload.get("panel_major") else 1
-            else:
-                # exact builds: a group per core too where the (row block, panel) tasks
-                # split unevenly over the cores (AVX2, 512 rows: 86 tiles in blocks of 22,
-                # 22, 22, 20, and one of two threads runs 44 tiles per panel, not 43)
-                tiles = -(-run_rows // tile_rows)
-                groups = cores if row_block > 1 and most_tiles_a_thread(
-                    tiles, row_block, panels, cores) > 1.01 * tiles * panels / cores else 1
-            if groups < 2 or panels % groups:
-                groups = 1
-            tile_panels = 1
-            if tile_rows < packed_tile(target)[0] and not (workload.get("pairs")
-                                                           or workload.get("amx")):
-                tile_panels = few_rows_panels(tile_rows, panels, tile_cols // lanes,
-                                              target.vector_registers, cores)
-            return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
-                                panel_groups=groups, tile_panels=tile_panels)
-        cols = workload["cols"]
+        cols = workload.cols
         tile_cols = 2 * lanes if cols >= 2 * lanes and cols % (2 * lanes) == 0 else lanes
         while tile_cols > 1 and tile_cols > cols:   # never wider than the output
             tile_cols //= 2
-        tile_rows = max(1, min(8, budget * lanes // tile_cols, workload["rows"]))
+        tile_rows = max(1, min(8, budget * lanes // tile_cols, workload.rows))
         return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols)
 
     def apply(self, sch, stage, cfg, plan):
         blk = sch.get_sblock(stage.blocks[0])
         packs = self._pack_rows(sch, blk, plan)
         loops = sch.get_loops(blk)
-        pairs = stage.workload.get("pairs")   # reduction (k2, kp): bf16 dot products
-        tiles = stage.workload.get("amx")     # reduction (kt, k2, kp): AMX tiles
-        kto = None   # AMX depth blocks (amx.gemm_depth_block): a loop outside the row tiles
         if stage.pattern == "packed_matmul":
-            if pairs:
-                *loops, kp = loops
-            if tiles:
-                *loops, kt, k2, kp = loops
-                loops.append(kt)
-                block = amx.gemm_depth_block(plan.target, stage.workload["depth"],
-                                             bool(stage.workload.get("symbolic")))
-            if stage.workload.get("panel_major"):   # C[p, m, j]: tiles are one panel wide
-                jo, i, ji, k = loops
-                heads = stage.workload.get("head_panels")
-                if heads and cfg.tile_panels == 1:
-                    # QKV's panels head by head (Q, K, V of head 0, then of head 1, ...): a
-                    # core's contiguous share of the panel tasks then holds whole heads,
-                    # which the attention's tasks, split by head, read from its own cache
-                    sec, hh, pp = sch.split(jo, list(heads))
-                    sch.reorder(hh, sec, pp)
-                    jo = sch.fuse(hh, sec, pp)
-                io, ii = sch.split(i, [None, cfg.tile_rows])
-                if cfg.tile_panels > 1:
-                    jo, jp = sch.split(jo, [None, cfg.tile_panels])
-            else:
-                i, j, k = loops
-                io, ii = sch.split(i, [None, cfg.tile_rows])
-                if cfg.tile_panels > 1:
-                    jo, jp, ji = sch.split(j, [None, cfg.tile_panels, cfg.tile_cols])
-                else:
-                    jo, ji = sch.split(j, [None, cfg.tile_cols])
-            inner = [ii, jp, ji] if cfg.tile_panels > 1 else [ii, ji]
-            if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
-                jv, jl = sch.split(ji, [None, BF16_LANES])
-                inner = [ii, jv, jl, kp]
-            if tiles:   # the whole tile over the depth, or a block of it: the intrinsic
-                k, inner = ii, [ji, kt, k2, kp]
-                if block:   # (amx.gemm_depth_block)
-                    kto, kti = sch.split(kt, [None, block])
-                    inner = [ji, kti, k2, kp]
-            if cfg.row_block > 1:
-                # (row block, panel, row tile): a panel is reused by the block's row tiles,
-                # the block's rows of A stay in L2 across panels
-                if stage.workload.get("symbolic") and cfg.panel_groups == 1:
-                    # each of the n blocks takes every n-th tile of the call's, so every
-                    # block holds real rows whatever the call's length (see default_config)
-                    io, ib = sch.split(io, [cfg.row_block, None])
-                else:
-                    ib, io = sch.split(io, [None, cfg.row_block])
-                rows = [io] if kto is None else [kto, io]   # AMX depth blocks outside
-                if cfg.panel_groups > 1:
-                    jg, jo = sch.split(jo, [cfg.panel_groups, None])
-                    sch.reorder(jg, ib, jo, *rows, k, *inner)
-                    outer = sch.fuse(jg, ib, jo)
-                else:
-                    sch.reorder(ib, jo, *rows, k, *inner)
-                    outer = sch.fuse(ib, jo)
-            else:
-                rows = [io] if kto is None else [kto, io]
-                sch.reorder(jo, *rows, k, *inner)   # a weight panel stays in cache across rows
-                outer = jo
-            # a task runs its row tiles in order (see the write-back below); over depth
-            # blocks the write-back follows the task's last block
-            tile = outer if kto is not None else io
+            work = gemm_workload(stage.workload)
+            tiled = packed_loops(sch, loops, work, cfg, plan.target)
         else:
-            # Row tiles stay inside one batch entry: fusing b into the rows before splitting
-            # gives tiles that straddle two batches, which the write-back region gets wrong.
-            b, i, j, k = loops
-            io, ii = sch.split(i, [None, cfg.tile_rows])
-            jo, ji = sch.split(j, [None, cfg.tile_cols])
-            sch.reorder(b, io, jo, k, ii, ji)
-            outer = tile = sch.fuse(b, io, jo)   # (unfused graphs: a task a tile, as before)
-            sch.annotate(outer, denormals.TASK, 1)   # x86: P V reads flushed probabilities
-        sch.parallel(outer)
-        # The accumulator tile lives in registers ("local"); the elementwise consumers (bias,
-        # scale, mask) fold into one write-back placed under the tile, so they cost no extra
-        # pass over memory. The write-back is computed at the tile, not inlined into a copy
-        # of it: when the product runs over padded rows, TVM then guards the rows past the
-        # output's end (an inlined copy would store them out of bounds).
-        # A parallel task runs many tiles (a row block's tiles of one panel), not one: TVM
-        # gets a "local" buffer from TVMBackendAllocWorkspace at the start of the task's
-        # body, and with a task per tile every tile paid that call and the free (see
-        # benchmarks/PERFORMANCE.md, Schedule decisions).
-        absorbed, first = [], None
-        consumers = sch.get_consumers(blk)
-        while len(consumers) == 1:
-            nxt = plan.by_block.get(sch.get(consumers[0]).name_hint)
-            if nxt is None or nxt.pattern != "epilogue":
-                break
-            if first is None:
-                first = consumers[0]
-            else:
-                sch.reverse_compute_inline(consumers[0])
-            absorbed.append(nxt.name)
-            consumers = sch.get_consumers(first)
-        if first is None:
-            first = sch.cache_write(blk, 0, "local")
+            work = None
+            tiled = batched_loops(sch, loops, cfg)
+        sch.parallel(tiled.outer)
+        first, absorbed = write_back(sch, blk, tiled.tile, plan)
+        if work is not None and work.amx:
+            amx_products(sch, blk, first, tiled, work)
         else:
-            sch.set_scope(blk, 0, "local")
-        sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
-        if tiles:
-            init = sch.decompose_reduction(blk, kto if kto is not None else ii)
-            sch.tensorize(ii, amx.intrinsic(block, accumulate=True) if kto is not None else
-                          amx.intrinsic(stage.workload["depth"] // amx.DEPTH))
-            sch.annotate(outer, amx.TASK, 1)   # the tile configuration: with_task_config
-            sch.vectorize(sch.get_loops(init)[-1])
-            sch.vectorize(sch.get_loops(first)[-1])
-            return absorbed + packs
-        sch.unroll(ii)
-        if cfg.tile_panels > 1:
-            sch.unroll(inner[1])
-        if pairs:
-            init = sch.decompose_reduction(blk, k)
-            sch.tensorize(jl, BF16_DOT)
-            sch.unroll(jv)
-            sch.annotate(outer, IMPORT, HELPERS)   # the intrinsic's LLVM IR (bf16_dot.py)
-            sch.vectorize(sch.get_loops(init)[-1])
-        else:
-            sch.vectorize(ji)
-            sch.decompose_reduction(blk, k)
-        sch.vectorize(sch.get_loops(first)[-1])
+            vector_products(sch, blk, first, tiled, cfg, work is not None and work.pairs)
         return absorbed + packs
 
     @staticmethod
@@ -364,3 +244,188 @@ class MatmulRule:
                         sch.unroll(loops[3])
                 done.append(pack.name)
         return done
+
+
+def packed_config(workload, target):
+    """The packed GEMM's tiles (packed_tile, packed_blocking), row blocks and panel groups."""
+    _, tile_cols = packed_tile(target, on_amx=bool(workload.amx))
+    assert tile_cols == workload.panel, (tile_cols, workload)
+    tile_rows, row_block, run_rows = packed_blocking(
+        target, workload.rows, workload.depth, 0 if workload.symbolic else workload.cols,
+        pairs=bool(workload.pairs), on_amx=bool(workload.amx))
+    # A symbolic-length GEMM's row blocks are sized for its largest call: 128 rows
+    # (22 tiles) of a module for up to 2048 filled one block of 19 tiles and 3 of a
+    # second, and one thread did most of the work. The panel-major GEMM splits the
+    # panels into a group per core, outermost (A then streams once a group); the
+    # row-major one (slower with groups, not explained) gives each block every n-th
+    # tile instead (apply). Measured: benchmarks/PERFORMANCE.md, Schedule decisions.
+    if workload.amx and workload.symbolic:
+        # TVM's tensorize does not match the AMX intrinsic under a row block of
+        # symbolic extent (an InternalError; the random AMX layers found batch 3 of
+        # up to 264 rows): one block, each panel task over every row tile
+        row_block = 1
+    panels, cores = workload.cols // tile_cols, target.cores
+    if workload.symbolic:
+        groups = cores if row_block > 1 and workload.panel_major else 1
+    else:
+        # exact builds: a group per core too where the (row block, panel) tasks
+        # split unevenly over the cores (AVX2, 512 rows: 86 tiles in blocks of 22,
+        # 22, 22, 20, and one of two threads runs 44 tiles per panel, not 43)
+        tiles = -(-run_rows // tile_rows)
+        groups = cores if row_block > 1 and most_tiles_a_thread(
+            tiles, row_block, panels, cores) > 1.01 * tiles * panels / cores else 1
+    if groups < 2 or panels % groups:
+        groups = 1
+    tile_panels = 1
+    if tile_rows < packed_tile(target)[0] and not (workload.pairs or workload.amx):
+        tile_panels = few_rows_panels(tile_rows, panels, tile_cols // target.lanes,
+                                      target.vector_registers, cores)
+    return MatmulConfig(tile_rows=tile_rows, tile_cols=tile_cols, row_block=row_block,
+                        panel_groups=groups, tile_panels=tile_panels)
+
+
+def packed_loops(sch, loops, work, cfg, target):
+    """The packed GEMM's loops tiled: (row block, panel, row tile, k, rows, cols), the
+    reduction split as the bf16 pairs' (k2, kp) or AMX tiles' (kt, k2, kp) intrinsics want."""
+    pairs = work.pairs    # reduction (k2, kp): bf16 dot products
+    tiles = work.amx      # reduction (kt, k2, kp): AMX tiles
+    kto, block, jv, jl = None, 0, None, None   # AMX depth blocks: a loop outside the row tiles
+    if pairs:
+        *loops, kp = loops
+    if tiles:
+        *loops, kt, k2, kp = loops
+        loops.append(kt)
+        block = amx.gemm_depth_block(target, work.depth, bool(work.symbolic))
+    if work.panel_major:   # C[p, m, j]: tiles are one panel wide
+        jo, i, ji, k = loops
+        heads = work.head_panels
+        if heads and cfg.tile_panels == 1:
+            # QKV's panels head by head (Q, K, V of head 0, then of head 1, ...): a
+            # core's contiguous share of the panel tasks then holds whole heads,
+            # which the attention's tasks, split by head, read from its own cache
+            sec, hh, pp = sch.split(jo, list(heads))
+            sch.reorder(hh, sec, pp)
+            jo = sch.fuse(hh, sec, pp)
+        io, ii = sch.split(i, [None, cfg.tile_rows])
+        if cfg.tile_panels > 1:
+            jo, jp = sch.split(jo, [None, cfg.tile_panels])
+    else:
+        i, j, k = loops
+        io, ii = sch.split(i, [None, cfg.tile_rows])
+        if cfg.tile_panels > 1:
+            jo, jp, ji = sch.split(j, [None, cfg.tile_panels, cfg.tile_cols])
+        else:
+            jo, ji = sch.split(j, [None, cfg.tile_cols])
+    inner = [ii, jp, ji] if cfg.tile_panels > 1 else [ii, ji]
+    if pairs:   # each 16 columns of a row over one pair: the tensor intrinsic
+        jv, jl = sch.split(ji, [None, BF16_LANES])
+        inner = [ii, jv, jl, kp]
+    if tiles:   # the whole tile over the depth, or a block of it: the intrinsic
+        k, inner = ii, [ji, kt, k2, kp]
+        if block:   # (amx.gemm_depth_block)
+            kto, kti = sch.split(kt, [None, block])
+            inner = [ji, kti, k2, kp]
+    outer, io = row_blocks(sch, io, jo, kto, k, inner, cfg, work.symbolic)
+    # a task runs its row tiles in order (see the write-back below); over depth
+    # blocks the write-back follows the task's last block
+    return GemmLoops(outer=outer, tile=outer if kto is not None else io, ii=ii, k=k,
+                     inner=tuple(inner), kto=kto, block=block, jv=jv, jl=jl)
+
+
+def row_blocks(sch, io, jo, kto, k, inner, cfg, symbolic):
+    """The packed GEMM's parallel loop: (row block, panel) fused where rows are blocked,
+    else the panels; returns it and the row tiles' loop (within a block where blocked)."""
+    if cfg.row_block > 1:
+        # (row block, panel, row tile): a panel is reused by the block's row tiles,
+        # the block's rows of A stay in L2 across panels
+        if symbolic and cfg.panel_groups == 1:
+            # each of the n blocks takes every n-th tile of the call's, so every
+            # block holds real rows whatever the call's length (see default_config)
+            io, ib = sch.split(io, [cfg.row_block, None])
+        else:
+            ib, io = sch.split(io, [None, cfg.row_block])
+        rows = [io] if kto is None else [kto, io]   # AMX depth blocks outside
+        if cfg.panel_groups > 1:
+            jg, jo = sch.split(jo, [cfg.panel_groups, None])
+            sch.reorder(jg, ib, jo, *rows, k, *inner)
+            return sch.fuse(jg, ib, jo), io
+        sch.reorder(ib, jo, *rows, k, *inner)
+        return sch.fuse(ib, jo), io
+    rows = [io] if kto is None else [kto, io]
+    sch.reorder(jo, *rows, k, *inner)   # a weight panel stays in cache across rows
+    return jo, io
+
+
+def batched_loops(sch, loops, cfg):
+    """The unfused graphs' batched matmul: a task a tile."""
+    # Row tiles stay inside one batch entry: fusing b into the rows before splitting
+    # gives tiles that straddle two batches, which the write-back region gets wrong.
+    b, i, j, k = loops
+    io, ii = sch.split(i, [None, cfg.tile_rows])
+    jo, ji = sch.split(j, [None, cfg.tile_cols])
+    sch.reorder(b, io, jo, k, ii, ji)
+    outer = sch.fuse(b, io, jo)   # (unfused graphs: a task a tile, as before)
+    sch.annotate(outer, denormals.TASK, 1)   # x86: P V reads flushed probabilities
+    return GemmLoops(outer=outer, tile=outer, ii=ii, k=k, inner=(ii, ji))
+
+
+def write_back(sch, blk, tile, plan):
+    """The accumulator tile in registers and its write-back under `tile`, with the
+    element-wise epilogues that follow folded in; returns (the write-back block, the
+    epilogue stages it absorbed)."""
+    # The accumulator tile lives in registers ("local"); the elementwise consumers (bias,
+    # scale, mask) fold into one write-back placed under the tile, so they cost no extra
+    # pass over memory. The write-back is computed at the tile, not inlined into a copy
+    # of it: when the product runs over padded rows, TVM then guards the rows past the
+    # output's end (an inlined copy would store them out of bounds).
+    # A parallel task runs many tiles (a row block's tiles of one panel), not one: TVM
+    # gets a "local" buffer from TVMBackendAllocWorkspace at the start of the task's
+    # body, and with a task per tile every tile paid that call and the free (see
+    # benchmarks/PERFORMANCE.md, Schedule decisions).
+    absorbed, first = [], None
+    consumers = sch.get_consumers(blk)
+    while len(consumers) == 1:
+        nxt = plan.by_block.get(sch.get(consumers[0]).name_hint)
+        if nxt is None or nxt.pattern != "epilogue":
+            break
+        if first is None:
+            first = consumers[0]
+        else:
+            sch.reverse_compute_inline(consumers[0])
+        absorbed.append(nxt.name)
+        consumers = sch.get_consumers(first)
+    if first is None:
+        first = sch.cache_write(blk, 0, "local")
+    else:
+        sch.set_scope(blk, 0, "local")
+    sch.reverse_compute_at(first, tile, preserve_unit_loops=True)
+    return first, absorbed
+
+
+def amx_products(sch, blk, first, tiled, work):
+    """The row tile's products on AMX tiles (amx.intrinsic), over the depth or its blocks."""
+    ii, kto = tiled.ii, tiled.kto
+    init = sch.decompose_reduction(blk, kto if kto is not None else ii)
+    sch.tensorize(ii, amx.intrinsic(tiled.block, accumulate=True) if kto is not None else
+                  amx.intrinsic(work.depth // amx.DEPTH))
+    sch.annotate(tiled.outer, amx.TASK, 1)   # the tile configuration: with_task_config
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.vectorize(sch.get_loops(first)[-1])
+
+
+def vector_products(sch, blk, first, tiled, cfg, pairs):
+    """The register tile: rows unrolled, columns vectorised, or on bf16 pairs the
+    vdpbf16ps intrinsic (bf16_dot.py)."""
+    sch.unroll(tiled.ii)
+    if cfg.tile_panels > 1:
+        sch.unroll(tiled.inner[1])
+    if pairs:
+        init = sch.decompose_reduction(blk, tiled.k)
+        sch.tensorize(tiled.jl, BF16_DOT)
+        sch.unroll(tiled.jv)
+        sch.annotate(tiled.outer, IMPORT, HELPERS)   # the intrinsic's LLVM IR (bf16_dot.py)
+        sch.vectorize(sch.get_loops(init)[-1])
+    else:
+        sch.vectorize(tiled.inner[-1])
+        sch.decompose_reduction(blk, tiled.k)
+    sch.vectorize(sch.get_loops(first)[-1])

@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 
 from mhagen.lower.te import call_scalars
 from mhagen.schedules.attention_common import with_scalars
+from mhagen.workloads import AttentionWorkload, as_workload
 
 
 ROW_BLOCK = 32   # rows per task
@@ -36,10 +37,11 @@ class RotaryConfig:
 def rotary_layout(w):
     """(first column, heads to rotate, padded head width, rotary_dim, half) of workload w.
     Q heads then K heads sit side by side in qkv (the fusion pass orders them so)."""
-    H, G, DP = w["heads"], w["kv_heads"], w["head_dim_padded"]
-    assert w["k_base"] == w["q_base"] + H * DP, (w["q_base"], w["k_base"], H, DP)
-    rd = w["rotary"]["rotary_dim"]
-    return w["q_base"], H + G, DP, rd, rd // 2
+    w = as_workload(AttentionWorkload, w)
+    H, G, DP = w.heads, w.kv_heads, w.head_dim_padded
+    assert w.k_base == w.q_base + H * DP, (w.q_base, w.k_base, H, DP)
+    rd = w.rotary["rotary_dim"]
+    return w.q_base, H + G, DP, rd, rd // 2
 
 
 class RotaryRule:
@@ -56,20 +58,21 @@ class RotaryRule:
 
 
 def build_rotary(w, cfg):
-    B, S = w["batch"], w["seq"]
+    w = as_workload(AttentionWorkload, w)
+    B, S = w.batch, w.seq
     BASE, SLOTS, DP, RD, HALF = rotary_layout(w)
     LN = cfg.lanes
-    PW = w["panel"]
-    NP, M = w["qkv_width"] // PW, w["rows"]
+    PW = w.panel
+    NP, M = w.qkv_width // PW, w.rows
     assert DP % LN == 0 and PW % LN == 0 and BASE % LN == 0, (DP, PW, BASE, LN)
     NCH = -(-RD // LN)          # vectors covering the rotated columns
     TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
 
-    P = w.get("cache") or S       # table rows: positions up to the cache length (decoding)
+    P = w.cache or S       # table rows: positions up to the cache length (decoding)
     scalars = ()
-    if w.get("symbolic"):         # the call's batch and seq: parameters, rows dense b*seq + t
+    if w.symbolic:         # the call's batch and seq: parameters, rows dense b*seq + t
         scalars = B, S = call_scalars()
-        M = (B * S + w["row_tile"] - 1) // w["row_tile"] * w["row_tile"]
+        M = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
     RB = ROW_BLOCK if scalars else max(1, min(ROW_BLOCK, B * S))   # a decode step: 1 row
     NRB = (B * S + RB - 1) // RB
 
@@ -93,7 +96,7 @@ def build_rotary(w, cfg):
                     qkv[(BASE + slot * DP + ch * LN) // PW, row,
                         (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
 
-    if w.get("cache"):
+    if w.cache:
         @T.prim_func(check_well_formed=False)   # free scalars: see below
         def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
                    cache_lens: T.Buffer((B,), "int32"),

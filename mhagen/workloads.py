@@ -1,0 +1,134 @@
+"""What a kernel's schedule rule or template is asked to compute: typed, frozen workloads.
+
+Lowering (mhagen/lower/) makes them; schedule rules and templates (schedules/) read their
+fields; tuning records key and check configs against them. One class per kind of stage:
+
+  AttentionWorkload  the fused attention / decode / rotary / cache-append templates
+  GemmWorkload       a packed GEMM stage of the fused kernels (weights in column panels)
+  MatmulWorkload     a batched matmul stage of the unfused kernel (TE, rules)
+  RowsWorkload       a row-wise stage of the unfused kernel (softmax over cols)
+  ElementwiseWorkload  an element-wise stage (scalar: one value per row, no vector axis)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+class _Fields:
+    """Transitional dict-style reads (`w["seq"]`, `w.get("amx")`), removed once every reader
+    uses attributes."""
+
+    def __getitem__(self, name):
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name, default=None):
+        value = getattr(self, name, None) if name in self._names() else None
+        return default if value is None else value
+
+    def __contains__(self, name):
+        return name in self._names() and getattr(self, name) not in (None, False)
+
+    @classmethod
+    def _names(cls):
+        return {f.name for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class AttentionWorkload(_Fields):
+    """The fused attention of one layer, as its templates read it (qkv in column panels).
+
+    Lengths: batch, seq (the largest call's where symbolic); rows: the qkv temporary's rows
+    (batch * seq padded to whole register tiles); att_rows: the att temporary's.
+    Heads: heads query heads, kv_heads K/V heads (head h reads K/V head h // (heads //
+    kv_heads)), head_dim d, each head padded to head_dim_padded columns in qkv; q_base,
+    k_base, v_base: the first Q/K/V column of qkv; qkv_width: qkv's columns, in panels of
+    `panel`.
+    """
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_padded: int
+    q_base: int
+    k_base: int
+    v_base: int
+    rows: int
+    att_rows: int
+    qkv_width: int
+    panel: int
+    scale: float
+    mask: object = None           # mhagen.ir expression, or None
+    score_mod: object = None      # mhagen.ir expression, or None
+    rotary: dict | None = None    # {"base", "rotary_dim", ...} of a RoPE layer
+    lengths: bool = False         # key lengths per batch row given at call time
+    temp_dtype: str = "float32"   # the att temporary's dtype
+    pairs: bool = False           # bfloat16 pairs of head columns and keys (AVX-512 BF16)
+    amx: bool = False             # S^T = K Q^T and P V on AMX tiles
+    symbolic: bool = False        # the kernels take the call's batch and seq
+    row_tile: int | None = None   # symbolic: rows are padded to this many
+    cross: bool = False           # K/V read from the kv temporary (cross-attention)
+    kv_seq: int | None = None     # cross: the context's length
+    kv_rows: int | None = None    # cross: kv's rows
+    kv_width: int | None = None   # cross: kv's columns
+    cache: int | None = None      # decoding: the K/V cache's max_len
+    cache_dtype: str = "float32"  # decoding: what the cache stores
+    table_batch: int | None = None    # the block table's batch extent (1: shared)
+    table_heads: int | None = None    # the block table's head extent (1: shared)
+    skip_by_length: bool = False  # key blocks past a row's length are skipped
+
+
+@dataclass(frozen=True)
+class GemmWorkload(_Fields):
+    """C = A @ W + bias over `rows` x `depth` x `cols`, W in column panels of `panel`."""
+    rows: int
+    cols: int
+    depth: int
+    panel: int
+    panel_major: bool = False     # C is [cols / panel, rows, panel]
+    pairs: bool = False           # the depth runs in bfloat16 pairs
+    amx: bool = False             # on AMX tiles
+    head_panels: tuple | None = None   # (sections, heads, panels a head): head by head
+    symbolic: bool = False        # rows are the largest call's
+
+
+@dataclass(frozen=True)
+class MatmulWorkload(_Fields):
+    """C[b] = A[b] @ B[b]: batch x rows x depth x cols (the unfused kernel)."""
+    batch: int
+    rows: int
+    cols: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class RowsWorkload(_Fields):
+    """A row-wise stage (softmax) over batch x rows rows of cols values."""
+    batch: int
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class ElementwiseWorkload(_Fields):
+    """An element-wise stage; scalar: one value per row (no vector axis to split)."""
+    scalar: bool = False
+
+
+def as_workload(cls, workload, **defaults):
+    """`workload` as a `cls` (one of the classes above): itself if it is one already, else the
+    class built from a dict of its fields, `defaults` filling fields the dict lacks (as the
+    rules' dict reads did). The dicts go once lowering makes the classes itself."""
+    return workload if isinstance(workload, cls) else cls(**{**defaults, **workload})
+
+
+def gemm_workload(workload):
+    """A GEMM stage's workload as its class: a packed GEMM's (weights in column panels) or a
+    batched matmul's."""
+    if isinstance(workload, (GemmWorkload, MatmulWorkload)):
+        return workload
+    if "panel" in workload:   # a dict: rows, cols and depth default as the rule read them
+        return as_workload(GemmWorkload, workload, rows=0, cols=0, depth=1)
+    return MatmulWorkload(**workload)

@@ -1,0 +1,106 @@
+"""The x86 decode template's parameters: one typed, frozen record of every size, base column
+and switch its stages read (as FlashAttention 3's one params struct), made once a build.
+
+decode_params   the record (DecodeParams) of workload w under cfg
+DecodeParams    its fields, and what every stage computes the same way: loaded (a cache
+                value as float32), kv_len_of and n_blocks (a batch row's keys and key blocks
+                in this call)
+
+The stages (decode_rows.py, decode_blocks.py, decode_kernel.py) unpack the fields they use
+into the short names of the template's TIR.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.script import tirx as T
+
+from mhagen.blockmask import conjuncts
+from mhagen.ir import expr as ex
+from mhagen.lower.te import LOG2E
+from mhagen.schedules.x86.decode_tiles import decode_layout, keys_in_flight, rows_in_lanes
+from mhagen.schedules.x86.fast_math import f32
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Sizes in the template's short names (ints, or TIR expressions of the call's batch and
+    seq in symbolic-length builds)."""
+    B: object            # batch rows (the call's where symbolic)
+    S: object            # new tokens a batch row (the call's where symbolic)
+    H: int               # query heads
+    G: int               # K/V heads; head h reads K/V head h // GROUP
+    GROUP: int
+    d: int               # head_dim
+    DP: int              # columns a head in qkv (head_dim padded to the lanes)
+    HD: int              # att's columns: H * d
+    N: int               # the cache's max_len
+    CD: str              # what the cache stores
+    # qkv [NP, M, PW], att [MA, HD]
+    PW: int
+    NP: int
+    M: object
+    MA: object
+    Q_BASE: int
+    # the split (decode_layout): R query rows a K/V head in NRT tiles of RT, NG groups,
+    # NP_MAX partials; C workers; KB keys a block
+    R: object
+    NRT: object
+    NG: object
+    NP_MAX: int
+    RT: int
+    C: int
+    KB: int
+    # vectors: LN lanes; a head_dim row as NCH whole vectors and TAIL floats, an O row as QCH
+    # vectors; rows in the lanes (ROW_LANES) with JU keys' scores in flight
+    LN: int
+    NCH: int
+    TAIL: int
+    QCH: int
+    ROW_LANES: bool
+    JU: int
+    causal: bool         # the mask has kv_idx <= q_idx: a tile's keys end at its last query
+    c_log2e: object      # scale * log2(e)
+    neg_inf: object
+    zero: object
+    flush: bool          # workers run with denormals flushed to zero (x86: denormals.py)
+
+    def loaded(self, value):
+        """A K/V value read from the cache, as float32 (a half cache converts it)."""
+        return value if self.CD == "float32" else T.Cast("float32", value)
+
+    def kv_len_of(self, cache_lens, b):
+        """The keys batch row b sees in this call: its cached keys and the new ones."""
+        return T.min(cache_lens[b] + self.S, self.N)
+
+    def n_blocks(self, cache_lens, b):
+        """Key blocks of batch row b in this call."""
+        return (self.kv_len_of(cache_lens, b) + self.KB - 1) // self.KB
+
+
+def decode_params(w, cfg, registers, flush, rules):
+    """The record of workload w (typed) under cfg; registers: the target's vector registers;
+    rules: the workload's ScoreRules (the call's lengths in symbolic builds)."""
+    H, G, d, DP, PW = w.heads, w.kv_heads, w.head_dim, w.head_dim_padded, w.panel
+    split = decode_layout(w, cfg)
+    RT, KB, LN = cfg.row_tile, cfg.kv_block, cfg.lanes
+    assert KB % LN == 0 and PW % LN == 0 and DP % LN == 0 and w.q_base % LN == 0
+    assert LN in (4, 8, 16), LN
+    R, NRT, NG, M, MA = split.rows, split.n_row_tiles, split.groups, w.rows, w.att_rows
+    B, S, GROUP = rules.batch, rules.seq, H // G
+    if rules.symbolic:
+        R = GROUP * S
+        NRT = (R + RT - 1) // RT
+        NG = B * G * NRT
+        M = MA = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
+    # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
+    # a prompt's tile skips the blocks above the diagonal, as the prefill template does
+    causal = w.mask is not None and any(p == ex.causal() for p in conjuncts(w.mask))
+    return DecodeParams(
+        B=B, S=S, H=H, G=G, GROUP=GROUP, d=d, DP=DP, HD=H * d, N=w.cache, CD=w.cache_dtype,
+        PW=PW, NP=w.qkv_width // PW, M=M, MA=MA, Q_BASE=w.q_base, R=R, NRT=NRT, NG=NG,
+        NP_MAX=split.partials, RT=RT, C=cfg.workers, KB=KB, LN=LN, NCH=d // LN, TAIL=d % LN,
+        # O rows go a vector at a time: see rescaled_row
+        QCH=DP // LN, ROW_LANES=rows_in_lanes(RT, LN), JU=keys_in_flight(RT, LN, registers, KB),
+        causal=causal, c_log2e=f32(w.scale * LOG2E), neg_inf=f32(float("-inf")),
+        zero=f32(0.0), flush=flush)

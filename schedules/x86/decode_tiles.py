@@ -1,0 +1,119 @@
+"""The x86 decode template's tile sizes and heuristics (apart from the kernel, as
+FlashAttention 3's tile_size.h).
+
+DecodeConfig           the tuning knobs: row tile, workers, key block, lanes
+DecodeSplit            the row tiles, groups and partial results a config cuts a step into
+decode_layout          that split for a workload
+balanced_share         a worker's even, contiguous share of the call's key blocks
+decode_kv_block        keys per online-softmax step
+rows_in_lanes          whether a tile's scores put its query rows in the vector lanes
+keys_in_flight         keys whose row-lane scores accumulate at once
+default_decode_config  the default config
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhagen.program import round_up
+from mhagen.workloads import AttentionWorkload, as_workload
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    row_tile: int
+    """query rows per task (of the GROUP x S rows that read one K/V head)."""
+    workers: int
+    """parallel tasks (one a core by default): each takes an even, contiguous share of the
+    call's key blocks over all (batch row, K/V head, row tile) groups, in order
+    (balanced_share)."""
+    kv_block: int
+    """keys per online-softmax step."""
+    lanes: int
+    """floats per vector along head_dim."""
+
+
+def balanced_share(worker, workers, total):
+    """[lo, hi) of the `total` work units (key blocks, every group's in a row) that
+    `worker` of `workers` runs: even shares, each a contiguous run. ints or TIR (int32:
+    t * total // workers as t * q + t * r // workers, total = q * workers + r, so no
+    product exceeds total or workers^2)."""
+    def start(t):
+        return total // workers * t + total % workers * t // workers
+    return start(worker), start(worker + 1)
+
+
+def decode_kv_block(row_tile, lanes):
+    """Keys per online-softmax step. Lanes along head_dim: 8 per query row of the tile, 16
+    to 64: a block's fixed cost per row (its max, exp2 and rescale of O) wants many keys
+    when rows are many; with one or two rows the step streams the cache, and short blocks
+    keep the K and V streams both in flight. Rows in the lanes (rows_in_lanes): 16 keys,
+    whose K and V blocks (4 KiB each at head_dim 64) stay in L1 while every row of the tile
+    reads V. The measurements: benchmarks/PERFORMANCE.md, Schedule decisions."""
+    if rows_in_lanes(row_tile, lanes):
+        return round_up(16, lanes)
+    return round_up(min(64, max(16, 8 * row_tile)), lanes)
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """How a config cuts a decode step: the GROUP x S query rows that read one K/V head, in
+    n_row_tiles tiles; groups (batch row, K/V head, row tile); partial results, one a piece
+    of a group a worker's share meets."""
+    rows: int
+    n_row_tiles: int
+    groups: int
+    partials: int
+
+
+def decode_layout(w, cfg) -> DecodeSplit:
+    """The split of workload w under cfg."""
+    w = as_workload(AttentionWorkload, w)
+    rows = w.heads // w.kv_heads * w.seq
+    n_row_tiles = -(-rows // cfg.row_tile)
+    groups = w.batch * w.kv_heads * n_row_tiles
+    # a group's blocks split over the workers whose shares meet them: group j's piece of
+    # worker t is partial j + t (shares are contiguous runs, so no two pieces meet there)
+    return DecodeSplit(rows=rows, n_row_tiles=n_row_tiles, groups=groups,
+                       partials=groups + cfg.workers - 1)
+
+
+def rows_in_lanes(row_tile, lanes):
+    """Whether a tile's scores put its query rows in the vector lanes (8, 12 or 16 rows:
+    the query heads of a K/V head x the new tokens): a multiply-add per head_dim column
+    then makes a score for every row, with no horizontal sum per score; fewer than 8 rows
+    keep the lanes along head_dim, where they ran faster. A row vector fits one register or
+    is whole registers: 12 rows on 8 lanes (AVX2) came out of LLVM as lane inserts through
+    the stack. The measurements: benchmarks/PERFORMANCE.md, Schedule decisions."""
+    return row_tile >= 8 and row_tile % 4 == 0 and (row_tile <= lanes or row_tile % lanes == 0)
+
+
+def keys_in_flight(row_tile, lanes, registers, kv_block):
+    """Keys whose row-lane scores accumulate at once: as many as the registers hold (4 kept
+    for Q^T and K's broadcasts), at most 8, a power of two dividing kv_block (fewer were
+    slower: benchmarks/PERFORMANCE.md, Schedule decisions). A key's row vector
+    takes whole registers: 12 rows on 8 lanes take 2 (8 keys of them spilled)."""
+    fit = max(1, (registers - 4) // -(-row_tile // lanes))
+    ju = 1
+    while ju * 2 <= min(8, fit) and kv_block % (ju * 2) == 0:
+        ju *= 2
+    return ju
+
+
+def default_decode_config(workload, target):
+    """The default config: row tiles of up to 16 query rows (rows in the lanes where a few
+    copied rows allow it), one worker a core, key blocks by decode_kv_block."""
+    workload = as_workload(AttentionWorkload, workload)
+    rows = workload.heads // workload.kv_heads * workload.seq
+    row_tile = min(rows, 16)
+    padded = round_up(row_tile, target.lanes)
+    if (row_tile >= 8 and not rows_in_lanes(row_tile, target.lanes) and padded <= 16
+            and rows_in_lanes(padded, target.lanes) and 3 * padded <= 4 * row_tile):
+        # rows in the lanes pay for a few copied rows (AVX2, 12 rows a K/V head in a
+        # tile of 16: benchmarks/PERFORMANCE.md, Schedule decisions)
+        row_tile = padded
+    # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
+    # thread, so more tasks balance nothing and add partials to merge (against 4 a
+    # core: benchmarks/PERFORMANCE.md, Schedule decisions)
+    return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores),
+                        kv_block=decode_kv_block(row_tile, target.lanes),
+                        lanes=target.lanes)
