@@ -158,8 +158,8 @@ def test_arm_presets_resolve_as_data(name, lanes, features):
 def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
     from mhagen.backends import backend_for
     from mhagen.schedules.x86 import RULES as X86
-    from mhagen.schedules.x86.attention import register_tiles
-    from mhagen.schedules.x86.matmul import MatmulConfig
+    from mhagen.schedules.cpu.attention import register_tiles
+    from mhagen.schedules.cpu.matmul import MatmulConfig
     neon, sve = resolve("arm-neon"), resolve("arm-sve")
     backend = backend_for(neon)
     assert backend.family == "cpu-arm" and backend.device == "cpu"
@@ -327,8 +327,8 @@ def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
 def test_every_backend_names_its_own_attention_and_gemm_rules():
     """Backends name their rules, not list positions (a new rule once shifted them)."""
     from mhagen.backends import backend_for
-    from mhagen.schedules.x86.attention import AttentionRule
-    from mhagen.schedules.x86.matmul import MatmulRule
+    from mhagen.schedules.cpu.attention import AttentionRule
+    from mhagen.schedules.cpu.matmul import MatmulRule
     for preset in ("x86-avx2", "arm-neon"):
         backend = backend_for(resolve(preset))
         assert isinstance(backend.attention, AttentionRule)

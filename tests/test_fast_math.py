@@ -5,7 +5,7 @@ import pytest
 import tvm
 from tvm import te
 
-from mhagen.schedules.x86.fast_math import EXP2_16, EXP2_16_BF16, EXP2_HELPER, exp, exp2, tanh
+from mhagen.schedules.cpu.fast_math import EXP2_16, EXP2_16_BF16, EXP2_HELPER, exp, exp2, tanh
 
 
 def _run(fn, x):

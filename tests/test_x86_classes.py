@@ -10,7 +10,7 @@ import pytest
 import mhagen
 from mhagen.errors import TargetError
 from mhagen.backends import backend_for
-from mhagen.schedules.x86.attention import register_tiles
+from mhagen.schedules.cpu.attention import register_tiles
 from mhagen.artifact.manifest import module_manifest
 from mhagen.host import runtime_features
 from mhagen.target import resolve
@@ -108,7 +108,7 @@ def test_a_short_sequence_has_attention_configs_to_sweep(preset):
     (twice the sequence, rounded up to whole tiles); the candidates' own bound had been
     stricter, and on AVX2 hosts the sweep of a short causal layer measured the default
     alone."""
-    from mhagen.schedules.x86.attention import AttentionRule
+    from mhagen.schedules.cpu.attention import AttentionRule
     rule, t = AttentionRule(), resolve(preset)
     m = mhagen.build(mhagen.mha(64, 4, causal=True), t, batch=1, seq_len=32, tuning=None)
     work = next(k for k in m.program.kernels if k.name == "attention").workload
@@ -124,7 +124,7 @@ def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
     tiles one row apart, so seq 128 computes 128 query rows, not 144 (query tiles of 48).
     Every candidate keeps the template's constraints; 32 queries as 2 x 6 + 4 x 5 and 64 as
     9 x 6 + 2 x 5 match the reference."""
-    from mhagen.schedules.x86.attention import AttentionRule
+    from mhagen.schedules.cpu.attention import AttentionRule
     rule = AttentionRule()
     layer = mhagen.mha(128, 2)
     w = layer.init_weights(0)
@@ -217,7 +217,7 @@ def test_gemm_tasks_split_evenly_over_the_cores():
     build gives each core a group of panels instead, as AVX-512 does at 512 rows (43 tiles
     of 12 in blocks of 22 and 21); at 576 rows its 48 tiles in blocks of 24 split evenly
     and keep one group. Checked against the reference."""
-    from mhagen.schedules.x86.matmul import most_tiles_a_thread
+    from mhagen.schedules.cpu.matmul import most_tiles_a_thread
     assert most_tiles_a_thread(86, 22, 96, 2) == 44 * 96    # an even share: 43 * 96
     assert most_tiles_a_thread(48, 24, 96, 2) == 24 * 96
     layer = mhagen.mha(64, 4)
@@ -245,7 +245,7 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
     layers on 2 cores keep one block. The split builds keep the whole tiles' unguarded
     loop and match the reference here. The L2 is pinned to 1 MiB (on a 256 KiB L2 the QKV
     GEMM of d_model 480 takes blocks of 8 tiles for the cache's sake)."""
-    from mhagen.schedules.x86.matmul import core_blocks
+    from mhagen.schedules.cpu.matmul import core_blocks
     assert core_blocks(16, 16, 64) == 4        # 64 tasks of 4 tiles, not 16 of 16
     assert core_blocks(16, 15, 2) == 8         # 15 tasks of 8 tiles a thread, not 8 of 16
     assert core_blocks(16, 16, 2) == 16        # 8 panels a thread either way
@@ -264,7 +264,7 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
             assert_close(m(x), layer.reference(x, w))
         return ({d["kernel"]: d["config"]["row_block"] for d in m.info.decisions
                  if d["rule"] == "matmul"}, m.program.buffers["qkv"].shape[1])
-    from mhagen.schedules.x86.matmul import packed_blocking
+    from mhagen.schedules.cpu.matmul import packed_blocking
     for preset in ("x86-avx512", "x86-avx2"):   # the benchmark layers' GEMMs on 2 cores
         t = dataclasses.replace(resolve(preset), cores=2)
         for rows, d_model in ((128, 512), (512, 512), (2048, 768), (2048, 1024)):
@@ -289,7 +289,7 @@ def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
     share, when TVM splits its tasks into runs of consecutive ones; tile_of(task, batch,
     heads, n_q) -> (batch row, head, query tile). Blocks the table skips or that start past
     a row's key length (lens) do not count."""
-    from mhagen.schedules.x86.matmul import busiest_thread
+    from mhagen.schedules.cpu.matmul import busiest_thread
     table = m.program.buffers["blocks"].value
     kv_block = _attention_config(m).kv_block
     batch, n_q = len(lens), table.shape[2]
@@ -309,7 +309,7 @@ def test_attention_tasks_spread_evenly_over_the_threads():
     even share where the plain order (batch, head, tile) gave one thread 1.47x (1 causal
     head on 2 cores), 1.16x (3 heads on 2), 1.44x (8 heads at seq 512 on 16 cores), 1.78x
     (key lengths 512 and 64 on 2 cores); odd tile counts and lengths match the reference."""
-    from mhagen.schedules.x86.attention import task_tile
+    from mhagen.schedules.cpu.attention import task_tile
 
     def plain(task, batch, heads, n_q):
         return task // (heads * n_q), task // n_q % heads, task % n_q
@@ -435,7 +435,7 @@ def whole_tile_loops(m, kernel) -> list:
     """The loops of a GEMM kernel that run a whole register tile's multiply-adds in one
     basic block (tile_rows x tile_cols / lanes of them): a guard on the tile's rows would
     split them into a block per row."""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     rows, cols = packed_tile(m.target)
     fmas = rows * cols // m.target.lanes
     body = function_asm(m.inspect("source"), kernel + "_compute_")
@@ -451,7 +451,7 @@ def test_a_partial_last_row_tile_leaves_the_whole_tiles_unguarded(preset):
     guard of the partial tile is hoisted out of the k loop, so the whole tiles keep their
     unguarded loop; checked against the reference. The L2 is pinned to 1 MiB (on a 512 KiB
     L2 the 17 AVX-512 tiles take two row blocks)."""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     tile_rows = packed_tile(resolve(preset))[0]
     for d_model, seq in ((512, 16 * tile_rows + 2), (1024, 97)):
         layer = mhagen.mha(d_model, 8)
@@ -473,7 +473,7 @@ def test_a_last_tile_of_3_or_more_rows_pads_the_rows_to_whole_tiles(preset):
     speed): such rows are padded to whole tiles (clamped reads of A's last row), and no
     accumulator of the GEMMs' tiles is summed in memory; checked against the reference.
     (The accumulator check fails on the former unpadded build: the test below.)"""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     tile_rows = packed_tile(resolve(preset))[0]
     seq = 3 * tile_rows + 3            # AVX2: 21 rows, 4 tiles; AVX-512: 27 rows, 4 tiles
     layer = mhagen.mha(512, 8)
@@ -499,7 +499,7 @@ def test_causal_key_blocks_align_with_the_query_tiles(preset):
     (query tiles of 16) and head_dim 40."""
     from mhagen.blockmask import PARTIAL
     from mhagen.program import round_up
-    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.schedules.cpu.attention import computed_scores
     t = resolve(preset)
     for d_model, heads, seq in ((512, 8, 128), (512, 8, 512), (160, 4, 97)):
         layer = mhagen.mha(d_model, heads, causal=True)
@@ -533,7 +533,7 @@ def test_a_sliding_window_takes_aligned_32_wide_tiles(preset):
     query tiles); a causal mask keeps its 64-query tiles; both checked against the
     reference."""
     from mhagen.program import round_up
-    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.schedules.cpu.attention import computed_scores
     rows = register_tiles(resolve(preset), 64, 2 * resolve(preset).lanes)[0]   # S^T's rows
     for mask, causal in ((mhagen.sliding_window(64), False), (None, True)):
         layer = mhagen.mha(256, 4, mask=mask, causal=causal)
@@ -580,7 +580,7 @@ def _unpadded_avx2_build(monkeypatch, seq):
     """The default layer for x86-avx2 with its GEMM rows never padded to whole tiles (the
     packed blocking's run rows replaced by the rows themselves)."""
     import mhagen.schedules.x86 as x86
-    import mhagen.schedules.x86.matmul as matmul
+    import mhagen.schedules.cpu.matmul as matmul
     exact = matmul.packed_blocking
 
     def unpadded(target, rows, depth, cols=0, pairs=False, on_amx=False):
@@ -623,7 +623,7 @@ def test_no_vector_register_spills(preset):
 def test_the_spill_check_sees_spills():
     """The check above can fail: a 8 x 16 S^T tile (16 accumulators) on 16 ymm registers
     spills, as the AVX-512-sized template did on AVX2."""
-    from mhagen.schedules.x86.attention import AttentionConfig
+    from mhagen.schedules.cpu.attention import AttentionConfig
 
     class Forced:
         def lookup(self, key):
@@ -937,7 +937,7 @@ def test_a_short_last_row_block_matches_the_reference(preset):
     tiles only. The L2 is pinned to 1 MiB (a 2 MiB L2 holds all 19 AVX-512 tiles in one
     block)."""
     from mhagen.program import round_up
-    from mhagen.schedules.x86.matmul import packed_blocking
+    from mhagen.schedules.cpu.matmul import packed_blocking
     layer = mhagen.mha(1024, 16)
     w = layer.init_weights(6)
     m = mhagen.build(layer, l2_of_1mib(preset), batch=1, seq_len=150, weights=w, tuning=None)
@@ -957,7 +957,7 @@ def test_the_register_transposes_transpose(n, word, offset):
     import tvm
     from tvm.script import tirx as T
     from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-    from mhagen.schedules.x86.transpose import transpose
+    from mhagen.schedules.cpu.transpose import transpose
 
     dtype = {"i32": "int32", "i16": "int16"}[word]
     # rows and offsets of even words: 4-byte aligned, as the helpers' loads declare

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from mhagen.program import round_up
-from mhagen.schedules.x86.rotary import rotary_layout
+from mhagen.schedules.cpu.rotary import rotary_layout
 
 
 @dataclass(frozen=True)

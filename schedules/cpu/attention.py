@@ -50,10 +50,10 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import DOT, HELPERS, PACK, ZIP, with_llvm_ir
-from mhagen.schedules.x86.fast_math import (EXP2_16, EXP2_16_BF16, EXP2_HELPER, SCORE_MATH,
+from mhagen.schedules.cpu.fast_math import (EXP2_16, EXP2_16_BF16, EXP2_HELPER, SCORE_MATH,
                                             exp2, f32)
-from mhagen.schedules.x86.matmul import rows_that_fit
-from mhagen.schedules.x86.transpose import (TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose,
+from mhagen.schedules.cpu.matmul import rows_that_fit
+from mhagen.schedules.cpu.transpose import (TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose,
                                             transpose_words)
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation

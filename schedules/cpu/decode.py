@@ -41,7 +41,7 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, with_scalars
 from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-from mhagen.schedules.x86.fast_math import SCORE_MATH, exp2, f32
+from mhagen.schedules.cpu.fast_math import SCORE_MATH, exp2, f32
 
 
 @dataclass(frozen=True)
