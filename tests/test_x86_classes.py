@@ -9,7 +9,7 @@ import pytest
 
 import mhagen
 from mhagen.errors import TargetError
-from mhagen.backends import backend_for
+from mhagen.backends import Backend
 from mhagen.schedules.cpu.attention import register_tiles
 from mhagen.artifact.manifest import module_manifest
 from mhagen.host import runtime_features
@@ -86,7 +86,9 @@ def test_register_tiles_fit_each_class():
     assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)
     # GEMM: 2 vectors wide, rows = what the registers hold after 2 B vectors + 1 broadcast
     # (at most 12 on 16 lanes)
-    tile = backend_for(avx2).gemm_tile
+
+    def tile(target, **kw):
+        return Backend.for_target(target).gemm_tile(**kw)
     assert tile(avx2) == (6, 16) and tile(avx512) == (12, 32)
     assert tile(avx512, pairs=True) == (8, 32)      # bfloat16 pairs (vdpbf16ps): 8 rows
     for t in (avx2, avx512):

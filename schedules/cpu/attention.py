@@ -164,6 +164,7 @@ def _balanced(total, goal, unit):
 
 class AttentionRule:
     name = "attention"
+    flush_denormals = False   # the x86 backend's rule flushes them (schedules/x86/denormals.py)
 
     def applies(self, stage, target):
         return stage.pattern == "attention_template"
@@ -273,7 +274,7 @@ class AttentionRule:
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes, flush=target.arch == "x86_64")
+        return build_attention(w, cfg, target.lanes, flush=self.flush_denormals)
 
 
 def longest_tile(length, multiple):

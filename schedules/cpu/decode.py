@@ -93,6 +93,7 @@ def decode_layout(w, cfg):
 class DecodeRule:
     """The split-KV attention of decoding layers (mhagen/lower/fused.py, cache branch)."""
     name = "decode_attention"
+    flush_denormals = False   # the x86 backend's rule flushes them (schedules/x86/denormals.py)
 
     def applies(self, stage, target):
         return stage.pattern == "decode_template"
@@ -148,7 +149,7 @@ class DecodeRule:
         return out
 
     def build(self, w, cfg, target):
-        return build_decode(w, cfg, target.vector_registers, flush=target.arch == "x86_64")
+        return build_decode(w, cfg, target.vector_registers, flush=self.flush_denormals)
 
     def partial_shapes(self, w, cfg):
         """Shapes of the two temporaries of partial results: O [partials, row_tile, padded

@@ -1,42 +1,64 @@
-"""x86 schedule rules (AVX-512 / AVX2 through the target's vector width), first match wins,
-and the cpu-x86 backend (mhagen/backends.py)."""
-from mhagen.backends import Backend
+"""The cpu-x86 backend (mhagen/backends.py): the generic CPU rules (schedules/cpu/) with
+x86's own parts: AMX tiles (amx.py), AVX-512 BF16 dot products (bf16_dot.py) and denormals
+flushed in the templates' tasks (denormals.py)."""
+from __future__ import annotations
+
+from mhagen.schedules.cpu.attention import AttentionRule
+from mhagen.schedules.cpu.backend import RULES as CPU_RULES, CpuBackend
+from mhagen.schedules.cpu.decode import DecodeRule
 from mhagen.schedules.x86.amx import amx_tiles, with_task_config
-from mhagen.schedules.cpu.attention import AttentionRule, padded_head_dim
 from mhagen.schedules.x86.bf16_dot import bf16_pairs
-from mhagen.schedules.cpu.decode import CacheAppendRule, DecodeRule
-from mhagen.schedules.x86.denormals import with_flush
-from mhagen.schedules.cpu.elementwise import ElementwiseRule, Fallback
-from mhagen.schedules.cpu.matmul import MatmulRule, packed_blocking, packed_tile
-from mhagen.schedules.cpu.rotary import RotaryRule
-from mhagen.schedules.cpu.softmax import SoftmaxRule
-
-ATTENTION, DECODE, GEMM = AttentionRule(), DecodeRule(), MatmulRule()
-RULES = [ATTENTION, DECODE, CacheAppendRule(), RotaryRule(), GEMM, SoftmaxRule(),
-         ElementwiseRule(), Fallback()]
 
 
-def cpu_backend(family: str) -> Backend:
-    """A CPU backend over these rules: they read target attributes (lanes, registers,
-    caches, cores), never names, so x86 and aarch64 share them."""
-    return Backend(family=family, device="cpu", rules=RULES, attention=ATTENTION,
-                   gemm_tile=packed_tile,
-                   gemm_rows=lambda target, rows, depth, cols, pairs=False, on_amx=False:
-                       packed_blocking(target, rows, depth, cols, pairs=pairs, on_amx=on_amx)[2],
-                   head_dim_padded=lambda d, target: padded_head_dim(d, target.lanes),
-                   gemm_rule=GEMM, decode=DECODE, symbolic=True, cross=True,
-                   gemm_packs_rows=rows_alias_in_l1, gemm_pairs=bf16_pairs,
-                   gemm_amx=amx_tiles,
-                   finalize=lambda func: with_flush(with_task_config(func),
-                                                    flush=family == "cpu-x86"))
+class X86AttentionRule(AttentionRule):
+    flush_denormals = True
 
 
-def rows_alias_in_l1(target, depth) -> bool:
-    """A GEMM's rows of A lie 4 KiB apart or a multiple (depth 1024, 2048): the rows of one
-    register tile then share one set of the L1 (4 KiB per way), and the GEMM copies A into
-    row-tile panels first (faster, the copy included: benchmarks/PERFORMANCE.md, Schedule
-    decisions)."""
-    return depth * 4 % 4096 == 0
+class X86DecodeRule(DecodeRule):
+    flush_denormals = True
 
 
-BACKEND = cpu_backend("cpu-x86")
+ATTENTION, DECODE = X86AttentionRule(), X86DecodeRule()
+RULES = [ATTENTION, DECODE] + CPU_RULES[2:]
+
+
+class X86Backend(CpuBackend):
+    family = "cpu-x86"
+    rules, attention, decode = RULES, ATTENTION, DECODE
+    flushes_denormals = True
+
+    def gemm_path(self, dtype: str, depth: int, tiles: bool = True) -> str:
+        """AMX tiles (AMX-BF16) where they take the depth, else bfloat16 pairs (AVX-512
+        BF16 vdpbf16ps) where those pay, else float32; tiles=False: never AMX (a decoding
+        layer's steps: few rows, padded to a 32-row tile)."""
+        if tiles and amx_tiles(self.target, dtype, depth):
+            return "amx"
+        return "pairs" if bf16_pairs(self.target, dtype, depth) else "float32"
+
+    def attention_path(self, dtype: str, d: int) -> str | None:
+        """S^T = K Q^T and P V on AMX tiles where a head_dim of whole 32s takes them, else
+        on bfloat16 pairs where a GEMM of that depth would take them."""
+        if amx_tiles(self.target, dtype, d, attention=True):
+            return "amx"
+        return "pairs" if bf16_pairs(self.target, dtype, d) else None
+
+    def finalize(self, func):
+        """AMX's per-task tile configuration, then the denormal flush."""
+        return super().finalize(with_task_config(func))
+
+    def unused_half_note(self, dtype: str) -> str:
+        features = self.target.features or ()
+        if dtype == "bfloat16" and "avx512bf16" in features:
+            note = ("; avx512bf16 is present but not used (bfloat16 pairs run only on CPUs "
+                    "whose vdpbf16ps beats their float32 FMA, over even depths: "
+                    "schedules/x86/bf16_dot.py)")
+        else:
+            note = super().unused_half_note(dtype)
+        if dtype == "bfloat16" and "amx-bf16" in features:
+            note += ("; amx-bf16 is present but not used here (AMX tiles take GEMMs whose "
+                     "depth is a multiple of 32 from 64 and attentions whose head_dim is a "
+                     "multiple of 32, outside decoding layers: schedules/x86/amx.py)")
+        return note
+
+
+BACKEND = X86Backend
