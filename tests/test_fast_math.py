@@ -1,4 +1,4 @@
-"""The vectorisable float32 math the CPU templates use (schedules/x86/fast_math.py), compiled
+"""The vectorisable float32 math the CPU templates use (schedules/cpu/fast_math.py), compiled
 for the host's generic LLVM target and checked against numpy in float64."""
 import numpy as np
 import pytest
