@@ -1,5 +1,7 @@
 """The backend seam: everything a target family brings to the compiler, as one object bound
-to one target (`Backend.for_target(target)`, made once by build() and tune() and passed down).
+to one target (`Backend.for_target(target)`: build() makes it once and passes it to lower(),
+compile_program() and schedule_kernel(); lower() and schedule_kernel() make it themselves
+when called without one).
 
 Lowering, compiling, tuning and the runtime are target-neutral; they ask the backend for the
 target-specific parts:

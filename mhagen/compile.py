@@ -17,12 +17,12 @@ from mhagen.target import resolve
 from mhagen.tuning.records import Database, Tuning
 
 
-def compile_program(program, target, tuning=None, backend=None):
-    """Schedule every kernel (consulting `tuning` records) and compile them into one library;
-    returns (executable, texts, decisions, device code). A backend with device code (CUDA)
-    compiles it here too (its DeviceCode; texts["source"]: CUDA source, PTX, ptxas report);
-    else the device code is None. backend: the target's (made from it when not given)."""
-    backend = backend or Backend.for_target(target)
+def compile_program(program, backend, tuning=None):
+    """Schedule every kernel (consulting `tuning` records) and compile them into one library
+    for the backend's target; returns (executable, texts, decisions, device code). A backend
+    with device code (CUDA) compiles it here too (its DeviceCode; texts["source"]: CUDA
+    source, PTX, ptxas report); else the device code is None."""
+    target = backend.target
     funcs, decisions = {}, []
     for kernel in program.kernels:
         func, dec = schedule_kernel(kernel, target, record=_record(program, kernel, tuning),
@@ -110,7 +110,7 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,
                     kv_seq_len=kv_seq_len, backend=backend)
-    executable, texts, decisions, device = compile_program(program, t, tuning, backend)
+    executable, texts, decisions, device = compile_program(program, backend, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,

@@ -206,13 +206,10 @@ def _row_counts(backend, layout: dict, gemms: dict) -> dict:
     of the GEMMs', or an AMX tile where a GEMM has them (those take whole tiles only)."""
     batch, seq, kv_seq = layout["batch"], layout["seq"], layout.get("kv_seq")
     rows, kv_rows = batch * seq, batch * kv_seq if layout.get("cross") else None
-
-    def gemm_rows(rows, path, cols):
-        return backend.gemm_rows(rows, path.depth, cols, pairs=path.pairs, on_amx=path.amx)
     out = {"rows": rows, "kv_rows": kv_rows,
-           "rows_qkv": gemm_rows(rows, layout["qkv_gemm"], layout["qkv_width"]),
-           "rows_att": gemm_rows(rows, layout["out_gemm"], layout["out_width"]),
-           "rows_kv": gemm_rows(kv_rows, layout["kv_gemm"], layout["kv_width"])
+           "rows_qkv": _gemm_rows(backend, rows, layout["qkv_gemm"], layout["qkv_width"]),
+           "rows_att": _gemm_rows(backend, rows, layout["out_gemm"], layout["out_width"]),
+           "rows_kv": _gemm_rows(backend, kv_rows, layout["kv_gemm"], layout["kv_width"])
            if kv_rows else None,
            "tile_rows": max([p.row_tile for p in gemms.values() if p.amx]
                             or [min(p.row_tile for p in gemms.values())])}
@@ -221,6 +218,11 @@ def _row_counts(backend, layout: dict, gemms: dict) -> dict:
         out.update(rows_qkv=round_up(rows, tile), rows_att=round_up(rows, tile),
                    rows_kv=kv_rows and round_up(kv_rows, tile))
     return out
+
+
+def _gemm_rows(backend, rows, path: GemmPath, cols):
+    """The rows a packed GEMM runs over (the backend's gemm_rows for its path)."""
+    return backend.gemm_rows(rows, path.depth, cols, pairs=path.pairs, on_amx=path.amx)
 
 
 def attention_workload(plan: FusedPlan) -> AttentionWorkload:
