@@ -15,6 +15,7 @@ from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.ir.verify import MAX_ELEMENTS
 from mhagen.params import pack_param
 from mhagen.tuning.records import workload_key
+from mhagen.workloads import ElementwiseWorkload
 
 
 SCALARS = ("batch", "seq")      # kernel arguments that are not buffers (symbolic builds;
@@ -69,8 +70,8 @@ class Stage:
     pattern: str
     node: str
     blocks: tuple
-    workload: object = field(default_factory=dict)   # what its rule reads (mhagen.workloads;
-    #                                                  {}: nothing)
+    workload: object = field(default_factory=ElementwiseWorkload)   # what its rule reads
+    #                                         (mhagen.workloads; epilogues, packs: nothing)
 
 
 @dataclass

@@ -190,7 +190,7 @@ class _Ctx:
     def stage(self, name, pattern, node, blocks, workload=None):
         """A stage of the kernel; workload: what its rule reads (mhagen.workloads)."""
         self.stages.append(Stage(name, pattern, node, tuple(blocks),
-                                 ElementwiseWorkload() if workload is None else workload))
+                                 workload or ElementwiseWorkload()))
 
     def note(self, line):
         self.text.append(line)
