@@ -6,7 +6,7 @@ import time
 
 import tvm
 
-from mhagen.backends import backend_for
+from mhagen.backends import Backend
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
@@ -17,40 +17,34 @@ from mhagen.target import resolve
 from mhagen.tuning.records import Database, Tuning
 
 
-def compile_program(program, target, tuning=None):
-    """Schedule every kernel (consulting `tuning` records) and compile them into one library;
-    returns (executable, texts, decisions, device code). A backend with device code (CUDA)
-    compiles it here too (its DeviceCode; texts["source"]: CUDA source, PTX, ptxas report);
-    else the device code is None."""
+def compile_program(program, backend, tuning=None):
+    """Schedule every kernel (consulting `tuning` records) and compile them into one library
+    for the backend's target; returns (executable, texts, decisions, device code). A backend
+    with device code (CUDA) compiles it here too (its DeviceCode; texts["source"]: CUDA
+    source, PTX, ptxas report); else the device code is None."""
+    target = backend.target
     funcs, decisions = {}, []
     for kernel in program.kernels:
-        record = None
-        # symbolic-length GEMMs: their traces were recorded on fixed shapes, the rules apply
-        if tuning and program.key and not (program.symbolic and kernel.template is None):
-            record = tuning.lookup(program.key(kernel.name))
-        func, dec = schedule_kernel(kernel, target, record=record)
+        func, dec = schedule_kernel(kernel, target, record=_record(program, kernel, tuning),
+                                    backend=backend)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
         decisions += [d.__dict__ for d in dec]
-    funcs.update(storage_casts(program, target))
+    funcs.update(backend.storage_casts(program))
     mod = tvm.IRModule(funcs)
     executable = tvm.compile(mod, target=target.tvm)
     texts = {"te": program.te_text, "tir": mod.script()}
-    device_compile = backend_for(target).device_compile
-    device = None
-    if device_compile is not None:
-        device = device_compile(executable, target, mod, program)
+    device = backend.compile_device(executable, mod, program)
+    if device is not None:
         texts["source"] = "\n".join([device.source, device.ptx, device.ptxas_report])
     return executable, texts, decisions, device
 
 
-def storage_casts(program, target) -> dict:
-    """A half layer's float32 <-> storage conversions (schedules/casts.py), compiled beside
-    its kernels on CPUs, where module(x) converts a float32 x and answers in float32."""
-    dtype = program.role("input")[0].dtype
-    if dtype == "float32" or target.device != "cpu":
-        return {}
-    from mhagen.schedules.casts import storage_casts as casts
-    return {name: func.with_attr("global_symbol", name) for name, func in casts(dtype).items()}
+def _record(program, kernel, tuning):
+    """The tuning record of one kernel, or None. Symbolic-length GEMMs take none: their
+    traces were recorded on fixed shapes, the rules apply."""
+    if not tuning or not program.tunable or (program.symbolic and kernel.template is None):
+        return None
+    return tuning.lookup(program.key(kernel.name))
 
 
 def resolve_tuning(tuning, target):
@@ -112,10 +106,11 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     symbolic = symbolic if any(symbolic.values()) else None
     t = resolve(target)
     start = time.perf_counter()
+    backend = Backend.for_target(t)
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,
-                    kv_seq_len=kv_seq_len)
-    executable, texts, decisions, device = compile_program(program, t, tuning)
+                    kv_seq_len=kv_seq_len, backend=backend)
+    executable, texts, decisions, device = compile_program(program, backend, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,

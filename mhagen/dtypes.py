@@ -12,7 +12,7 @@ AVX-512 BF16, a bfloat16 layer's GEMMs multiply bfloat16 pairs with vdpbf16ps
 before the output projection), and so does the attention (Q K^T and P V on pairs, P rounded
 to bfloat16; qkv held in bfloat16; the softmax in float32); with AMX-BF16 they run on AMX
 tiles instead (schedules/x86/amx.py). AVX512-FP16 and NEON fp16/bf16 arithmetic are not
-used; the build says which path was taken (`half_precision_path`).
+used; the build says which path was taken (the backend's `precision_path`).
 A CPU half layer's library also holds float32 <-> storage conversions (TO_STORAGE,
 FROM_STORAGE: schedules/casts.py) for the module's float32 inputs and answers.
 """
@@ -83,46 +83,36 @@ def overflow_limit(dtype) -> float:
     return _OVERFLOW[name_of(dtype)]
 
 
-def half_precision_path(name: str, target, paired=(), attention=None,
-                        tiles=()) -> str | None:
-    """What a half-precision build does on `target`, for the build's output (None: float32).
+# native half-precision arithmetic a CPU may have (not used yet: the build says so)
+NATIVE_HALF = {"float16": ("avx512fp16", "fullfp16"), "bfloat16": ("avx512bf16", "bf16")}
+
+
+def precision_text(name: str, how: str, note: str = "", paired=(), attention=None,
+                   tiles=()) -> str | None:
+    """What a half-precision build does, in words (None: float32); the target's backend
+    (precision_path) says how a half value is converted where it is loaded (`how`) and
+    which native arithmetic it leaves unused (`note`).
     paired: the weights whose GEMMs multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps);
     attention: "pairs" (its Q K^T and P V multiply them too), "amx" (they run on AMX
     tiles), None (it converts on load); tiles: the weights whose GEMMs run on AMX tiles
     (AMX-BF16 tdpbf16ps)."""
     if not is_half(name):
         return None
-    features = set(getattr(target, "features", ()) or ())
-    native = {"float16": ("avx512fp16", "fullfp16"), "bfloat16": ("avx512bf16", "bf16")}[name]
-    have = [f for f in native if f in features]
-    arm = getattr(target, "arch", "") == "aarch64"
-    how = {"float16": "fcvtl" if arm else "vcvtph2ps, F16C",
-           "bfloat16": "a 16-bit shift"}[name]
-    if paired or tiles or attention:
-        attention = {
-            "pairs": "the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
-                     "softmax in float32",
-            "amx": "the attention's Q K^T and P V on AMX tiles (Q, K, V and P in "
-                   "bfloat16), its softmax in float32",
-            None: f"the attention converts to float32 on load ({how}): float32 FMAs and "
-                  "softmax"}[attention]
-        gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (
-            (tiles, "run on AMX tiles (AMX-BF16 tdpbf16ps)"),
-            (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names] or [
-            f"the GEMMs convert to float32 on load ({how}): float32 FMAs"]
-        output = ("the attention output is rounded to bfloat16 before the output projection"
-                  if "w_o" in (*tiles, *paired) else "")
-        return (f"{name} storage; {' and '.join(gemms)}, with float32 accumulation"
-                f"{'; ' + output if output else ''}; {attention}; output rounded to {name}")
-    if "avx512bf16" in have:
-        note = ("; avx512bf16 is present but not used (bfloat16 pairs run only on CPUs whose "
-                "vdpbf16ps beats their float32 FMA, over even depths: "
-                "schedules/x86/bf16_dot.py)")
-    else:
-        note = f"; {have[0]} is present but not used yet" if have else ""
-    if name == "bfloat16" and "amx-bf16" in features:
-        note += ("; amx-bf16 is present but not used here (AMX tiles take GEMMs whose depth "
-                 "is a multiple of 32 from 64 and attentions whose head_dim is a multiple "
-                 "of 32, outside decoding layers: schedules/x86/amx.py)")
-    return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
-            f"accumulation and softmax; output rounded to {name}{note}")
+    if not (paired or tiles or attention):
+        return (f"{name} storage, converted to float32 on load ({how}); float32 FMAs, "
+                f"accumulation and softmax; output rounded to {name}{note}")
+    attention = {
+        "pairs": "the attention's Q K^T and P V too (Q, K, V and P in bfloat16), its "
+                 "softmax in float32",
+        "amx": "the attention's Q K^T and P V on AMX tiles (Q, K, V and P in "
+               "bfloat16), its softmax in float32",
+        None: f"the attention converts to float32 on load ({how}): float32 FMAs and "
+              "softmax"}[attention]
+    gemms = [f"the GEMMs of {', '.join(names)} {what}" for names, what in (
+        (tiles, "run on AMX tiles (AMX-BF16 tdpbf16ps)"),
+        (paired, "multiply bfloat16 pairs (AVX-512 BF16 vdpbf16ps)")) if names] or [
+        f"the GEMMs convert to float32 on load ({how}): float32 FMAs"]
+    output = ("the attention output is rounded to bfloat16 before the output projection"
+              if "w_o" in (*tiles, *paired) else "")
+    return (f"{name} storage; {' and '.join(gemms)}, with float32 accumulation"
+            f"{'; ' + output if output else ''}; {attention}; output rounded to {name}")

@@ -17,7 +17,8 @@ from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
-from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, half_precision_path, name_of, numpy_dtype,
+from mhagen.backends import Backend
+from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, name_of, numpy_dtype,
                             overflow_limit, to_storage)
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
@@ -113,7 +114,8 @@ class Module:
         work = next((k.workload or {} for k in self.program.kernels
                      if k.name == "attention"), {})
         attention = "amx" if work.get("amx") else "pairs" if work.get("pairs") else None
-        return half_precision_path(self.graph.dtype, self.target, paired, attention, tiles)
+        return Backend.for_target(self.target).precision_path(self.graph.dtype, paired,
+                                                              attention, tiles)
 
     @property
     def bound_params(self) -> dict | None:

@@ -9,13 +9,13 @@ when they are bound, and calls the kernels in order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import numpy as np
 
 from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.ir.verify import MAX_ELEMENTS
 from mhagen.params import pack_param
+from mhagen.tuning.records import workload_key
+from mhagen.workloads import ElementwiseWorkload
 
 
 SCALARS = ("batch", "seq")      # kernel arguments that are not buffers (symbolic builds;
@@ -70,7 +70,8 @@ class Stage:
     pattern: str
     node: str
     blocks: tuple
-    workload: dict = field(default_factory=dict)
+    workload: object = field(default_factory=ElementwiseWorkload)   # what its rule reads
+    #                                         (mhagen.workloads; epilogues, packs: nothing)
 
 
 @dataclass
@@ -81,7 +82,8 @@ class Kernel:
     prim_func: object = None     # a TE-made PrimFunc to schedule with rules ...
     stages: list = field(default_factory=list)
     template: str | None = None  # ... or a template a rule instantiates (e.g. "attention")
-    workload: dict = field(default_factory=dict)
+    workload: object = field(default_factory=dict)   # a template's AttentionWorkload
+    #                             (a loaded program's: {"amx" | "pairs": True} or {})
     config: object = None        # the template's config (its layout depends on it)
     tuned: bool = False          # config came from a tuning record
 
@@ -92,7 +94,8 @@ class Program:
     kernels: list
     te_text: str = ""
     fusion: str = ""
-    key: Callable | None = None   # kernel name -> readable tuning key (set by lower())
+    key_parts: tuple | None = None  # (graph, target, batch, seq) of its tuning keys (set
+                                    # by lower(); None: its kernels consult no records)
     symbolic: dict | None = None  # one build for every length: {"batch": bool, "seq": bool,
                                   # "row_tile": rows the GEMM temporaries are padded to}
 
@@ -105,6 +108,17 @@ class Program:
         return {"batch": batch, "seq": seq, "rows": rows, "padded_rows": round_up(rows, tile),
                 "kv_seq": kv_seq or seq, "kv_rows": kv_rows,
                 "kv_padded_rows": round_up(kv_rows, tile)}
+
+    @property
+    def tunable(self) -> bool:
+        """Whether its kernels have tuning keys (records may tune them)."""
+        return self.key_parts is not None
+
+    def key(self, kernel_name: str) -> dict | None:
+        """The readable tuning key of one of its kernels (mhagen.tuning.records), or None."""
+        if self.key_parts is None:
+            return None
+        return workload_key(*self.key_parts, kernel_name)
 
     def role(self, role):
         return [b for b in self.buffers.values() if b.role == role]

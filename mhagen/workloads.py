@@ -7,7 +7,8 @@ fields; tuning records key and check configs against them. One class per kind of
   GemmWorkload       a packed GEMM stage of the fused kernels (weights in column panels)
   MatmulWorkload     a batched matmul stage of the unfused kernel (TE, rules)
   RowsWorkload       a row-wise stage of the unfused kernel (softmax over cols)
-  ElementwiseWorkload  an element-wise stage (scalar: one value per row, no vector axis)
+  ElementwiseWorkload  an element-wise stage (scalar: one value per row, no vector axis);
+                     epilogues and packs, whose rules read nothing
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ class RowsWorkload(_Fields):
 
 @dataclass(frozen=True)
 class ElementwiseWorkload(_Fields):
-    """An element-wise stage; scalar: one value per row (no vector axis to split)."""
+    """An element-wise stage; scalar: one value per row (no vector axis to split). Also
+    the workload of stages whose rule reads nothing (epilogues, packs)."""
     scalar: bool = False
 
 

@@ -10,15 +10,15 @@ A rule is a small class in the style of TVM's dlight rules:
                                            every stage of a TE kernel at once
 Rules for a target are an ordered list; the first that applies wins and a Fallback always
 applies (a kernel rule in the list takes every TE kernel). Rules read target attributes
-(lanes, cores), never target names. Each folder (x86, arm, cuda) is one backend family: its
-__init__ defines BACKEND (see mhagen/backends.py), whose `verify` checks every scheduled
-kernel.
+(lanes, cores), never target names. The generic CPU rules are in cpu/; each family folder
+(x86, arm, cuda) defines BACKEND, its Backend class (see mhagen/backends.py), whose `finalize`
+and `verify` see every scheduled kernel.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from mhagen.backends import backend_for
+from mhagen.backends import Backend
 from mhagen.tuning.apply import apply_trace, refuse_record, replay_differs
 
 
@@ -42,15 +42,14 @@ class Plan:
         self.done: set = set()
 
 
-def schedule_kernel(kernel, target, rules=None, record=None):
+def schedule_kernel(kernel, target, rules=None, record=None, backend=None):
     """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
-    is given and still fits the kernel, else the rules (TE stages) or the template."""
-    backend = backend_for(target)
+    is given and still fits the kernel, else the rules (TE stages) or the template.
+    backend: the target's (Backend.for_target(target) when not given)."""
+    backend = backend or Backend.for_target(target)
     func, decisions = _schedule(kernel, target, rules or backend.rules, record)
-    if backend.finalize is not None:
-        func = backend.finalize(func)
-    if backend.verify is not None:
-        backend.verify(kernel, func, target)
+    func = backend.finalize(func)
+    backend.verify(kernel, func)
     return func, decisions
 
 

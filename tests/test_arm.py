@@ -156,14 +156,14 @@ def test_arm_presets_resolve_as_data(name, lanes, features):
 
 
 def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
-    from mhagen.backends import backend_for
-    from mhagen.schedules.x86 import RULES as X86
-    from mhagen.schedules.x86.attention import register_tiles
-    from mhagen.schedules.x86.matmul import MatmulConfig
+    from mhagen.backends import Backend
+    from mhagen.schedules.cpu.backend import RULES as CPU
+    from mhagen.schedules.cpu.attention import register_tiles
+    from mhagen.schedules.cpu.matmul import MatmulConfig
     neon, sve = resolve("arm-neon"), resolve("arm-sve")
-    backend = backend_for(neon)
+    backend = Backend.for_target(neon)
     assert backend.family == "cpu-arm" and backend.device == "cpu"
-    assert [type(r) for r in backend.rules] == [type(r) for r in X86]
+    assert [type(r) for r in backend.rules] == [type(r) for r in CPU]
     assert backend.attention is not None
     matmul = next(r for r in backend.rules if r.name == "matmul")
     # register tiles sized from lanes and the 32 vector registers (4 kept for operands)
@@ -326,14 +326,14 @@ def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
 
 def test_every_backend_names_its_own_attention_and_gemm_rules():
     """Backends name their rules, not list positions (a new rule once shifted them)."""
-    from mhagen.backends import backend_for
-    from mhagen.schedules.x86.attention import AttentionRule
-    from mhagen.schedules.x86.matmul import MatmulRule
+    from mhagen.backends import Backend
+    from mhagen.schedules.cpu.attention import AttentionRule
+    from mhagen.schedules.cpu.matmul import MatmulRule
     for preset in ("x86-avx2", "arm-neon"):
-        backend = backend_for(resolve(preset))
+        backend = Backend.for_target(resolve(preset))
         assert isinstance(backend.attention, AttentionRule)
         assert isinstance(backend.gemm_rule, MatmulRule)
-    cuda = backend_for(resolve("cuda-sm90"))
+    cuda = Backend.for_target(resolve("cuda-sm90"))
     assert cuda.attention.name == "attention" and hasattr(cuda.gemm_rule, "schedule_whole")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mhagen
-from mhagen.schedules.x86.attention import register_tiles
+from mhagen.schedules.cpu.attention import register_tiles
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
 from mhagen.tuning.records import Database, workload_key
@@ -45,7 +45,7 @@ def test_a_short_sequence_has_attention_configs_to_sweep(preset):
     (twice the sequence, rounded up to whole tiles); the candidates' own bound had been
     stricter, and on AVX2 hosts the sweep of a short causal layer measured the default
     alone."""
-    from mhagen.schedules.x86.attention import AttentionRule
+    from mhagen.schedules.cpu.attention import AttentionRule
     rule, t = AttentionRule(), resolve(preset)
     m = mhagen.build(mhagen.mha(64, 4, causal=True), t, batch=1, seq_len=32, tuning=None)
     work = next(k for k in m.program.kernels if k.name == "attention").workload
@@ -61,7 +61,7 @@ def test_attention_query_tiles_need_not_be_whole_pv_tiles(tmp_path):
     tiles one row apart, so seq 128 computes 128 query rows, not 144 (query tiles of 48).
     Every candidate keeps the template's constraints; 32 queries as 2 x 6 + 4 x 5 and 64 as
     9 x 6 + 2 x 5 match the reference."""
-    from mhagen.schedules.x86.attention import AttentionRule
+    from mhagen.schedules.cpu.attention import AttentionRule
     rule = AttentionRule()
     layer = mhagen.mha(128, 2)
     w = layer.init_weights(0)
@@ -137,7 +137,7 @@ def _most_blocks_a_thread(m, heads, lens, cores, tile_of):
     share, when TVM splits its tasks into runs of consecutive ones; tile_of(task, batch,
     heads, n_q) -> (batch row, head, query tile). Blocks the table skips or that start past
     a row's key length (lens) do not count."""
-    from mhagen.schedules.x86.matmul import busiest_thread
+    from mhagen.schedules.cpu.matmul import busiest_thread
     table = m.program.buffers["blocks"].value
     kv_block = _attention_config(m).kv_block
     batch, n_q = len(lens), table.shape[2]
@@ -157,7 +157,7 @@ def test_attention_tasks_spread_evenly_over_the_threads():
     even share where the plain order (batch, head, tile) gave one thread 1.47x (1 causal
     head on 2 cores), 1.16x (3 heads on 2), 1.44x (8 heads at seq 512 on 16 cores), 1.78x
     (key lengths 512 and 64 on 2 cores); odd tile counts and lengths match the reference."""
-    from mhagen.schedules.x86.attention import task_tile
+    from mhagen.schedules.cpu.attention import task_tile
 
     def plain(task, batch, heads, n_q):
         return task // (heads * n_q), task // n_q % heads, task % n_q
@@ -195,7 +195,7 @@ def test_causal_key_blocks_align_with_the_query_tiles(preset):
     (query tiles of 16) and head_dim 40."""
     from mhagen.blockmask import PARTIAL
     from mhagen.program import round_up
-    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.schedules.cpu.attention import computed_scores
     t = resolve(preset)
     for d_model, heads, seq in ((512, 8, 128), (512, 8, 512), (160, 4, 97)):
         layer = mhagen.mha(d_model, heads, causal=True)
@@ -229,7 +229,7 @@ def test_a_sliding_window_takes_aligned_32_wide_tiles(preset):
     query tiles); a causal mask keeps its 64-query tiles; both checked against the
     reference."""
     from mhagen.program import round_up
-    from mhagen.schedules.x86.attention import computed_scores
+    from mhagen.schedules.cpu.attention import computed_scores
     rows = register_tiles(resolve(preset), 64, 2 * resolve(preset).lanes)[0]   # S^T's rows
     for mask, causal in ((mhagen.sliding_window(64), False), (None, True)):
         layer = mhagen.mha(256, 4, mask=mask, causal=causal)

@@ -94,7 +94,7 @@ def test_decode_tasks_share_the_calls_key_blocks_evenly():
     core) match the reference on
     rows of 0, 1, 300, 700 and 1023 - S cached keys (pieces that start and end inside
     groups, and tasks with nothing to do), causal and not, for 1 and 3 new tokens."""
-    from mhagen.schedules.x86.decode import balanced_share
+    from mhagen.schedules.cpu.decode import balanced_share
     blocks = [-(-4001 // 64)] * 8 + [-(-101 // 64)] * 8    # row 0's 8 K/V heads, row 1's
     total = sum(blocks)
     shares = [balanced_share(t, 8, total) for t in range(8)]

@@ -1,11 +1,11 @@
-"""The vectorisable float32 math the CPU templates use (schedules/x86/fast_math.py), compiled
+"""The vectorisable float32 math the CPU templates use (schedules/cpu/fast_math.py), compiled
 for the host's generic LLVM target and checked against numpy in float64."""
 import numpy as np
 import pytest
 import tvm
 from tvm import te
 
-from mhagen.schedules.x86.fast_math import EXP2_16, EXP2_16_BF16, EXP2_HELPER, exp, exp2, tanh
+from mhagen.schedules.cpu.fast_math import EXP2_16, EXP2_16_BF16, EXP2_HELPER, exp, exp2, tanh
 
 
 def _run(fn, x):

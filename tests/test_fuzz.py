@@ -359,7 +359,7 @@ def test_unfused_seq1_multi_head(target, d_model, heads, kv_heads):
     unfused builds at seq_len 1 with several heads gave wrong numbers (up to 1e38). The
     heads' concat, a Select between two heads' buffers, was vectorised; its vector form
     loads both sides, past the end of a one-token buffer. The concat now keeps a scalar
-    loop (schedules/x86/elementwise.py)."""
+    loop (schedules/cpu/elementwise.py)."""
     layer = mhagen.mha(d_model, heads, kv_heads=kv_heads, bias=False)
     w = layer.init_weights(0)
     x = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
@@ -395,7 +395,7 @@ def test_unfused_seq1_batch_dependent_mask(target, heads, kv_heads, rotary):
     per row: compute_at dropped the softmax's column loop of extent 1, so its exp block's
     last loop became the row loop, and vectorising that loop (its body holds the row
     reductions) gave batch 0 the masked batch 1's zeros. The rule now vectorises only a
-    column loop (schedules/x86/softmax.py)."""
+    column loop (schedules/cpu/softmax.py)."""
     rot = mhagen.rotary(rotary_dim=4) if rotary else None
     layer = mhagen.mha(8 * heads, heads, kv_heads=kv_heads, rotary=rot,
                        mask=(ex.q_idx < ex.q_len) & (ex.batch < 1))

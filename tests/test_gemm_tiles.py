@@ -7,8 +7,8 @@ import re
 import pytest
 
 import mhagen
-from mhagen.backends import backend_for
-from mhagen.schedules.x86.attention import register_tiles
+from mhagen.backends import Backend
+from mhagen.schedules.cpu.attention import register_tiles
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
 from x86_helpers import (PRESETS, _input, RUNNABLE, l2_of_1mib, multiply_add_loops,
@@ -21,7 +21,9 @@ def test_register_tiles_fit_each_class():
     assert (avx2.vector_registers, avx512.vector_registers) == (16, 32)
     # GEMM: 2 vectors wide, rows = what the registers hold after 2 B vectors + 1 broadcast
     # (at most 12 on 16 lanes)
-    tile = backend_for(avx2).gemm_tile
+
+    def tile(target, **kw):
+        return Backend.for_target(target).gemm_tile(**kw)
     assert tile(avx2) == (6, 16) and tile(avx512) == (12, 32)
     assert tile(avx512, pairs=True) == (8, 32)      # bfloat16 pairs (vdpbf16ps): 8 rows
     for t in (avx2, avx512):
@@ -59,7 +61,7 @@ def test_gemm_tasks_split_evenly_over_the_cores():
     build gives each core a group of panels instead, as AVX-512 does at 512 rows (43 tiles
     of 12 in blocks of 22 and 21); at 576 rows its 48 tiles in blocks of 24 split evenly
     and keep one group. Checked against the reference."""
-    from mhagen.schedules.x86.matmul import most_tiles_a_thread
+    from mhagen.schedules.cpu.matmul import most_tiles_a_thread
     assert most_tiles_a_thread(86, 22, 96, 2) == 44 * 96    # an even share: 43 * 96
     assert most_tiles_a_thread(48, 24, 96, 2) == 24 * 96
     layer = mhagen.mha(64, 4)
@@ -87,7 +89,7 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
     layers on 2 cores keep one block. The split builds keep the whole tiles' unguarded
     loop and match the reference here. The L2 is pinned to 1 MiB (on a 256 KiB L2 the QKV
     GEMM of d_model 480 takes blocks of 8 tiles for the cache's sake)."""
-    from mhagen.schedules.x86.matmul import core_blocks
+    from mhagen.schedules.cpu.matmul import core_blocks
     assert core_blocks(16, 16, 64) == 4        # 64 tasks of 4 tiles, not 16 of 16
     assert core_blocks(16, 15, 2) == 8         # 15 tasks of 8 tiles a thread, not 8 of 16
     assert core_blocks(16, 16, 2) == 16        # 8 panels a thread either way
@@ -106,7 +108,7 @@ def test_gemm_rows_that_fit_one_block_split_over_the_cores():
             assert_close(m(x), layer.reference(x, w))
         return ({d["kernel"]: d["config"]["row_block"] for d in m.info.decisions
                  if d["rule"] == "matmul"}, m.program.buffers["qkv"].shape[1])
-    from mhagen.schedules.x86.matmul import packed_blocking
+    from mhagen.schedules.cpu.matmul import packed_blocking
     for preset in ("x86-avx512", "x86-avx2"):   # the benchmark layers' GEMMs on 2 cores
         t = dataclasses.replace(resolve(preset), cores=2)
         for rows, d_model in ((128, 512), (512, 512), (2048, 768), (2048, 1024)):
@@ -176,7 +178,7 @@ def test_a_partial_last_row_tile_leaves_the_whole_tiles_unguarded(preset):
     guard of the partial tile is hoisted out of the k loop, so the whole tiles keep their
     unguarded loop; checked against the reference. The L2 is pinned to 1 MiB (on a 512 KiB
     L2 the 17 AVX-512 tiles take two row blocks)."""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     tile_rows = packed_tile(resolve(preset))[0]
     for d_model, seq in ((512, 16 * tile_rows + 2), (1024, 97)):
         layer = mhagen.mha(d_model, 8)
@@ -198,7 +200,7 @@ def test_a_last_tile_of_3_or_more_rows_pads_the_rows_to_whole_tiles(preset):
     speed): such rows are padded to whole tiles (clamped reads of A's last row), and no
     accumulator of the GEMMs' tiles is summed in memory; checked against the reference.
     (The accumulator check fails on the former unpadded build: the test below.)"""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     tile_rows = packed_tile(resolve(preset))[0]
     seq = 3 * tile_rows + 3            # AVX2: 21 rows, 4 tiles; AVX-512: 27 rows, 4 tiles
     layer = mhagen.mha(512, 8)
@@ -240,7 +242,7 @@ def _unpadded_avx2_build(monkeypatch, seq):
     """The default layer for x86-avx2 with its GEMM rows never padded to whole tiles (the
     packed blocking's run rows replaced by the rows themselves)."""
     import mhagen.schedules.x86 as x86
-    import mhagen.schedules.x86.matmul as matmul
+    import mhagen.schedules.cpu.matmul as matmul
     exact = matmul.packed_blocking
 
     def unpadded(target, rows, depth, cols=0, pairs=False, on_amx=False):
@@ -273,7 +275,7 @@ def test_a_short_last_row_block_matches_the_reference(preset):
     tiles only. The L2 is pinned to 1 MiB (a 2 MiB L2 holds all 19 AVX-512 tiles in one
     block)."""
     from mhagen.program import round_up
-    from mhagen.schedules.x86.matmul import packed_blocking
+    from mhagen.schedules.cpu.matmul import packed_blocking
     layer = mhagen.mha(1024, 16)
     w = layer.init_weights(6)
     m = mhagen.build(layer, l2_of_1mib(preset), batch=1, seq_len=150, weights=w, tuning=None)

@@ -22,7 +22,7 @@ def test_no_vector_register_spills(preset):
 def test_the_spill_check_sees_spills():
     """The check above can fail: a 8 x 16 S^T tile (16 accumulators) on 16 ymm registers
     spills, as the AVX-512-sized template did on AVX2."""
-    from mhagen.schedules.x86.attention import AttentionConfig
+    from mhagen.schedules.cpu.attention import AttentionConfig
 
     class Forced:
         def lookup(self, key):
@@ -42,7 +42,7 @@ def test_the_register_transposes_transpose(n, word, offset):
     import tvm
     from tvm.script import tirx as T
     from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-    from mhagen.schedules.x86.transpose import transpose
+    from mhagen.schedules.cpu.transpose import transpose
 
     dtype = {"i32": "int32", "i16": "int16"}[word]
     # rows and offsets of even words: 4-byte aligned, as the helpers' loads declare

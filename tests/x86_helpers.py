@@ -86,7 +86,7 @@ def whole_tile_loops(m, kernel) -> list:
     """The loops of a GEMM kernel that run a whole register tile's multiply-adds in one
     basic block (tile_rows x tile_cols / lanes of them): a guard on the tile's rows would
     split them into a block per row."""
-    from mhagen.schedules.x86.matmul import packed_tile
+    from mhagen.schedules.cpu.matmul import packed_tile
     rows, cols = packed_tile(m.target)
     fmas = rows * cols // m.target.lanes
     body = function_asm(m.inspect("source"), kernel + "_compute_")

@@ -6,9 +6,9 @@ whether an attention template exists) comes from the target's backend (mhagen/ba
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from mhagen.backends import backend_for
+from mhagen.backends import Backend
 from mhagen.errors import GraphError
 from mhagen.ir.unfuse import unfuse
 from mhagen.lower.fused import NotFusable, lower_fused
@@ -19,23 +19,21 @@ from mhagen.tuning.records import TuningWarning, stale_default, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
-          symbolic=None, kv_seq_len: int | None = None) -> Program:
+          symbolic=None, kv_seq_len: int | None = None, backend=None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel (a graph
     with the fused kinds: those of its builder form, mhagen/ir/unfuse.py).
     `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config (the
     decode template's, for a decoding layer).
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
     fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length
-    of a cross-attention layer (its programs consult no tuning records yet)."""
+    of a cross-attention layer (its programs consult no tuning records yet). backend: the
+    target's (mhagen.backends.Backend; made from the target when not given)."""
     cross = graph.context_input is not None
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     graph = unfuse(graph)    # a graph holding the fused kinds compiles as its builder form
     fusion = run_passes(graph, fuse=fuse)
-    backend = backend_for(target)
+    backend = backend or Backend.for_target(target)
     rule = backend.attention if fusion.fused else None
-
-    def key(kernel_name):
-        return workload_key(graph, target, batch, seq_len, kernel_name)
 
     reason = fusion.reason if rule is not None or not fusion.fused else \
         "not fused: no attention template for this target"
@@ -43,9 +41,10 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     if fusion.fused and rule is not None:
         tuned_rule = backend.decode if graph.cache_lens_input is not None else rule
         config = None if cross or tuned_rule is None else _tuned_config(
-            tuned_rule, tuning, key("attention"), target)
+            tuned_rule, tuning, workload_key(graph, target, batch, seq_len, "attention"),
+            target)
         try:
-            program = lower_fused(fusion.graph, batch, seq_len, target, backend, config,
+            program = lower_fused(fusion.graph, batch, seq_len, backend, config,
                                   symbolic=symbolic, kv_seq=kv_seq_len)
         except NotFusable as why:
             reason = f"not fused: {why}"
@@ -59,30 +58,41 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
                          "(seq_len=N)")
     if program is None:
         program = lower_unfused(graph, batch, seq_len, kv_seq_len)
-    program.key = None if cross else key
+    program.key_parts = None if cross else (graph, target, batch, seq_len)
     program.fusion = reason
     return program
 
 
 def _tuned_config(rule, tuning, key, target):
-    """None (the default), or a function of today's default config that returns the
-    attention config a tuning record asks for: None where the record is invalid or was
-    measured against another default (stale; both warn)."""
+    """None (the default), or a TunedConfig: the attention config a tuning record asks for,
+    given today's default config."""
     record = tuning.lookup(key) if tuning is not None else None
     if record is None or record.get("kind") != "config":
         return None
+    return TunedConfig(rule, record, key, target)
 
-    def choose(default, workload):
-        why = stale_default(record, asdict(default))
+
+@dataclass(frozen=True)
+class TunedConfig:
+    """A tuning record's attention config, for lower_fused to ask once the default config
+    and the workload are known: None where the record is invalid or was measured against
+    another default (stale; both warn)."""
+    rule: object
+    record: dict
+    key: dict
+    target: object
+
+    def __call__(self, default, workload):
+        why = stale_default(self.record, asdict(default))
         if why is None:
             try:
-                return rule.make_config(record["config"], target, workload)
+                return self.rule.make_config(self.record["config"], self.target, workload)
             except (KeyError, TypeError, ValueError) as err:
                 why = f"it is invalid ({err})"
-        warnings.warn(f"tuning record for {key['kernel']} not used: {why}; using the default "
-                      "config (re-run `mhagen tune` to refresh it)", TuningWarning, stacklevel=5)
+        warnings.warn(f"tuning record for {self.key['kernel']} not used: {why}; using the "
+                      "default config (re-run `mhagen tune` to refresh it)", TuningWarning,
+                      stacklevel=5)
         return None
-    return choose
 
 
 __all__ = ["Buffer", "Kernel", "Program", "Stage", "lower"]

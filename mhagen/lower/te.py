@@ -17,6 +17,7 @@ import numpy as np
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.program import Buffer, Kernel, Program, Stage
+from mhagen.workloads import ElementwiseWorkload, MatmulWorkload, RowsWorkload
 
 
 
@@ -186,8 +187,10 @@ class _Ctx:
             self.score_tables[values] = (te.placeholder(b.shape, "float32", name=b.name), b)
         return self.score_tables[values][0]
 
-    def stage(self, name, pattern, node, blocks, **workload):
-        self.stages.append(Stage(name, pattern, node, tuple(blocks), workload))
+    def stage(self, name, pattern, node, blocks, workload=None):
+        """A stage of the kernel; workload: what its rule reads (mhagen.workloads)."""
+        self.stages.append(Stage(name, pattern, node, tuple(blocks),
+                                 workload or ElementwiseWorkload()))
 
     def note(self, line):
         self.text.append(line)
@@ -201,8 +204,8 @@ def _matmul(ctx, n, name, a, b_at, depth, shape):
     """C[b, i, j] = sum_k a[b, i, k] * b_at(b, k, j), as a matmul stage."""
     k = te.reduce_axis((0, depth), name="k")
     c = te.compute(shape, lambda bb, i, j: te.sum(a[bb, i, k] * b_at(bb, k, j), axis=k), name=name)
-    ctx.stage(name, "matmul", n.name, [name], batch=shape[0], rows=shape[1], cols=shape[2],
-              depth=depth)
+    ctx.stage(name, "matmul", n.name, [name],
+              MatmulWorkload(batch=shape[0], rows=shape[1], cols=shape[2], depth=depth))
     return c
 
 
@@ -275,7 +278,7 @@ def _lower_rotary(ctx, n):
     y = te.compute(shape, f, name=n.name)
     # elementwise, not an epilogue: it reads a neighbour column, so it cannot fold into the
     # projection's register-tile write-back; scalar columns, as the concat's (a Select)
-    ctx.stage(n.name, "elementwise", n.name, [n.name], scalar=True)
+    ctx.stage(n.name, "elementwise", n.name, [n.name], ElementwiseWorkload(scalar=True))
     return y
 
 
@@ -352,7 +355,7 @@ def _lower_softmax(ctx, n):
     p = te.compute((bsz, rows, cols), lambda bb, i, j: e[bb, i, j] * inv[bb, i], name=n.name)
     ctx.stage(n.name, "softmax", n.name,
               [mx.op.name, safe.op.name, e.op.name, total.op.name, inv.op.name, n.name],
-              batch=bsz, rows=rows, cols=cols)
+              RowsWorkload(batch=bsz, rows=rows, cols=cols))
     ctx.note(f"{n.name} = softmax_rows({n.inputs[0]})  # max-subtracted; all -inf row -> 0")
     return p
 
@@ -380,7 +383,7 @@ def _lower_concat(ctx, n):
     c = te.compute(_shape(ctx, n), f, name=n.name)
     # scalar columns (see ElementwiseRule): vectorised, a Select between two heads' buffers
     # loads both sides, past a small buffer's end, and gave wrong numbers at seq_len 1
-    ctx.stage(n.name, "elementwise", n.name, [n.name], scalar=True)
+    ctx.stage(n.name, "elementwise", n.name, [n.name], ElementwiseWorkload(scalar=True))
     ctx.note(f"{n.name} = concat({', '.join(n.inputs)}, axis=-1)")
     return c
 

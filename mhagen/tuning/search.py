@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from mhagen.backends import backend_for
+from mhagen.backends import Backend
 from mhagen.cross import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
@@ -124,7 +124,7 @@ def template_rows(target) -> tuple:
     panels), from 2 up to the default's (AVX-512: 3, 6, 8, 10, 12, the 8 of the former
     default among them; AVX2: 2, 3, 4, 6). Never 1: a unit loop changes the trace's loop
     count, which MetaSchedule's mutators cannot replay."""
-    top = max(2, backend_for(target).gemm_tile(target)[0])
+    top = max(2, Backend.for_target(target).gemm_tile()[0])
     return tuple(sorted({max(2, top // 4), max(2, top // 2), max(2, 2 * top // 3),
                          max(2, top - 2), top}))
 
@@ -761,7 +761,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     bar.kernel(index, name, trials, done)
     stages = kernel.stages
     gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
-    rule = backend_for(t).gemm_rule
+    rule = Backend.for_target(t).gemm_rule
 
     rows_space = list(template_rows(t))
 
@@ -878,7 +878,7 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
     decoding = kernel.template == "decode"
     budget = bar.budget
     name = f"{kernel.name} {shape[0]}x{shape[1]}"
-    rule = backend_for(t).decode if decoding else backend_for(t).attention
+    rule = getattr(Backend.for_target(t), "decode" if decoding else "attention")
     candidates = rule.candidates(kernel.workload, t)[:max(2, trials)]
     planned = len(candidates)
     bar.kernel(index, name, planned)

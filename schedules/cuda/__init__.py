@@ -23,9 +23,27 @@ ROW_TILE = 64   # GEMM rows are padded to whole row tiles (dlight's block tiles 
 ATTENTION, GEMM = CudaAttentionRule(), DlightKernelRule()
 RULES = [ATTENTION, CudaRotaryRule(), GEMM]
 
-BACKEND = Backend(family="cuda", device="cuda", rules=RULES, attention=ATTENTION, half_temps=True,
-                  gemm_tile=lambda target, pairs=False, on_amx=False: (ROW_TILE, PANEL),
-                  gemm_rows=lambda target, rows, depth, cols, pairs=False, on_amx=False:
-                      round_up(rows, ROW_TILE),
-                  head_dim_padded=lambda d, target: padded_head_dim(d),
-                  gemm_rule=GEMM, verify=check_bound, device_compile=compile_device)
+
+class CudaBackend(Backend):
+    family = "cuda"
+    device = "cuda"
+    rules, attention, gemm_rule = RULES, ATTENTION, GEMM
+    half_temps = True
+
+    def gemm_tile(self, pairs=False, on_amx=False) -> tuple:
+        return ROW_TILE, PANEL
+
+    def gemm_rows(self, rows, depth, cols, pairs=False, on_amx=False):
+        return round_up(rows, ROW_TILE)
+
+    def head_dim_padded(self, d: int) -> int:
+        return padded_head_dim(d)
+
+    def verify(self, kernel, func) -> None:
+        check_bound(kernel, func, self.target)
+
+    def compile_device(self, executable, mod, program):
+        return compile_device(executable, self.target, mod, program)
+
+
+BACKEND = CudaBackend

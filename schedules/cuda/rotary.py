@@ -1,4 +1,4 @@
-"""RoPE in place on the fused path's qkv temporary (CUDA): see schedules/x86/rotary.py.
+"""RoPE in place on the fused path's qkv temporary (CUDA): see schedules/cpu/rotary.py.
 
 One thread block per row (token) of batch * seq; each thread owns whole pairs
 (x[i], x[i + rotary_dim/2]) of one Q or K head, so the in-place update needs no barrier;
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tvm.script import tirx as T
 
 from mhagen.program import round_up
-from mhagen.schedules.x86.rotary import rotary_layout
+from mhagen.schedules.cpu.rotary import rotary_layout
 from mhagen.workloads import AttentionWorkload, as_workload
 
 

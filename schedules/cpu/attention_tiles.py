@@ -17,7 +17,7 @@ import numpy as np
 from mhagen.blockmask import FULL, PARTIAL, block_table
 from mhagen.program import round_up
 from mhagen.schedules.x86 import amx
-from mhagen.schedules.x86.matmul import rows_that_fit
+from mhagen.schedules.cpu.matmul import rows_that_fit
 from mhagen.workloads import AttentionWorkload, as_workload
 
 

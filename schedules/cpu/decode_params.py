@@ -18,8 +18,8 @@ from tvm.script import tirx as T
 from mhagen.blockmask import conjuncts
 from mhagen.ir import expr as ex
 from mhagen.lower.te import LOG2E
-from mhagen.schedules.x86.decode_tiles import decode_layout, keys_in_flight, rows_in_lanes
-from mhagen.schedules.x86.fast_math import f32
+from mhagen.schedules.cpu.decode_tiles import decode_layout, keys_in_flight, rows_in_lanes
+from mhagen.schedules.cpu.fast_math import f32
 
 
 @dataclass(frozen=True)

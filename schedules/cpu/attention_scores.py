@@ -12,7 +12,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from mhagen.schedules.x86 import amx
-from mhagen.schedules.x86.attention_mask import mask_macros
+from mhagen.schedules.cpu.attention_mask import mask_macros
 from mhagen.schedules.x86.bf16_dot import DOT
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from mhagen.schedules.x86.decode_rows import masked_score, row_macros
-from mhagen.schedules.x86.fast_math import exp2
+from mhagen.schedules.cpu.decode_rows import masked_score, row_macros
+from mhagen.schedules.cpu.fast_math import exp2
 
 
 def block_macros(prm, rules):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from mhagen.schedules.x86.bf16_dot import PACK
-from mhagen.schedules.x86.fast_math import EXP2_16, EXP2_16_BF16, exp2
+from mhagen.schedules.cpu.fast_math import EXP2_16, EXP2_16_BF16, exp2
 
 
 def softmax_macros(k):

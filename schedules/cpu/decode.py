@@ -47,18 +47,19 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, with_scalars
 from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-from mhagen.schedules.x86.decode_kernel import decode_function
-from mhagen.schedules.x86.decode_params import decode_params
-from mhagen.schedules.x86.decode_tiles import (  # noqa: F401
+from mhagen.schedules.cpu.decode_kernel import decode_function
+from mhagen.schedules.cpu.decode_params import decode_params
+from mhagen.schedules.cpu.decode_tiles import (  # noqa: F401
     DecodeConfig, DecodeSplit, balanced_share, decode_kv_block, decode_layout,
     default_decode_config, keys_in_flight, rows_in_lanes)
-from mhagen.schedules.x86.fast_math import SCORE_MATH
+from mhagen.schedules.cpu.fast_math import SCORE_MATH
 from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class DecodeRule:
     """The split-KV attention of decoding layers (mhagen/lower/fused.py, cache branch)."""
     name = "decode_attention"
+    flush_denormals = False   # the x86 backend's rule flushes them (schedules/x86/denormals.py)
 
     def applies(self, stage, target):
         return stage.pattern == "decode_template"
@@ -103,7 +104,7 @@ class DecodeRule:
         return out
 
     def build(self, w, cfg, target):
-        return build_decode(w, cfg, target.vector_registers, flush=target.arch == "x86_64")
+        return build_decode(w, cfg, target.vector_registers, flush=self.flush_denormals)
 
     def partial_shapes(self, w, cfg):
         """Shapes of the two temporaries of partial results: O [partials, row_tile, padded

@@ -54,20 +54,21 @@ from dataclasses import replace
 from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.x86 import amx, denormals
-from mhagen.schedules.x86.attention_kernel import (ON_STACK, body_macro,  # noqa: F401
+from mhagen.schedules.cpu.attention_kernel import (ON_STACK, body_macro,  # noqa: F401
                                                    query_tile_order, task_tile)
-from mhagen.schedules.x86.attention_layout import kernel_layout
-from mhagen.schedules.x86.attention_tiles import (  # noqa: F401
+from mhagen.schedules.cpu.attention_layout import kernel_layout
+from mhagen.schedules.cpu.attention_tiles import (  # noqa: F401
     BAND_TILE, AttentionConfig, aligned_key_blocks, attention_tiles, computed_scores,
     default_tiles, longest_tile, narrow_band_tiles, register_tiles, rows_dividing)
 from mhagen.schedules.x86.bf16_dot import HELPERS, with_llvm_ir
-from mhagen.schedules.x86.fast_math import EXP2_HELPER, SCORE_MATH
-from mhagen.schedules.x86.transpose import transpose
+from mhagen.schedules.cpu.fast_math import EXP2_HELPER, SCORE_MATH
+from mhagen.schedules.cpu.transpose import transpose
 from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class AttentionRule:
     name = "attention"
+    flush_denormals = False   # the x86 backend's rule flushes them (schedules/x86/denormals.py)
 
     def applies(self, stage, target):
         return stage.pattern == "attention_template"
@@ -134,7 +135,7 @@ class AttentionRule:
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes, flush=target.arch == "x86_64")
+        return build_attention(w, cfg, target.lanes, flush=self.flush_denormals)
 
 
 def padded_head_dim(head_dim, lanes):

@@ -15,9 +15,9 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from mhagen.schedules.x86 import denormals
-from mhagen.schedules.x86.decode_blocks import block_macros
-from mhagen.schedules.x86.decode_tiles import balanced_share
-from mhagen.schedules.x86.fast_math import exp2
+from mhagen.schedules.cpu.decode_blocks import block_macros
+from mhagen.schedules.cpu.decode_tiles import balanced_share
+from mhagen.schedules.cpu.fast_math import exp2
 
 
 def piece_macro(prm, rules):

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from mhagen.schedules.x86 import denormals
-from mhagen.schedules.x86.elementwise import fitting_vector
+from mhagen.schedules.cpu.elementwise import fitting_vector
 from mhagen.workloads import RowsWorkload, as_workload
 
 

@@ -1,0 +1,3 @@
+"""Generic CPU schedule rules and templates (x86 and aarch64 alike): they read target
+attributes (lanes, vector registers, caches, cores), never architecture names. The x86-only
+parts (AMX tiles, AVX-512 BF16 dot products, denormal flushing) are in schedules/x86/."""
