@@ -8,7 +8,7 @@ from mhagen.runtime import prepare_tvm_threads
 prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS before it starts
 
 # isort: split
-from mhagen.artifact.load import load as _load
+from mhagen.artifact.load import LoadedArtifact, read_artifact
 from mhagen.dsl import mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, kv_len, maximum,
@@ -16,6 +16,7 @@ from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, 
                        softcap, table, tanh, verify, where)
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
+from mhagen.module import Module
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
 from mhagen.tuning.deps import require_tuning_dependencies
@@ -41,10 +42,17 @@ def load(path):
     """Load a module saved with Module.save(path): needs the TVM runtime only, not the
     compiler (see mhagen/artifact/load.py); attention_maps() then compiles with build().
     A CUDA artifact runs through its own C API (no TVM; needs an NVIDIA GPU)."""
-    module = _load(path)
-    if hasattr(module, "info"):   # (a CUDA artifact's module has no derived programs)
-        module.info.builder = build
-    return module
+    loaded = read_artifact(path)
+    if not isinstance(loaded, LoadedArtifact):   # a CUDA artifact: its own module class
+        return loaded
+    return Module.from_artifact(loaded, compile_maps=_compile_maps)
+
+
+def _compile_maps(graph, target, batch, seq_len):
+    """The compiler's attention-maps build, imported on first use (a loaded module runs
+    without the compiler)."""
+    from mhagen.compile import compile_maps
+    return compile_maps(graph, target, batch, seq_len)
 
 
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",

@@ -11,6 +11,7 @@ from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 from mhagen.lower import lower
+from mhagen.maps import maps_graph
 from mhagen.module import BuildInfo, Module
 from mhagen.schedules import schedule_kernel
 from mhagen.target import resolve
@@ -115,6 +116,13 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]
     info = BuildInfo(fuse=fuse, texts=texts, decisions=decisions, tuning_records=used,
                      compile_seconds=time.perf_counter() - start, executable=executable,
-                     device_code=device, builder=build)
+                     device_code=device)
     return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info,
-                  kv_seq_len=kv_seq_len)
+                  kv_seq_len=kv_seq_len, compile_maps=compile_maps)
+
+
+def compile_maps(graph: Graph, target, batch: int, seq_len: int) -> Module:
+    """The attention-maps module of `graph` at [batch, seq_len] (mhagen/maps.py: its
+    unfused program up to every head's softmax), for Module.attention_maps."""
+    return build(maps_graph(graph, batch, seq_len), target, batch=batch, seq_len=seq_len,
+                 fuse=False)

@@ -23,7 +23,7 @@ from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, name_of, numpy_dtype,
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
 from mhagen.kvcache import KVCache, cache_shape, check_room
-from mhagen.maps import head_softmaxes, maps_graph
+from mhagen.maps import head_softmaxes
 from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
 from mhagen.weights import check_weights
@@ -40,9 +40,6 @@ class BuildInfo:
     device_code: object = None   # GPU builds: the device code compiled at build time
                                  # (schedules/cuda/nvcc.py DeviceCode: fatbin, PTX, ptxas report)
     library_path: str | None = None  # kernel.so of a loaded module
-    builder: object = None       # mhagen's build(), to compile derived programs (attention
-                                 # maps); set by a build and by mhagen.load, never imported
-                                 # here (running a module needs no compiler)
 
 
 class Module:
@@ -57,12 +54,16 @@ class Module:
     are converted to float32 first, or refused (mhagen/inputs.py: the input policy);
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
+    compile_maps: the compiler's function that builds the attention-maps module
+    (mhagen.compile.compile_maps), given by build() and mhagen.load() so that running a
+    module needs no compiler; without it attention_maps() is refused.
     A Module owns its temporaries, so calls from several threads are serialised by a lock
     (correct, one at a time); for parallel calls give each thread its own module.
     """
 
     def __init__(self, graph, target, batch, seq_len, program, library, *, weights=None,
-                 info: BuildInfo | None = None, kv_seq_len: int | None = None):
+                 info: BuildInfo | None = None, kv_seq_len: int | None = None,
+                 compile_maps=None):
         self.graph, self.target = graph, target
         self.batch, self.seq_len = batch, seq_len
         self.kv_seq_len = kv_seq_len        # a cross-attention layer's context length
@@ -91,6 +92,7 @@ class Module:
         self._casts = {}             # casts.py's conversions by name (None: not in the library)
         self._lock = threading.Lock()
         self._temps = None
+        self._compile_maps = compile_maps
         self._maps = None            # the attention-maps module, compiled on first use
         self._maps_for = None        # the weights it holds
         self._resident_for = self._resident_tensors = None
@@ -98,12 +100,48 @@ class Module:
         if weights is not None:
             self.bind(weights)
 
-    # compatibility accessors for what BuildInfo holds
-    fuse = property(lambda self: self.info.fuse)
-    texts = property(lambda self: self.info.texts)
-    decisions = property(lambda self: self.info.decisions)
-    tuning_records = property(lambda self: self.info.tuning_records)
-    compile_seconds = property(lambda self: self.info.compile_seconds)
+    @classmethod
+    def from_artifact(cls, loaded, *, compile_maps=None) -> "Module":
+        """The module of a read artifact (mhagen.artifact.load.LoadedArtifact), its weights
+        bound with the params as stored (no repacking)."""
+        man, shapes, program = loaded.manifest, loaded.shapes, loaded.program
+        info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=loaded.texts,
+                         decisions=man.get("schedule") or [],
+                         tuning_records=man.get("tuning") or [],
+                         library_path=str(loaded.kernel_path))
+        try:
+            module = cls(loaded.graph, loaded.target, shapes["batch"], shapes["seq_len"],
+                         program, loaded.library, info=info,
+                         kv_seq_len=shapes.get("kv_seq_len"), compile_maps=compile_maps)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            # the content hash holds, so the manifest was written like this (by hand or a tool)
+            raise ArtifactError(f"{loaded.path}/manifest.json is malformed "
+                                f"({type(err).__name__}: {str(err)[:300]}); rebuild the "
+                                "module") from None
+        if loaded.weights is not None:
+            try:
+                module.bind(loaded.weights,
+                            params={b.name: aligned_copy(loaded.params[b.name], b)
+                                    for b in program.role("param")})
+            except InputError as err:    # the manifest's weight table and graph disagree
+                raise ArtifactError(f"{loaded.path}: the weights do not fit the manifest's "
+                                    f"graph ({err}); rebuild the module") from None
+        return module
+
+    @property
+    def decisions(self) -> list:
+        """The schedule decisions per stage (BuildInfo.decisions)."""
+        return self.info.decisions
+
+    @property
+    def tuning_records(self) -> list:
+        """The tuning records the build used (BuildInfo.tuning_records)."""
+        return self.info.tuning_records
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """How long the build took (BuildInfo.compile_seconds; None: a loaded module)."""
+        return self.info.compile_seconds
 
     @property
     def precision(self) -> str | None:
@@ -136,9 +174,9 @@ class Module:
     def _pack(self, weights) -> dict:
         out = {}
         for b in self.program.role("param"):
-            if b.pack is None or (b.pack["kind"] == "constant" and b.value is None):
-                raise ArtifactError(f"param {b.name!r} has no packing recipe (an artifact of "
-                                    "format 1): rebuild it to bind other weights")
+            if b.pack["kind"] == "constant" and b.value is None:
+                raise ArtifactError(f"param {b.name!r} is a constant this module does not "
+                                    "hold: rebuild it to bind other weights")
             out[b.name] = aligned_copy(b.make(weights), b)
         return out
 
@@ -478,12 +516,10 @@ class Module:
         if self.symbolic:     # maps for the call's shape (one unfused build per shape)
             batch, seq = x.shape[:2]
         if self._maps is None or self._maps.in_shape[:2] != (batch, seq):
-            build = self.info.builder
-            if build is None:
+            if self._compile_maps is None:
                 raise InputError("attention maps need the compiler: use a module from "
                                  "mhagen.build() or mhagen.load()")
-            self._maps = build(maps_graph(self.graph, batch, seq), self.target,
-                               batch=batch, seq_len=seq, fuse=False)
+            self._maps = self._compile_maps(self.graph, self.target, batch, seq)
             self._maps_for = None
         if self._maps_for is not self.weights:   # first use, or weights bound since
             names = {s.name for s in self._maps.graph.weight_specs()}

@@ -97,10 +97,10 @@ def test_artifacts_of_every_format_version_load(version):
     assert_close(y, m.graph.reference(io["x"], m.weights))
 
 
-def test_format_1_cannot_rebind_weights_and_says_why():
-    m = mhagen.load(DATA / "artifact-v1")
-    with pytest.raises(mhagen.ArtifactError, match="format 1.*rebuild"):
-        m(np.zeros(m.in_shape, np.float32), weights=m.graph.init_weights(3))
+def test_a_format_1_artifact_is_refused_and_says_to_save_it_again():
+    """Format 1 (program buffers without param recipes) is no longer read."""
+    with pytest.raises(mhagen.ArtifactError, match="format version 1 .*save it again"):
+        mhagen.load(DATA / "artifact-v1")
 
 
 def test_an_unknown_format_version_is_refused(saved, tmp_path):
@@ -111,7 +111,7 @@ def test_an_unknown_format_version_is_refused(saved, tmp_path):
     man["version"] = 99
     man["content_hash"] = content_hash(man)
     (copy / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(mhagen.ArtifactError, match="format version 99.*reads versions 1, 2"):
+    with pytest.raises(mhagen.ArtifactError, match="format version 99.*reads versions 2, 3"):
         mhagen.load(copy)
 
 

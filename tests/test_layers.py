@@ -37,9 +37,6 @@ KNOWN_TWO_WAY = {
     # the schedules replay tuning traces (tuning.apply), and tuning.search reads the
     # schedules' rules (issue 58: backend objects own their rules and records)
     ("mhagen.schedules", "mhagen.tuning"),
-    # a Module saves itself through artifact.save, and artifact.load makes a Module
-    # (issue 58: module/artifact split)
-    ("mhagen.artifact", "mhagen.module"),
     # the artifact's save and toolchain read cross's export options, and cross fetches the
     # artifact's runtime files (artifact.tvm_runtime) (issue 58: artifact)
     ("mhagen.artifact", "mhagen.cross"),

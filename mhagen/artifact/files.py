@@ -1,7 +1,7 @@
 """Artifact file helpers (numpy and hashlib; mhagen.tensor_file): checksums and the tensor files.
 
 Format 3 (written): weights.safetensors, the kernels' params in the safetensors format (see
-write_params_file below for why the params and not the weights). Formats 1 and 2 (read):
+write_params_file below for why the params and not the weights). Format 2 (read):
 weights.bin and params.bin, arrays back to back, little-endian, no header; the table of name,
 shape, dtype, offset, nbytes, sha256 lives in the manifest."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def read_tensors(path, table: list) -> dict:
 # inverting the params' recipes (unpack_weights); a weight that cannot be recovered bit for bit
 # (one no recipe places whole) is stored as well, under WEIGHT_PREFIX + its name.
 TENSOR_FILE = "weights.safetensors"
-OLD_TENSOR_FILES = ("weights.bin", "params.bin")     # formats 1 and 2 (read_tensors)
+OLD_TENSOR_FILES = ("weights.bin", "params.bin")     # format 2 (read_tensors)
 WEIGHT_PREFIX = "weight:"
 
 

@@ -1,8 +1,13 @@
-"""Load a saved module: the manifest, kernel.so and the params only (no lowering, no TE/TIR, no
-schedule templates, no `import tvm`: mhagen/runtime.py loads kernel.so with TVM's runtime)."""
+"""Read a saved module: the manifest, kernel.so and the params only (no lowering, no TE/TIR, no
+schedule templates, no `import tvm`: mhagen/runtime.py loads kernel.so with TVM's runtime).
+
+The artifact package knows nothing of Module: read_artifact returns the parts (LoadedArtifact)
+and Module.from_artifact (mhagen/module.py) makes the module of them.
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from mhagen import runtime
@@ -15,9 +20,27 @@ from mhagen.host import RUNTIME_FEATURES
 from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
 from mhagen.ir.kinds import SUPPORTED_DTYPES
-from mhagen.module import BuildInfo, Module, aligned_copy
 from mhagen.program import Program
 from mhagen.target import Target
+
+
+@dataclass(frozen=True)
+class LoadedArtifact:
+    """A CPU artifact's parts, checked against each other: what a Module is made of."""
+    path: Path
+    manifest: dict
+    graph: Graph
+    target: Target
+    program: Program
+    library: object          # kernel.so loaded by TVM's runtime
+    shapes: dict             # the manifest's: batch, seq_len, kv_seq_len, input, output
+    weights: dict | None     # the layer's weights (None: saved without)
+    params: dict | None      # the kernels' packed params as stored (not yet aligned)
+    texts: dict              # inspection texts: te, tir, source
+
+    @property
+    def kernel_path(self) -> Path:
+        return self.path / "kernel.so"
 
 
 def _check_files(path: Path, files: dict, kernels: str) -> None:
@@ -63,8 +86,8 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
                             "rebuild the module")
 
 
-def load(path) -> Module:
-    """Load a directory written by Module.save(); checks format, target and checksums. A
+def read_artifact(path) -> LoadedArtifact | CudaArtifactModule:
+    """Read a directory written by Module.save(); checks format, target and checksums. A
     CUDA artifact comes back as a CudaArtifactModule (mhagen/artifact/cuda_module.py: its
     libmha.so through ctypes, no TVM), which needs the NVIDIA driver and a GPU."""
     path = Path(path)
@@ -84,14 +107,12 @@ def load(path) -> Module:
                             f"{str(err)[:300]}); rebuild the module") from None
 
 
-def _load(path, man) -> Module:
+def _load(path, man) -> LoadedArtifact | CudaArtifactModule:
     target = Target.from_dict(man["target"])
     graph = Graph.from_json(man["graph"])
     graph.shapes()     # verify
     program = Program.from_description(man["program"])
     shapes = man["shapes"]
-    batch, seq_len = shapes["batch"], shapes["seq_len"]
-    kv_seq_len = shapes.get("kv_seq_len")      # cross-attention layers
     if target.device != "cpu":   # GPU code runs through the artifact's own C API
         return CudaArtifactModule(path, man, graph, target)
     why = target.cannot_run()
@@ -106,7 +127,7 @@ def _load(path, man) -> Module:
         if man["version"] >= 3:
             weights, params = read_params_file(path / TENSOR_FILE, man["program"]["buffers"],
                                                man["params"], man.get("weights") or [])
-        else:
+        else:      # format 2: weights.bin and params.bin
             weights = read_tensors(path / "weights.bin", man.get("weights") or [])
             params = read_tensors(path / "params.bin", man["params"])
         _check_program(program, params, path, shapes)
@@ -115,19 +136,8 @@ def _load(path, man) -> Module:
     for b in program.role("param"):   # constants (block tables) come from the params file
         if params and (b.pack or {}).get("kind") == "constant":
             b.value = params[b.name]
-    info = BuildInfo(fuse=bool(man.get("fuse", True)), texts=texts,
-                     decisions=man.get("schedule") or [], tuning_records=man.get("tuning") or [],
-                     library_path=str(path / "kernel.so"))
     library = runtime.load_library(path / "kernel.so")
     for k in program.kernels:
         library[k.name]     # AttributeError: kernel.so has no such function
-    module = Module(graph, target, batch, seq_len, program, library, info=info,
-                    kv_seq_len=kv_seq_len)
-    if weights is not None:
-        try:
-            module.bind(weights, params={b.name: aligned_copy(params[b.name], b)
-                                         for b in program.role("param")})
-        except InputError as err:    # the manifest's weight table and graph disagree
-            raise ArtifactError(f"{path}: the weights do not fit the manifest's graph "
-                                f"({err}); rebuild the module") from None
-    return module
+    return LoadedArtifact(path, man, graph, target, program, library, shapes, weights, params,
+                          texts)

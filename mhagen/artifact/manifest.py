@@ -1,12 +1,11 @@
 """The manifest of a saved module: format versions, content hash, reading and checking.
 
 Format versions (MODULE_VERSION is written; READABLE_VERSIONS load):
-  1  program buffers without param recipes: loads and runs with its params.bin; binding other
-     weights needs a rebuild
+  1  program buffers without param recipes: no longer read (read_manifest says to re-save it)
   2  program buffers carry their param recipes (mhagen.params); target carries family/device
   3  the tensors in one safetensors file, weights.safetensors (files.write_params_file): the
      params table gives each param's byte offset in it, the weights table where each weight
-     comes from (unpacked from the params, or a tensor of its own); formats 1 and 2 keep
+     comes from (unpacked from the params, or a tensor of its own); format 2 keeps
      weights.bin and params.bin (files.read_tensors)
 
 content_hash is the sha256 of the manifest (sorted keys, compact JSON) without its
@@ -24,7 +23,7 @@ from mhagen.version import __version__
 
 MODULE_FORMAT = "mhagen.module"
 MODULE_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (2, 3)
 NOT_HASHED = ("content_hash", "c_api")
 
 
@@ -87,6 +86,11 @@ def read_manifest(path: Path) -> dict:
         raise ArtifactError(f"{mpath} is corrupt ({err}); rebuild the module") from None
     if not isinstance(man, dict) or man.get("format") != MODULE_FORMAT:
         raise ArtifactError(f"{mpath} is not an mhagen module manifest")
+    if man.get("version") == 1:
+        raise ArtifactError(f"{path} has module format version 1 (program buffers without "
+                            "param recipes), which this mhagen no longer reads: load it with "
+                            "the mhagen that saved it and save it again (module.save) with "
+                            "this one, or rebuild it")
     if man.get("version") not in READABLE_VERSIONS:
         raise ArtifactError(f"{path} has module format version {man.get('version')}; this mhagen "
                             f"reads versions {', '.join(map(str, READABLE_VERSIONS))}: rebuild it "
