@@ -174,46 +174,70 @@ def _layout(manifest):
 def generate_header(manifest) -> str:
     """The C header of one artifact: status codes, shape macros, the four functions."""
     lay = _layout(manifest)
-    t = manifest["target"]
-    b, s, d, do = lay["batch"], lay["seq"], lay["d_in"], lay["d_out"]
-    g, n, hd = lay["kv_heads"], lay["max_len"], lay["head_dim"]
-    sym = manifest["program"].get("symbolic") or {}
-    sb, ss = int(bool(sym.get("batch"))), int(bool(sym.get("seq")))
+    return (_header_comment(manifest, lay) + _header_macros(manifest, lay)
+            + HEADER_API.format(status=_status_enum(),
+                                device_api=_device_text(manifest)["device_api"]))
+
+
+def _symbolic(manifest) -> dict:
+    return manifest["program"].get("symbolic") or {}
+
+
+def _shape_rule(manifest) -> str:
+    """The header's sentence on which shapes the library runs."""
+    sym = _symbolic(manifest)
+    sb, ss = sym.get("batch"), sym.get("seq")
     if sb or ss:
-        shape_rule = (f"The library runs batch {'1..' if sb else ''}MHA_BATCH and seq_len "
-                      f"{'1..' if ss else ''}MHA_SEQ_LEN (one build for\n * every length: "
-                      "x and y then hold batch * seq_len rows); anything else is refused with "
-                      "MHA_ERR_SHAPE.")
-    else:
-        shape_rule = ("The library is compiled for exactly this shape: mha_run refuses any "
-                      "other batch or seq_len\n * with MHA_ERR_SHAPE (build another artifact: "
-                      "mhagen build --batch B --seq-len S ...).")
-    dtype = lay["dtype"]
+        return (f"The library runs batch {'1..' if sb else ''}MHA_BATCH and seq_len "
+                f"{'1..' if ss else ''}MHA_SEQ_LEN (one build for\n * every length: "
+                "x and y then hold batch * seq_len rows); anything else is refused with "
+                "MHA_ERR_SHAPE.")
+    return ("The library is compiled for exactly this shape: mha_run refuses any "
+            "other batch or seq_len\n * with MHA_ERR_SHAPE (build another artifact: "
+            "mhagen build --batch B --seq-len S ...).")
+
+
+def _value_doc(dtype: str) -> tuple:
+    """(the C type of mha_value, what it holds in words)."""
     ctype, cdoc = _VALUE_TYPES[dtype]
-    cache_doc = "" if lay["cache_dtype"] == "float32" else \
-        f" ({_VALUE_TYPES[lay['cache_dtype']][1]})"
-    if dtype == "float32":
-        cdoc = "IEEE 754 single precision"
-    status = "\n".join(f"  {n} = {v},{' ' * (24 - len(n))}/* {doc} */" for n, v, doc in STATUS)
-    cuda = t.get("device", "cpu") == "cuda"
-    if cuda:
+    return ctype, "IEEE 754 single precision" if dtype == "float32" else cdoc
+
+
+def _status_enum() -> str:
+    return "\n".join(f"  {n} = {v},{' ' * (24 - len(n))}/* {doc} */" for n, v, doc in STATUS)
+
+
+def _device_text(manifest) -> dict:
+    """The header's lines that differ by device: target, build, memory paragraph, extra API."""
+    t = manifest["target"]
+    if t.get("device", "cpu") == "cuda":
         arch = (manifest.get("device_code") or {}).get("arch", "?")
-        target_line = (f"{t['name']} (NVIDIA GPUs, {arch}: compute capability "
-                       f"{arch[3:-1]}.{arch[-1]} or newer)")
-        build_line = ("cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; "
-                      "libmha.so opens\n *         the CUDA driver, libcuda.so.1, at mha_create: "
-                      "no CUDA toolkit and no TVM needed)")
-        memory_doc = CUDA_MEMORY_DOC
-        device_api = CUDA_API
-    else:
-        target_line = (f"{t['name']} ({t['arch']}, {t.get('vector_bits', '?')}-bit vectors); "
-                       "the kernels need\n *          "
-                       f"{' '.join(t.get('features') or []) or 'no CPU extension'}")
-        build_line = ("cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; libmha.so "
-                      "checks and\n *         opens DIR/lib/libmha_impl.so and TVM's runtime "
-                      "libraries beside it at mha_create)")
-        memory_doc = CPU_MEMORY_DOC
-        device_api = ""
+        return dict(
+            target_line=(f"{t['name']} (NVIDIA GPUs, {arch}: compute capability "
+                         f"{arch[3:-1]}.{arch[-1]} or newer)"),
+            build_line=("cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; "
+                        "libmha.so opens\n *         the CUDA driver, libcuda.so.1, at "
+                        "mha_create: no CUDA toolkit and no TVM needed)"),
+            memory_doc=CUDA_MEMORY_DOC, device_api=CUDA_API)
+    return dict(
+        target_line=(f"{t['name']} ({t['arch']}, {t.get('vector_bits', '?')}-bit vectors); "
+                     "the kernels need\n *          "
+                     f"{' '.join(t.get('features') or []) or 'no CPU extension'}"),
+        build_line=("cc app.c -I DIR -L DIR -lmha -Wl,-rpath,DIR   (DIR absolute; libmha.so "
+                    "checks and\n *         opens DIR/lib/libmha_impl.so and TVM's runtime "
+                    "libraries beside it at mha_create)"),
+        memory_doc=CPU_MEMORY_DOC, device_api="")
+
+
+def _header_comment(manifest, lay) -> str:
+    """mha.h's opening comment: layer, target, shapes, use, build, memory and threads."""
+    b, s, d, do = lay["batch"], lay["seq"], lay["d_in"], lay["d_out"]
+    dtype = lay["dtype"]
+    ctype, cdoc = _value_doc(dtype)
+    dev = _device_text(manifest)
+    target_line, build_line, memory_doc = (dev["target_line"], dev["build_line"],
+                                           dev["memory_doc"])
+    shape_rule = _shape_rule(manifest)
     return f"""\
 /* mha.h -- the C API of one compiled mhagen artifact (generated by mhagen; do not edit).
  *
@@ -237,6 +261,20 @@ def generate_header(manifest) -> str:
  *         c_api.build_command).
  *
 {memory_doc} */
+"""
+
+
+def _header_macros(manifest, lay) -> str:
+    """mha.h's types and macros: the value types, the shapes, what the layer takes."""
+    b, s, d, do = lay["batch"], lay["seq"], lay["d_in"], lay["d_out"]
+    g, n, hd = lay["kv_heads"], lay["max_len"], lay["head_dim"]
+    sym = _symbolic(manifest)
+    sb, ss = int(bool(sym.get("batch"))), int(bool(sym.get("seq")))
+    dtype = lay["dtype"]
+    ctype, cdoc = _value_doc(dtype)
+    cache_doc = "" if lay["cache_dtype"] == "float32" else \
+        f" ({_VALUE_TYPES[lay['cache_dtype']][1]})"
+    return f"""\
 #ifndef MHA_H_
 #define MHA_H_
 
@@ -282,6 +320,11 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* values in context */
 
+"""
+
+
+# mha.h from the status enum on: the same for every artifact but the device's extra API.
+HEADER_API = """\
 typedef enum mha_status {{
 {status}
 }} mha_status;
@@ -352,7 +395,6 @@ MHA_API const char *mha_kernel_name(int kernel);
 
 #endif  /* MHA_H_ */
 """
-
 
 
 # mha.h's paragraphs on where the data lives, per device.
