@@ -1,12 +1,14 @@
-"""Module: a compiled layer you call with numpy arrays (the runtime: calls and buffers).
+"""Module: a compiled layer you call with numpy arrays (the call API and its input checks).
 
-Built by mhagen.build (mhagen/compile.py) or loaded by mhagen.load (mhagen/artifact/load.py);
-inspection lives in mhagen/inspection.py, saving in mhagen/artifact/save.py. Calling a module
-needs only tvm-ffi and TVM's runtime library (mhagen/runtime.py), never the compiler.
+Built by mhagen.build (mhagen/compile.py) or made of a read artifact by mhagen.load
+(Module.from_artifact; mhagen/artifact/load.py reads it); the arrays the kernels take and the
+runtime arguments live in mhagen/staging.py, the storage dtype's conversions in
+mhagen/storage.py, inspection in mhagen/inspection.py, saving in mhagen/artifact/save.py.
+Calling a module needs only tvm-ffi and TVM's runtime library (mhagen/runtime.py), never the
+compiler.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,16 +18,16 @@ import numpy as np
 from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
-from mhagen.arrays import aligned_empty, aligned_zeros, is_aligned
 from mhagen.backends import Backend
-from mhagen.dtypes import (FROM_STORAGE, TO_STORAGE, name_of, numpy_dtype,
-                            overflow_limit, to_storage)
+from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes
 from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
+from mhagen.staging import Staging, aligned_copy, deliver
+from mhagen.storage import StorageCasts
 from mhagen.weights import check_weights
 
 @dataclass
@@ -81,21 +83,16 @@ class Module:
         self._cache_dtype = self._cache_spec and numpy_dtype(self._cache_spec["dtype"])
         self.symbolic = program.symbolic           # {"batch": bool, "seq": bool, ...} or None
         self.dtype = numpy_dtype(graph.dtype)      # storage of x, out and the weights
-        self._input = program.role("input")[0]
-        self._output = program.role("output")[0]
         # the graph's optional inputs, looked up once: a call checks each
         self._lengths_node = graph.lengths_input
         self._cache_lens_node = graph.cache_lens_input
         self._context_node = graph.context_input
-        self._staged_tensors = {}    # (buffer, shape) -> (staging array, TVM tensor over it)
-        self._calls = None
-        self._casts = {}             # casts.py's conversions by name (None: not in the library)
+        self.storage = StorageCasts(library, self.dtype)     # the storage dtype's conversions
+        self.staging = Staging(graph, program, library, self.dtype, self.out_shape[2])
         self._lock = threading.Lock()
-        self._temps = None
         self._compile_maps = compile_maps
         self._maps = None            # the attention-maps module, compiled on first use
         self._maps_for = None        # the weights it holds
-        self._resident_for = self._resident_tensors = None
         self.weights = self._params = None
         if weights is not None:
             self.bind(weights)
@@ -168,17 +165,8 @@ class Module:
         """Bind weights: checked, repacked for the kernels once. `params` (a loaded
         artifact's packed params, weights.safetensors) are taken as they are instead of repacking."""
         self.weights = check_weights(self.graph, weights, dtype=self.dtype)
-        self._params = params if params is not None else self._pack(self.weights)
+        self._params = params if params is not None else self.staging.pack(self.weights)
         return self
-
-    def _pack(self, weights) -> dict:
-        out = {}
-        for b in self.program.role("param"):
-            if b.pack["kind"] == "constant" and b.value is None:
-                raise ArtifactError(f"param {b.name!r} is a constant this module does not "
-                                    "hold: rebuild it to bind other weights")
-            out[b.name] = aligned_copy(b.make(weights), b)
-        return out
 
     def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None,
                  context=None) -> np.ndarray:
@@ -190,12 +178,12 @@ class Module:
         with self._lock:
             x, returns = self._check_x(x)
             buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
-            result, target = self._output_array(out, dims, returns)
-            buffers[self._output.name] = runtime.tensor(target)
-            self._run(buffers)
+            result, target = self.staging.output_array(out, dims, returns)
+            buffers[self.staging.output.name] = runtime.tensor(target)
+            self.staging.run(buffers)
             if cache is not None:
                 cache.lens += dims["seq"]
-            return self._deliver(result, target)
+            return self.storage.deliver(result, target)
 
     def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
         """Bind one call's arrays once and get a callable that runs the kernels on them with
@@ -220,50 +208,30 @@ class Module:
         with self._lock:
             x, _ = self._check_x(x)
             buffers, dims = self._buffers(x, None, kv_lens, cache, context)
-            result, target = self._output_array(out, dims, self.dtype)
-            buffers[self._output.name] = runtime.tensor(target)
+            result, target = self.staging.output_array(out, dims, self.dtype)
+            buffers[self.staging.output.name] = runtime.tensor(target)
         # (the module's staging array, the caller's array, its check) for the lengths the
         # kernels read, copied and checked every run
         staged = []
         if kv_lens is not None:
-            staged.append((self._staged(self.program.buffers[self._lengths_node.name],
-                                        dims)[0], kv_lens,
+            staged.append((self.staging.staged(self.program.buffers[self._lengths_node.name],
+                                               dims)[0], kv_lens,
                            lambda lens: check_length_range(lens, dims["kv_seq"])))
         if cache is not None:
-            staged.append((self._staged(self.program.buffers[self._cache_lens_node.name],
-                                        None)[0], cache.lens,
+            staged.append((self.staging.staged(
+                self.program.buffers[self._cache_lens_node.name], None)[0], cache.lens,
                            lambda lens: check_room(lens, x.shape[1], cache.max_len)))
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
                     target)
-
-    def _output_array(self, out, dims, returns):
-        """(the array returned, the aligned [rows, columns] array the kernels write);
-        returns: the dtype of the array returned."""
-        full = self._output.call_shape(dims)
-        out_shape = (dims["batch"], dims["seq"], self.out_shape[2])
-        direct = full[1] == self.out_shape[2] and returns == self.dtype
-        if out is None:
-            if direct:
-                a = aligned_empty(out_shape, self._output.dtype)
-                return a, a.reshape(full)
-            return np.empty(out_shape, returns), self._view(self._output, dims)
-        argument(out, "out=", dtype=returns, shape=out_shape,
-                 in_place="the call writes its answer into it")
-        if direct and is_aligned(out):
-            return out, out.reshape(full)
-        return out, self._view(self._output, dims)
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
         return KVCache.empty(self, self.batch)
 
     def _buffers(self, x, weights, kv_lens=None, cache=None, context=None):
-        """(the kernels' arguments by name: TVM tensors over numpy memory and, symbolic
-        builds, the call's batch and seq; the call's dims: Program.call_dims). x: checked by
-        _check_x; it is passed without a copy when C-contiguous in the layer's dtype on a
-        64-byte boundary, else copied; a decoding layer's cache arrays are always passed as
-        they are (written in place)."""
+        """(the kernels' arguments by name: Staging.arguments; the call's dims:
+        Program.call_dims), the call's other inputs checked. x: checked by _check_x."""
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
                               "saved and run where it fits)")
@@ -280,148 +248,33 @@ class Module:
             cache = check_cache(self.graph, cache, batch, seq, self._cache_dtype,
                                 self._cache_spec)
         if weights is not None:
-            params = self._pack(check_weights(self.graph, weights, dtype=self.dtype))
+            params = self.staging.pack(check_weights(self.graph, weights, dtype=self.dtype))
         elif self._params is not None:
             params = self._params
         else:
             raise InputError("no weights: pass weights= to mhagen.build(), call "
                              "module.bind(weights), or call module(x, weights=...)")
-        buffers = dict(self._resident(params))
-        if self.symbolic:
-            buffers.update(batch=batch, seq=seq, kv_seq=kv_seq)
-            buffers.update((b.name, runtime.tensor(self._view(b, dims)))
-                           for b in self.program.role("temp") if b.symbolic)
-        buffers[self._input.name] = self._input_tensor(self._input, x, dims)
-        if context is not None:
-            node = self.program.buffers[self._context_node.name]
-            buffers[node.name] = self._input_tensor(node, context, dims)
-        if lens is not None:
-            name = self._lengths_node.name
-            staged, buffers[name] = self._staged(self.program.buffers[name], dims)
-            staged[...] = lens
-        if cache is not None:
-            name = self._cache_lens_node.name
-            staged, buffers[name] = self._staged(self.program.buffers[name], None)
-            staged[...] = cache.lens
-            buffers["k_cache"], buffers["v_cache"] = cache.tensors()
+        buffers = self.staging.arguments(params, x, dims, self.storage, lens, cache, context)
         return buffers, dims
-
-    def _input_tensor(self, buffer, array, dims):
-        """A float input (x, a context) as the kernels take it: the caller's array when it
-        is 64-byte aligned, else a copy in the module's staging buffer (a half layer's
-        float32 input converted into it: _deferred)."""
-        shape = buffer.call_shape(dims)
-        if array.dtype != self.dtype:
-            staged = self._view(buffer, dims)
-            self._convert(TO_STORAGE, array, staged)
-            array = staged
-        elif not is_aligned(array):
-            staged = self._view(buffer, dims)
-            staged[...] = array.reshape(shape)
-            array = staged
-        return runtime.tensor(array.reshape(shape))
-
-    def _cast(self, name):
-        """The library's conversion `name` (schedules/casts.py), None where it has none (a
-        float32 layer, a GPU build, an artifact saved before December 6)."""
-        if name not in self._casts:
-            try:
-                self._casts[name] = self.library.get_function(name)
-            except AttributeError:
-                self._casts[name] = None
-        return self._casts[name]
-
-    def _convert(self, name, src, dst):
-        """src into dst (same size, C-contiguous) by the library's conversion `name`;
-        bfloat16 goes as its uint16 bits."""
-        bits = [a.view(np.uint16) if a.dtype == _BFLOAT16 else a for a in (src, dst)]
-        self._cast(name)(*(runtime.tensor(a.reshape(-1)) for a in bits), src.size)
-
-    def _deferred(self, name, a):
-        """x or a context for the kernels: a half layer's float32 array as it is, when the
-        library converts it on the way in (_input_tensor) and every value fits the storage
-        (else, and for NaNs, _stored's check and rounding: same results, same errors)."""
-        if a.dtype != np.float32 or self.dtype == np.float32 or self._cast(TO_STORAGE) is None:
-            return self._stored(name, a)
-        limit = overflow_limit(self.dtype)
-        if not -limit < a.min() <= a.max() < limit:    # NaN compares false: checked there
-            return self._stored(name, a)
-        return np.ascontiguousarray(a)
-
-    def _deliver(self, result, target):
-        """deliver(), a half layer's float32 answer converted by the library where the
-        kernels' output has no padded columns."""
-        if (result.dtype != target.dtype and result.flags.c_contiguous
-                and target.shape[-1] == result.shape[-1] and target.flags.c_contiguous
-                and self._cast(FROM_STORAGE) is not None):
-            self._convert(FROM_STORAGE, target, result)
-            return result
-        return deliver(result, target)
-
-    def _resident(self, params) -> dict:
-        """TVM tensors over the params and the temporaries, made once per set of params."""
-        if self._resident_for is not params:
-            self._resident_tensors = {name: runtime.tensor(a) for name, a in params.items()}
-            self._resident_tensors.update((b.name, runtime.tensor(self._temp(b)))
-                                          for b in self.program.role("temp")
-                                          if not b.symbolic)
-            self._resident_for = params
-        return self._resident_tensors
-
-    def _temp(self, buffer) -> np.ndarray:
-        """The module's own array for a temporary (or staging) buffer, allocated once."""
-        if self._temps is None:
-            self._temps = {}
-        if buffer.name not in self._temps:
-            # zeroed: GEMM padding rows are read but never written, and garbage there can
-            # be denormals (a decode step's output GEMM ran 16x slower on them)
-            self._temps[buffer.name] = aligned_zeros(buffer.shape, buffer.dtype)
-        return self._temps[buffer.name]
-
-    def _staged(self, buffer, dims):
-        """(the module's staging array for `buffer`, shaped for one call as _view, or whole
-        where dims is None; a TVM tensor over it), the tensor made once per shape: a decode
-        step's cache lengths take no new tensor each call."""
-        key = (buffer.name, None if dims is None else buffer.call_shape(dims))
-        held = self._staged_tensors.get(key)
-        if held is None:
-            array = self._temp(buffer) if dims is None else self._view(buffer, dims)
-            held = self._staged_tensors[key] = (array, runtime.tensor(array))
-        return held
-
-    def _view(self, buffer, dims) -> np.ndarray:
-        """The module's array for `buffer` shaped for one call (symbolic builds: the front
-        of the maximum-size allocation)."""
-        shape = buffer.call_shape(dims)
-        full = self._temp(buffer)
-        if shape == full.shape:
-            return full
-        return full.reshape(-1)[:math.prod(shape)].reshape(shape)
 
     def _check_x(self, x):
         """(x as the kernels take it, the dtype the call answers in): x in the layer's
         dtype as it is, anything else converted to float32 (mhagen/inputs.py) and then, for
-        a half layer, rounded into storage (_deferred), the answer then in float32."""
+        a half layer, rounded into storage (StorageCasts.deferred), the answer then in float32."""
         if type(x) is np.ndarray and x.dtype == self.dtype and x.shape == self.in_shape:
             return x, self.dtype
-        x = check_input(self.graph, x, self._takes)
+        x = check_input(self.graph, x, self.storage.takes)
         if self.symbolic:
             self._check_symbolic_x(x)
         elif x.shape != self.in_shape:
             raise InputError(f"x has shape {x.shape}, but this module was built for "
                              f"{self.in_shape} (batch, seq_len, d_model); rebuild with "
                              f"mhagen.build(layer, batch={x.shape[0]}, seq_len={x.shape[1]})")
-        return self._deferred("x", x), x.dtype
-
-    @property
-    def _takes(self) -> tuple:
-        """The dtypes x and a context are taken in as they are (others: converted to the
-        first, float32)."""
-        return (np.dtype(np.float32), self.dtype)
+        return self.storage.deferred("x", x), x.dtype
 
     def _check_context(self, context, batch):
         """A cross-attention layer's context, checked: float32 [batch, kv_seq_len, kv_dim]."""
-        context = check_context(self.graph, context, batch, self._takes)
+        context = check_context(self.graph, context, batch, self.storage.takes)
         if context is None:
             return None
         want = (batch, self.kv_seq_len, self.graph.context_input.attrs["shape"][2])
@@ -435,7 +288,7 @@ class Module:
             raise InputError(f"context has shape {context.shape}, but this module was built "
                              f"for {want} (batch, kv_seq_len, kv_dim); rebuild with "
                              f"mhagen.build(layer, ..., kv_seq_len={context.shape[1]})")
-        return np.ascontiguousarray(self._deferred("context", context))
+        return np.ascontiguousarray(self.storage.deferred("context", context))
 
     def _check_symbolic_x(self, x):
         names = ("batch", "seq_len")
@@ -451,20 +304,6 @@ class Module:
         if x.shape[2] != self.d_model:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
 
-    def _run(self, buffers):
-        if self._calls is None:
-            self._calls = [(self.library[k.name], k.args, k.name)
-                           for k in self.program.kernels]
-        for func, args, name in self._calls:
-            try:
-                func(*[buffers[a] for a in args])
-            # TVM checks every argument's count (TypeError), ndim, shape and dtype (ValueError)
-            except (ValueError, TypeError, KeyError) as err:
-                raise ArtifactError(
-                    f"kernel {name} refused its arguments ({str(err).splitlines()[0]}): "
-                    "the program this module describes does not match its compiled kernels; "
-                    "rebuild the module") from None
-
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
                 kv_lens=None, cache=None, context=None):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
@@ -475,7 +314,7 @@ class Module:
         rng = np.random.default_rng(0)
         if x is None:
             x = rng.standard_normal(self.in_shape).astype(np.float32).astype(self.dtype)
-        x = check_input(self.graph, x, self._takes)
+        x = check_input(self.graph, x, self.storage.takes)
         node = self.graph.context_input
         if context is None and node is not None:
             context = rng.standard_normal((x.shape[0], self.kv_seq_len,
@@ -493,13 +332,14 @@ class Module:
     def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache, context):
         x, _ = self._check_x(x)
         buffers, dims = self._buffers(x, None, kv_lens, cache, context)
-        buffers[self._output.name] = runtime.tensor(self._view(self._output, dims))
-        self._run(buffers)
+        staging = self.staging
+        buffers[staging.output.name] = runtime.tensor(staging.view(staging.output, dims))
+        staging.run(buffers)
         results = []
         for _ in range(repeat):
             n, start = 0, time.perf_counter()
             while n < number or (time.perf_counter() - start) * 1e3 < min_repeat_ms:
-                self._run(buffers)
+                staging.run(buffers)
                 n += 1
             results.append((time.perf_counter() - start) / n)
         return float(np.median(results))
@@ -511,7 +351,7 @@ class Module:
         if self.weights is None:
             raise InputError("no weights: bind them (module.bind(weights)) before asking "
                              "for attention maps")
-        x = check_input(self.graph, x, self._takes)
+        x = check_input(self.graph, x, self.storage.takes)
         batch, seq = self.batch, self.seq_len
         if self.symbolic:     # maps for the call's shape (one unfused build per shape)
             batch, seq = x.shape[:2]
@@ -527,7 +367,7 @@ class Module:
             self._maps_for = self.weights
         heads = len(head_softmaxes(self.graph))
         if self.dtype != np.float32:   # the half layer's own rounded x, in float32
-            x = self._stored("x", x).astype(np.float32)
+            x = self.storage.stored("x", x).astype(np.float32)
         p = self._maps(x, kv_lens=kv_lens)
         b, s, _ = p.shape
         return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))
@@ -559,24 +399,6 @@ class Module:
                 f"{'bound' if self._params else 'not bound'}>")
 
 
-    def _stored(self, name, a):
-        """x or a context (of the dtypes _takes) in the layer's dtype: as given, or a
-        float32 array rounded."""
-        if a.dtype == self.dtype:
-            return a
-        return to_storage(name, a, name_of(self.dtype))
-
-
-def deliver(result, target):
-    """The returned array: the kernels' [rows, columns] output copied into `result` [batch,
-    seq, features] unless they wrote it in place (padded columns, an out= they cannot fill,
-    a half layer answering in float32)."""
-    if target is not result:
-        batch, seq, features = result.shape
-        result[...] = target.reshape(batch, seq, -1)[..., :features]
-    return result
-
-
 class Call:
     """One call of a module with its arrays bound (Module.prepare): call it to run."""
 
@@ -598,16 +420,3 @@ class Call:
             if self.cache is not None:
                 self.cache.lens += self.seq
             return deliver(self.result, self.target)
-
-
-_BFLOAT16 = numpy_dtype("bfloat16")
-
-
-def aligned_copy(arr, buffer) -> np.ndarray:
-    arr = np.asarray(arr, dtype=buffer.dtype)
-    if arr.shape != tuple(buffer.shape):
-        raise ArtifactError(f"param {buffer.name!r} has shape {arr.shape}, the kernels expect "
-                            f"{tuple(buffer.shape)}")
-    out = aligned_empty(buffer.shape, buffer.dtype)
-    out[...] = arr
-    return out

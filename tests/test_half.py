@@ -144,7 +144,8 @@ def test_float32_conversions_round_as_numpy(dtype):
     layer = mhagen.mha(64, 2, dtype=dtype)
     w = layer.init_weights(1)
     m = mhagen.build(layer, "x86-avx2", batch=1, seq_len=20, weights=w)
-    assert m._cast("mhagen_to_storage") is not None and m._cast("mhagen_from_storage")
+    assert m.storage.cast("mhagen_to_storage") is not None
+    assert m.storage.cast("mhagen_from_storage") is not None
     rng = np.random.default_rng(0)
     limit = np.float32(65520 if dtype == "float16" else 3.3961775e38)
     edges = np.array([limit, np.nextafter(limit, 0), -limit, 65504, 1e-45, -0.0, np.inf,
@@ -154,7 +155,7 @@ def test_float32_conversions_round_as_numpy(dtype):
         src = np.empty(values.size + 1, np.float32)[1:]       # 4 bytes off alignment
         src[...] = values
         dst = np.empty(values.size + 1, DTYPES[dtype])[1:]
-        m._convert("mhagen_to_storage", src, dst)
+        m.storage.convert("mhagen_to_storage", src, dst)
         with np.errstate(all="ignore"):
             want = values.astype(DTYPES[dtype])
         nan = np.isnan(want.astype(np.float32))
@@ -165,7 +166,7 @@ def test_float32_conversions_round_as_numpy(dtype):
         if dtype == "bfloat16":     # NaNs too, as ml_dtypes rounds them
             assert np.array_equal(dst.view(np.uint16), want.view(np.uint16))
         back = np.empty(values.size + 3, np.float32)[3:]
-        m._convert("mhagen_from_storage", dst, back)
+        m.storage.convert("mhagen_from_storage", dst, back)
         expected = dst.astype(np.float32)
         assert np.array_equal(back.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
         assert np.isnan(back[nan]).all()
@@ -175,7 +176,7 @@ def test_float32_conversions_round_as_numpy(dtype):
     want = m(x32.astype(DTYPES[dtype])).astype(np.float32)
     for x in (x32, unaligned):
         np.testing.assert_array_equal(m(x), want)
-    m._casts = {"mhagen_to_storage": None, "mhagen_from_storage": None}   # numpy's way
+    m.storage.casts = {"mhagen_to_storage": None, "mhagen_from_storage": None}   # numpy's way
     np.testing.assert_array_equal(m(unaligned), want)
 
 
