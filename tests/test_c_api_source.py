@@ -1,5 +1,5 @@
 """The C API's runtime as C++ source (mhagen/artifact/runtime/): the compiler as linter on it with
-the config generated from a real artifact (tests/data/artifact-v1), the status codes written
+the config generated from a real artifact (tests/data/artifact-v3), the status codes written
 from one table, the generated config holding data only, and the toolchain modules' layering."""
 import ast
 import json
