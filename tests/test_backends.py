@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_each_family_answers_for_itself():
     from mhagen.schedules.arm.backend import ArmBackend
     from mhagen.schedules.cuda import CudaBackend
-    from mhagen.schedules.x86.backend import X86Backend
+    from mhagen.schedules.cpu.x86_backend import X86Backend
     avx512, amx, neon, cuda = (Backend.for_target(resolve(p)) for p in
                                ("x86-avx512", "x86-amx", "arm-neon", "cuda-sm90"))
     assert (type(avx512), type(neon), type(cuda)) == (X86Backend, ArmBackend, CudaBackend)

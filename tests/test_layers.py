@@ -4,8 +4,8 @@ A unit is
   - each subpackage of mhagen: mhagen.ir, mhagen.lower, mhagen.tuning, mhagen.artifact
     (with its runtime/ sources), mhagen.onnx, mhagen.passes, mhagen.targets;
   - mhagen.schedules (its top-level modules: __init__, attention_common, casts,
-    tvmscript) and each of its subpackages on its own: mhagen.schedules.x86,
-    mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
+    tvmscript) and each of its subpackages on its own: mhagen.schedules.cpu,
+    mhagen.schedules.x86, mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
     mhagen.schedules, targets/ as mhagen.targets);
   - each top-level module of mhagen on its own: mhagen.module, mhagen.reference,
     mhagen.compile, mhagen.cross, mhagen.dsl, ... ;
@@ -129,7 +129,8 @@ def test_units_are_found():
     test pass vacuously)."""
     units = {unit_of(m) for m in MODULES}
     assert {"mhagen", "mhagen.ir", "mhagen.lower", "mhagen.tuning", "mhagen.artifact",
-            "mhagen.onnx", "mhagen.passes", "mhagen.schedules", "mhagen.schedules.x86",
+            "mhagen.onnx", "mhagen.passes", "mhagen.schedules", "mhagen.schedules.cpu",
+            "mhagen.schedules.x86",
             "mhagen.schedules.cuda", "mhagen.module", "mhagen.reference"} <= units
     edges = unit_imports()
     assert ("mhagen.dsl", "mhagen.ir") in edges     # a top-level import

@@ -62,7 +62,7 @@ from mhagen.schedules.cpu.attention_tiles import (  # noqa: F401
     default_tiles, longest_tile, narrow_band_tiles, register_tiles, rows_dividing)
 from mhagen.schedules.x86.bf16_dot import HELPERS, with_llvm_ir
 from mhagen.schedules.cpu.fast_math import EXP2_HELPER, SCORE_MATH
-from mhagen.schedules.cpu.transpose import transpose
+from mhagen.schedules.x86.transpose import transpose
 from mhagen.workloads import AttentionWorkload, as_workload
 
 

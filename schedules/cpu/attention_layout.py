@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mhagen.lower.te import LOG2E
 from mhagen.schedules.x86 import amx
 from mhagen.schedules.cpu.fast_math import f32
-from mhagen.schedules.cpu.transpose import transpose_words
+from mhagen.schedules.x86.transpose import transpose_words
 
 
 @dataclass(frozen=True)
