@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from mhagen.backends import Backend
-from mhagen.tuning.apply import apply_trace, refuse_record, replay_differs
+from mhagen.records.replay import apply_trace, refuse_record, replay_differs
 
 
 @dataclass

@@ -312,7 +312,7 @@ def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
     import tvm.s_tir.meta_schedule as ms
 
     from mhagen.lower import lower
-    from mhagen.tuning.records import Tuning
+    from mhagen.records.database import Tuning
     from mhagen.tuning.search import _local_builder
     t = resolve("arm-a72")
     program = lower(mhagen.mha(64, 4), 1, 8, t, tuning=Tuning.none())

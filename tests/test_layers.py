@@ -1,8 +1,8 @@
 """The package layering: no two units of mhagen import each other.
 
 A unit is
-  - each subpackage of mhagen: mhagen.ir, mhagen.lower, mhagen.tuning, mhagen.artifact
-    (with its runtime/ sources), mhagen.onnx, mhagen.passes, mhagen.targets;
+  - each subpackage of mhagen: mhagen.ir, mhagen.lower, mhagen.records, mhagen.tuning,
+    mhagen.artifact (with its runtime/ sources), mhagen.onnx, mhagen.passes, mhagen.targets;
   - mhagen.schedules (its top-level modules: __init__, attention_common, casts,
     tvmscript) and each of its subpackages on its own: mhagen.schedules.cpu,
     mhagen.schedules.x86, mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
@@ -31,12 +31,6 @@ SOURCES = {"mhagen": REPO / "mhagen", "mhagen.schedules": REPO / "schedules",
 # Today's two-way pairs, each with the imports behind it and the item of the redesign (issue
 # 58) that removes it; emptied as those changes land. A pair is written in sorted order.
 KNOWN_TWO_WAY = {
-    # lower takes the attention template's config from tuning records (workload_key), and
-    # tuning.search lowers the graph it tunes (issue 58: tuning behind the backend objects)
-    ("mhagen.lower", "mhagen.tuning"),
-    # the schedules replay tuning traces (tuning.apply), and tuning.search reads the
-    # schedules' rules (issue 58: backend objects own their rules and records)
-    ("mhagen.schedules", "mhagen.tuning"),
     # a Module saves itself through artifact.save, and artifact.load makes a Module
     # (issue 58: module/artifact split)
     ("mhagen.artifact", "mhagen.module"),

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mhagen
-from mhagen.tuning.records import Tuning
+from mhagen.records.database import Tuning
 from x86_helpers import PRESETS, spills_in_fma_loops, _asm_of
 
 

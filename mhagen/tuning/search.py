@@ -46,12 +46,12 @@ from mhagen.cross import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
+from mhagen.records.database import Database, Tuning, user_database_path
+from mhagen.records.replay import (kernel_hash, local_outputs, outputs_differ,
+                                   prepared_calls, random_arguments, trace_fields, versions)
 from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
-from mhagen.tuning.apply import (_arguments, _prepared, kernel_hash, local_outputs,
-                                 outputs_differ, trace_fields, versions)
-from mhagen.tuning.records import Database, Tuning, user_database_path
 from mhagen.workloads import AttentionWorkload, as_workload, gemm_workload
 
 
@@ -426,7 +426,7 @@ class _Remote:
 
     def outputs(self, funcs, target, fixed=None, seed=0):
         """([the last argument of each PrimFunc after one call on the device], None), all
-        on the same arguments (_arguments), or (None, the first error)."""
+        on the same arguments (random_arguments), or (None, the first error)."""
         from tvm.s_tir.meta_schedule.runner.rpc_runner import default_upload_module
         fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
         built = _built_here(funcs, target)
@@ -440,7 +440,7 @@ class _Remote:
                 # a name of its own: the device's loader would reuse a library of one name
                 name = f"mhagen-check-{time.time_ns()}-{i}-{os.path.basename(path)}"
                 mod = default_upload_module(session, path, name)
-                args = [tvm.runtime.tensor(a, device) for a in _arguments(f, fx, seed)]
+                args = [tvm.runtime.tensor(a, device) for a in random_arguments(f, fx, seed)]
                 mod[mod.entry_name](*args)
                 outs.append(args[-1].numpy())
             return outs, None
@@ -513,7 +513,7 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     buffers, interleaved rounds (one per function in turn), each round back-to-back calls
     for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
     differ from what a user sees by 10-50% (see docs/cpus-and-tuning.md)."""
-    calls = _prepared(funcs, target, fixed)
+    calls = prepared_calls(funcs, target, fixed)
     samples = [[] for _ in funcs]
     for _ in range(rounds):
         for i, c in enumerate(calls):
