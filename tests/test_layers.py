@@ -41,10 +41,6 @@ KNOWN_TWO_WAY = {
     # inspect("manifest") prints artifact.manifest's (issue 58: artifact; the texts' names
     # belong to the artifact)
     ("mhagen.artifact", "mhagen.inspection"),
-    # Graph.reference() calls reference.run_reference, and the reference interprets the ir's
-    # expressions and rotary (issue 58: reference; verify's evaluation of constants no longer
-    # imports it: mhagen/ir/numpy_ops.py)
-    ("mhagen.ir", "mhagen.reference"),
 }
 
 
