@@ -8,7 +8,7 @@ A unit is
     mhagen.schedules.x86, mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
     mhagen.schedules, targets/ as mhagen.targets);
   - each top-level module of mhagen on its own: mhagen.module, mhagen.reference,
-    mhagen.compile, mhagen.cross, mhagen.dsl, ... ;
+    mhagen.compile, mhagen.dsl, ... ;
   - mhagen itself (mhagen/__init__.py, the public facade, which imports most units).
 A unit imports another where any of its modules imports a module of the other, read from
 the source (ast), at the top or inside a function: a lazy import still couples the two.
@@ -34,9 +34,6 @@ KNOWN_TWO_WAY = {
     # a Module saves itself through artifact.save, and artifact.load makes a Module
     # (issue 58: module/artifact split)
     ("mhagen.artifact", "mhagen.module"),
-    # the artifact's save and toolchain read cross's export options, and cross fetches the
-    # artifact's runtime files (artifact.tvm_runtime) (issue 58: artifact)
-    ("mhagen.artifact", "mhagen.cross"),
     # the artifact saves and loads inspection's texts (TEXT_FILES, source_text), and
     # inspect("manifest") prints artifact.manifest's (issue 58: artifact; the texts' names
     # belong to the artifact)

@@ -11,7 +11,7 @@ from mhagen.artifact import capi
 from mhagen.artifact.files import (KERNEL_FILES, OLD_TENSOR_FILES, TENSOR_FILE, sha256_file,
                                    write_params_file)
 from mhagen.artifact.manifest import content_hash, module_manifest
-from mhagen.cross import export_options
+from mhagen.artifact.other_arch import export_options
 from mhagen.errors import ArtifactError
 from mhagen.host import host_arch
 from mhagen.inspection import TEXT_FILES, source_text

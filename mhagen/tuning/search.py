@@ -42,7 +42,7 @@ import numpy as np
 import tvm
 
 from mhagen.backends import Backend
-from mhagen.cross import ARCHES
+from mhagen.artifact.other_arch import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
@@ -146,8 +146,9 @@ def fast_build(mod, target, _params):
     return tvm.tirx.build(mod, target=target)
 
 
-def cross_export(mod, cxx):
-    """Export a built candidate as a shared library linked here by `cxx` (a cross g++)."""
+def export_for_arch(mod, cxx):
+    """Export a built candidate as a shared library linked here by `cxx` (another
+    architecture's g++: cross-compiling)."""
 
     from tvm.support import cc
     path = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so")
@@ -166,7 +167,7 @@ def _search_strategy(budget):
         population_size=population, init_min_unmeasured=min(50, population // 4))
 
 
-def _cross_cxx(target):
+def _other_arch_cxx(target):
     """The cross compiler (g++) that links code of another architecture here, or None (this
     machine's architecture, or none installed)."""
     arch = str(target.attrs.get("mtriple", "")).split("-")[0]
@@ -181,9 +182,9 @@ def _local_builder(target, **kwargs):
 
     import tvm.s_tir.meta_schedule as ms
 
-    cxx = _cross_cxx(target)
+    cxx = _other_arch_cxx(target)
     if cxx:
-        kwargs["f_export"] = functools.partial(cross_export, cxx=cxx)
+        kwargs["f_export"] = functools.partial(export_for_arch, cxx=cxx)
     return ms.builder.LocalBuilder(f_build=fast_build, **kwargs)
 
 
@@ -193,8 +194,8 @@ def _built_here(funcs, target):
     remote device (a few kernels, not a search) skip the LocalBuilder's two worker
     processes a call (each imports TVM: ~3 s), as the local ones compile here too."""
     from tvm.s_tir.meta_schedule.builder.local_builder import default_export
-    cxx = _cross_cxx(target)
-    export = functools.partial(cross_export, cxx=cxx) if cxx else default_export
+    cxx = _other_arch_cxx(target)
+    export = functools.partial(export_for_arch, cxx=cxx) if cxx else default_export
     out = []
     for f in funcs:
         try:
