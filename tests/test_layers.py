@@ -34,9 +34,10 @@ KNOWN_TWO_WAY = {
     # a Module saves itself through artifact.save, and artifact.load makes a Module
     # (issue 58: module/artifact split)
     ("mhagen.artifact", "mhagen.module"),
-    # the artifact saves and loads inspection's texts (TEXT_FILES, source_text), and
-    # inspect("manifest") prints artifact.manifest's (issue 58: artifact; the texts' names
-    # belong to the artifact)
+    # inspection reads the artifact's texts and manifest (artifact.files.TEXT_FILES,
+    # source_text; artifact.manifest); left the other way: artifact.load still takes
+    # TEXT_FILES from mhagen.inspection (the module/artifact split moves that import to
+    # mhagen.artifact.files)
     ("mhagen.artifact", "mhagen.inspection"),
 }
 
