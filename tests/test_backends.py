@@ -29,6 +29,7 @@ def test_each_family_answers_for_itself():
     assert neon.attention_path("bfloat16", 64) is None
     # the x86 templates flush denormals in their tasks, the same templates on ARM do not
     assert avx512.attention.flush_denormals and avx512.decode.flush_denormals
+    assert avx512.attention.x86_helpers and not neon.attention.x86_helpers
     assert not neon.attention.flush_denormals and not neon.decode.flush_denormals
     assert (avx512.symbolic, avx512.cross_attention, cuda.symbolic, cuda.decode) == (
         True, True, False, None)

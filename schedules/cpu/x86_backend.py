@@ -13,6 +13,7 @@ from mhagen.schedules.x86.bf16_dot import bf16_pairs
 
 class X86AttentionRule(AttentionRule):
     flush_denormals = True
+    x86_helpers = True
 
 
 class X86DecodeRule(DecodeRule):
