@@ -2,7 +2,7 @@
 # Install what the ARM (aarch64) tests need on a Debian/Ubuntu x86-64 host: the cross
 # compilers and C library (gcc/g++-aarch64-linux-gnu, libc6-dev-arm64-cross: link kernel.so,
 # libmha.so and the C app) and qemu-user (qemu-aarch64 runs them). The aarch64 TVM runtime
-# itself comes from PyPI into mhagen's cache (python -m mhagen.cross fetch; the tests do it).
+# itself comes from PyPI into mhagen's cache (python -m mhagen.artifact.other_arch fetch; the tests do it).
 set -euo pipefail
 PACKAGES=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
 if command -v aarch64-linux-gnu-g++ >/dev/null && command -v aarch64-linux-gnu-gcc >/dev/null \

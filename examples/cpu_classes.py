@@ -13,8 +13,8 @@ import sys
 import numpy as np
 
 import mhagen
+from mhagen.records.database import describe_record
 from mhagen.tolerances import tolerance
-from mhagen.tuning.records import describe_record
 
 PRESETS = ("x86", "x86-avx2", "x86-avx512")
 

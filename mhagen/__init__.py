@@ -19,7 +19,7 @@ from mhagen.kvcache import KVCache
 from mhagen.module import Module
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
-from mhagen.tuning.deps import require_tuning_dependencies
+from mhagen.extras import require_tuning_dependencies
 from mhagen.version import __version__
 from mhagen.weights import load_weights, save_weights, weights_from_torch
 

@@ -44,10 +44,11 @@ and its methods (the base class answers for a family that has no such thing):
   storage_casts(program)     a half layer's float32 <-> storage conversion functions
   precision_path(dtype, ...) what a half-precision build does, in words (module.precision)
 
-A family is a folder of schedules/ (installed as mhagen.schedules.<folder>) whose __init__
-defines BACKEND, its Backend subclass. The table below is all that is known of a family
-without importing it (its records folder, its device), so `import mhagen` and loading an
-artifact stay light.
+A family has a folder of schedules/ (installed as mhagen.schedules.<folder>: its tuned
+records) and a module that defines BACKEND, its Backend subclass (the x86 backend lives with
+the generic CPU rules it extends, schedules/cpu/x86_backend.py). The table below is all that
+is known of a family without importing it (its records folder, its backend's module, its
+device), so `import mhagen` and loading an artifact stay light.
 """
 from __future__ import annotations
 
@@ -61,13 +62,14 @@ from mhagen.errors import TargetError
 @dataclass(frozen=True)
 class Family:
     name: str
-    folder: str        # schedules/<folder>: rules, templates, tuned records
+    folder: str        # schedules/<folder>: the family's own pieces, tuned records
     device: str
+    backend: str       # the module whose BACKEND is the family's Backend class
 
 
-FAMILIES = {"cpu-x86": Family("cpu-x86", "x86", "cpu"),
-            "cpu-arm": Family("cpu-arm", "arm", "cpu"),
-            "cuda": Family("cuda", "cuda", "cuda")}
+FAMILIES = {"cpu-x86": Family("cpu-x86", "x86", "cpu", "mhagen.schedules.cpu.x86_backend"),
+            "cpu-arm": Family("cpu-arm", "arm", "cpu", "mhagen.schedules.arm.backend"),
+            "cuda": Family("cuda", "cuda", "cuda", "mhagen.schedules.cuda")}
 FAMILY_OF_ARCH = {"x86_64": "cpu-x86", "aarch64": "cpu-arm"}   # presets that name none
 
 
@@ -81,7 +83,7 @@ def family_of(target) -> Family:
 
 class Backend:
     """A target family's compiler parts, bound to one target. Subclasses (one per family,
-    schedules/<folder>/__init__.py) set the class attributes and override the methods."""
+    FAMILIES' backend modules) set the class attributes and override the methods."""
     family = ""
     device = "cpu"
     rules: tuple = ()
@@ -99,8 +101,7 @@ class Backend:
     def for_target(target) -> "Backend":
         """The backend of a target's family, bound to it (imports its schedules: TVM)."""
         family = family_of(target)
-        module = importlib.import_module(f"mhagen.schedules.{family.folder}")
-        return module.BACKEND(target)
+        return importlib.import_module(family.backend).BACKEND(target)
 
     def __repr__(self):
         return f"{type(self).__name__}({self.target.name})"

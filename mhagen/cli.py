@@ -19,11 +19,11 @@ from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.kvcache import KVCache, cache_shape
 from mhagen.module import Module
 from mhagen.onnx.cli import add_parsers
+from mhagen.records.database import describe_record
 from mhagen.runtime import num_threads, set_num_threads
 from mhagen.targets import preset_names
 from mhagen.tolerances import judged_as, tolerance
-from mhagen.tuning.deps import require_tuning_dependencies
-from mhagen.tuning.records import describe_record
+from mhagen.extras import require_tuning_dependencies
 from mhagen.version import version_text
 
 

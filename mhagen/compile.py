@@ -13,9 +13,9 @@ from mhagen.ir.graph import Graph
 from mhagen.lower import lower
 from mhagen.maps import maps_graph
 from mhagen.module import BuildInfo, Module
+from mhagen.records.database import Database, Tuning
 from mhagen.schedules import schedule_kernel
 from mhagen.target import resolve
-from mhagen.tuning.records import Database, Tuning
 
 
 def compile_program(program, backend, tuning=None):

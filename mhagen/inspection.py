@@ -1,21 +1,17 @@
-"""Inspection: one stage of a module as text (graph, te, tir, source, schedule, manifest)."""
+"""Inspection: one stage of a module as text (graph, te, tir, source, schedule, manifest).
+The texts an artifact stores (TEXT_FILES, source_text) and its manifest are the artifact
+package's (mhagen/artifact/files.py, manifest.py): inspection reads them, the artifact never
+imports inspection."""
 from __future__ import annotations
 
 import json
 
+from mhagen.artifact.files import TEXT_FILES, source_text
 from mhagen.artifact.manifest import module_manifest
 from mhagen.errors import ArtifactError
 
 INSPECT_KINDS = ("graph", "te", "tir", "source", "schedule", "manifest")
-TEXT_FILES = ("te", "tir", "source")   # saved beside kernel.so as <what>.txt
-
-
-def source_text(module) -> str:
-    """The kernels' assembly: from the build, the saved source.txt, or the library."""
-    texts = module.info.texts
-    if not texts.get("source") and module.info.executable is not None:
-        texts["source"] = module.info.executable.mod.inspect_source("asm")
-    return texts.get("source", "")
+__all__ = ["INSPECT_KINDS", "TEXT_FILES", "inspect", "schedule_text", "source_text"]
 
 
 def schedule_text(module) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.ir.verify import MAX_ELEMENTS
 from mhagen.params import pack_param
-from mhagen.tuning.records import workload_key
+from mhagen.records.database import workload_key
 from mhagen.workloads import ElementwiseWorkload
 
 
@@ -115,7 +115,7 @@ class Program:
         return self.key_parts is not None
 
     def key(self, kernel_name: str) -> dict | None:
-        """The readable tuning key of one of its kernels (mhagen.tuning.records), or None."""
+        """The readable tuning key of one of its kernels (mhagen.records.database), or None."""
         if self.key_parts is None:
             return None
         return workload_key(*self.key_parts, kernel_name)

@@ -10,16 +10,25 @@ A rule is a small class in the style of TVM's dlight rules:
                                            every stage of a TE kernel at once
 Rules for a target are an ordered list; the first that applies wins and a Fallback always
 applies (a kernel rule in the list takes every TE kernel). Rules read target attributes
-(lanes, cores), never target names. The generic CPU rules are in cpu/; each family folder
-(x86, arm, cuda) defines BACKEND, its Backend class (see mhagen/backends.py), whose `finalize`
-and `verify` see every scheduled kernel.
+(lanes, cores), never target names. Each family's Backend class (BACKEND of the module that
+mhagen/backends.py's FAMILIES names) has a `finalize` and `verify` that see every scheduled
+kernel.
+
+The folders import one way only (tests/test_layers.py checks it):
+  x86/   the x86-only instruction pieces -- AMX tiles, AVX-512 BF16 dot products, denormal
+         flushing, the LLVM IR helpers they link -- and the cpu-x86 tuned records; it imports
+         nothing of cpu/
+  cpu/   the generic CPU rules and templates and the CPU backends (CpuBackend, X86Backend in
+         x86_backend.py), which decide where the x86 pieces are used: cpu/ -> x86/
+  arm/   ArmBackend and the cpu-arm records: arm/ -> cpu/
+  cuda/  the cuda backend, its rules and device compile
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
 from mhagen.backends import Backend
-from mhagen.tuning.apply import apply_trace, refuse_record, replay_differs
+from mhagen.records.replay import apply_trace, refuse_record, replay_differs
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mhagen
-from mhagen import cross
+from mhagen.artifact import other_arch
 from mhagen.errors import ArtifactError, TargetError
 from mhagen.target import host_arch, resolve
 from mhagen.tolerances import assert_close, max_error
@@ -51,17 +51,17 @@ pytestmark = pytest.mark.skipif(host_arch() == "aarch64",
 
 @pytest.fixture(scope="module")
 def toolchain():
-    a = cross.arch_info("aarch64")
+    a = other_arch.arch_info("aarch64")
     missing = [t for t in (a.cc, a.cxx, a.objdump) if shutil.which(t) is None]
     if missing:
-        unavailable(f"{', '.join(missing)} not installed; {cross.install_hint('aarch64')}")
+        unavailable(f"{', '.join(missing)} not installed; {other_arch.install_hint('aarch64')}")
     return a
 
 
 @pytest.fixture(scope="module")
 def qemu(toolchain):
     try:
-        return cross.require_emulator("aarch64")
+        return other_arch.require_emulator("aarch64")
     except TargetError as err:
         unavailable(str(err))
 
@@ -70,7 +70,7 @@ def qemu(toolchain):
 def aarch64_runtime(toolchain):
     """TVM's aarch64 runtime in mhagen's cache (downloaded once, ~100 MB, 6 MB kept)."""
     try:
-        return cross.fetch_runtime("aarch64")
+        return other_arch.fetch_runtime("aarch64")
     except TargetError as err:
         unavailable(f"TVM's aarch64 runtime could not be fetched: {err}")
 
@@ -106,19 +106,21 @@ class Artifact:
     @property
     def app(self):
         if self._app is None:
-            self._app = cross.compile_app(APP, self.dir, self.dir.parent / f"{self.dir.name}.app")
+            self._app = other_arch.compile_app(APP, self.dir,
+                                               self.dir.parent / f"{self.dir.name}.app")
         return self._app
 
     def cpu(self):
         t = self.manifest["target"]
-        return cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"])
+        return other_arch.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"])
 
     def run(self, cpu=None):
         """Run the app under qemu; returns (completed process, y or None)."""
         out = self.dir.parent / f"{self.dir.name}.y.bin"
         if out.exists():
             out.unlink()
-        r = cross.run([self.app, self.dir, self.xfile, out], cpu=cpu or self.cpu(), timeout=600)
+        r = other_arch.run([self.app, self.dir, self.xfile, out], cpu=cpu or self.cpu(),
+                           timeout=600)
         y = np.fromfile(out, self.dtype).reshape(self.expected.shape) if out.exists() else None
         return r, y
 
@@ -214,7 +216,7 @@ def test_tuning_for_arm_needs_a_device(tmp_path):
 def test_disassembly_shows_neon_or_sve(artifacts, target):
     art = artifacts(target, "default-512x8")
     assert _elf_machine(art.dir / "kernel.so") == EM_AARCH64
-    text = cross.disassemble(art.dir / "kernel.so")
+    text = other_arch.disassemble(art.dir / "kernel.so")
     assert "file format elf64-littleaarch64" in text
     neon_fmla = len([ln for ln in text.splitlines() if "\tfmla\tv" in ln and ".4s" in ln])
     sve_fmla = len([ln for ln in text.splitlines() if "\tfmla\tz" in ln])
@@ -230,7 +232,7 @@ def test_a72_preset_builds_neon(tmp_path, toolchain):
     layer = mhagen.mha(128, 4)
     module = mhagen.build(layer, "arm-a72", batch=1, seq_len=16, weights=layer.init_weights(0))
     d = module.save(tmp_path / "a72")
-    text = cross.disassemble(d / "kernel.so")
+    text = other_arch.disassemble(d / "kernel.so")
     assert "\tfmla\tv" in text and "\tfmla\tz" not in text
     man = json.loads((d / "manifest.json").read_text())
     assert man["target"]["tvm"]["mcpu"] == "cortex-a72" and man["target"]["arch"] == "aarch64"
@@ -303,7 +305,7 @@ def test_c_api_skipped_with_a_note_when_the_runtime_is_not_cached(tmp_path, monk
     module = mhagen.build(layer, "arm-neon", batch=1, seq_len=8, weights=layer.init_weights(0))
     d = module.save(tmp_path / "m")
     man = json.loads((d / "manifest.json").read_text())
-    assert "python -m mhagen.cross fetch aarch64" in man["c_api"]["skipped"]
+    assert "python -m mhagen.artifact.other_arch fetch aarch64" in man["c_api"]["skipped"]
     assert _elf_machine(d / "kernel.so") == EM_AARCH64 and not (d / "libmha.so").exists()
 
 
@@ -312,7 +314,7 @@ def test_tuning_builder_links_arm_candidates_with_the_cross_compiler(toolchain):
     import tvm.s_tir.meta_schedule as ms
 
     from mhagen.lower import lower
-    from mhagen.tuning.records import Tuning
+    from mhagen.records.database import Tuning
     from mhagen.tuning.search import _local_builder
     t = resolve("arm-a72")
     program = lower(mhagen.mha(64, 4), 1, 8, t, tuning=Tuning.none())
@@ -351,13 +353,14 @@ def test_decoding_under_qemu_matches_the_whole_sequence(tmp_path, qemu, aarch64_
     w = layer.init_weights(1)
     module = mhagen.build(layer, target, batch=1, seq_len=None, max_seq_len=16, weights=w)
     d = module.save(tmp_path / "step")
-    app = cross.compile_app(APP.parent / "decode.c", d, tmp_path / "decode.app")
+    app = other_arch.compile_app(APP.parent / "decode.c", d, tmp_path / "decode.app")
     x = random_input(layer, 1, 21, seed=2)
     x.tofile(tmp_path / "x.f32")
     t = json.loads((d / "manifest.json").read_text())["target"]
-    r = cross.run([app, d, tmp_path / "x.f32", 21, tmp_path / "y.f32", 9],
-                  cpu=cross.qemu_cpu(t["tvm"]["mcpu"], t["features"], t["vector_bits"]),
-                  timeout=600)
+    r = other_arch.run([app, d, tmp_path / "x.f32", 21, tmp_path / "y.f32", 9],
+                       cpu=other_arch.qemu_cpu(t["tvm"]["mcpu"], t["features"],
+                                               t["vector_bits"]),
+                       timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "21 tokens in 13 calls" in r.stdout and "the cache holds 21 of 32" in r.stdout
     y = np.fromfile(tmp_path / "y.f32", np.float32).reshape(x.shape)

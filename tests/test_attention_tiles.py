@@ -10,7 +10,7 @@ import mhagen
 from mhagen.schedules.cpu.attention import register_tiles
 from mhagen.target import resolve
 from mhagen.tolerances import assert_close
-from mhagen.tuning.records import Database, workload_key
+from mhagen.records.database import Database, workload_key
 from x86_helpers import (PRESETS, _input, RUNNABLE, _attention_config, spills_in_fma_loops,
                          function_asm, _asm_of, accumulates_in_memory)
 

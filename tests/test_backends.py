@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_each_family_answers_for_itself():
     from mhagen.schedules.arm.backend import ArmBackend
     from mhagen.schedules.cuda import CudaBackend
-    from mhagen.schedules.x86.backend import X86Backend
+    from mhagen.schedules.cpu.x86_backend import X86Backend
     avx512, amx, neon, cuda = (Backend.for_target(resolve(p)) for p in
                                ("x86-avx512", "x86-amx", "arm-neon", "cuda-sm90"))
     assert (type(avx512), type(neon), type(cuda)) == (X86Backend, ArmBackend, CudaBackend)
@@ -29,6 +29,7 @@ def test_each_family_answers_for_itself():
     assert neon.attention_path("bfloat16", 64) is None
     # the x86 templates flush denormals in their tasks, the same templates on ARM do not
     assert avx512.attention.flush_denormals and avx512.decode.flush_denormals
+    assert avx512.attention.x86_helpers and not neon.attention.x86_helpers
     assert not neon.attention.flush_denormals and not neon.decode.flush_denormals
     assert (avx512.symbolic, avx512.cross_attention, cuda.symbolic, cuda.decode) == (
         True, True, False, None)

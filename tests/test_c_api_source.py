@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mhagen import cross
-from mhagen.artifact import capi, toolchain, tvm_runtime
+from mhagen.artifact import capi, other_arch, toolchain, tvm_runtime
 from mhagen.errors import ArtifactError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +96,7 @@ def test_runtime_compiles_for_aarch64_without_warnings(artifact, features):
     config = (d / capi.CONFIG).read_text()
     assert ('X("sve", 22)' in config) == ("sve" in features)
     assert f"MHA_SVE_VECTOR_BITS {256 if 'sve' in features else 0}" in config
-    _lint(cross.arch_info("aarch64").cxx, d, "-DMHA_IMPL=1")
+    _lint(other_arch.arch_info("aarch64").cxx, d, "-DMHA_IMPL=1")
 
 
 def test_status_enum_and_names_come_from_STATUS(artifact):
@@ -167,16 +166,16 @@ def test_runtime_sources_are_package_data():
 
 
 def test_toolchain_layering():
-    """tvm_runtime (leaf) <- cross <- toolchain <- capi: each imports alone, the runtime library
-    list is defined once, and none imports another mhagen module inside a function."""
-    for mod in ("mhagen.artifact.tvm_runtime", "mhagen.cross", "mhagen.artifact.toolchain",
-                "mhagen.artifact.capi"):
+    """tvm_runtime (leaf) <- other_arch <- toolchain <- capi: each imports alone, the runtime
+    library list is defined once, and none imports another mhagen module inside a function."""
+    for mod in ("mhagen.artifact.tvm_runtime", "mhagen.artifact.other_arch",
+                "mhagen.artifact.toolchain", "mhagen.artifact.capi"):
         r = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True,
                            text=True, cwd=ROOT)
         assert r.returncode == 0, r.stderr
-    assert cross.RUNTIME_LIBS is tvm_runtime.RUNTIME_LIBS is capi.RUNTIME_LIBS
+    assert other_arch.RUNTIME_LIBS is tvm_runtime.RUNTIME_LIBS is capi.RUNTIME_LIBS
     assert capi.Toolchain is toolchain.Toolchain
-    for mod in (capi, cross, toolchain, tvm_runtime):
+    for mod in (capi, other_arch, toolchain, tvm_runtime):
         tree = ast.parse(Path(mod.__file__).read_text())
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -15,7 +15,7 @@ import mhagen
 from mhagen.cli import _records, _save_options, main, parser
 from mhagen.module import Module
 from mhagen.targets import preset_names
-from mhagen.tuning.deps import TuningDependencyError
+from mhagen.extras import TuningDependencyError
 
 
 def run(*args, code=""):

@@ -171,7 +171,7 @@ def test_a_tuned_schedule_that_computes_something_else_is_not_kept():
      "1 malformed record"),
 ], ids=["records-not-a-list", "malformed-record"])
 def test_corrupt_tuning_records_warn_and_fall_back(tmp_path, content, warning):
-    from mhagen.tuning.records import Database, TuningWarning
+    from mhagen.records.database import Database, TuningWarning
     path = tmp_path / "db.json"
     path.write_text(json.dumps(content))
     with pytest.warns(TuningWarning, match=warning):

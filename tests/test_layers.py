@@ -1,14 +1,14 @@
 """The package layering: no two units of mhagen import each other.
 
 A unit is
-  - each subpackage of mhagen: mhagen.ir, mhagen.lower, mhagen.tuning, mhagen.artifact
-    (with its runtime/ sources), mhagen.onnx, mhagen.passes, mhagen.targets;
+  - each subpackage of mhagen: mhagen.ir, mhagen.lower, mhagen.records, mhagen.tuning,
+    mhagen.artifact (with its runtime/ sources), mhagen.onnx, mhagen.passes, mhagen.targets;
   - mhagen.schedules (its top-level modules: __init__, attention_common, casts,
-    tvmscript) and each of its subpackages on its own: mhagen.schedules.x86,
-    mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
+    tvmscript) and each of its subpackages on its own: mhagen.schedules.cpu,
+    mhagen.schedules.x86, mhagen.schedules.arm, mhagen.schedules.cuda (schedules/ is installed as
     mhagen.schedules, targets/ as mhagen.targets);
   - each top-level module of mhagen on its own: mhagen.module, mhagen.reference,
-    mhagen.compile, mhagen.cross, mhagen.dsl, ... ;
+    mhagen.compile, mhagen.dsl, ... ;
   - mhagen itself (mhagen/__init__.py, the public facade, which imports most units).
 A unit imports another where any of its modules imports a module of the other, read from
 the source (ast), at the top or inside a function: a lazy import still couples the two.
@@ -28,27 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = {"mhagen": REPO / "mhagen", "mhagen.schedules": REPO / "schedules",
            "mhagen.targets": REPO / "targets"}
 
-# Today's two-way pairs, each with the imports behind it and the item of the redesign (issue
-# 58) that removes it; emptied as those changes land. A pair is written in sorted order.
-KNOWN_TWO_WAY = {
-    # lower takes the attention template's config from tuning records (workload_key), and
-    # tuning.search lowers the graph it tunes (issue 58: tuning behind the backend objects)
-    ("mhagen.lower", "mhagen.tuning"),
-    # the schedules replay tuning traces (tuning.apply), and tuning.search reads the
-    # schedules' rules (issue 58: backend objects own their rules and records)
-    ("mhagen.schedules", "mhagen.tuning"),
-    # the artifact's save and toolchain read cross's export options, and cross fetches the
-    # artifact's runtime files (artifact.tvm_runtime) (issue 58: artifact)
-    ("mhagen.artifact", "mhagen.cross"),
-    # the artifact saves and loads inspection's texts (TEXT_FILES, source_text), and
-    # inspect("manifest") prints artifact.manifest's (issue 58: artifact; the texts' names
-    # belong to the artifact)
-    ("mhagen.artifact", "mhagen.inspection"),
-    # Graph.reference() calls reference.run_reference, and the reference interprets the ir's
-    # expressions and rotary (issue 58: reference; verify's evaluation of constants no longer
-    # imports it: mhagen/ir/numpy_ops.py)
-    ("mhagen.ir", "mhagen.reference"),
-}
+# Two-way pairs allowed, each with the imports behind it and a reason (a pair is written in
+# sorted order). None: the redesign (issue 58) removed the last ones.
+KNOWN_TWO_WAY: set = set()
 
 
 def module_name(path: Path) -> str:
@@ -126,7 +108,8 @@ def test_units_are_found():
     test pass vacuously)."""
     units = {unit_of(m) for m in MODULES}
     assert {"mhagen", "mhagen.ir", "mhagen.lower", "mhagen.tuning", "mhagen.artifact",
-            "mhagen.onnx", "mhagen.passes", "mhagen.schedules", "mhagen.schedules.x86",
+            "mhagen.onnx", "mhagen.passes", "mhagen.schedules", "mhagen.schedules.cpu",
+            "mhagen.schedules.x86",
             "mhagen.schedules.cuda", "mhagen.module", "mhagen.reference"} <= units
     edges = unit_imports()
     assert ("mhagen.dsl", "mhagen.ir") in edges     # a top-level import

@@ -79,7 +79,7 @@ _FIELDS = {}
 
 
 def _trace_fields(trace):
-    """What mhagen tune writes beside a trace it keeps (apply.trace_fields: the trace's
+    """What mhagen tune writes beside a trace it keeps (replay.trace_fields: the trace's
     length, the scheduled kernel's structural hash), for `trace` replayed on the layer's
     qkv_projection."""
     import tvm
@@ -87,7 +87,7 @@ def _trace_fields(trace):
 
     from mhagen.lower import lower
     from mhagen.target import resolve
-    from mhagen.tuning.apply import trace_fields
+    from mhagen.records.replay import trace_fields
     key = json.dumps(trace)
     if key not in _FIELDS:
         program = lower(mhagen.mha(**LAYER), BATCH, SEQ, resolve("x86"), tuning=Tuning.none())
@@ -235,15 +235,15 @@ def test_a_replay_check_that_passed_is_not_repeated(tuned, tmp_path, monkeypatch
     """The replay check compiles the default kernel beside the replayed one (twice the build
     time of the default layer with two trace records); once it passed for the same pair
     of kernels, target and versions, later builds skip it. A failed check is never kept."""
-    import mhagen.tuning.apply as apply
+    import mhagen.records.replay as replay
     monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path / "dir"))
-    runs, local = [], apply.local_outputs
-    monkeypatch.setattr(apply, "local_outputs", lambda *a, **k: runs.append(1) or local(*a, **k))
+    runs, local = [], replay.local_outputs
+    monkeypatch.setattr(replay, "local_outputs", lambda *a, **k: runs.append(1) or local(*a, **k))
     records = _forced_records(tuned)
     for expected_runs in (1, 1):
         assert _build_with(records, tmp_path)["qkv_projection"] == "tuned"
         assert len(runs) == expected_runs
-    assert len(apply._passed_checks()) == 1
+    assert len(replay._passed_checks()) == 1
     swapped = next(r for r in records if r["key"]["kernel"] == "qkv_projection")
     _written_before_the_damage_fields(swapped)   # (those would tell the swap first)
     swapped["trace"][0][_row_tile_split(swapped["trace"])][3].reverse()
@@ -568,7 +568,7 @@ def _group_members(pgid):
 def test_default_layer_uses_the_shipped_records_of_its_class(preset, tmp_path, monkeypatch):
     """Records ship for both x86 classes; a build uses those of its own class only."""
     from mhagen.target import resolve
-    from mhagen.tuning.records import shipped_records_path, workload_key
+    from mhagen.records.database import shipped_records_path, workload_key
     monkeypatch.setenv("MHAGEN_TUNING_DIR", str(tmp_path))  # no user records
     t = resolve(preset)
     path = shipped_records_path(t)
@@ -606,7 +606,7 @@ def test_shipped_records_were_measured_against_todays_defaults(preset):
     from mhagen.lower import lower
     from mhagen.schedules import default_configs, schedule_kernel
     from mhagen.target import resolve
-    from mhagen.tuning.records import shipped_records_path, workload_key
+    from mhagen.records.database import shipped_records_path, workload_key
     t = resolve(preset)
     replacing = [r for r in Database.load(shipped_records_path(t)).records.values()
                  if r["kind"] != "default"]

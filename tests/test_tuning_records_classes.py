@@ -4,7 +4,7 @@ class is never applied."""
 
 import mhagen
 from mhagen.target import resolve
-from mhagen.tuning.records import Database
+from mhagen.records.database import Database
 
 
 def _record(kernel, cpu_class, l2, q_tile, cpu=None):

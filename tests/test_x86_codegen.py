@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mhagen
-from mhagen.tuning.records import Tuning
+from mhagen.records.database import Tuning
 from x86_helpers import PRESETS, spills_in_fma_loops, _asm_of
 
 
@@ -42,7 +42,7 @@ def test_the_register_transposes_transpose(n, word, offset):
     import tvm
     from tvm.script import tirx as T
     from mhagen.schedules.x86.bf16_dot import with_llvm_ir
-    from mhagen.schedules.cpu.transpose import transpose
+    from mhagen.schedules.x86.transpose import transpose
 
     dtype = {"i32": "int32", "i16": "int16"}[word]
     # rows and offsets of even words: 4-byte aligned, as the helpers' loads declare

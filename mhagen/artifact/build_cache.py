@@ -11,7 +11,7 @@ TVM's runtime libraries (about 6 MB) are the same for every artifact of one TVM 
 shared_runtime_libs() keeps one copy per content in the cache, and an artifact's lib/ holds
 symbolic links to it unless it is saved self-contained (copies).
 
-Layout, under mhagen.cross.cache_root() ($MHAGEN_CACHE, default ~/.cache/mhagen):
+Layout, under mhagen.artifact.other_arch.cache_root() ($MHAGEN_CACHE, default ~/.cache/mhagen):
   capi/<key>/             the outputs of one C API build (libmha.so, lib/libmha_impl.so,
                           mha_libraries.h), written to a temporary directory first, then
                           renamed: two processes building the same key both succeed
@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from mhagen.artifact.files import sha256_file
-from mhagen.cross import cache_root
+from mhagen.artifact.other_arch import cache_root
 
 KEY_VERSION = 1      # bump when what the key covers changes
 
@@ -114,7 +114,8 @@ def cached_build(directory: Path, outputs: list, key: str, build) -> bool:
 def shared_runtime_libs(libs) -> list:
     """Paths of TVM's runtime libraries `libs` in mhagen's cache (copied there once, keyed by
     their contents; libraries already in the cache, e.g. another architecture's from
-    mhagen.cross, are used where they are). None where the cache cannot be written."""
+    mhagen.artifact.other_arch, are used where they are). None where the cache cannot be
+    written."""
     root = cache_root().resolve()
     out, to_copy = [], []
     for p in map(Path, libs):

@@ -17,7 +17,7 @@ import numpy as np
 from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
-from mhagen.ir.graph import Graph     # (before mhagen.reference, which mhagen.ir imports)
+from mhagen.ir.graph import Graph
 from mhagen.reference import check_lengths
 from mhagen.runtime import fresh_path
 

@@ -18,6 +18,17 @@ LITTLE_ENDIAN = {"float32": "<f4", "int32": "<i4", "float16": "<f2", "bfloat16":
 # the file holding an artifact's kernels, by target device: a TVM library for CPUs, the
 # fatbin compiled at build time for GPUs (launched by the C API through the CUDA driver)
 KERNEL_FILES = {"cpu": "kernel.so", "cuda": "kernels.fatbin"}
+# the inspection texts an artifact stores beside its kernels, as <what>.txt (inspect(what)
+# reads them back from a loaded module)
+TEXT_FILES = ("te", "tir", "source")
+
+
+def source_text(module) -> str:
+    """The kernels' assembly: from the build, the saved source.txt, or the library."""
+    texts = module.info.texts
+    if not texts.get("source") and module.info.executable is not None:
+        texts["source"] = module.info.executable.mod.inspect_source("asm")
+    return texts.get("source", "")
 
 
 def sha256_file(path) -> str:

@@ -12,12 +12,11 @@ from pathlib import Path
 
 from mhagen import runtime
 from mhagen.artifact.cuda_module import CudaArtifactModule
-from mhagen.artifact.files import (KERNEL_FILES, TENSOR_FILE, read_params_file, read_tensors,
-                                   sha256_file)
+from mhagen.artifact.files import (KERNEL_FILES, TENSOR_FILE, TEXT_FILES, read_params_file,
+                                   read_tensors, sha256_file)
 from mhagen.artifact.manifest import read_manifest
 from mhagen.errors import ArtifactError, GraphError, MhagenError
 from mhagen.host import RUNTIME_FEATURES
-from mhagen.inspection import TEXT_FILES
 from mhagen.ir.graph import Graph
 from mhagen.ir.kinds import SUPPORTED_DTYPES
 from mhagen.program import Program

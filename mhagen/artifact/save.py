@@ -8,13 +8,12 @@ import warnings
 from pathlib import Path
 
 from mhagen.artifact import capi
-from mhagen.artifact.files import (KERNEL_FILES, OLD_TENSOR_FILES, TENSOR_FILE, sha256_file,
-                                   write_params_file)
+from mhagen.artifact.files import (KERNEL_FILES, OLD_TENSOR_FILES, TENSOR_FILE, TEXT_FILES,
+                                   sha256_file, source_text, write_params_file)
 from mhagen.artifact.manifest import content_hash, module_manifest
-from mhagen.cross import export_options
+from mhagen.artifact.other_arch import export_options
 from mhagen.errors import ArtifactError
 from mhagen.host import host_arch
-from mhagen.inspection import TEXT_FILES, source_text
 
 HASHED_FILES = (*KERNEL_FILES.values(), TENSOR_FILE) + tuple(
     f"{w}.txt" for w in TEXT_FILES)

@@ -1,9 +1,9 @@
 """What compiles an artifact's C API: a C++17 compiler, the tvm-ffi headers and TVM's runtime
 libraries for the artifact's architecture -- this machine's (Toolchain.host) or another
-architecture's through mhagen.cross (Toolchain.cross).
+architecture's through other_arch.py (Toolchain.cross: a cross-compiling toolchain).
 
-Imports: mhagen.cross and the leaf tvm_runtime; nothing here imports the C API generator, and
-mhagen.cross imports nothing of this package but tvm_runtime.
+Imports: other_arch and the leaf tvm_runtime; nothing here imports the C API generator, and
+other_arch imports nothing of this package but tvm_runtime.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mhagen import cross
+from mhagen.artifact import other_arch
 from mhagen.artifact.tvm_runtime import find_tvm_runtime
 from mhagen.errors import TargetError
 
@@ -45,15 +45,15 @@ class Toolchain:
     @staticmethod
     def cross(arch: str, cxx: str | None = None) -> "Toolchain | str":
         """The cross toolchain for `arch` (e.g. aarch64-linux-gnu-g++ and the aarch64 TVM
-        runtime from mhagen's cache, see mhagen.cross), or a string saying why there is none."""
+        runtime from mhagen's cache, see other_arch.py), or a string saying why there is none."""
         try:
-            a = cross.arch_info(arch)
+            a = other_arch.arch_info(arch)
         except TargetError as err:
             return str(err)
         cxx = cxx or a.cxx
         if _which(shlex.split(cxx)[0]) is None:
-            return f"{arch} C API needs the cross compiler {cxx}; {cross.install_hint(arch)}"
-        found = cross.runtime(arch)
+            return f"{arch} C API needs the cross compiler {cxx}; {other_arch.install_hint(arch)}"
+        found = other_arch.runtime(arch)
         if isinstance(found, str):
             return found
         include, libs = found

@@ -2,8 +2,8 @@
 
 libmha.so links TVM's two runtime libraries and compiles against the tvm-ffi headers. TVM's
 wheels lay them out as below; the host's come from the installed packages (find_tvm_runtime),
-another architecture's from that architecture's wheels (mhagen.cross, which extracts the same
-paths).
+another architecture's from that architecture's wheels (mhagen.artifact.other_arch, which
+extracts the same paths).
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from mhagen.errors import GraphError
 from mhagen.ir import expr as ex
 from mhagen.ir.kinds import KINDS, WeightSpec
+from mhagen.ir.reference import run_reference
 from mhagen.ir.verify import check_dtype, infer_shapes, verify, weight_specs
-from mhagen.reference import run_reference
 from mhagen.weights import init_weights
 
 GRAPH_FORMAT = "mhagen.graph"

@@ -15,14 +15,14 @@ from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
 from mhagen.program import Buffer, Kernel, Program, Stage
-from mhagen.tuning.records import TuningWarning, stale_default, workload_key
+from mhagen.records.database import TuningWarning, stale_default, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
           symbolic=None, kv_seq_len: int | None = None, backend=None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel (a graph
     with the fused kinds: those of its builder form, mhagen/ir/unfuse.py).
-    `tuning` (mhagen.tuning.records.Tuning) may supply the attention template's config (the
+    `tuning` (mhagen.records.database.Tuning) may supply the attention template's config (the
     decode template's, for a decoding layer).
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
     fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length

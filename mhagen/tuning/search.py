@@ -42,16 +42,16 @@ import numpy as np
 import tvm
 
 from mhagen.backends import Backend
-from mhagen.cross import ARCHES
+from mhagen.artifact.other_arch import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
+from mhagen.records.database import Database, Tuning, user_database_path
+from mhagen.records.replay import (kernel_hash, local_outputs, outputs_differ,
+                                   prepared_calls, random_arguments, trace_fields, versions)
 from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
-from mhagen.tuning.apply import (_arguments, _prepared, kernel_hash, local_outputs,
-                                 outputs_differ, trace_fields, versions)
-from mhagen.tuning.records import Database, Tuning, user_database_path
 from mhagen.workloads import AttentionWorkload, as_workload, gemm_workload
 
 
@@ -146,8 +146,9 @@ def fast_build(mod, target, _params):
     return tvm.tirx.build(mod, target=target)
 
 
-def cross_export(mod, cxx):
-    """Export a built candidate as a shared library linked here by `cxx` (a cross g++)."""
+def export_for_arch(mod, cxx):
+    """Export a built candidate as a shared library linked here by `cxx` (another
+    architecture's g++: cross-compiling)."""
 
     from tvm.support import cc
     path = os.path.join(tempfile.mkdtemp(), "tvm_tmp_mod.so")
@@ -166,7 +167,7 @@ def _search_strategy(budget):
         population_size=population, init_min_unmeasured=min(50, population // 4))
 
 
-def _cross_cxx(target):
+def _other_arch_cxx(target):
     """The cross compiler (g++) that links code of another architecture here, or None (this
     machine's architecture, or none installed)."""
     arch = str(target.attrs.get("mtriple", "")).split("-")[0]
@@ -181,9 +182,9 @@ def _local_builder(target, **kwargs):
 
     import tvm.s_tir.meta_schedule as ms
 
-    cxx = _cross_cxx(target)
+    cxx = _other_arch_cxx(target)
     if cxx:
-        kwargs["f_export"] = functools.partial(cross_export, cxx=cxx)
+        kwargs["f_export"] = functools.partial(export_for_arch, cxx=cxx)
     return ms.builder.LocalBuilder(f_build=fast_build, **kwargs)
 
 
@@ -193,8 +194,8 @@ def _built_here(funcs, target):
     remote device (a few kernels, not a search) skip the LocalBuilder's two worker
     processes a call (each imports TVM: ~3 s), as the local ones compile here too."""
     from tvm.s_tir.meta_schedule.builder.local_builder import default_export
-    cxx = _cross_cxx(target)
-    export = functools.partial(cross_export, cxx=cxx) if cxx else default_export
+    cxx = _other_arch_cxx(target)
+    export = functools.partial(export_for_arch, cxx=cxx) if cxx else default_export
     out = []
     for f in funcs:
         try:
@@ -426,7 +427,7 @@ class _Remote:
 
     def outputs(self, funcs, target, fixed=None, seed=0):
         """([the last argument of each PrimFunc after one call on the device], None), all
-        on the same arguments (_arguments), or (None, the first error)."""
+        on the same arguments (random_arguments), or (None, the first error)."""
         from tvm.s_tir.meta_schedule.runner.rpc_runner import default_upload_module
         fixed = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
         built = _built_here(funcs, target)
@@ -440,7 +441,7 @@ class _Remote:
                 # a name of its own: the device's loader would reuse a library of one name
                 name = f"mhagen-check-{time.time_ns()}-{i}-{os.path.basename(path)}"
                 mod = default_upload_module(session, path, name)
-                args = [tvm.runtime.tensor(a, device) for a in _arguments(f, fx, seed)]
+                args = [tvm.runtime.tensor(a, device) for a in random_arguments(f, fx, seed)]
                 mod[mod.entry_name](*args)
                 outs.append(args[-1].numpy())
             return outs, None
@@ -513,7 +514,7 @@ def _measure_steady(funcs, target, fixed=None, rounds=7, min_ms=50.0):
     buffers, interleaved rounds (one per function in turn), each round back-to-back calls
     for at least min_ms. MetaSchedule's runner times cold, short runs; its ranking can
     differ from what a user sees by 10-50% (see docs/cpus-and-tuning.md)."""
-    calls = _prepared(funcs, target, fixed)
+    calls = prepared_calls(funcs, target, fixed)
     samples = [[] for _ in funcs]
     for _ in range(rounds):
         for i, c in enumerate(calls):

@@ -62,13 +62,16 @@ from mhagen.schedules.cpu.attention_tiles import (  # noqa: F401
     default_tiles, longest_tile, narrow_band_tiles, register_tiles, rows_dividing)
 from mhagen.schedules.x86.bf16_dot import HELPERS, with_llvm_ir
 from mhagen.schedules.cpu.fast_math import EXP2_HELPER, SCORE_MATH
-from mhagen.schedules.cpu.transpose import transpose
+from mhagen.schedules.x86.transpose import transpose
 from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class AttentionRule:
     name = "attention"
     flush_denormals = False   # the x86 backend's rule flushes them (schedules/x86/denormals.py)
+    # the x86 backend's rule links x86 LLVM IR helpers: EXP2_16 (AVX-512) and Q^T's copy
+    # through register transposes (schedules/x86/transpose.py)
+    x86_helpers = False
 
     def applies(self, stage, target):
         return stage.pattern == "attention_template"
@@ -135,7 +138,8 @@ class AttentionRule:
         return [default] + [c for c in out if c != default]
 
     def build(self, w, cfg, target):
-        return build_attention(w, cfg, target.lanes, flush=self.flush_denormals)
+        return build_attention(w, cfg, target.lanes, flush=self.flush_denormals,
+                               x86_helpers=self.x86_helpers)
 
 
 def padded_head_dim(head_dim, lanes):
@@ -145,15 +149,17 @@ def padded_head_dim(head_dim, lanes):
     return round_up(head_dim, lanes)
 
 
-def build_attention(w, cfg, lanes, flush=False):
+def build_attention(w, cfg, lanes, flush=False, x86_helpers=False):
     """The attention PrimFunc for workload w (see mhagen/workloads.py for its fields).
-    flush: each task runs with denormals flushed to zero (x86: denormals.py)."""
+    flush: each task runs with denormals flushed to zero (x86: denormals.py); x86_helpers:
+    the x86 LLVM IR helpers are linked where they apply (AVX-512's EXP2_16, Q^T's copy
+    through register transposes)."""
     w = as_workload(AttentionWorkload, w)
     rules = ScoreRules(w, SCORE_MATH)
     # the block table's extents (the lowering builds the table with the same)
     n_q_tiles = -(-w.seq // cfg.q_tile)
     n_kv_blocks = -(-(w.kv_seq or w.seq) // cfg.kv_block)
-    k = kernel_layout(w, cfg, lanes, flush, rules, n_q_tiles, n_kv_blocks)
+    k = kernel_layout(w, cfg, lanes, flush, x86_helpers, rules, n_q_tiles, n_kv_blocks)
     func = attention_entry(body_macro(k, rules), rules, (k.NP, k.M, k.PW),
                            (k.TB, k.TH, k.NQT, k.NKB), k.B, (k.MA, k.HD),
                            kv_shape=k.KV_SHAPE, dtype=k.QKV_DTYPE, out_dtype="float32")

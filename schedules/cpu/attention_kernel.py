@@ -21,7 +21,7 @@ from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.cpu.attention_scores import score_macros
 from mhagen.schedules.cpu.attention_softmax import softmax_macros
 from mhagen.schedules.cpu.attention_values import value_macros
-from mhagen.schedules.cpu.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16
+from mhagen.schedules.x86.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16
 
 # register tiles: a stack array LLVM keeps in registers, not a TVM workspace allocation
 ON_STACK = {"disable_lower_builtin": True}

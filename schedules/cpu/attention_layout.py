@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mhagen.lower.te import LOG2E
 from mhagen.schedules.x86 import amx
 from mhagen.schedules.cpu.fast_math import f32
-from mhagen.schedules.cpu.transpose import transpose_words
+from mhagen.schedules.x86.transpose import transpose_words
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,11 @@ class KernelLayout:
         return x * self.c_log2e if self.QT_PAIRS and not self.LATE_SCALE else x
 
 
-def kernel_layout(w, cfg, lanes, flush, rules, n_q_tiles, n_kv_blocks):
-    """The layout of workload w (typed) under cfg; rules: its ScoreRules (the call's lengths
-    in symbolic builds); n_q_tiles, n_kv_blocks: the block table's extents."""
+def kernel_layout(w, cfg, lanes, flush, x86_helpers, rules, n_q_tiles, n_kv_blocks):
+    """The layout of workload w (typed) under cfg; flush: tasks flush denormals; x86_helpers:
+    x86 LLVM IR helpers may be linked (EXP2_16, Q^T's register transposes); rules: its
+    ScoreRules (the call's lengths in symbolic builds); n_q_tiles, n_kv_blocks: the block
+    table's extents."""
     H, G, d, DP = w.heads, w.kv_heads, w.head_dim, w.head_dim_padded
     MQ, KB, MR, NR = cfg.q_tile, cfg.kv_block, cfg.tile_rows, cfg.tile_cols
     OR, NV = cfg.out_rows, cfg.out_cols               # P V register tile
@@ -175,19 +177,19 @@ def kernel_layout(w, cfg, lanes, flush, rules, n_q_tiles, n_kv_blocks):
         PV_TILES=PV_TILES, PV_ROWS=MQ // PV_TILES, PV_BIG=MQ % PV_TILES, LN=lanes,
         PAIRS=PAIRS, AMX=AMX, QT_PAIRS=QT_PAIRS,
         QKV_DTYPE="bfloat16" if QT_PAIRS else "float32",
-        AVX512=flush and lanes == 16, K_PANELS=K_PANELS, CW=PW if K_PANELS else d,
+        AVX512=x86_helpers and lanes == 16, K_PANELS=K_PANELS, CW=PW if K_PANELS else d,
         O_SHAPE=(DP, MQ) if AMX else (MQ, DP), c_log2e=c_log2e, LATE_SCALE=LATE_SCALE,
         SOFTMAX_SCALE=c_log2e if LATE_SCALE else f32(1.0), neg_inf=f32(float("-inf")),
-        zero=f32(0.0), flush=flush, **query_copy(w, lanes, flush, QT_PAIRS, d, DP, PW))
+        zero=f32(0.0), flush=flush, **query_copy(w, lanes, x86_helpers, QT_PAIRS, d, DP, PW))
 
 
-def query_copy(w, lanes, flush, qt_pairs, d, DP, PW):
+def query_copy(w, lanes, x86_helpers, qt_pairs, d, DP, PW):
     """Q^T's copy: its words (int32 pairs of head columns, or floats), on x86 LN x LN blocks
     of them through registers (transpose.py), where a strided copy became one scalar insert
     per element (benchmarks/PERFORMANCE.md, Schedule decisions)."""
     QW = 2 if qt_pairs else 1
     NW = d // QW                      # words a query
-    QT_SHUFFLE = (flush and lanes in (8, 16) and PW % (lanes * QW) == 0
+    QT_SHUFFLE = (x86_helpers and lanes in (8, 16) and PW % (lanes * QW) == 0
                   and w.q_base % (lanes * QW) == 0 and DP % (lanes * QW) == 0)
     return dict(QW=QW, NW=NW, QT_SHUFFLE=QT_SHUFFLE, QT_TRANSPOSE=transpose_words(lanes),
                 NB=NW // lanes * lanes if QT_SHUFFLE else 0)

@@ -1,6 +1,6 @@
 """The generic CPU backend (mhagen/backends.py): rules that read target attributes (lanes,
 vector registers, caches, cores), never names, so x86 and aarch64 share them; the x86 and
-ARM backends (schedules/x86/backend.py, schedules/arm/__init__.py) add what is theirs."""
+ARM backends (schedules/cpu/x86_backend.py, schedules/arm/backend.py) add what is theirs."""
 from __future__ import annotations
 
 from mhagen.backends import Backend

@@ -42,7 +42,7 @@ from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from mhagen.schedules.tvmscript import cheap_stack, wrap_loop_bodies
-from mhagen.schedules.cpu.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose
+from mhagen.schedules.x86.transpose import TRANSPOSE_16_I32, TRANSPOSE_32_I16, transpose
 
 ROWS = COLS = 32     # a register tile of C: 2 x 2 AMX tiles of 16 x 16 float32
 DEPTH = 32           # the depth one tdpbf16ps covers (16 pairs)

@@ -1,4 +1,4 @@
-"""Tuning's own dependencies, the `tune` extra (pip install 'mhagen[tune]'): building, loading
+"""Optional extras' dependencies, the `tune` extra (pip install 'mhagen[tune]'): building, loading
 and running modules need none of them, so a plain install leaves them out."""
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import json
 import warnings
 
 from mhagen.tolerances import max_error, tolerance
-from mhagen.tuning.records import TuningWarning, stale_default, user_database_path
+from mhagen.records.database import TuningWarning, stale_default, user_database_path
 from mhagen.version import __version__
 
 
@@ -199,8 +199,8 @@ def _remember_check(key: str, keep: int = 4096) -> None:
 
 def local_outputs(funcs, tvm_target, fixed=None):
     """The last argument of each PrimFunc after one call here on the same arguments
-    (_prepared), or None when one does not build."""
-    calls = _prepared(funcs, tvm_target, fixed)
+    (prepared_calls), or None when one does not build."""
+    calls = prepared_calls(funcs, tvm_target, fixed)
     return None if any(c is None for c in calls) else [c[1][-1].numpy() for c in calls]
 
 
@@ -214,9 +214,10 @@ def outputs_differ(want, got) -> str | None:
     return None
 
 
-def _arguments(func, fixed, seed):
-    """The numpy arguments of one call: the `fixed` arrays ({index: array}), random floats
-    from `seed` (the same for every function of one check), zeros for integers."""
+def random_arguments(func, fixed, seed):
+    """The numpy arguments of one call of PrimFunc `func`: the `fixed` arrays ({index:
+    array}), random floats from `seed` (the same for every function of one check), zeros for
+    integers."""
     import numpy as np
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     rng = np.random.default_rng(seed)
@@ -233,9 +234,11 @@ def _arguments(func, fixed, seed):
     return args
 
 
-def _prepared(funcs, target, fixed=None, seed=0):
-    """Each PrimFunc compiled here with its arguments (_arguments; `fixed`: one dict for all,
-    or a list of dicts), called once; None where it does not build."""
+def prepared_calls(funcs, target, fixed=None, seed=0):
+    """Each PrimFunc compiled here for `target` with its arguments (random_arguments;
+    `fixed`: one dict for all, or a list of dicts), called once: [(function, arguments)],
+    None where it does not build. The replay check and the tuning search's result check
+    run these."""
     import tvm
     per_func = fixed if isinstance(fixed, list) else [fixed] * len(funcs)
     calls = []
@@ -245,7 +248,7 @@ def _prepared(funcs, target, fixed=None, seed=0):
         except Exception:  # noqa: BLE001 - a candidate that does not build is not timed
             calls.append(None)
             continue
-        args = [tvm.runtime.tensor(a, tvm.cpu()) for a in _arguments(f, fixed, seed)]
+        args = [tvm.runtime.tensor(a, tvm.cpu()) for a in random_arguments(f, fixed, seed)]
         func = ex["main"]
         func(*args)
         calls.append((func, args))

@@ -1,6 +1,7 @@
 """The cpu-x86 backend (mhagen/backends.py): the generic CPU rules (schedules/cpu/) with
-x86's own parts: AMX tiles (amx.py), AVX-512 BF16 dot products (bf16_dot.py) and denormals
-flushed in the templates' tasks (denormals.py)."""
+x86's own parts from schedules/x86/: AMX tiles (amx.py), AVX-512 BF16 dot products
+(bf16_dot.py) and denormals flushed in the templates' tasks (denormals.py). Its records are
+in schedules/x86/records/ (the family's folder)."""
 from __future__ import annotations
 
 from mhagen.schedules.cpu.attention import AttentionRule
@@ -12,6 +13,7 @@ from mhagen.schedules.x86.bf16_dot import bf16_pairs
 
 class X86AttentionRule(AttentionRule):
     flush_denormals = True
+    x86_helpers = True
 
 
 class X86DecodeRule(DecodeRule):

@@ -1,6 +1,7 @@
-"""Cross builds: kernels for another architecture (aarch64), built and checked on this machine.
+"""Builds for another architecture (cross-compiling: aarch64 kernels built and checked on this
+machine).
 
-One table, ARCHES, says per architecture what a cross build needs -- the cross compilers and
+One table, ARCHES, says per architecture what such a build needs -- the cross compilers and
 binutils, the target's C library (to link, and for qemu), the emulator, the Debian packages
 that provide them, the PyPI platform tag of TVM's runtime wheels -- so no code below tests a
 target's name.
@@ -17,9 +18,10 @@ target's name.
 
 The cache is $MHAGEN_CACHE/<arch>/tvm-<tvm>-ffi-<tvm-ffi>/ (default $XDG_CACHE_HOME/mhagen or
 ~/.cache/mhagen): include/, lib/libtvm_ffi.so, lib/libtvm_runtime.so, wheels.json.
-`python -m mhagen.cross fetch aarch64` fills it (about 100 MB of download, 6 MB kept).
+`python -m mhagen.artifact.other_arch fetch aarch64` fills it (about 100 MB of download, 6 MB
+kept).
 mhagen.artifact.toolchain.Toolchain.cross(arch) builds an artifact's C API with the cross
-compiler and these files.
+compiler and these files. Imports of this package: tvm_runtime only.
 """
 from __future__ import annotations
 
@@ -79,11 +81,11 @@ def install_hint(arch: str, emulator: bool = False) -> str:
             ".ci/setup-arm.sh does this)")
 
 
-def _is_cross(target) -> bool:
+def _is_other_arch(target) -> bool:
     return target.arch != host_arch()
 
 
-def cross_compiler(target) -> str:
+def target_compiler(target) -> str:
     """The path of the C++ compiler that links `target`'s code; TargetError if missing."""
     a = arch_info(target.arch)
     cxx = target.cross_compiler or a.cxx
@@ -97,10 +99,10 @@ def cross_compiler(target) -> str:
 def export_options(target) -> dict:
     """Keyword arguments for Executable.export_library: {} for this machine's code, else the
     cross compiler as fcompile."""
-    if not _is_cross(target):
+    if not _is_other_arch(target):
         return {}
     from tvm.support import cc
-    return {"fcompile": cc.cross_compiler(cross_compiler(target))}
+    return {"fcompile": cc.cross_compiler(target_compiler(target))}
 
 
 # -- TVM's runtime for the other architecture ------------------------------------------------
@@ -127,8 +129,8 @@ def runtime(arch: str):
     header = d / "include" / PROBE_HEADER
     if all(p.is_file() for p in (header, *libs)):
         return d / "include", libs
-    return (f"no {arch} TVM runtime in {d} (fetch it once: python -m mhagen.cross fetch "
-            f"{arch}; then save the module again)")
+    return (f"no {arch} TVM runtime in {d} (fetch it once: python -m "
+            f"mhagen.artifact.other_arch fetch {arch}; then save the module again)")
 
 
 def fetch_runtime(arch: str, *, quiet: bool = True):
@@ -255,7 +257,7 @@ def disassemble(path, arch: str = "aarch64") -> str:
 
 def main(argv=None) -> int:
     import argparse
-    p = argparse.ArgumentParser(prog="python -m mhagen.cross",
+    p = argparse.ArgumentParser(prog="python -m mhagen.artifact.other_arch",
                                 description="Cross-build support: fetch TVM's runtime for "
                                             "another architecture into the cache.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -269,7 +271,7 @@ def main(argv=None) -> int:
     try:
         include, libs = fetch_runtime(args.arch, quiet=False)
     except TargetError as err:
-        print(f"mhagen.cross: error: {err}", file=sys.stderr)
+        print(f"mhagen.artifact.other_arch: error: {err}", file=sys.stderr)
         return 2
     print(f"{args.arch} TVM runtime: {', '.join(map(str, libs))}\nheaders: {include}")
     return 0

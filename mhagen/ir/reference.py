@@ -1,0 +1,298 @@
+"""The float64 numpy oracle: interprets any graph node by node (no fusion, no tricks); the
+reference semantics of the node kinds, beside them (Graph.reference() runs it; the public
+path is mhagen.reference).
+
+Every compiled path is compared against this. Semantics per node kind (rotary: mhagen/ir/rope.py):
+softmax of a fully masked row (all -inf) is zeros, not NaN.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mhagen.dtypes import numpy_dtype, to_storage
+from mhagen.errors import InputError
+from mhagen.inputs import LENGTHS, argument
+from mhagen.ir import expr as ex
+from mhagen.ir import rope
+from mhagen.ir.numpy_ops import NUMPY_OPS
+from mhagen.kvcache import KVCache
+from mhagen.weights import check_weights
+
+
+def positions(batch: int, q_len: int, kv_len: int, lengths=None, offsets=None) -> dict:
+    """The index variables of a [batch, q_len, kv_len] score grid. `lengths` ([batch] key
+    lengths given at call time) is what masks read as kv_len; `offsets` ([batch], a decoding
+    layer's cache_lens) puts query t at q_idx = offsets[b] + t with kv_len = offsets[b] +
+    q_len keys (the cached ones and the new ones)."""
+    env = {"batch": np.arange(batch)[:, None, None], "head": 0,
+           "q_idx": np.arange(q_len)[None, :, None], "kv_idx": np.arange(kv_len)[None, None, :],
+           "q_len": q_len, "kv_len": kv_len}
+    if lengths is not None:
+        env["kv_len"] = np.asarray(lengths).reshape(-1, 1, 1)
+    if offsets is not None:
+        off = np.asarray(offsets).reshape(-1, 1, 1)
+        env["q_idx"] = env["q_idx"] + off
+        env["kv_len"] = off + q_len
+    return env
+
+
+def mask_grid(mask: ex.Expr, batch: int, head: int, q_len: int, kv_len: int,
+              lengths=None, offsets=None) -> np.ndarray:
+    """The boolean [batch, q_len, kv_len] grid of a mask expression for one head (see
+    positions() for lengths and offsets; with offsets, keys past kv_len are never kept)."""
+    env = dict(positions(batch, q_len, kv_len, lengths, offsets), head=head)
+    grid = ex.evaluate(mask, env, NUMPY_OPS)
+    if offsets is not None:
+        grid = grid & (env["kv_idx"] < env["kv_len"])
+    return np.broadcast_to(grid, (batch, q_len, kv_len)).astype(bool)
+
+
+def apply_score_mod(mod: ex.Expr, s: np.ndarray, head: int, offsets=None) -> np.ndarray:
+    """A score modifier applied to scaled scores s [batch, q_len, kv_len] of one head."""
+    env = dict(positions(*s.shape, offsets=offsets), head=head, score=s)
+    return np.broadcast_to(ex.evaluate(mod, env, NUMPY_OPS), s.shape).astype(s.dtype)
+
+
+def softmax_rows(s: np.ndarray) -> np.ndarray:
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0.0, m)
+    e = np.exp(s - m)
+    total = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+
+def check_input(graph, x, dtype=None) -> np.ndarray:
+    """Check x against the graph's input [batch, seq, d_model]; return it as a numpy array
+    (mhagen/inputs.py: converted or refused; dtype: what it is converted to, as there)."""
+    d_model = graph.inputs[0].attrs["shape"][2]
+    x = argument(x, "x", dtype=dtype, expects=f"[batch, seq, {d_model}]")
+    if x.ndim != 3 or x.shape[2] != d_model:
+        raise InputError(f"x has shape {x.shape}; graph {graph.name!r} takes "
+                         f"[batch, seq, {d_model}]")
+    return x
+
+
+def check_context(graph, context, batch: int, dtype=None):
+    """The context of a cross-attention graph ([batch, kv_seq, kv_dim], as a numpy array:
+    mhagen/inputs.py, dtype as there), or None for other graphs (which must not get one)."""
+    node = graph.context_input
+    if node is None:
+        if context is not None:
+            raise InputError(f"graph {graph.name!r} has one input; context= is for "
+                             "cross-attention layers (mhagen.mha(..., cross=True))")
+        return None
+    if context is None:
+        raise InputError(f"graph {graph.name!r} is a cross-attention layer: pass context= "
+                         f"(keys and values come from it), [batch, kv_seq, "
+                         f"{node.attrs['shape'][2]}]")
+    width = node.attrs["shape"][2]
+    context = argument(context, "context", dtype=dtype, expects=f"[batch, kv_seq, {width}]")
+    if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != width \
+            or context.shape[1] < 1:
+        raise InputError(f"context has shape {context.shape}; this layer takes [batch, "
+                         f"kv_seq, {width}] with batch {batch} (x's) and kv_seq >= 1")
+    return context
+
+
+def check_lengths(graph, kv_lens, batch: int, seq: int):
+    """The call-time key lengths of a graph with a lengths input: int32 [batch], each in
+    [0, seq]; None for other graphs (which must not get any)."""
+    if graph.lengths_input is None:
+        if kv_lens is not None:
+            raise InputError(f"graph {graph.name!r} takes no key lengths; build the layer with "
+                             "mhagen.mha(..., key_padding=True) to pass kv_lens")
+        return None
+    if kv_lens is None:
+        raise InputError(f"graph {graph.name!r} pads keys by length: pass kv_lens (int, "
+                         f"[batch] = [{batch}], each in 0..{seq})")
+    lens = argument(kv_lens, "kv_lens", need=LENGTHS, expects=f"of shape ({batch},)")
+    if lens.shape != (batch,):
+        raise InputError(f"kv_lens must be integers of shape ({batch},), got {lens.dtype} "
+                         f"{lens.shape}")
+    check_length_range(lens, seq)
+    return np.ascontiguousarray(lens)
+
+
+def check_length_range(lens, seq: int) -> None:
+    """Raise InputError unless every key length lies in 0..seq (a module's call and a
+    prepared run check each call)."""
+    held = lens.tolist()
+    if held and (min(held) < 0 or max(held) > seq):
+        raise InputError(f"kv_lens must lie in 0..{seq} (the sequence length), got {held}")
+
+
+def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
+    """The KVCache of a decoding graph, checked for [batch, seq new tokens]; None for other
+    graphs (which must not get one). spec: the graph's cache_shape, if known."""
+    if graph.cache_lens_input is None:
+        if cache is not None:
+            raise InputError(f"graph {graph.name!r} keeps no K/V cache; build the layer with "
+                             "mhagen.mha(..., kv_cache=max_len) to pass cache=")
+        return None
+    if cache is None:
+        raise InputError(f"graph {graph.name!r} decodes with a K/V cache: pass "
+                         "cache=mhagen.KVCache.empty(layer_or_module, batch)")
+    if not isinstance(cache, KVCache):
+        raise InputError(f"cache= takes a mhagen.KVCache, got {type(cache).__name__}")
+    cache.check(graph, batch, seq, dtype, spec)
+    return cache
+
+
+def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
+                  context=None, rounded_to: str | None = None):
+    """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
+    kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
+    a decoding graph (its new K/V rows are written and lens advanced, as a module call does);
+    context: a cross-attention graph's second input (its keys and values).
+    A half-precision graph (graph.dtype float16/bfloat16) is evaluated on x, context and
+    weights rounded to its dtype (what its module computes with), still in float64.
+    rounded_to ("float16", "bfloat16"): also round every node's value to that dtype, as a
+    framework computing in half precision would (the yardstick of half-precision
+    tolerances, mhagen/tolerances.py)."""
+    if len(graph.inputs) > 2 or (len(graph.inputs) == 2 and graph.context_input is None):
+        raise InputError("run_reference takes x (and a cross-attention layer's context); "
+                         f"this graph has {len(graph.inputs)} inputs")
+    x = _stored(graph, check_input(graph, x))
+    context = check_context(graph, context, x.shape[0])
+    context = None if context is None else _stored(graph, context)
+    kv_seq = x.shape[1] if context is None else context.shape[1]
+    lens = check_lengths(graph, kv_lens, x.shape[0], kv_seq)
+    cache = check_cache(graph, cache, x.shape[0], x.shape[1])
+    w = {k: _stored(graph, v) for k, v in check_weights(graph, weights).items()}
+    rnd = (lambda v: v) if rounded_to is None else (
+        lambda v: v if isinstance(v, Positions) or not np.issubdtype(v.dtype, np.floating)
+        else v.astype(numpy_dtype(rounded_to)).astype(np.float64))
+    graph.shapes(**graph.dims(*x.shape[:2], kv_seq))
+    vals = {}
+    for n in graph.nodes:
+        a = [vals[i] for i in n.inputs]
+        if context is not None and n is graph.context_input:
+            vals[n.name] = context.astype(np.float64)
+        elif n.kind == "lengths":
+            vals[n.name] = lens
+        elif n.kind == "cache_lens":
+            vals[n.name] = cache.lens.copy().view(Positions)
+        elif n.kind == "cache" or (n.kind == "attention" and n.attrs.get("cache")):
+            vals[n.name] = _EVAL[n.kind](n, a, w, cache)
+        else:
+            vals[n.name] = _EVAL[n.kind](n, a, w, x)
+        vals[n.name] = rnd(vals[n.name])
+    if cache is not None:
+        cache.lens += x.shape[1]
+    return vals if return_all else vals[graph.output]
+
+
+def _stored(graph, a) -> np.ndarray:
+    """A float input or weight as the graph's module holds it (rounded to a half-precision
+    graph's dtype), in float64."""
+    if graph.dtype != "float32":
+        a = to_storage("an input", a, graph.dtype)
+    return np.asarray(a, dtype=np.float64)
+
+
+def _append(cache, name, head, new, offsets, dtype="float32"):
+    """Write new [batch, S, d] rows of K/V head `head` at offsets[b] into cache.k or cache.v,
+    rounded to what the graph's cache stores (`dtype`: a half-precision cache keeps the rows
+    rounded, whatever the arrays given here hold); return that head's whole cache [batch,
+    max_len, d] in float64."""
+    if dtype != "float32":
+        new = new.astype(numpy_dtype(dtype))
+    store = getattr(cache, name[0])
+    for b, o in enumerate(offsets):
+        store[b, head, o:o + new.shape[1]] = new[b]
+    return store[:, head].astype(np.float64)
+
+
+def _projection(n, a, w, x):
+    weight = w[n.attrs["weight"]]
+    if n.kind == "head_projection":
+        weight = weight[n.attrs["head"]]
+    y = a[0] @ weight
+    if n.attrs.get("bias"):
+        b = w[n.attrs["bias"]]
+        y = y + (b[n.attrs["head"]] if n.kind == "head_projection" else b)
+    return y
+
+
+class Positions(np.ndarray):
+    """The value of a cache_lens node: where each batch row's new tokens start."""
+
+
+def _second(a):
+    """(lengths, offsets): what a node's optional second input gives (the key lengths of a
+    lengths node, or the positions of a cache_lens node)."""
+    if len(a) < 2:
+        return None, None
+    return (None, np.asarray(a[1])) if isinstance(a[1], Positions) else (a[1], None)
+
+
+def _mask(n, a, w, x):
+    s = a[0]
+    lengths, offsets = _second(a)
+    grid = mask_grid(n.attrs["mask"], s.shape[0], n.attrs["head"], s.shape[1], s.shape[2],
+                     lengths, offsets)
+    return np.where(grid, s, -np.inf)
+
+
+def _qkv_projection(n, a, w, x):
+    cols = []
+    for seg in n.attrs["segments"]:
+        y = a[0] @ w[seg["weight"]][seg["head"]]
+        if seg.get("bias"):
+            y = y + w[seg["bias"]][seg["head"]]
+        cols.append(y)
+    return np.concatenate(cols, axis=-1)
+
+
+def _attention(n, a, w, cache):
+    """The fused attention node; `cache` is the KVCache of a decoding layer (else unused)."""
+    qkv, d = a[0], n.attrs["head_dim"]
+    kv = qkv
+    if n.attrs.get("cross"):     # (qkv, kv[, lengths]): K/V columns come from kv
+        kv, a = a[1], a[:1] + a[2:]
+    bsz, seq = qkv.shape[:2]
+    lengths, offsets = _second(a)
+    kv_heads = {}    # k offset -> K/V head index (in the caches) and its whole cache rows
+    outs = []
+    for h, (qo, ko, vo) in enumerate(zip(n.attrs["q_offsets"], n.attrs["k_offsets"],
+                                         n.attrs["v_offsets"])):
+        q, k, v = qkv[..., qo:qo + d], kv[..., ko:ko + d], kv[..., vo:vo + d]
+        if n.attrs.get("rotary") is not None:
+            r = n.attrs["rotary"]
+            q, k = (rope.apply(t, r["rotary_dim"], r["base"], offsets) for t in (q, k))
+        if n.attrs.get("cache"):
+            if ko not in kv_heads:
+                g = len(kv_heads)
+                dtype = n.attrs["cache"].get("dtype", "float32")
+                kv_heads[ko] = (_append(cache, "k_cache", g, k, offsets, dtype),
+                                _append(cache, "v_cache", g, v, offsets, dtype))
+            k, v = kv_heads[ko]
+        s = q @ np.swapaxes(k, -1, -2) * n.attrs["scale"]
+        if n.attrs.get("score_mod") is not None:
+            s = apply_score_mod(n.attrs["score_mod"], s, h, offsets)
+        if n.attrs.get("mask") is not None:
+            s = np.where(mask_grid(n.attrs["mask"], bsz, h, seq, s.shape[2], lengths, offsets),
+                         s, -np.inf)
+        outs.append(softmax_rows(s) @ v)
+    return np.concatenate(outs, axis=-1)
+
+
+_EVAL = {
+    "input": lambda n, a, w, x: x,
+    "head_projection": _projection,
+    "output_projection": _projection,
+    "rotary": lambda n, a, w, x: rope.apply(a[0], n.attrs["rotary_dim"], n.attrs["base"],
+                                            _second(a)[1]),
+    "cache": lambda n, a, w, cache: _append(cache, n.attrs["cache"], n.attrs["head"], a[0],
+                                            a[1], n.attrs.get("dtype", "float32")),
+    "scores": lambda n, a, w, x: a[0] @ np.swapaxes(a[1], -1, -2),
+    "scale": lambda n, a, w, x: a[0] * n.attrs["factor"],
+    "mask": _mask,
+    "score_mod": lambda n, a, w, x: apply_score_mod(n.attrs["expr"], a[0], n.attrs["head"],
+                                                    _second(a)[1]),
+    "softmax": lambda n, a, w, x: softmax_rows(a[0]),
+    "weighted_sum": lambda n, a, w, x: a[0] @ a[1],
+    "concat_heads": lambda n, a, w, x: np.concatenate(a, axis=-1),
+    "qkv_projection": _qkv_projection,
+    "attention": _attention,
+}
