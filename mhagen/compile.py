@@ -6,7 +6,6 @@ import time
 
 import tvm
 
-from mhagen.backends import Backend
 from mhagen.checks import positive_int
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
@@ -107,7 +106,7 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     symbolic = symbolic if any(symbolic.values()) else None
     t = resolve(target)
     start = time.perf_counter()
-    backend = Backend.for_target(t)
+    backend = t.backend()
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,
                     kv_seq_len=kv_seq_len, backend=backend)

@@ -18,12 +18,12 @@ import numpy as np
 from mhagen import inspection, runtime
 from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
-from mhagen.backends import Backend
 from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes
+from mhagen.program import multiplies
 from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
 from mhagen.staging import Staging, aligned_copy, deliver
@@ -146,10 +146,9 @@ class Module:
         packs = {b.name: b.pack or {} for b in self.program.buffers.values()}
         tiles = [n for n, p in packs.items() if p.get("amx")]
         paired = [n for n, p in packs.items() if p.get("pairs") and not p.get("amx")]
-        work = next((k.workload or {} for k in self.program.kernels
-                     if k.name == "attention"), {})
-        attention = "amx" if work.get("amx") else "pairs" if work.get("pairs") else None
-        return Backend.for_target(self.target).precision_path(self.graph.dtype, paired,
+        attention = next((multiplies(k) for k in self.program.kernels
+                          if k.name == "attention"), None)
+        return self.target.backend().precision_path(self.graph.dtype, paired,
                                                               attention, tiles)
 
     @property

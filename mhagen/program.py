@@ -82,8 +82,9 @@ class Kernel:
     prim_func: object = None     # a TE-made PrimFunc to schedule with rules ...
     stages: list = field(default_factory=list)
     template: str | None = None  # ... or a template a rule instantiates (e.g. "attention")
-    workload: object = field(default_factory=dict)   # a template's AttentionWorkload
-    #                             (a loaded program's: {"amx" | "pairs": True} or {})
+    workload: object = None      # a template's AttentionWorkload (mhagen/workloads.py)
+    multiplies: str | None = None   # a loaded program's kernel: "amx" | "pairs" (else the
+    #                                 workload says)
     config: object = None        # the template's config (its layout depends on it)
     tuned: bool = False          # config came from a tuning record
 
@@ -127,7 +128,8 @@ class Program:
         """JSON-able summary (the manifest's "program", what the C API and mhagen.load read):
         buffers with their param recipes, the kernels in call order with their arguments."""
         d = {"buffers": [b.describe() for b in self.buffers.values()],
-             "kernels": [{"name": k.name, "args": list(k.args), **_multiplies(k)}
+             "kernels": [{"name": k.name, "args": list(k.args),
+                          **({"multiplies": multiplies(k)} if multiplies(k) else {})}
                          for k in self.kernels],
              "fusion": self.fusion}
         if self.symbolic:
@@ -145,7 +147,7 @@ class Program:
                                                b.get("symbolic", {}).items()} or None)
                    for b in d["buffers"]}
         kernels = [Kernel(k["name"], list(k["args"]),
-                          workload={k["multiplies"]: True} if k.get("multiplies") else {})
+                          multiplies=k.get("multiplies"))
                    for k in d["kernels"]]
         return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
 
@@ -189,10 +191,11 @@ def _check_description(d) -> None:
                              f"(or the scalars {', '.join(CROSS_SCALARS)})")
 
 
-def _multiplies(kernel) -> dict:
-    """{"multiplies": "amx" | "pairs"} for a kernel whose products run on bfloat16 AMX tiles
-    or vdpbf16ps pairs (its workload says so; module.precision reads it, a loaded module
-    too), else {}."""
-    work = kernel.workload or {}
-    how = "amx" if work.get("amx") else "pairs" if work.get("pairs") else None
-    return {"multiplies": how} if how else {}
+def multiplies(kernel) -> str | None:
+    """"amx" or "pairs" for a kernel whose products run on bfloat16 AMX tiles or vdpbf16ps
+    pairs (its workload says so, or a loaded program's description), else None."""
+    if kernel.multiplies:
+        return kernel.multiplies
+    work = kernel.workload
+    return "amx" if getattr(work, "amx", False) else "pairs" if getattr(work, "pairs", False) \
+        else None

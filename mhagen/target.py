@@ -9,7 +9,7 @@ import functools
 from dataclasses import asdict, dataclass, fields
 
 from mhagen import host
-from mhagen.backends import FAMILY_OF_ARCH
+from mhagen.backends import FAMILY_OF_ARCH, Backend
 from mhagen.errors import TargetError
 from mhagen.host import DEFAULT_CACHES, host_arch, host_caches, host_cores, host_cpu_model  # noqa: F401
 from mhagen.runtime import prepare_tvm_threads
@@ -38,6 +38,12 @@ class Target:
     def lanes(self) -> int:
         """float32 lanes per vector register."""
         return self.vector_bits // 32
+
+    def backend(self) -> Backend:
+        """This target's backend (mhagen/backends.py), bound to it: the one place a target is
+        mapped to its family's rules and templates (importing them: TVM). Entry points
+        (build, tune, a module's precision) ask once and pass the backend down."""
+        return Backend.for_target(self)
 
     @property
     def tvm(self):

@@ -12,32 +12,11 @@ fields; tuning records key and check configs against them. One class per kind of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
-
-class _Fields:
-    """Transitional dict-style reads (`w["seq"]`, `w.get("amx")`), removed once every reader
-    uses attributes."""
-
-    def __getitem__(self, name):
-        if name not in self._names():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def get(self, name, default=None):
-        value = getattr(self, name, None) if name in self._names() else None
-        return default if value is None else value
-
-    def __contains__(self, name):
-        return name in self._names() and getattr(self, name) not in (None, False)
-
-    @classmethod
-    def _names(cls):
-        return {f.name for f in fields(cls)}
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class AttentionWorkload(_Fields):
+class AttentionWorkload:
     """The fused attention of one layer, as its templates read it (qkv in column panels).
 
     Lengths: batch, seq (the largest call's where symbolic); rows: the qkv temporary's rows
@@ -82,7 +61,7 @@ class AttentionWorkload(_Fields):
 
 
 @dataclass(frozen=True)
-class GemmWorkload(_Fields):
+class GemmWorkload:
     """C = A @ W + bias over `rows` x `depth` x `cols`, W in column panels of `panel`."""
     rows: int
     cols: int
@@ -96,7 +75,7 @@ class GemmWorkload(_Fields):
 
 
 @dataclass(frozen=True)
-class MatmulWorkload(_Fields):
+class MatmulWorkload:
     """C[b] = A[b] @ B[b]: batch x rows x depth x cols (the unfused kernel)."""
     batch: int
     rows: int
@@ -105,7 +84,7 @@ class MatmulWorkload(_Fields):
 
 
 @dataclass(frozen=True)
-class RowsWorkload(_Fields):
+class RowsWorkload:
     """A row-wise stage (softmax) over batch x rows rows of cols values."""
     batch: int
     rows: int
@@ -113,24 +92,7 @@ class RowsWorkload(_Fields):
 
 
 @dataclass(frozen=True)
-class ElementwiseWorkload(_Fields):
+class ElementwiseWorkload:
     """An element-wise stage; scalar: one value per row (no vector axis to split). Also
     the workload of stages whose rule reads nothing (epilogues, packs)."""
     scalar: bool = False
-
-
-def as_workload(cls, workload, **defaults):
-    """`workload` as a `cls` (one of the classes above): itself if it is one already, else the
-    class built from a dict of its fields, `defaults` filling fields the dict lacks (as the
-    rules' dict reads did). The dicts go once lowering makes the classes itself."""
-    return workload if isinstance(workload, cls) else cls(**{**defaults, **workload})
-
-
-def gemm_workload(workload):
-    """A GEMM stage's workload as its class: a packed GEMM's (weights in column panels) or a
-    batched matmul's."""
-    if isinstance(workload, (GemmWorkload, MatmulWorkload)):
-        return workload
-    if "panel" in workload:   # a dict: rows, cols and depth default as the rule read them
-        return as_workload(GemmWorkload, workload, rows=0, cols=0, depth=1)
-    return MatmulWorkload(**workload)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from mhagen.backends import Backend
 from mhagen.records.replay import apply_trace, refuse_record, replay_differs
 
 
@@ -54,8 +53,8 @@ class Plan:
 def schedule_kernel(kernel, target, rules=None, record=None, backend=None):
     """A scheduled PrimFunc for `kernel` and its Decisions: a tuning record's trace when one
     is given and still fits the kernel, else the rules (TE stages) or the template.
-    backend: the target's (Backend.for_target(target) when not given)."""
-    backend = backend or Backend.for_target(target)
+    backend: the target's (target.backend() when not given)."""
+    backend = backend or target.backend()
     func, decisions = _schedule(kernel, target, rules or backend.rules, record)
     func = backend.finalize(func)
     backend.verify(kernel, func)

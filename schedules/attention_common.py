@@ -10,14 +10,12 @@ from mhagen.blockmask import FULL, PARTIAL, SKIP
 from mhagen.lower.te import (LN2, LOG2E, call_scalars, mask_to_tir, score_table_buffers,
                              score_to_tir)
 from mhagen.schedules.tvmscript import cheap_stack
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class ScoreRules:
     """Python helpers the TIR templates call while they are parsed."""
 
     def __init__(self, w, math=None):
-        w = as_workload(AttentionWorkload, w)
         self.math = math     # vectorisable tanh/exp for score modifiers (score_to_tir)
         # symbolic-length builds: the call's batch and seq are scalar arguments (free vars
         # while the template is parsed, made parameters by attention_entry / with_scalars)

@@ -162,6 +162,7 @@ def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
     from mhagen.schedules.cpu.backend import RULES as CPU
     from mhagen.schedules.cpu.attention import register_tiles
     from mhagen.schedules.cpu.matmul import MatmulConfig
+    from mhagen.workloads import GemmWorkload
     neon, sve = resolve("arm-neon"), resolve("arm-sve")
     backend = Backend.for_target(neon)
     assert backend.family == "cpu-arm" and backend.device == "cpu"
@@ -169,8 +170,9 @@ def test_arm_rules_are_the_cpu_rules_read_through_target_attributes():
     assert backend.attention is not None
     matmul = next(r for r in backend.rules if r.name == "matmul")
     # register tiles sized from lanes and the 32 vector registers (4 kept for operands)
-    assert matmul.default_config({"panel": 8}, neon) == MatmulConfig(8, 8)
-    assert matmul.default_config({"panel": 16}, sve) == MatmulConfig(8, 16)
+    for target, panel in ((neon, 8), (sve, 16)):
+        workload = GemmWorkload(rows=0, cols=0, depth=1, panel=panel)
+        assert matmul.default_config(workload, target) == MatmulConfig(8, panel)
     # (S^T keys x queries, P V queries x head columns) for head_dim 64 and the GEMM panel
     assert register_tiles(neon, 64, 8) == (8, 8, 8, 8)
     assert register_tiles(sve, 64, 16) == (8, 16, 8, 16)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass
 
-from mhagen.backends import Backend
 from mhagen.errors import GraphError
 from mhagen.ir.unfuse import unfuse
 from mhagen.lower.fused import NotFusable, lower_fused
@@ -32,7 +31,7 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     graph = unfuse(graph)    # a graph holding the fused kinds compiles as its builder form
     fusion = run_passes(graph, fuse=fuse)
-    backend = backend or Backend.for_target(target)
+    backend = backend or target.backend()
     rule = backend.attention if fusion.fused else None
 
     reason = fusion.reason if rule is not None or not fusion.fused else \

@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import tvm
 
-from mhagen.backends import Backend
 from mhagen.artifact.other_arch import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
@@ -52,7 +51,6 @@ from mhagen.records.replay import (kernel_hash, local_outputs, outputs_differ,
 from mhagen.schedules import Plan, default_configs, schedule_kernel
 from mhagen.schedules.tvmscript import import_tensor_intrinsics
 from mhagen.target import resolve
-from mhagen.workloads import AttentionWorkload, as_workload, gemm_workload
 
 
 @dataclass
@@ -119,12 +117,12 @@ class TuneReport:
 KEEP_MARGIN = 0.97
 
 
-def template_rows(target) -> tuple:
+def template_rows(backend) -> tuple:
     """The matmul template's tuning knob: register tile rows (columns follow the weight
     panels), from 2 up to the default's (AVX-512: 3, 6, 8, 10, 12, the 8 of the former
     default among them; AVX2: 2, 3, 4, 6). Never 1: a unit loop changes the trace's loop
     count, which MetaSchedule's mutators cannot replay."""
-    top = max(2, Backend.for_target(target).gemm_tile()[0])
+    top = max(2, backend.gemm_tile()[0])
     return tuple(sorted({max(2, top // 4), max(2, top // 2), max(2, 2 * top // 3),
                          max(2, top - 2), top}))
 
@@ -645,6 +643,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         raise InputError(f"time_budget (--time-budget) is seconds for the whole run, a "
                          f"positive number, not {time_budget!r}")
     t = resolve(target)
+    backend = t.backend()   # the one backend of this run, passed down
     if rpc is None and t.arch != host_arch():
         raise TargetError(f"target {t.name} is {t.arch} code and this machine is {host_arch()}: "
                           "measure it on the device through a TVM RPC tracker "
@@ -666,11 +665,11 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
 
     plans, known, fixed = [], set(), []
     for batch, seq in shapes:
-        program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none())
+        program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(), backend=backend)
         for k in program.kernels:
             gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
             fixed_by = next((how for s in gemms for key, how in (
-                ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if getattr(gemm_workload(s.workload), key, False)), None)
+                ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if getattr(s.workload, key, False)), None)
             if fixed_by:
                 # vdpbf16ps GEMMs (schedules/x86/bf16_dot.py), AMX ones (amx.py):
                 # MetaSchedule's generic space cannot express their tensor intrinsics, so
@@ -693,7 +692,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     try:
         with _reaped_workers_without_ctrl_c(), _ctrl_c_stops_at_the_next_trial(bar), \
                 budget.cut_at_deadline(bar):
-            _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc,
+            _tune_plans(plans, backend, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc,
                         report)
     except (KeyboardInterrupt, _Stop):
         report.interrupted = True
@@ -721,16 +720,18 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     return report
 
 
-def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc, report):
+def _tune_plans(plans, backend, remote, bar, layer, fuse, trials, work_dir, seed, db, rpc,
+                report):
     """Tune each (shape, program, kernel) of `plans` in turn; save each kernel's record. Once
     the time budget refused a step, no further kernel is started."""
+    t = backend.target
     for i, (shape, program, kernel) in enumerate(plans, 1):
         key = program.key(kernel.name)
         if kernel.template:
-            res = _tune_template(kernel, t, remote, bar, i, key, shape, layer, fuse,
+            res = _tune_template(kernel, backend, remote, bar, i, key, shape, layer, fuse,
                                  trials)
         else:
-            res = _tune_metaschedule(kernel, t, remote, bar, i, key, trials, work_dir,
+            res = _tune_metaschedule(kernel, backend, remote, bar, i, key, trials, work_dir,
                                      seed)
         if res is None:           # the budget left no time for it
             return
@@ -748,7 +749,8 @@ def _tune_plans(plans, t, remote, bar, layer, fuse, trials, work_dir, seed, db, 
             bar.check()
 
 
-def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, seed):
+def _tune_metaschedule(kernel, backend, remote, bar, index, key, trials, work_dir, seed):
+    t = backend.target
     import tvm.s_tir.meta_schedule as ms
     from tvm.ir.utils import derived_object
 
@@ -762,9 +764,9 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
     bar.kernel(index, name, trials, done)
     stages = kernel.stages
     gemm = next(s for s in stages if s.pattern in ("matmul", "packed_matmul"))
-    rule = Backend.for_target(t).gemm_rule
+    rule = backend.gemm_rule
 
-    rows_space = list(template_rows(t))
+    rows_space = list(template_rows(backend))
 
     def template(sch):
         rows = sch.sample_categorical(rows_space, [1 / len(rows_space)] * len(rows_space))
@@ -835,7 +837,7 @@ def _tune_metaschedule(kernel, t, remote, bar, index, key, trials, work_dir, see
         return None
     started = time.monotonic()
     best = ms_db.get_top_k(ms_db.commit_workload(mod), 1)
-    default_func, default_decisions = schedule_kernel(kernel, t)
+    default_func, default_decisions = schedule_kernel(kernel, t, backend=backend)
     funcs = [default_func]
     trace_json = None
     if best:
@@ -870,16 +872,17 @@ def _next_trials(budget, count):
     return [("trial" if budget.estimate("trial") else "first batch", count)]
 
 
-def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trials):
+def _tune_template(kernel, backend, remote, bar, index, key, shape, layer, fuse, trials):
     """The attention (or decode) template's candidate configs (the default first, at most
     `trials` of them), each built and timed; the fastest kept if right and faster by the
     margin in a second measurement of it against the default alone. A decode step is timed
     on a cache full up to its last `seq` rows (as module.latency() times it). Under a time
     budget, as many candidates as the configs timed so far say fit (at least two)."""
+    t = backend.target
     decoding = kernel.template == "decode"
     budget = bar.budget
     name = f"{kernel.name} {shape[0]}x{shape[1]}"
-    rule = getattr(Backend.for_target(t), "decode" if decoding else "attention")
+    rule = backend.decode if decoding else backend.attention
     candidates = rule.candidates(kernel.workload, t)[:max(2, trials)]
     planned = len(candidates)
     bar.kernel(index, name, planned)
@@ -892,13 +895,14 @@ def _tune_template(kernel, t, remote, bar, index, key, shape, layer, fuse, trial
     started = time.monotonic()
     funcs, fixed = [], []
     for cfg in candidates:
-        program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key))
+        program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key),
+                        backend=backend)
         k = next(k for k in program.kernels if k.name == kernel.name)
         funcs.append(rule.build(k.workload, cfg, t))
         # every candidate with its own block table (and the full key lengths, if any)
         fixed.append({} if decoding else
                      {k.args.index("blocks"): program.buffers["blocks"].make(None)})
-    full = as_workload(AttentionWorkload, kernel.workload).cache - shape[1] if decoding else shape[1]
+    full = kernel.workload.cache - shape[1] if decoding else shape[1]
     for i, a in enumerate(kernel.args):
         if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32":
             for f in fixed:

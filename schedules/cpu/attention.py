@@ -63,7 +63,6 @@ from mhagen.schedules.cpu.attention_tiles import (  # noqa: F401
 from mhagen.schedules.x86.bf16_dot import HELPERS, with_llvm_ir
 from mhagen.schedules.cpu.fast_math import EXP2_HELPER, SCORE_MATH
 from mhagen.schedules.x86.transpose import transpose
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class AttentionRule:
@@ -87,7 +86,6 @@ class AttentionRule:
     def make_config(self, values: dict, target, workload) -> AttentionConfig:
         """A config from a tuning record, checked against the template's constraints for
         this workload (a record edited by hand met an assertion in build_attention)."""
-        workload = as_workload(AttentionWorkload, workload)
         cfg = AttentionConfig(**{k: int(values[k]) for k in
                                  ("q_tile", "kv_block", "tile_rows", "tile_cols", "out_rows",
                                   "out_cols")})
@@ -119,7 +117,6 @@ class AttentionRule:
         tiles of about 32, 64, 128 and key blocks of about 64, 128, 256, in whole tiles.
         (P V tiles of 4 rows instead of AVX2's 6 were candidates while query tiles had to be
         whole P V tiles; with P V tiles one row apart they measured the same at 1x128.)"""
-        workload = as_workload(AttentionWorkload, workload)
         seq = workload.seq
         default = self.default_config(workload, target)
         # the grid in the register tile's rows (the default may take fewer: aligned tiles)
@@ -154,7 +151,6 @@ def build_attention(w, cfg, lanes, flush=False, x86_helpers=False):
     flush: each task runs with denormals flushed to zero (x86: denormals.py); x86_helpers:
     the x86 LLVM IR helpers are linked where they apply (AVX-512's EXP2_16, Q^T's copy
     through register transposes)."""
-    w = as_workload(AttentionWorkload, w)
     rules = ScoreRules(w, SCORE_MATH)
     # the block table's extents (the lowering builds the table with the same)
     n_q_tiles = -(-w.seq // cfg.q_tile)

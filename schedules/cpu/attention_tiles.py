@@ -18,7 +18,6 @@ from mhagen.blockmask import FULL, PARTIAL, block_table
 from mhagen.program import round_up
 from mhagen.schedules.x86 import amx
 from mhagen.schedules.cpu.matmul import rows_that_fit
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,6 @@ def computed_scores(workload, cfg, states=(PARTIAL, FULL)) -> int:
     """Scores the template computes under cfg: the query tiles' rows x the key blocks the
     mask's block table does not skip (the first batch row and head where the table has
     several); states=(PARTIAL,): those it computes through the mask."""
-    workload = as_workload(AttentionWorkload, workload)
     w = workload
     table = block_table(w.mask, w.batch, w.heads, w.seq, cfg.q_tile,
                         cfg.kv_block, lengths=bool(w.lengths),
@@ -127,7 +125,6 @@ def _balanced(total, goal, unit):
 def attention_tiles(workload, target):
     """(tile_rows, tile_cols, out_rows, out_cols): register_tiles, or on AMX S^T in
     tiles of 32 keys x 32 queries."""
-    workload = as_workload(AttentionWorkload, workload)
     tiles = register_tiles(target, workload.head_dim_padded, workload.panel)
     if workload.amx:
         return (amx.ROWS, amx.COLS) + tiles[2:]
@@ -138,7 +135,6 @@ def default_tiles(workload, target):
     """The default config: query tiles, key blocks and register tiles from the sequence, the
     mask, the target's registers and cores (the reasons below; the measurements in
     benchmarks/PERFORMANCE.md, Schedule decisions)."""
-    workload = as_workload(AttentionWorkload, workload)
     seq = workload.seq
     keys = workload.kv_seq or seq    # the context's length in cross-attention
     tr, tc, orows, ocols = attention_tiles(workload, target)

@@ -53,7 +53,6 @@ from mhagen.schedules.cpu.decode_tiles import (  # noqa: F401
     DecodeConfig, DecodeSplit, balanced_share, decode_kv_block, decode_layout,
     default_decode_config, keys_in_flight, rows_in_lanes)
 from mhagen.schedules.cpu.fast_math import SCORE_MATH
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 class DecodeRule:
@@ -71,7 +70,6 @@ class DecodeRule:
         """A config from a tuning record, checked against the template's constraints and
         bounded by the workload (an edited record's row tile of 10^6 rows hung the build;
         2^31 workers overflowed its int32 indices)."""
-        workload = as_workload(AttentionWorkload, workload)
         cfg = DecodeConfig(**{k: int(values[k]) for k in
                               ("row_tile", "workers", "kv_block", "lanes")})
         rows = decode_layout(workload, cfg).rows if cfg.row_tile >= 1 else 0
@@ -89,7 +87,6 @@ class DecodeRule:
         1, 2, 4 or 8 tasks a core; key blocks of 16 to 128 (whole vectors); row tiles of
         the default's, and of 4 and 8 rows where a K/V head has more query rows (smaller
         tiles read the head's keys once per tile, but give more tasks)."""
-        workload = as_workload(AttentionWorkload, workload)
         default = self.default_config(workload, target)
         cores = max(1, target.cores)
         tiles = [default.row_tile] + [t for t in (8, 4) if t < default.row_tile]
@@ -109,7 +106,6 @@ class DecodeRule:
     def partial_shapes(self, w, cfg):
         """Shapes of the two temporaries of partial results: O [partials, row_tile, padded
         d] and (m, l) [partials, 2, row_tile]."""
-        w = as_workload(AttentionWorkload, w)
         n = decode_layout(w, cfg).partials
         return (n, cfg.row_tile, w.head_dim_padded), (n, 2, cfg.row_tile)
 
@@ -139,7 +135,6 @@ def _chunks(d, lanes):
 
 
 def build_cache_append(w, cfg):
-    w = as_workload(AttentionWorkload, w)
     B, S, G, d, DP = w.batch, w.seq, w.kv_heads, w.head_dim, w.head_dim_padded
     N, PW = w.cache, w.panel
     NP, M = w.qkv_width // PW, w.rows
@@ -193,7 +188,6 @@ def build_decode(w, cfg, registers=16, flush=False):
     """The decode attention PrimFunc (qkv, cache_lens, k_cache, v_cache, part_o, part_ml,
     att) for workload w; registers: the target's vector registers; flush: the workers run
     with denormals flushed to zero (x86: denormals.py)."""
-    w = as_workload(AttentionWorkload, w)
     rules = ScoreRules(w, SCORE_MATH)   # the mask and modifier, as the prefill template
     attention = decode_function(decode_params(w, cfg, registers, flush, rules), rules)
     attention = with_llvm_ir(attention, denormals.HELPERS if flush else "")   # MXCSR helpers

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mhagen.program import round_up
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,6 @@ class DecodeSplit:
 
 def decode_layout(w, cfg) -> DecodeSplit:
     """The split of workload w under cfg."""
-    w = as_workload(AttentionWorkload, w)
     rows = w.heads // w.kv_heads * w.seq
     n_row_tiles = -(-rows // cfg.row_tile)
     groups = w.batch * w.kv_heads * n_row_tiles
@@ -102,7 +100,6 @@ def keys_in_flight(row_tile, lanes, registers, kv_block):
 def default_decode_config(workload, target):
     """The default config: row tiles of up to 16 query rows (rows in the lanes where a few
     copied rows allow it), one worker a core, key blocks by decode_kv_block."""
-    workload = as_workload(AttentionWorkload, workload)
     rows = workload.heads // workload.kv_heads * workload.seq
     row_tile = min(rows, 16)
     padded = round_up(row_tile, target.lanes)

@@ -1,7 +1,6 @@
 """Injective stages (transposes, concat, unfused epilogues) and the Fallback that always applies."""
 from dataclasses import dataclass
 
-from mhagen.workloads import ElementwiseWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class ElementwiseRule:
             # both sides, past the end of one head's buffer) keep a scalar loop that LLVM
             # vectorises only where it is safe; wrong numbers at seq_len 1 otherwise.
             vector = fitting_vector(cfg.vector, int(sch.get(loops[-1]).extent))
-            if as_workload(ElementwiseWorkload, stage.workload).scalar:
+            if getattr(stage.workload, "scalar", False):
                 vector = 1
             if vector > 1:
                 sch.vectorize(sch.split(loops[-1], [None, vector])[1])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.x86.bf16_dot import (HELPERS, IMPORT, INTRIN as BF16_DOT,
                                           LANES as BF16_LANES)
-from mhagen.workloads import GemmWorkload, gemm_workload
+from mhagen.workloads import GemmWorkload
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,6 @@ class MatmulRule:
         # Accumulators take tile_rows * tile_cols / lanes vector registers; 4 stay free for
         # the A broadcast and the B loads. Packed (packed_tile): AVX-512 (32 regs, 16 lanes)
         # 12 x 32; AVX2 (16, 8): 6 x 16; NEON (32, 4): 8 x 8; 256-bit SVE (32, 8): 8 x 16.
-        workload = gemm_workload(workload)
         if isinstance(workload, GemmWorkload):
             return packed_config(workload, target)
         lanes, budget = target.lanes, target.vector_registers - 4
@@ -210,7 +209,7 @@ class MatmulRule:
         packs = self._pack_rows(sch, blk, plan)
         loops = sch.get_loops(blk)
         if stage.pattern == "packed_matmul":
-            work = gemm_workload(stage.workload)
+            work = stage.workload
             tiled = packed_loops(sch, loops, work, cfg, plan.target)
         else:
             work = None

@@ -22,7 +22,6 @@ from tvm.script import tirx as T
 
 from mhagen.lower.te import call_scalars
 from mhagen.schedules.attention_common import with_scalars
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 ROW_BLOCK = 32   # rows per task
@@ -37,7 +36,6 @@ class RotaryConfig:
 def rotary_layout(w):
     """(first column, heads to rotate, padded head width, rotary_dim, half) of workload w.
     Q heads then K heads sit side by side in qkv (the fusion pass orders them so)."""
-    w = as_workload(AttentionWorkload, w)
     H, G, DP = w.heads, w.kv_heads, w.head_dim_padded
     assert w.k_base == w.q_base + H * DP, (w.q_base, w.k_base, H, DP)
     rd = w.rotary["rotary_dim"]
@@ -58,7 +56,6 @@ class RotaryRule:
 
 
 def build_rotary(w, cfg):
-    w = as_workload(AttentionWorkload, w)
     B, S = w.batch, w.seq
     BASE, SLOTS, DP, RD, HALF = rotary_layout(w)
     LN = cfg.lanes

@@ -3,7 +3,6 @@ from dataclasses import dataclass
 
 from mhagen.schedules.x86 import denormals
 from mhagen.schedules.cpu.elementwise import fitting_vector
-from mhagen.workloads import RowsWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,6 @@ class SoftmaxRule:
         # whole tasks only: rows per task divides the rows (a guarded row loop that LLVM
         # vectorises when a column loop of extent 1 vanishes gave wrong results: seq 1, and
         # cross-attention over one key with 3 queries)
-        workload = as_workload(RowsWorkload, workload, batch=1, rows=1)
         rows = workload.batch * workload.rows
         per_task = fitting_vector(4 if workload.cols < 256 else 1, rows)
         while rows % per_task:

@@ -35,7 +35,6 @@ from mhagen.program import round_up
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda import attention_tc
 from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
-from mhagen.workloads import AttentionWorkload, as_workload
 
 ROWS_PER_THREAD, COL_THREADS = RT, CT   # query rows a thread owns; threads across a row
 FLOAT = 4
@@ -80,11 +79,9 @@ class CudaAttentionRule:
     @staticmethod
     def tensor_cores(workload) -> bool:
         """float16 layers run schedules/cuda/attention_tc.py (WMMA)."""
-        workload = as_workload(AttentionWorkload, workload)
         return workload.temp_dtype == "float16"
 
     def _fits(self, cfg, workload, target) -> bool:
-        workload = as_workload(AttentionWorkload, workload)
         if self.tensor_cores(workload):
             return attention_tc.fits(cfg, workload, target)
         t = target.tvm_target_dict()
@@ -95,7 +92,6 @@ class CudaAttentionRule:
     def candidates(self, workload, target) -> list:
         """Configs that fit the target's shared memory and threads, largest tiles first;
         tiles much longer than the sequence are left out (unless nothing else fits)."""
-        workload = as_workload(AttentionWorkload, workload)
         tiles = attention_tc.TILES if self.tensor_cores(workload) else TILES
         fit = [CudaAttentionConfig(q, k) for q, k in tiles
                if self._fits(CudaAttentionConfig(q, k), workload, target)]
@@ -103,7 +99,6 @@ class CudaAttentionRule:
         return short or fit
 
     def default_config(self, workload, target):
-        workload = as_workload(AttentionWorkload, workload)
         found = self.candidates(workload, target)
         if not found:
             raise ValueError(f"head_dim {workload.head_dim}: no attention tile fits "
@@ -111,7 +106,6 @@ class CudaAttentionRule:
         return found[0]
 
     def make_config(self, values: dict, target, workload) -> CudaAttentionConfig:
-        workload = as_workload(AttentionWorkload, workload)
         cfg = CudaAttentionConfig(int(values["q_tile"]), int(values["kv_block"]))
         if (cfg.q_tile < ROWS_PER_THREAD or cfg.q_tile % ROWS_PER_THREAD
                 or cfg.kv_block < COL_THREADS or cfg.kv_block % COL_THREADS
@@ -178,7 +172,6 @@ def cuda_layout(w, cfg) -> CudaLayout:
 
 def build_attention(w, cfg):
     """The attention PrimFunc for workload w (see mhagen/workloads.py for its fields)."""
-    w = as_workload(AttentionWorkload, w)
     k = cuda_layout(w, cfg)
     rules = ScoreRules(w)
     row = RowMacros(w, rules, k.SC, k.OC)

@@ -35,7 +35,6 @@ from mhagen.lower.te import LOG2E
 from mhagen.schedules.attention_common import ScoreRules, attention_entry
 from mhagen.schedules.cuda.rows import CT, RT, RowMacros, coordinates
 from mhagen.schedules.cuda.nvcc import shared_limit
-from mhagen.workloads import AttentionWorkload, as_workload
 
 F = 16                 # the WMMA fragment: 16 x 16 x 16
 HALF_PAD, FLOAT_PAD = 8, 4    # row padding of the tiles (bank conflicts; WMMA ldm rules)
@@ -71,7 +70,6 @@ def output_chunk(cfg, dp) -> int:
 
 def fits(cfg, workload, target) -> bool:
     """cfg (a CudaAttentionConfig) tiles by whole fragments and fits the shared memory."""
-    workload = as_workload(AttentionWorkload, workload)
     dp = workload.head_dim_padded
     ow = output_chunk(cfg, dp) if dp % F == 0 else 0
     return (cfg.q_tile % F == 0 and cfg.kv_block % F == 0 and ow > 0
@@ -139,7 +137,6 @@ def tc_layout(w, cfg) -> TcLayout:
 
 def build_attention_tc(w, cfg):
     """The float16 attention PrimFunc for workload w on tensor cores."""
-    w = as_workload(AttentionWorkload, w)
     k = tc_layout(w, cfg)
     rules = ScoreRules(w)
     row = RowMacros(w, rules, k.SC, k.OC)

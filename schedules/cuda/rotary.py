@@ -12,7 +12,6 @@ from tvm.script import tirx as T
 
 from mhagen.program import round_up
 from mhagen.schedules.cpu.rotary import rotary_layout
-from mhagen.workloads import AttentionWorkload, as_workload
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,6 @@ class CudaRotaryRule:
 
 
 def build_rotary(w, cfg):
-    w = as_workload(AttentionWorkload, w)
     B, S = w.batch, w.seq
     BASE, SLOTS, DP, RD, HALF = rotary_layout(w)
     PW = w.panel

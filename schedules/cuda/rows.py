@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from mhagen.workloads import AttentionWorkload, as_workload
 
 RT = 4    # query rows a thread owns
 CT = 8    # threads across a row: keys (S) or head columns (O), interleaved
@@ -28,7 +27,6 @@ class RowMacros:
     the max subtracted (0 while the row saw no key)."""
 
     def __init__(self, w, rules, sc, oc):
-        w = as_workload(AttentionWorkload, w)
         S, d = w.seq, w.head_dim
         neg_inf, zero = T.float32(float("-inf")), T.float32(0.0)
         has_mod = w.score_mod is not None
