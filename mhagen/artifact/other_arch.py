@@ -20,7 +20,7 @@ The cache is $MHAGEN_CACHE/<arch>/tvm-<tvm>-ffi-<tvm-ffi>/ (default $XDG_CACHE_H
 ~/.cache/mhagen): include/, lib/libtvm_ffi.so, lib/libtvm_runtime.so, wheels.json.
 `python -m mhagen.artifact.other_arch fetch aarch64` fills it (about 100 MB of download, 6 MB
 kept).
-mhagen.artifact.toolchain.Toolchain.cross(arch) builds an artifact's C API with the cross
+mhagen.artifact.toolchain.Toolchain.for_arch(arch) builds an artifact's C API with the cross
 compiler and these files. Imports of this package: tvm_runtime only.
 """
 from __future__ import annotations

@@ -104,10 +104,10 @@ def finish(path, manifest: dict, *, toolchain=None, c_api: bool = True,
         reason = "no weights bound (bind weights, then save: the C API runs the params)"
     elif toolchain is None:
         arch = manifest["target"]["arch"]
-        # another arch: its cross g++ and its TVM runtime from mhagen's cache (mhagen.cross);
+        # another arch: its g++ and its TVM runtime from mhagen's cache (artifact.other_arch);
         # a GPU's C API runs on this machine's architecture (the host of the GPU)
-        cross = arch != host_arch() and manifest["target"].get("device", "cpu") == "cpu"
-        toolchain = capi.Toolchain.cross(arch) if cross else capi.Toolchain.host()
+        other_arch = arch != host_arch() and manifest["target"].get("device", "cpu") == "cpu"
+        toolchain = capi.Toolchain.for_arch(arch) if other_arch else capi.Toolchain.host()
         if isinstance(toolchain, str):
             reason = toolchain
     if reason is None:

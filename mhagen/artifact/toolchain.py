@@ -1,6 +1,6 @@
 """What compiles an artifact's C API: a C++17 compiler, the tvm-ffi headers and TVM's runtime
 libraries for the artifact's architecture -- this machine's (Toolchain.host) or another
-architecture's through other_arch.py (Toolchain.cross: a cross-compiling toolchain).
+architecture's through other_arch.py (Toolchain.for_arch: a toolchain for another architecture).
 
 Imports: other_arch and the leaf tvm_runtime; nothing here imports the C API generator, and
 other_arch imports nothing of this package but tvm_runtime.
@@ -43,7 +43,7 @@ class Toolchain:
         return Toolchain(cxx, include, libs)
 
     @staticmethod
-    def cross(arch: str, cxx: str | None = None) -> "Toolchain | str":
+    def for_arch(arch: str, cxx: str | None = None) -> "Toolchain | str":
         """The cross toolchain for `arch` (e.g. aarch64-linux-gnu-g++ and the aarch64 TVM
         runtime from mhagen's cache, see other_arch.py), or a string saying why there is none."""
         try:

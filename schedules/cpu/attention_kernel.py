@@ -1,4 +1,4 @@
-"""The x86 attention template's main loop: the kernel around the stages (scores, mask,
+"""The CPU attention template's main loop: the kernel around the stages (scores, mask,
 softmax, values), one parallel task per (batch row, head, query tile).
 
 kernel_macros    the kernel's TVMScript macros for a kernel layout:

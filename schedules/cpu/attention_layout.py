@@ -1,4 +1,4 @@
-"""The x86 attention template's kernel layout: one typed, frozen record of every size, base
+"""The CPU attention template's kernel layout: one typed, frozen record of every size, base
 column and feature switch its stages read (as FlashAttention 3's one params struct), made
 once a build from the workload, the config and the target's lanes.
 

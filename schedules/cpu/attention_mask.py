@@ -1,4 +1,4 @@
-"""The x86 attention template's mask and score-modifier stage: a score's write-back into
+"""The CPU attention template's mask and score-modifier stage: a score's write-back into
 S^T, where the mask (partial blocks only) and the score modifier apply and the running max
 takes it in.
 

@@ -1,4 +1,4 @@
-"""The x86 attention template's scores stage: S^T = K Q^T, one row of register tiles at a
+"""The CPU attention template's scores stage: S^T = K Q^T, one row of register tiles at a
 time (keys in rows, queries in the lanes), each tile written back through the mask stage.
 
 score_macros   the stage's TVMScript macros for a kernel layout:

@@ -1,4 +1,4 @@
-"""The x86 attention template's online-softmax stage: a key block's scores into
+"""The CPU attention template's online-softmax stage: a key block's scores into
 probabilities, lane-wise over queries (no horizontal reduction).
 
 softmax_macros   the stage's TVMScript macro for a kernel layout:

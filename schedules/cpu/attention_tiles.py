@@ -1,4 +1,4 @@
-"""The x86 attention template's tile sizes and heuristics (apart from the kernel, as
+"""The CPU attention template's tile sizes and heuristics (apart from the kernel, as
 FlashAttention 3's tile_size.h): the config's fields and how the defaults are chosen.
 
 AttentionConfig     the tuning knobs: query tiles, key blocks, the two register tiles

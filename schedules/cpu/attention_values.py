@@ -1,4 +1,4 @@
-"""The x86 attention template's P V stage: O = O alpha + P V over a key block's keys.
+"""The CPU attention template's P V stage: O = O alpha + P V over a key block's keys.
 
 value_macros   the stage's TVMScript macros for a kernel layout:
   zip_values     bfloat16 pairs: the block's V rows zipped into pairs of keys (ZIP)

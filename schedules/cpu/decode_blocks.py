@@ -1,4 +1,4 @@
-"""The x86 decode template's key blocks: one block of the online softmax for a row tile,
+"""The CPU decode template's key blocks: one block of the online softmax for a row tile,
 scores, softmax and values, in one of two shapes.
 
 block_macros   the TVMScript macros for a DecodeParams record:

@@ -1,4 +1,4 @@
-"""The x86 decode template's main loop and epilogue: workers walking their shares of the
+"""The CPU decode template's main loop and epilogue: workers walking their shares of the
 call's key blocks (split-KV), and the merge of each group's partial results.
 
 decode_function   the PrimFunc (qkv, cache_lens, k_cache, v_cache, part_o, part_ml, att):

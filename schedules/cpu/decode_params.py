@@ -1,4 +1,4 @@
-"""The x86 decode template's parameters: one typed, frozen record of every size, base column
+"""The CPU decode template's parameters: one typed, frozen record of every size, base column
 and switch its stages read (as FlashAttention 3's one params struct), made once a build.
 
 decode_params   the record (DecodeParams) of workload w under cfg

@@ -1,4 +1,4 @@
-"""The x86 decode template's row primitives: the reductions, dot products and O-row updates
+"""The CPU decode template's row primitives: the reductions, dot products and O-row updates
 its key blocks are made of, lanes along head_dim.
 
 row_macros   the TVMScript macros for a DecodeParams record:

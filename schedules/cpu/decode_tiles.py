@@ -1,4 +1,4 @@
-"""The x86 decode template's tile sizes and heuristics (apart from the kernel, as
+"""The CPU decode template's tile sizes and heuristics (apart from the kernel, as
 FlashAttention 3's tile_size.h).
 
 DecodeConfig           the tuning knobs: row tile, workers, key block, lanes
