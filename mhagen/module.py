@@ -24,7 +24,7 @@ from mhagen.inputs import argument
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.maps import head_softmaxes
 from mhagen.program import multiplies
-from mhagen.reference import (check_cache, check_context, check_input, check_length_range,
+from mhagen.call_checks import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
 from mhagen.staging import Staging, aligned_copy, deliver
 from mhagen.storage import StorageCasts

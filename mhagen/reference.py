@@ -2,10 +2,7 @@
 run_reference (layer.reference(...) calls it). It lives with the node kinds whose semantics
 it defines, mhagen/ir/reference.py; this module only names it (mhagen.reference imports
 mhagen.ir, never the reverse)."""
-from mhagen.ir.reference import (apply_score_mod, check_cache, check_context, check_input,
-                                 check_length_range, check_lengths, mask_grid, positions,
-                                 run_reference, softmax_rows)
+from mhagen.ir.reference import (apply_score_mod, mask_grid, positions, run_reference,
+                                 softmax_rows)
 
-__all__ = ["apply_score_mod", "check_cache", "check_context", "check_input",
-           "check_length_range", "check_lengths", "mask_grid", "positions", "run_reference",
-           "softmax_rows"]
+__all__ = ["apply_score_mod", "mask_grid", "positions", "run_reference", "softmax_rows"]

@@ -18,7 +18,7 @@ from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import argument
 from mhagen.ir.graph import Graph
-from mhagen.reference import check_lengths
+from mhagen.call_checks import check_lengths
 from mhagen.runtime import fresh_path
 
 MHA_ERR_DEVICE = 11      # mhagen.artifact.capi.STATUS

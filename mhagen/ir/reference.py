@@ -11,11 +11,10 @@ import numpy as np
 
 from mhagen.dtypes import numpy_dtype, to_storage
 from mhagen.errors import InputError
-from mhagen.inputs import LENGTHS, argument
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.numpy_ops import NUMPY_OPS
-from mhagen.kvcache import KVCache
+from mhagen.call_checks import check_cache, check_context, check_input, check_lengths
 from mhagen.weights import check_weights
 
 
@@ -59,83 +58,6 @@ def softmax_rows(s: np.ndarray) -> np.ndarray:
     e = np.exp(s - m)
     total = e.sum(axis=-1, keepdims=True)
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-
-
-def check_input(graph, x, dtype=None) -> np.ndarray:
-    """Check x against the graph's input [batch, seq, d_model]; return it as a numpy array
-    (mhagen/inputs.py: converted or refused; dtype: what it is converted to, as there)."""
-    d_model = graph.inputs[0].attrs["shape"][2]
-    x = argument(x, "x", dtype=dtype, expects=f"[batch, seq, {d_model}]")
-    if x.ndim != 3 or x.shape[2] != d_model:
-        raise InputError(f"x has shape {x.shape}; graph {graph.name!r} takes "
-                         f"[batch, seq, {d_model}]")
-    return x
-
-
-def check_context(graph, context, batch: int, dtype=None):
-    """The context of a cross-attention graph ([batch, kv_seq, kv_dim], as a numpy array:
-    mhagen/inputs.py, dtype as there), or None for other graphs (which must not get one)."""
-    node = graph.context_input
-    if node is None:
-        if context is not None:
-            raise InputError(f"graph {graph.name!r} has one input; context= is for "
-                             "cross-attention layers (mhagen.mha(..., cross=True))")
-        return None
-    if context is None:
-        raise InputError(f"graph {graph.name!r} is a cross-attention layer: pass context= "
-                         f"(keys and values come from it), [batch, kv_seq, "
-                         f"{node.attrs['shape'][2]}]")
-    width = node.attrs["shape"][2]
-    context = argument(context, "context", dtype=dtype, expects=f"[batch, kv_seq, {width}]")
-    if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != width \
-            or context.shape[1] < 1:
-        raise InputError(f"context has shape {context.shape}; this layer takes [batch, "
-                         f"kv_seq, {width}] with batch {batch} (x's) and kv_seq >= 1")
-    return context
-
-
-def check_lengths(graph, kv_lens, batch: int, seq: int):
-    """The call-time key lengths of a graph with a lengths input: int32 [batch], each in
-    [0, seq]; None for other graphs (which must not get any)."""
-    if graph.lengths_input is None:
-        if kv_lens is not None:
-            raise InputError(f"graph {graph.name!r} takes no key lengths; build the layer with "
-                             "mhagen.mha(..., key_padding=True) to pass kv_lens")
-        return None
-    if kv_lens is None:
-        raise InputError(f"graph {graph.name!r} pads keys by length: pass kv_lens (int, "
-                         f"[batch] = [{batch}], each in 0..{seq})")
-    lens = argument(kv_lens, "kv_lens", need=LENGTHS, expects=f"of shape ({batch},)")
-    if lens.shape != (batch,):
-        raise InputError(f"kv_lens must be integers of shape ({batch},), got {lens.dtype} "
-                         f"{lens.shape}")
-    check_length_range(lens, seq)
-    return np.ascontiguousarray(lens)
-
-
-def check_length_range(lens, seq: int) -> None:
-    """Raise InputError unless every key length lies in 0..seq (a module's call and a
-    prepared run check each call)."""
-    held = lens.tolist()
-    if held and (min(held) < 0 or max(held) > seq):
-        raise InputError(f"kv_lens must lie in 0..{seq} (the sequence length), got {held}")
-
-
-def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
-    """The KVCache of a decoding graph, checked for [batch, seq new tokens]; None for other
-    graphs (which must not get one). spec: the graph's cache_shape, if known."""
-    if graph.cache_lens_input is None:
-        if cache is not None:
-            raise InputError(f"graph {graph.name!r} keeps no K/V cache; build the layer with "
-                             "mhagen.mha(..., kv_cache=max_len) to pass cache=")
-        return None
-    if cache is None:
-        raise InputError(f"graph {graph.name!r} decodes with a K/V cache: pass "
-                         "cache=mhagen.KVCache.empty(layer_or_module, batch)")
-    if not isinstance(cache, KVCache):
-        raise InputError(f"cache= takes a mhagen.KVCache, got {type(cache).__name__}")
-    cache.check(graph, batch, seq, dtype, spec)
-    return cache
 
 
 def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
