@@ -133,8 +133,8 @@ def load_weights(path, graph=None) -> dict:
     wrong-shaped names are an InputError that names them)."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"no weights file at {path}" + (" (a directory)" if path.is_dir()
-                                                          else ""))
+        where = " (a directory)" if path.is_dir() else ""
+        raise InputError(f"cannot read weights: no weights file at {path}{where}")
     with open(path, "rb") as f:
         zipped = f.read(4) == b"PK\x03\x04"
     if zipped:

@@ -203,7 +203,7 @@ def test_causal_key_blocks_align_with_the_query_tiles(preset):
         m = mhagen.build(layer, preset, batch=1, seq_len=seq, weights=w, tuning=None)
         cfg = _attention_config(m)
         work = next(k for k in m.program.kernels if k.name == "attention").workload
-        rows = register_tiles(t, work["head_dim_padded"], work["panel"])[0]
+        rows = register_tiles(t, work.head_dim_padded, work.panel)[0]
         assert cfg.kv_block == cfg.q_tile and cfg.q_tile % cfg.tile_rows == 0, cfg
         if cfg.q_tile % rows:
             assert cfg.tile_rows == 4, cfg

@@ -114,7 +114,7 @@ def _weights(d, name="w.npz", **change):
     (lambda d: ["--weights", _weights(d, "w.safetensors", b_k=None)], "missing ['b_k']"),
     (lambda d: ["--weights", _weights(d, extra=np.zeros(2))], "unexpected ['extra']"),
     (lambda d: ["--weights", _weights(d, w_o=np.zeros((64, 32)))],
-     "weight 'w_o' has shape (64, 32), expected (64, 64)"),
+     "weights['w_o'] has shape (64, 32), expected (64, 64)"),
     (lambda d: ["--no-c-api"], "--no-c-api says how to save the module: give --out DIR too"),
 ], ids=["out-file", "out-under-file", "records-missing", "weights-missing", "weights-lack",
         "safetensors-lack",

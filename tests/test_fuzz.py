@@ -549,22 +549,25 @@ def small_module():
 
 GOOD_X = np.zeros((2, 5, 32), np.float32)
 BAD_X = [np.zeros((2, 5, 31), np.float32), np.zeros((5, 32), np.float32),
-         np.zeros((1, 2, 5, 32), np.float32), GOOD_X.astype(np.int32), GOOD_X.astype(bool),
+         np.zeros((1, 2, 5, 32), np.float32), GOOD_X.astype(bool),
          GOOD_X.astype(object), GOOD_X.astype(np.complex64), None, "x", 3.0, np.float32(1.0),
          [[["a"] * 32] * 5] * 2]
 # The reference takes any float array of any [batch, seq]; a module only its own float32 shape.
 BAD_FOR_A_MODULE = [np.zeros((2, 6, 32), np.float32), np.zeros((3, 5, 32), np.float32),
                     np.zeros((1, 5, 32), np.float32), np.zeros((0, 5, 32), np.float32),
-                    np.zeros((2, 0, 32), np.float32), GOOD_X.astype(np.float64),
-                    GOOD_X.astype(np.float16), GOOD_X.astype(">f4"), GOOD_X.tolist()]
+                    np.zeros((2, 0, 32), np.float32)]
+# Converted for x (the input policy, mhagen/inputs.py), refused where a call writes in place.
+_X = np.random.default_rng(0).uniform(-3, 3, GOOD_X.shape).astype(np.float32)
+CONVERTED_X = [_X.astype(np.int32), _X.astype(np.float64), _X.astype(np.float16),
+               _X.astype(">f4"), _X.tolist()]
 
 
 @st.composite
 def bad_weights(draw):
     w = mhagen.mha(32, 4, kv_heads=2, causal=True).init_weights(0)
     name = draw(st.sampled_from(sorted(w)))
-    kind = draw(st.sampled_from(["missing", "extra", "renamed", "shape", "transposed", "int",
-                                 "nan", "inf", "not-array", "not-dict", "complex", "scalar"]))
+    kind = draw(st.sampled_from(["missing", "extra", "renamed", "shape", "transposed", "nan",
+                                 "inf", "not-array", "not-dict", "complex", "scalar"]))
     if kind == "missing":
         del w[name]
     elif kind == "extra":
@@ -578,8 +581,6 @@ def bad_weights(draw):
             w[name] = w[name][..., :-1]
         else:
             w[name] = w[name].T
-    elif kind == "int":
-        w[name] = w[name].astype(np.int64)
     elif kind in ("nan", "inf"):
         w[name] = w[name].copy()
         w[name].flat[draw(st.integers(0, w[name].size - 1))] = np.nan if kind == "nan" else -np.inf
@@ -592,6 +593,17 @@ def bad_weights(draw):
     else:
         return draw(st.sampled_from([[], {}, list(w.values()), "w", 3]))
     return w
+
+
+@CHEAP
+@given(i=st.integers(0, len(CONVERTED_X) - 1))
+def test_converted_inputs_compute_as_float32_and_are_refused_as_out(small_module, i):
+    layer, w, kernel = small_module
+    x = CONVERTED_X[i]
+    assert_close(kernel(x), layer.reference(np.asarray(x, np.float64), w))
+    with pytest.raises(mhagen.InputError) as e:
+        kernel(GOOD_X, out=x)
+    assert str(e.value).strip() and raised_by_mhagen(e)
 
 
 @CHEAP

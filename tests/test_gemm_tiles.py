@@ -241,14 +241,14 @@ def test_decode_step_gemms_keep_8_or_more_accumulators(preset):
 def _unpadded_avx2_build(monkeypatch, seq):
     """The default layer for x86-avx2 with its GEMM rows never padded to whole tiles (the
     packed blocking's run rows replaced by the rows themselves)."""
-    import mhagen.schedules.x86 as x86
+    import mhagen.schedules.cpu.backend as cpu_backend
     import mhagen.schedules.cpu.matmul as matmul
     exact = matmul.packed_blocking
 
     def unpadded(target, rows, depth, cols=0, pairs=False, on_amx=False):
         return exact(target, rows, depth, cols, pairs, on_amx)[:2] + (rows,)
     monkeypatch.setattr(matmul, "packed_blocking", unpadded)
-    monkeypatch.setattr(x86, "packed_blocking", unpadded)
+    monkeypatch.setattr(cpu_backend, "packed_blocking", unpadded)
     m = mhagen.build(mhagen.mha(512, 8), "x86-avx2", batch=1, seq_len=seq, tuning=None)
     assert m.program.buffers["qkv"].shape[1] == seq
     return m
