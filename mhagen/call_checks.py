@@ -85,3 +85,27 @@ def check_cache(graph, cache, batch: int, seq: int, dtype=None, spec=None):
         raise InputError(f"cache= takes a mhagen.KVCache, got {type(cache).__name__}")
     cache.check(graph, batch, seq, dtype, spec)
     return cache
+
+
+def check_cu_seqlens(cu_seqlens, total: int, name: str = "cu_seqlens",
+                     sequences: int | None = None) -> np.ndarray:
+    """The offsets of packed sequences (FlashAttention's varlen form): int32 [n + 1],
+    starting at 0, never decreasing, ending at `total` (the packed tokens); sequence i is
+    tokens cu[i]:cu[i+1]. sequences: the n it must describe, when known (a cache's rows)."""
+    cu = argument(cu_seqlens, name, need=LENGTHS, expects="[0, end of sequence 0, ...]")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise InputError(f"{name} must be a 1-D list of offsets [0, end of sequence 0, ..., "
+                         f"{total}] (n + 1 entries for n sequences), got shape {cu.shape}")
+    if sequences is not None and cu.shape[0] != sequences + 1:
+        raise InputError(f"{name} has {cu.shape[0]} entries; {sequences} sequences need "
+                         f"{sequences + 1} (0, then where each one ends)")
+    held = cu.tolist()
+    if held[0] != 0 or held[-1] != total:
+        raise InputError(f"{name} must start at 0 and end at {total} (the packed tokens), "
+                         f"got {held[0]} .. {held[-1]}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        where = int(np.argmax(steps < 0))
+        raise InputError(f"{name} must never decrease: entry {where + 1} ({held[where + 1]}) "
+                         f"is below entry {where} ({held[where]})")
+    return np.ascontiguousarray(cu, dtype=np.int32)
