@@ -1,0 +1,20 @@
+"""Hugging Face models on mhagen kernels; transformers is imported only when these are called.
+
+- `register()`: `attn_implementation="mhagen"`, the attention core (query, key and value as
+  the model projected and rotated them) on mhagen kernels (mhagen/hf/interface.py).
+- `optimize(model, ...)`: every attention module replaced in place by the whole layer fused
+  in mhagen's kernels, with mhagen's K/V cache behind Hugging Face's Cache API
+  (mhagen/hf/optimize.py).
+"""
+
+
+def register(*args, **kwargs):
+    """Register `attn_implementation="mhagen"` with transformers (mhagen/hf/interface.py)."""
+    from mhagen.hf.interface import register as register_interface
+    return register_interface(*args, **kwargs)
+
+
+def optimize(model, *args, **kwargs):
+    """Replace the model's attention modules by fused mhagen layers (mhagen/hf/optimize.py)."""
+    from mhagen.hf.optimize import optimize as optimize_model
+    return optimize_model(model, *args, **kwargs)
