@@ -64,10 +64,10 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_dim: the context's width (cross only); default d_model.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
         scale: the factor on every score Q K^T, before score_mod and the mask; default
-            1/sqrt(head_dim). Any finite number: T5 uses 1.0, Gemma 2
-            query_pre_attn_scalar ** -0.5; 0 gives every visible key the same weight, a
-            negative scale favours the least similar keys (both well defined; NaN and
-            infinities are refused).
+            1/sqrt(head_dim). T5 uses 1.0, Gemma 2 query_pre_attn_scalar ** -0.5. A positive
+            finite number: zero and negative scales are refused (no model uses them, and
+            ONNX's Attention operator cannot carry them); a graph built node by node
+            (`add_heads`, `Graph.scale`) takes any finite factor.
         dtype: storage dtype of x, the output and the weights: "float32", "float16" or
             "bfloat16" (mhagen/dtypes.py: kernels compute in float32 and round the output).
             A half-precision module takes arrays of its dtype (ml_dtypes.bfloat16 for
@@ -140,16 +140,17 @@ def _default_scale(head_dim) -> float:
 
 
 def _checked_scale(scale, head_dim) -> float:
-    """The score scale as a float: 1/sqrt(head_dim) for None, else a finite real number."""
+    """The score scale as a float: 1/sqrt(head_dim) for None, else a positive finite number."""
     if scale is None:
         return _default_scale(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
                                                                       np.floating)):
         raise GraphError(f"scale= takes a number (the factor on Q K^T, e.g. 1.0 for T5), got "
                          f"{scale!r}")
-    if not math.isfinite(float(scale)):
-        raise GraphError(f"scale= must be a finite number, got {scale!r}; leave it out for "
-                         f"the default 1/sqrt(head_dim) = {_default_scale(head_dim):.6g}")
+    if not (math.isfinite(float(scale)) and scale > 0):
+        raise GraphError(f"scale= must be a positive finite number, got {scale!r}; leave it "
+                         f"out for the default 1/sqrt(head_dim) = "
+                         f"{_default_scale(head_dim):.6g}")
     return float(scale)
 
 

@@ -695,6 +695,10 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     if att.attrs.get("rotary") is not None:
         raise OnnxError(f"graph {layer.name!r} has rotary position embeddings, which the "
                         "Attention operator cannot carry; export it with form='decomposed'")
+    if not att.attrs["scale"] > 0:    # the operator reads scale 0 as "the default"
+        raise OnnxError(f"graph {layer.name!r} scales its scores by {att.attrs['scale']:.6g}; "
+                        "the Attention operator takes a positive scale only: export it with "
+                        "form='decomposed'")
     d = att.attrs["head_dim"]
     segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
     widths = {int(s["width"]) for s in segs.values()}
