@@ -221,8 +221,10 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     try:
         graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
     except GraphError as err:   # a value read from the model mhagen cannot take (scale inf)
-        raise OnnxError(f"{label}: what the model computes is not a valid mhagen layer: "
-                        f"{err}") from None
+        raise OnnxError(f"{_block_label(blk)}: what the model computes is not a valid mhagen "
+                        f"layer: {err}") from None
+    except OnnxError as err:    # what the cores hold together (widths, softcaps, rotary)
+        raise OnnxError(f"{_block_label(blk)}: {err}") from None
     try:
         err = _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes)
     except OnnxError as e:
@@ -236,6 +238,13 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     return ImportedAttention(graph, weights, blk.cores[0].source, blk.x, blk.y, blk.layout,
                              tuple(_block_nodes(m, blk.x, blk.y)), tuple(dict.fromkeys(notes)),
                              err, rec.source)
+
+
+def _block_label(blk):
+    """The ONNX node(s) at the centre of a layer: its first core, and how many more."""
+    more = len(blk.cores) - 1
+    return blk.cores[0].label + (f" (and the layer's {more} other attention "
+                                 f"{'core' if more == 1 else 'cores'})" if more else "")
 
 
 def _check_finite(label, weights, source):
