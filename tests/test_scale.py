@@ -1,9 +1,10 @@
 """mhagen.mha(..., scale=): the score scale as an option (T5: 1.0, Gemma 2:
 query_pre_attn_scalar ** -0.5). The reference against a hand-written float64 layer; every
 compiled path (fused prefill, decoding, cross-attention, key padding, any length, half
-precision, unfused; the CUDA templates' TIR) against the reference, each at a scale whose output differs
-from the default's by far more than the tolerance (a path that ignored the scale fails);
-ONNX export and import, the graph JSON, print(), the command line and the C header."""
+precision, unfused; the CUDA templates' TIR) against the reference, each at a scale whose
+output differs from the default's by far more than the tolerance (a path that ignored the
+scale fails); ONNX export and import, the graph JSON, print(), the command line and the C
+header."""
 import json
 import math
 
