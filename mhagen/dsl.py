@@ -151,7 +151,8 @@ def _checked_scale(scale, head_dim) -> float:
         raise GraphError(f"scale= must be a positive finite number, got {scale!r}; leave it "
                          f"out for the default 1/sqrt(head_dim) = "
                          f"{_default_scale(head_dim):.6g}")
-    return float(scale)
+    default = _default_scale(head_dim)    # head_dim ** -0.5 may differ from it in the last bit
+    return default if math.isclose(scale, default, rel_tol=1e-12) else float(scale)
 
 
 def _check_mask_and_flags(mask, causal, bias) -> None:

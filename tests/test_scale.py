@@ -35,6 +35,9 @@ def test_default_is_one_over_sqrt_head_dim_and_left_out_of_the_options():
     layer = mhagen.mha(80, 2, head_dim=40)
     assert "scale" not in layer.options
     assert mhagen.mha(80, 2, head_dim=40, scale=1 / math.sqrt(40)) == layer
+    # 8 ** -0.5 differs from 1 / sqrt(8) in the last bit: still the default
+    assert 8 ** -0.5 != 1 / math.sqrt(8)
+    assert mhagen.mha(64, 8, scale=8 ** -0.5) == mhagen.mha(64, 8)
     factors = {n.attrs["factor"] for n in layer.nodes if n.kind == "scale"}
     assert factors == {1 / math.sqrt(40)}
     t5 = mhagen.mha(80, 2, head_dim=40, scale=1)
@@ -95,6 +98,21 @@ def test_unfused_and_any_length_builds():
     for seq in (1, 17, 40):
         x = random_input(layer, 2, seq, seed=seq)
         assert_close(any_length(x), layer.reference(x, w))
+
+
+def test_attention_maps():
+    """The probabilities softmax(Q K^T * scale) of each head, written out here."""
+    layer = mhagen.mha(32, 2, causal=True, scale=1.0)
+    w = layer.init_weights(9)
+    m = mhagen.build(layer, "x86", batch=1, seq_len=7, weights=w, tuning=None)
+    x = random_input(layer, 1, 7)
+    p = m.attention_maps(x)
+    xs = x[0].astype(np.float64)
+    for h in range(2):
+        q, k = (xs @ w[f"w_{r}"][h] + w[f"b_{r}"][h] for r in "qk")
+        s = np.where(np.tril(np.ones((7, 7), bool)), q @ k.T, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        assert_close(p[0, h], e / e.sum(-1, keepdims=True))
 
 
 def test_decoding_with_rotary_and_a_cache():
