@@ -83,6 +83,12 @@ def _torch_dtype(dtype):
     return _TORCH_DTYPES.get(np.dtype(dtype), torch.bfloat16)
 
 
+def _refuse_decoding():
+    raise InputError("a decoding layer (kv_cache=) takes a mhagen.KVCache, which torch's "
+                     "forward has no argument for: call the mhagen module itself, "
+                     "module(x, cache=cache)")
+
+
 class MultiheadAttention(torch.nn.Module):
     """torch.nn.MultiheadAttention's forward on a compiled mhagen module (inference only).
 
@@ -112,11 +118,12 @@ class MultiheadAttention(torch.nn.Module):
             compiled, first = module, True
         else:
             attention = torch_attention(module, "mhagen.torch.MultiheadAttention")
+            if options.get("kv_cache") is not None:     # refused before a build
+                _refuse_decoding()
             compiled, first = from_torch(attention, target, **options), attention.batch_first
         graph = compiled.graph
         if graph.cache_lens_input is not None:
-            raise InputError("a decoding layer (kv_cache=) takes a mhagen.KVCache: call the "
-                             "mhagen module itself, module(x, cache=cache)")
+            _refuse_decoding()
         self.module = compiled
         self.batch_first = first if batch_first is None else bool(batch_first)
         self.embed_dim = compiled.d_model
