@@ -86,6 +86,10 @@ def argument(value, name: str, *, need: str = FLOAT, dtype=None, expects: str = 
                   if d is not None)
     if type(value) is np.ndarray and value.dtype in takes:
         return value
+    if type(value).__module__.split(".")[0] == "torch":
+        value = _from_torch(value, name, expects)      # its memory: taken as it is, if it can
+        if type(value) is np.ndarray and value.dtype in takes:
+            return value
     return _floats(_numbers(value, name, expects), name, takes)
 
 
@@ -167,14 +171,15 @@ def _from_torch(t, name, expects) -> np.ndarray:
         if hasattr(t, "__array__"):
             return np.asarray(t)
         raise InputError(f"{name} is {_a_type(t)}; pass a numpy array {expects}".rstrip())
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise InputError(f"{name} is on {t.device}; mhagen's CPU modules take CPU tensors: "
                          f"{name}.cpu()")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise InputError(f"{name} requires grad; mhagen is inference-only: pass "
-                         f"{name}.detach() or call under torch.no_grad()/"
-                         "torch.inference_mode()")
-    t = t.detach()
+    if t.requires_grad:
+        if torch.is_grad_enabled():
+            raise InputError(f"{name} requires grad; mhagen is inference-only: pass "
+                             f"{name}.detach() or call under torch.no_grad()/"
+                             "torch.inference_mode()")
+        t = t.detach()      # under no_grad: the same memory, without the grad flag numpy refuses
     try:
         if t.dtype == torch.bfloat16:     # numpy has no bfloat16: its bits, as ml_dtypes'
             return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))

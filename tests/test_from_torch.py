@@ -150,12 +150,18 @@ def test_causal_layer_takes_is_causal_or_the_causal_mask(causal):
             drop(x, x, x, attn_mask=window)
 
 
-def test_transformer_encoder_layer_with_the_drop_in_attention():
-    """The drop-in replaces an encoder layer's self_attn: the layer's own forward (norms,
-    feed-forward, its float key padding mask) matches torch's; from_torch of the layer
-    compiles its self_attn only."""
+@pytest.fixture(scope="module")
+def encoder():
+    """A TransformerEncoderLayer and the drop-in of its self_attn (key padding, [2, 11])."""
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 2, dim_feedforward=96, batch_first=True).eval()
+    return layer, mt.MultiheadAttention(layer, key_padding=True, batch=2, seq_len=11)
+
+
+def test_transformer_encoder_layer_with_the_drop_in_attention(encoder):
+    """The drop-in replaces an encoder layer's self_attn: the layer's own forward (norms,
+    feed-forward, the float key padding mask it makes of a bool one) matches torch's."""
+    layer, drop = encoder
     x = randn(2, 11, 64, seed=9)
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[0, 8:] = True
@@ -163,11 +169,11 @@ def test_transformer_encoder_layer_with_the_drop_in_attention():
         expected = layer(x, src_key_padding_mask=mask)
         attention_only, _ = layer.self_attn(x, x, x, key_padding_mask=mask, need_weights=False)
     original = layer.self_attn
-    layer.self_attn = mt.MultiheadAttention(layer, key_padding=True, batch=2, seq_len=11)
+    layer.self_attn = drop
     try:
         with torch.inference_mode():
             got = layer(x, src_key_padding_mask=mask)
-            close(layer.self_attn(x, x, x, key_padding_mask=mask)[0], attention_only)
+            close(drop(x, x, x, key_padding_mask=mask)[0], attention_only)
         close(got, expected)
     finally:
         layer.self_attn = original
@@ -188,9 +194,9 @@ def test_bfloat16_module_builds_a_bfloat16_layer():
 
 
 @pytest.fixture(scope="module")
-def small():
-    m = torch_mha(32, 2, batch_first=True)
-    return m, mt.MultiheadAttention(m, batch=2, seq_len=6)
+def small(encoder):
+    """(a torch nn.MultiheadAttention, its drop-in): the encoder layer's, [2, 11, 64]."""
+    return encoder[0].self_attn, encoder[1]
 
 
 def test_torch_compile_keeps_the_op_as_one_node(small):
@@ -205,7 +211,7 @@ def test_torch_compile_keeps_the_op_as_one_node(small):
         return drop(x, x, x)[0] * 2 + 1
 
     compiled = torch.compile(block, backend=record, fullgraph=True)
-    x = randn(2, 6, 32, seed=11)
+    x = randn(2, 11, 64, seed=11)
     with torch.inference_mode():
         got = compiled(x)
         expected = m(x, x, x, need_weights=False)[0] * 2 + 1
@@ -226,7 +232,7 @@ def test_torch_export_keeps_the_op_as_one_node(small):
         def forward(self, x):
             return self.attention(x, x, x)[0] + x
 
-    x = randn(2, 6, 32, seed=12)
+    x = randn(2, 11, 64, seed=12)
     exported = torch.export.export(Block(), (x,))
     ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.mhagen.multihead_attention.default) == 1, exported.graph
@@ -235,13 +241,27 @@ def test_torch_export_keeps_the_op_as_one_node(small):
         close(exported.module()(x), expected)
 
 
+def test_the_op_passes_torchs_opcheck(small):
+    """torch.library.opcheck: schema, fake implementation against the real one (shape,
+    dtype), AOT dispatch; with a key padding mask, and a bfloat16 x (a float32 layer
+    answers it in float32)."""
+    m, drop = small
+    x = randn(2, 11, 64, seed=15)
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, 7:] = True
+    for args in ((x, None, mask, None, drop.handle),
+                 (x.to(torch.bfloat16), None, None, None, drop.handle)):
+        result = torch.library.opcheck(torch.ops.mhagen.multihead_attention.default, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_a_freed_module_handle_is_refused(small):
     drop = mt.MultiheadAttention(small[1].module)
     handle = drop.handle
     del drop
     gc.collect()
     with pytest.raises(InputError, match=f"no mhagen module has handle {handle}"):
-        torch.ops.mhagen.multihead_attention(torch.zeros(2, 6, 32), None, None, None, handle)
+        torch.ops.mhagen.multihead_attention(torch.zeros(2, 11, 64), None, None, None, handle)
 
 
 def test_weights_from_torch_reads_kdim_projections():
@@ -311,11 +331,13 @@ def test_from_torch_refusals(make, options, message):
         mhagen.from_torch(make(), batch=1, seq_len=4, **options)
 
 
-def test_forward_refusals(small):
+def test_forward_refusals(small, causal):
     m, drop = small
-    x = randn(2, 6, 32, seed=13)
+    x = randn(2, 11, 64, seed=13)
     other = x.clone()
-    mask = torch.tensor([[True] + [False] * 5] * 2)
+    mask = torch.tensor([[True] + [False] * 15] * 2)
+    no_padding = mt.MultiheadAttention(causal[1])
+    xc = randn(2, 16, 64, seed=13)
     with torch.inference_mode():
         for call, message in [
             (lambda: drop(x, x, x, need_weights=True), "need_weights=True: mhagen's fused "
@@ -323,9 +345,9 @@ def test_forward_refusals(small):
             (lambda: drop(x, other, other), "self-attention layer: pass the query tensor "
                                             "itself as key and value"),
             (lambda: drop(x, x, x, is_causal=True), "built without causal=True"),
-            (lambda: drop(x, x, x, key_padding_mask=mask), "needs a layer built with key "
-                                                           "padding"),
-            (lambda: drop(x, x, x, attn_mask=torch.ones(6, 6, dtype=torch.bool).triu(1)),
+            (lambda: no_padding(xc, xc, xc, key_padding_mask=mask, is_causal=True),
+             "needs a layer built with key padding"),
+            (lambda: drop(x, x, x, attn_mask=torch.ones(11, 11, dtype=torch.bool).triu(1)),
              "attn_mask is not the empty mask this layer was built with .causal=False."),
         ]:
             with pytest.raises(InputError, match=message):

@@ -57,8 +57,8 @@ def as_numpy(t):
 
 def test_a_tensor_is_answered_with_a_tensor_over_the_kernels_memory(plain):
     layer, w, m, x = plain
-    t = torch.from_numpy(x.copy())
-    assert t.data_ptr() % 64 == 0                 # torch's allocator: read in place
+    t = torch.from_numpy(x).clone()     # torch's allocator (from_numpy keeps numpy's memory)
+    assert t.data_ptr() % 64 == 0       # 64-byte aligned: read in place
     seen = m._check_x(t)[0]
     assert np.shares_memory(seen, t.numpy()) and mhagen.arrays.is_aligned(seen)
     y = m(t)
@@ -237,7 +237,7 @@ def test_dlpack_capsules_and_objects_are_read_in_place(plain):
     y = m(foreign)
     assert isinstance(y, np.ndarray)            # not torch: numpy, itself a DLPack array
     np.testing.assert_array_equal(y, expected)
-    t = torch.from_numpy(x.copy())
+    t = torch.from_numpy(x).clone()        # torch's allocator: 64-byte aligned
     capsule = torch.utils.dlpack.to_dlpack(t)
     assert m._check_x(torch.utils.dlpack.to_dlpack(t))[0].ctypes.data == t.data_ptr()
     np.testing.assert_array_equal(m(capsule), expected)
