@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
 from mhagen.module import Module
 from mhagen.torch.convert import check_attn_mask, from_torch, kv_lens_from_mask
@@ -25,7 +26,8 @@ from mhagen.weights import torch_attention
 
 _MODULES: dict = {}                  # handle -> compiled mhagen Module
 _HANDLES = itertools.count(1)
-_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
+_TORCH_DTYPES = {numpy_dtype(name): getattr(torch, name)
+                 for name in ("float32", "float16", "bfloat16")}
 
 
 def register(module: Module, owner) -> int:
@@ -75,12 +77,8 @@ def _(x, context, key_padding_mask, attn_mask, handle):
 def answer_dtype(module: Module, x_dtype):
     """The torch dtype a module answers a tensor of x_dtype in: its storage dtype where x is
     stored so, else float32 (mhagen/module.py)."""
-    storage = _torch_dtype(module.dtype)
+    storage = _TORCH_DTYPES[module.dtype]
     return storage if x_dtype == storage else torch.float32
-
-
-def _torch_dtype(dtype):
-    return _TORCH_DTYPES.get(np.dtype(dtype), torch.bfloat16)
 
 
 def _refuse_decoding():
