@@ -1,0 +1,473 @@
+"""The ``gqa`` ONNX form: a decoding layer (``mhagen.mha(..., kv_cache=N)``) as ONNX Runtime's
+``com.microsoft.GroupQueryAttention``, each batch row with its own cache length.
+
+Model (``export_onnx(layer, path, w, form="gqa")``):
+
+    inputs   x                      [batch, seq, d_model]           the layer's dtype
+             past_key, past_value   [batch, kv_heads, N, head_dim]  the cache dtype (N = kv_cache)
+             seqlens_k              int32 [batch]   tokens in row b after the call, minus 1
+             total_sequence_length  int32 []        the longest row after the call
+             query_seqlens          int32 [batch]   new tokens of row b (causal layers only)
+    outputs  y                      [batch, seq, d_model]
+             present_key, present_value  [batch, kv_heads, N, head_dim]
+
+The past is mhagen's whole cache buffer (``cache.k``, ``cache.v``): GroupQueryAttention's
+"static" cache, where row b holds its ``lens[b]`` cached tokens at the front and the call writes
+the new ones behind them. Bind ``present_*`` to the same buffer as ``past_*`` (IO binding) and
+onnxruntime appends in place, as mhagen's kernels do; with ``session.run`` the present is a
+fresh copy of the buffer. New tokens are right-padded: row b's first ``query_seqlens[b]`` rows
+of x are real, the rest padding (their output rows are unspecified). ``gqa_feeds`` builds the
+inputs from a ``mhagen.KVCache`` and ``gqa_step`` runs one call in place.
+
+The node: Q, K and V projections as one MatMul (+ Add) with packed QKV columns, then
+GroupQueryAttention (``num_heads``, ``kv_num_heads``, ``scale``; ``causal``;
+``local_window_size`` for a causal sliding window, the same count as
+``mhagen.sliding_window(W)``: a query sees its W most recent keys, itself included;
+``softcap``; ``do_rotary`` with ``cos_cache``/``sin_cache`` [N, rotary_dim / 2] from mhagen's
+float64 tables, half-split layout, ``rotary_interleaved=0``), then the output MatMul (+ Add).
+Rotary embeddings the op's tables cannot hold (head_dim or rotary_dim not a multiple of 16)
+and every layer with a float16 cache rotate Q and K in the graph instead (the positions from
+``seqlens_k`` and ``query_seqlens``), and a float16 cache gets its new K/V rows rounded to
+float16 before the op reads them, as mhagen's kernels read them from the cache.
+
+What the form refuses, and why, is in ``gqa_plan``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mhagen.errors import InputError
+from mhagen.ir import expr as ex
+from mhagen.ir import rope
+from mhagen.ir.graph import Graph
+from mhagen.ir.heads import kv_head_map
+from mhagen.ir.numpy_ops import NUMPY_OPS
+from mhagen.onnx._common import OnnxError
+
+#: the model's inputs besides x, in order
+GQA_INPUTS = ("past_key", "past_value", "seqlens_k", "total_sequence_length", "query_seqlens")
+#: cache dtypes onnxruntime's CPU GroupQueryAttention reads with float32 Q/K/V
+CACHE_DTYPES = ("float32", "float16")
+_MASK_BLOCK = 1 << 22     # grid cells per block when a mask is checked cell by cell
+
+
+@dataclass(frozen=True)
+class GQAPlan:
+    """What the GroupQueryAttention node of a decoding layer carries (see gqa_plan)."""
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    max_len: int
+    scale: float
+    causal: bool
+    window: int | None           # local_window_size (mhagen.sliding_window's W), or None
+    softcap: float | None
+    rotary: dict | None          # {base, rotary_dim}
+    rotary_in_op: bool           # do_rotary with cos/sin caches (else rotated in the graph)
+    cache_dtype: str
+    q_cols: list                 # (weight, head, bias) of each query head, in order
+    k_cols: list                 # ... of each K/V head (the cache's order)
+    v_cols: list
+
+
+def gqa_plan(layer: Graph, fused) -> GQAPlan:
+    """The GroupQueryAttention parameters of decoding layer `layer` (``fused``: its fused
+    view, input -> qkv_projection -> attention -> output_projection), or OnnxError saying
+    why the contract cannot carry it."""
+    name = layer.name
+    by_kind = {n.kind: n for n in fused.nodes}
+    qkv, att = by_kind["qkv_projection"], by_kind["attention"]
+    cache = att.attrs.get("cache")
+    if cache is None:
+        raise OnnxError(f"form='gqa' exports decoding layers (GroupQueryAttention reads and "
+                        f"writes a K/V cache); {name!r} keeps none: build it with "
+                        "mhagen.mha(..., kv_cache=N), or export it with form='fused'")
+    d = att.attrs["head_dim"]
+    if d % 8:
+        raise OnnxError(f"decoding layer {name!r} has head_dim {d}; GroupQueryAttention needs a "
+                        "multiple of 8 (onnxruntime refuses others): use form='fused'")
+    cache_dtype = cache.get("dtype", "float32")
+    if cache_dtype not in CACHE_DTYPES:
+        raise OnnxError(f"decoding layer {name!r} keeps a {cache_dtype} cache; onnxruntime's "
+                        "CPU GroupQueryAttention has no kernel reading one beside float32 "
+                        "Q/K/V (float32 and float16 caches only): build it with "
+                        "cache_dtype='float16' or 'float32'")
+    q_off, k_off, v_off = (att.attrs[a] for a in ("q_offsets", "k_offsets", "v_offsets"))
+    n_heads = len(q_off)
+    k_order = list(dict.fromkeys(k_off))       # cache head g: the g-th K offset to appear
+    kv_heads = len(k_order)
+    pairs = {k: v for k, v in zip(k_off, v_off)}
+    grouped = (n_heads % kv_heads == 0 and len(set(zip(k_off, v_off))) == kv_heads and
+               [k_order.index(k) for k in k_off] == kv_head_map(n_heads, kv_heads))
+    if not grouped:
+        raise OnnxError(f"decoding layer {name!r}: query heads read K/V heads "
+                        f"{[k_order.index(k) for k in k_off]}; GroupQueryAttention gives query "
+                        f"head h the K/V head h // (num_heads / kv_heads) only")
+    segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
+    if {int(s["width"]) for s in segs.values()} != {d}:
+        raise OnnxError(f"decoding layer {name!r}: qkv segments are not all {d} wide, as "
+                        "GroupQueryAttention's heads are")
+
+    def cols(offsets):
+        return [(segs[o]["weight"], segs[o]["head"], segs[o].get("bias")) for o in offsets]
+
+    max_len = int(cache["max_len"])
+    causal, window = _attention_pattern(att.attrs.get("mask"), max_len, name)
+    softcap = _softcap(att.attrs.get("score_mod"), name)
+    scale = float(att.attrs["scale"])
+    if not scale > 0:     # the op reads 0 as its default 1/sqrt(head_dim)
+        raise OnnxError(f"decoding layer {name!r} scales its scores by {scale:.6g}; "
+                        "GroupQueryAttention takes a positive scale only")
+    rotary = att.attrs.get("rotary")
+    rotary_in_op = (rotary is not None and d % 16 == 0 and rotary["rotary_dim"] % 16 == 0
+                    and cache_dtype == "float32")
+    return GQAPlan(n_heads, kv_heads, d, max_len, scale, causal, window, softcap, rotary,
+                   rotary_in_op, cache_dtype, cols(q_off), cols(k_order),
+                   cols([pairs[k] for k in k_order]))
+
+
+def _attention_pattern(mask, max_len: int, name: str) -> tuple[bool, int | None]:
+    """(causal, window) of a decoding layer's mask: no mask, causal, or a causal sliding window
+    of W keys -- what GroupQueryAttention's ``causal`` and ``local_window_size`` say. The
+    cache's own rule kv_idx < kv_len is what the op's per-row lengths say."""
+    cache_rule = ex.kv_idx < ex.kv_len
+    terms, todo = [], [mask] if mask is not None else []
+    while todo:
+        t = todo.pop()
+        if isinstance(t, ex.BinOp) and t.op == "&":
+            todo += [t.rhs, t.lhs]
+        elif t != cache_rule and t not in terms:
+            terms.append(t)
+    if not terms:
+        return False, None
+    rest = set().union(*(ex.variables(t) for t in terms))
+    why = {"batch": "differs per batch row", "head": "differs per head",
+           "q_len": "reads q_len (the call's new-token count)",
+           "kv_len": "reads kv_len beyond the cache's own kv_idx < kv_len"}
+    for var in ("batch", "head", "q_len", "kv_len"):
+        if var in rest:
+            raise OnnxError(f"decoding layer {name!r} has mask {mask!r}, which {why[var]}; "
+                            "GroupQueryAttention masks causally and with a causal sliding "
+                            "window (local_window_size) only")
+    causal = ex.causal()
+    windows = [_window_of(t) for t in terms if t != causal]
+    if causal in terms and None not in windows:     # causal & q_idx - kv_idx < W ...
+        w = min(windows, default=None)
+        return True, (w if w is not None and w < max_len else None)
+    return _pattern_from_grid(_conjunction(terms), mask, max_len, name)
+
+
+def _window_of(term) -> int | None:
+    """W of the term (q_idx - kv_idx) < W (mhagen.sliding_window's), else None."""
+    if (isinstance(term, ex.BinOp) and term.op == "<" and isinstance(term.rhs, ex.Const)
+            and isinstance(term.rhs.value, int) and term.rhs.value >= 1
+            and term.lhs == (ex.q_idx - ex.kv_idx)):
+        return term.rhs.value
+    return None
+
+
+def _conjunction(terms):
+    out = terms[0]
+    for t in terms[1:]:
+        out = out & t
+    return out
+
+
+def _pattern_from_grid(expr, mask, max_len, name):
+    """(causal, window) by evaluating `expr` (of q_idx and kv_idx) at every position pair of
+    the cache, in blocks of query rows; OnnxError if it is none of the op's patterns."""
+    kv = np.arange(max_len)[None, :]
+    rows = max(1, _MASK_BLOCK // max_len)
+    every, causal, window = True, True, None
+    last_row = None
+    for start in range(0, max_len, rows):
+        q = np.arange(start, min(start + rows, max_len))[:, None]
+        grid = np.broadcast_to(ex.evaluate(expr, {"q_idx": q, "kv_idx": kv}, NUMPY_OPS),
+                               (q.shape[0], max_len)).astype(bool)
+        every = every and bool(grid.all())
+        causal = causal and not bool((grid & (kv > q)).any())
+        last_row = grid[-1]
+    if every:
+        return False, None
+    if causal:
+        seen = int(last_row.sum())          # the last query sees its W most recent keys
+        w = seen if 0 < seen < max_len else None
+        for start in range(0, max_len, rows):
+            q = np.arange(start, min(start + rows, max_len))[:, None]
+            want = (kv <= q) if w is None else ((kv <= q) & (q - kv < w))
+            got = np.broadcast_to(ex.evaluate(expr, {"q_idx": q, "kv_idx": kv}, NUMPY_OPS),
+                                  want.shape).astype(bool)
+            if not np.array_equal(got, want):
+                break
+        else:
+            return True, w
+    raise OnnxError(f"decoding layer {name!r} has mask {mask!r}; GroupQueryAttention masks "
+                    "causally (causal=1), with a causal sliding window (local_window_size: "
+                    "mhagen.sliding_window(W)) or not at all, and nothing else")
+
+
+def _softcap(score_mod, name: str) -> float | None:
+    """The cap of a score modifier that is exactly mhagen.softcap(cap), None for no
+    modifier; OnnxError for any other (the op carries softcap only)."""
+    if score_mod is None:
+        return None
+    if (isinstance(score_mod, ex.BinOp) and score_mod.op == "*"
+            and isinstance(score_mod.lhs, ex.Const) and score_mod.lhs.value > 0
+            and score_mod == ex.softcap(float(score_mod.lhs.value))):
+        return float(score_mod.lhs.value)
+    raise OnnxError(f"decoding layer {name!r} has score modifier {score_mod!r}; "
+                    "GroupQueryAttention modifies scores by softcap only (mhagen.softcap(c)): "
+                    "ALiBi, relative-position biases and other modifiers have no attribute "
+                    "there")
+
+
+# -- the ONNX graph -----------------------------------------------------------------------
+def build_gqa(b, layer: Graph, w: dict, fused) -> str:
+    """Add the gqa form of decoding layer `layer` to builder `b` (mhagen.onnx.export's
+    _Builder); returns y's tensor."""
+    p = gqa_plan(layer, fused)
+    tp = b.onnx.TensorProto
+    d = p.head_dim
+    by_kind = {n.kind: n for n in fused.nodes}
+    out = by_kind["output_projection"]
+
+    cols = p.q_cols + p.k_cols + p.v_cols
+    wt = np.concatenate([w[wn][h] for wn, h, _ in cols], axis=1)
+    qkv = b.op("MatMul", [b.x, b.weight("w_qkv", wt)],
+               "qkv_matmul" if any(bn for _, _, bn in cols) else "qkv")
+    if any(bn for _, _, bn in cols):
+        bias = np.concatenate([w[bn][h] if bn else np.zeros(d, np.float32)
+                               for _, h, bn in cols])
+        qkv = b.op("Add", [qkv, b.weight("b_qkv", bias)], "qkv")
+
+    cache_elem = b.elem_type(p.cache_dtype)
+    buffer = [b.batch, p.kv_heads, p.max_len, d]
+    past_k, past_v, present_k, present_v = (b.fresh(n) for n in (
+        "past_key", "past_value", "present_key", "present_value"))
+    seqlens_k, total = b.fresh("seqlens_k"), b.fresh("total_sequence_length")
+    b.extra_inputs += [(past_k, buffer, cache_elem), (past_v, buffer, cache_elem),
+                       (seqlens_k, [b.batch], tp.INT32), (total, [], tp.INT32)]
+    query_seqlens = ""
+    if p.causal:   # onnxruntime's CPU kernel takes per-row new-token counts with causal=1 only
+        query_seqlens = b.fresh("query_seqlens")
+        b.extra_inputs.append((query_seqlens, [b.batch], tp.INT32))
+    b.extra_outputs += [(present_k, buffer, cache_elem), (present_v, buffer, cache_elem)]
+    b.domains["com.microsoft"] = 1
+
+    attrs = {"num_heads": p.num_heads, "kv_num_heads": p.kv_heads, "scale": p.scale,
+             "causal": int(p.causal)}
+    if p.window is not None:
+        attrs["local_window_size"] = p.window
+    if p.softcap is not None:
+        attrs["softcap"] = p.softcap
+    tables = ["", ""]
+    if p.rotary is not None:
+        cos, sin = rope.tables(p.max_len, p.rotary["rotary_dim"], p.rotary["base"])
+        tables = [b.init("cos_cache", cos.astype(np.float32)),
+                  b.init("sin_cache", sin.astype(np.float32))]
+    if p.rotary_in_op:
+        attrs.update(do_rotary=1, rotary_interleaved=0)
+        q_k_v = [qkv, "", ""]                              # packed QKV
+    else:
+        hq, hk = p.num_heads * d, p.kv_heads * d
+        q, k, v = (b.op("Slice", [qkv, b.i64(lo), b.i64(hi), b.i64(-1)], role)
+                   for lo, hi, role in ((0, hq, "q"), (hq, hq + hk, "k"),
+                                        (hq + hk, hq + 2 * hk, "v")))
+        if p.rotary is not None:
+            pos = _positions(b, seqlens_k, total, query_seqlens, p.max_len)
+            cos_sin = [b.op("Unsqueeze", [b.op("Gather", [t, pos], f"{t}_at", axis=0),
+                                          b.i64(2)], f"{t}_rows") for t in tables]
+            q, k = (_rotate(b, t, heads, d, p.rotary["rotary_dim"], cos_sin, role)
+                    for t, heads, role in ((q, p.num_heads, "q"), (k, p.kv_heads, "k")))
+        if p.cache_dtype != "float32":   # the new rows as the cache stores them
+            k, v = (b.op("Cast", [b.op("Cast", [t], f"{t}_{p.cache_dtype}", to=cache_elem)],
+                         f"{t}_rounded", to=tp.FLOAT) for t in (k, v))
+        q_k_v, tables = [q, k, v], ["", ""]
+    ins = q_k_v + [past_k, past_v, seqlens_k, total] + tables
+    if query_seqlens:
+        ins += [""] * 7 + [query_seqlens]     # position_ids .. k_norm_weight left out
+    while ins[-1] == "":
+        ins.pop()
+    y = b.fresh("attention")
+    b.nodes.append(b.h.make_node("GroupQueryAttention", ins, [y, present_k, present_v],
+                                 name=y, domain="com.microsoft", **attrs))
+    wo = b.weight(out.attrs["weight"], w[out.attrs["weight"]])
+    y = b.op("MatMul", [y, wo], "out_matmul" if out.attrs.get("bias") else "out")
+    if out.attrs.get("bias"):
+        y = b.op("Add", [y, b.weight(out.attrs["bias"], w[out.attrs["bias"]])], "out")
+    return y
+
+
+def _positions(b, seqlens_k, total, query_seqlens, max_len) -> str:
+    """int64 [batch, seq]: the absolute position of each new token, as the op places it:
+    P + s, with P = seqlens_k + 1 - query_seqlens (the tokens cached before the call);
+    without query_seqlens P = seqlens_k + 1 - seq, or 0 for a first prompt (seq equal to
+    total_sequence_length). Clipped to the cache (padding rows may point past it)."""
+    i64 = b.onnx.TensorProto.INT64
+    seq = b.dim(1)
+    after = b.op("Add", [b.op("Cast", [seqlens_k], "seqlens_k_i64", to=i64),
+                         b.const(1, np.int64)], "row_total")
+    if query_seqlens:
+        before = b.op("Sub", [after, b.op("Cast", [query_seqlens], "query_seqlens_i64",
+                                          to=i64)], "row_past")
+    else:
+        first = b.op("Equal", [b.op("Cast", [total], "total_i64", to=i64), seq], "first_prompt")
+        before = b.op("Where", [first, b.const(0, np.int64),
+                                b.op("Sub", [after, seq], "row_past_rest")], "row_past")
+    steps = b.op("Range", [b.const(0, np.int64), seq, b.const(1, np.int64)], "new_token")
+    pos = b.op("Add", [b.op("Unsqueeze", [before, b.i64(1)], "row_past_col"), steps], "pos_raw")
+    return b.op("Clip", [pos, b.const(0, np.int64), b.const(max_len - 1, np.int64)],
+                "positions")
+
+
+def _rotate(b, t, heads, d, rotary_dim, cos_sin, role) -> str:
+    """RoPE on t [batch, seq, heads * d] at the gathered tables cos_sin ([batch, seq, 1,
+    rotary_dim / 2] each): the half-split layout of mhagen/ir/rope.py."""
+    split = b.op("Reshape", [t, b.i64(0, 0, heads, d)], f"{role}_heads")
+    rotated = b.rotary(split, d, rotary_dim, None, f"r{role}", tables=cos_sin)
+    return b.op("Reshape", [rotated, b.i64(0, 0, heads * d)], f"r{role}_flat")
+
+
+# -- running an exported model on a mhagen KVCache -----------------------------------------
+def gqa_feeds(cache, x, new_tokens=None, *, cu_seqlens=None, inputs=None) -> dict:
+    """The inputs of a form='gqa' model for one decoding call on `cache` (a mhagen.KVCache in
+    the state before the call), as numpy arrays for ``session.run(None, feeds)``.
+
+    Args:
+        cache: the layer's KVCache; ``past_key``/``past_value`` are its buffers (the run's
+            ``present_key``/``present_value`` are the buffers after the call: copy them back
+            into cache.k/cache.v and add the new tokens to cache.lens, or use gqa_step).
+        x: [batch, seq, d_model] new tokens, right-padded: row b's first new_tokens[b]
+            are real; or, with cu_seqlens, the packed tokens [1, total, d_model]. In the
+            layer's dtype (float64 is passed as float32; gqa_step converts any float).
+        new_tokens: int [batch], row b's new tokens (0 for a row that adds none); default
+            seq for every row.
+        cu_seqlens: [batch + 1] offsets of each row's tokens in a packed x (as mhagen's
+            packed calls take them); x is then padded to [batch, max new tokens, d_model].
+        inputs: the model's input names (``[i.name for i in session.get_inputs()]``): only
+            those are returned (a non-causal layer's model has no query_seqlens).
+    """
+    from mhagen.kvcache import KVCache
+    from mhagen.call_checks import check_cu_seqlens
+    from mhagen.inputs import LENGTHS, argument
+    if not isinstance(cache, KVCache):
+        raise InputError(f"gqa_feeds() takes a mhagen.KVCache, got {type(cache).__name__}")
+    x = np.asarray(x)
+    if x.ndim != 3 or not np.issubdtype(x.dtype, np.floating) and x.dtype.kind != "V":
+        raise InputError(f"x must be a float array [batch, seq, d_model], got "
+                         f"{x.dtype} {x.shape}")
+    batch = cache.batch
+    if cu_seqlens is not None:
+        if new_tokens is not None:
+            raise InputError("give new_tokens= or cu_seqlens=, not both (cu_seqlens says "
+                             "each row's count)")
+        if x.shape[0] != 1:
+            raise InputError(f"with cu_seqlens, x is the packed tokens [1, total, d_model]; "
+                             f"got {x.shape}")
+        cu = check_cu_seqlens(cu_seqlens, x.shape[1], sequences=batch)
+        counts = np.diff(cu).astype(np.int32)
+        padded = np.zeros((batch, max(int(counts.max()), 1), x.shape[2]), x.dtype)
+        for r in range(batch):
+            padded[r, :counts[r]] = x[0, cu[r]:cu[r + 1]]
+        x = padded
+    elif x.shape[0] != batch:
+        raise InputError(f"x has {x.shape[0]} rows; the cache holds {batch}")
+    seq = x.shape[1]
+    if new_tokens is None and cu_seqlens is None:
+        counts = np.full(batch, seq, np.int32)
+    elif new_tokens is not None:
+        counts = np.array(argument(new_tokens, "new_tokens", need=LENGTHS, expects="[batch]"),
+                          dtype=np.int32).reshape(-1)
+        if counts.shape != (batch,):
+            raise InputError(f"new_tokens needs one count per row ({batch}), got "
+                             f"{counts.shape[0]}")
+        if counts.min(initial=0) < 0 or counts.max(initial=0) > seq:
+            raise InputError(f"new_tokens must be within 0..{seq} (x's seq), got "
+                             f"{counts.tolist()}")
+    lens = np.asarray(cache.lens, dtype=np.int64)
+    if lens.min(initial=0) < 0 or (lens + seq).max(initial=0) > cache.max_len:
+        raise InputError(f"the cache holds {lens.tolist()} tokens per row and each row gets a "
+                         f"padded chunk of {seq}: GroupQueryAttention needs lens + {seq} <= "
+                         f"{cache.max_len} (max_len) in every row, padding included; reset "
+                         "the cache or build with a larger kv_cache=")
+    after = lens + counts
+    names = set(inputs) if inputs is not None else None
+    first_prompt = not lens.any()
+    if names is not None and "query_seqlens" not in names and not first_prompt and (
+            (counts != seq).any() or (seq > 1 and batch > 1)):
+        raise InputError(f"this model has no query_seqlens input (a non-causal layer), so "
+                         f"onnxruntime reads each row's new tokens from seqlens_k alone: with "
+                         f"tokens cached (lens {lens.tolist()}) every row adds all {seq} of "
+                         f"x's tokens, and more than one at batch 1 only; new_tokens "
+                         f"{counts.tolist()} is not that (a first call on an empty cache may "
+                         "mix counts)")
+    feeds = {"x": x.astype(np.float32) if x.dtype == np.float64 else x,
+             "past_key": cache.k, "past_value": cache.v,
+             # an idle row (no new token) on an empty cache: any valid index, its rows unread
+             "seqlens_k": np.maximum(after - 1, 0).astype(np.int32),
+             "total_sequence_length": np.array(max(int(after.max(initial=0)), seq), np.int32),
+             "query_seqlens": counts.astype(np.int32)}
+    return feeds if names is None else {k: v for k, v in feeds.items() if k in names}
+
+
+def gqa_binding(session, cache, x, new_tokens=None, *, cu_seqlens=None):
+    """(binding, y): an onnxruntime IOBinding of one call of a form='gqa' model on `cache`,
+    with past and present bound to cache.k and cache.v themselves (onnxruntime appends the
+    new K/V rows in place), and y [batch, seq, d_model] the array the output goes to.
+    ``session.run_with_iobinding(binding)`` runs it (again and again, for timing: each run
+    writes the same rows); it does not advance cache.lens (gqa_step does)."""
+    import onnxruntime as ort
+    names = [i.name for i in session.get_inputs()]
+    feeds = gqa_feeds(cache, x, new_tokens, cu_seqlens=cu_seqlens, inputs=names)
+    for name in ("k", "v"):
+        a = getattr(cache, name)
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            raise InputError(f"cache.{name} must be a writable C-contiguous array "
+                             "(onnxruntime writes it in place); make the cache with "
+                             "mhagen.KVCache.empty(layer, batch)")
+    x_type = _numpy_type(session.get_inputs()[0].type)
+    feeds["x"] = np.asarray(feeds["x"]).astype(x_type, copy=False)
+    out = session.get_outputs()[0]
+    d_out = out.shape[-1] if isinstance(out.shape[-1], int) else feeds["x"].shape[2]
+    y = np.empty(feeds["x"].shape[:2] + (d_out,), _numpy_type(out.type))
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name not in ("past_key", "past_value"):
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    for past, present, a in (("past_key", "present_key", cache.k),
+                             ("past_value", "present_value", cache.v)):
+        buffer = ort.OrtValue.ortvalue_from_numpy(a)
+        binding.bind_ortvalue_input(past, buffer)
+        binding.bind_ortvalue_output(present, buffer)
+    binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(y))
+    return binding, y
+
+
+def _numpy_type(onnxruntime_type: str):
+    """The numpy dtype of an onnxruntime tensor type string ('tensor(float16)')."""
+    from mhagen.dtypes import numpy_dtype
+    return numpy_dtype({"tensor(float)": "float32", "tensor(float16)": "float16",
+                        "tensor(bfloat16)": "bfloat16"}[onnxruntime_type])
+
+
+def gqa_step(session, cache, x, new_tokens=None, *, cu_seqlens=None) -> np.ndarray:
+    """One decoding call of a form='gqa' model in onnxruntime, as a mhagen module call on
+    `cache`: writes the new K/V rows into cache.k/cache.v in place, advances cache.lens by
+    each row's new tokens and returns y -- [batch, seq, d_model] with the padding rows
+    zeroed, or the packed [1, total, d_model] when cu_seqlens is given."""
+    binding, y = gqa_binding(session, cache, x, new_tokens, cu_seqlens=cu_seqlens)
+    session.run_with_iobinding(binding)
+    batch, seq = y.shape[:2]
+    if cu_seqlens is not None:
+        cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
+        counts = np.diff(cu)
+        packed = np.concatenate([y[r, :counts[r]] for r in range(batch)])[None]
+        cache.lens += counts.astype(cache.lens.dtype)
+        return packed
+    counts = np.full(batch, seq) if new_tokens is None else np.asarray(new_tokens).reshape(-1)
+    for r in range(batch):
+        y[r, counts[r]:] = 0
+    cache.lens += counts.astype(cache.lens.dtype)
+    return y
