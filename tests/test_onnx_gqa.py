@@ -77,7 +77,9 @@ def test_decode_calls_with_ragged_rows_equal_the_reference(exported):
         x = x.astype(np.float32)
         y = gqa_step(sess, cache, x, counts)
         expected = reference_rows(layer, w, ref, x, counts)
-        assert_close(y.astype(np.float64), expected, judged_as(layer))
+        # judged by the layer's dtype even with a float16 cache: the op reads the new K/V
+        # rows rounded as the reference does (unrounded they were 6e-4 off here)
+        assert_close(y.astype(np.float64), expected, layer.dtype)
         assert not y[np.arange(x.shape[1])[None, :] >= np.array(counts)[:, None]].any()
         assert cache.lens.tolist() == ref.lens.tolist()
     assert cache.k is k_buffer and cache.lens.tolist() == [sum(c) for c in zip(*calls)]

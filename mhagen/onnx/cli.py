@@ -16,6 +16,7 @@ from mhagen.errors import InputError
 from mhagen.kvcache import KVCache
 from mhagen.onnx._common import OnnxError, ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
+from mhagen.onnx.export_gqa import gqa_step
 from mhagen.onnx.fit import VARIED_INPUTS_HINT
 from mhagen.onnx.importer import _load as load_model
 from mhagen.onnx.importer import import_onnx
@@ -152,7 +153,6 @@ def _check_gqa(layer, weights, path, x, seed) -> int:
     rows hold different numbers of tokens (row b: up to 8 - b), run in place (gqa_step),
     against the reference of each row."""
     import onnx
-    from mhagen.onnx.export_gqa import gqa_step
     batch, seq = x.shape[:2]
     model = onnx.load(str(path))
     cache = KVCache.empty(layer, batch)

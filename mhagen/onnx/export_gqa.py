@@ -38,12 +38,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mhagen.call_checks import check_cu_seqlens
+from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
+from mhagen.inputs import LENGTHS, argument
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
 from mhagen.ir.numpy_ops import NUMPY_OPS
+from mhagen.kvcache import KVCache
 from mhagen.onnx._common import OnnxError
 
 #: the model's inputs besides x, in order
@@ -349,9 +353,6 @@ def gqa_feeds(cache, x, new_tokens=None, *, cu_seqlens=None, inputs=None) -> dic
         inputs: the model's input names (``[i.name for i in session.get_inputs()]``): only
             those are returned (a non-causal layer's model has no query_seqlens).
     """
-    from mhagen.kvcache import KVCache
-    from mhagen.call_checks import check_cu_seqlens
-    from mhagen.inputs import LENGTHS, argument
     if not isinstance(cache, KVCache):
         raise InputError(f"gqa_feeds() takes a mhagen.KVCache, got {type(cache).__name__}")
     x = np.asarray(x)
@@ -447,7 +448,6 @@ def gqa_binding(session, cache, x, new_tokens=None, *, cu_seqlens=None):
 
 def _numpy_type(onnxruntime_type: str):
     """The numpy dtype of an onnxruntime tensor type string ('tensor(float16)')."""
-    from mhagen.dtypes import numpy_dtype
     return numpy_dtype({"tensor(float)": "float32", "tensor(float16)": "float16",
                         "tensor(bfloat16)": "bfloat16"}[onnxruntime_type])
 
