@@ -15,36 +15,48 @@ from mhagen.tolerances import assert_close, judged_as
 
 ort = pytest.importorskip("onnxruntime")
 
+T5_TABLE = np.random.default_rng(7).standard_normal((4, 8)).round(3).tolist()
+
 LAYERS = {
-    # name: (mha keywords, batch, calls: (new tokens per row) -- x is padded to the largest)
+    # name: (mha keywords, batch, calls: new tokens per row -- x padded to the largest,
+    #        what the node carries: do_rotary, local_window_size, softcap, attention_bias)
     "rotary-gqa": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16, causal=True,
                         rotary=True, kv_cache=64),
-                   3, [(7, 3, 0), (1, 1, 1), (1, 1, 1), (1, 4, 0), (2, 1, 1)]),
+                   3, [(7, 3, 0), (1, 1, 1), (1, 1, 1), (1, 4, 0), (2, 1, 1)],
+                   dict(do_rotary=1)),
     "window-softcap-scale": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16,
                                   causal=True, mask=mhagen.sliding_window(3),
                                   score_mod=mhagen.softcap(1.5), scale=0.7, kv_cache=24),
-                             2, [(6, 2), (1, 1), (1, 1), (3, 1)]),
+                             2, [(6, 2), (1, 1), (1, 1), (3, 1)],
+                             dict(local_window_size=3, softcap=1.5)),
     # rotary_dim 16 of head_dim 32: GroupQueryAttention's own partial rotary (do_rotary)
     "partial-rotary": (dict(d_model=64, num_heads=2, kv_heads=1, head_dim=32, causal=True,
                             rotary=mhagen.rotary(base=500.0, rotary_dim=16), kv_cache=24),
-                       2, [(5, 1), (1, 1), (1, 3)]),
+                       2, [(5, 1), (1, 1), (1, 3)], dict(do_rotary=1)),
     # head_dim 40: rotary in the graph (the op's tables need multiples of 16); float16 layer
     "hd40-graph-rotary-fp16": (dict(d_model=80, num_heads=2, kv_heads=1, head_dim=40,
                                     causal=True, rotary=True, kv_cache=24, dtype="float16"),
-                               2, [(4, 2), (1, 1), (1, 0), (1, 1)]),
+                               2, [(4, 2), (1, 1), (1, 0), (1, 1)], {}),
     # a float16 cache: new K/V rows rounded before the op reads them (rotary in the graph)
     "fp16-cache": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16, causal=True,
                         rotary=True, kv_cache=24, cache_dtype="float16"),
-                   2, [(5, 2), (1, 1), (1, 1), (2, 2)]),
-    # no mask: causal=0, no query_seqlens input (a right-padded first call, then 1 token)
-    "non-causal": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16, rotary=True,
-                        kv_cache=24), 2, [(5, 3), (1, 1), (1, 1)]),
+                   2, [(5, 2), (1, 1), (1, 1), (2, 2)], {}),
+    # softcap, then ALiBi as attention_bias at each row's positions (the op's order)
+    "softcap-alibi": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16, causal=True,
+                           score_mod=[mhagen.softcap(1.5), mhagen.alibi(4)], kv_cache=24),
+                      2, [(5, 2), (1, 1), (3, 1)], dict(softcap=1.5, attention_bias=True)),
+    # no mask: causal=0 and no query_seqlens input (a right-padded first call, then single
+    # tokens); T5's relative-position buckets as attention_bias
+    "non-causal-t5-bias": (dict(d_model=64, num_heads=4, kv_heads=2, head_dim=16,
+                                rotary=True, kv_cache=24,
+                                score_mod=mhagen.relative_bias(T5_TABLE, max_distance=6)),
+                           2, [(5, 3), (1, 1), (1, 1)], dict(do_rotary=1, attention_bias=True)),
 }
 
 
 @pytest.fixture(scope="module", params=list(LAYERS))
 def exported(request, tmp_path_factory):
-    kw, batch, calls = LAYERS[request.param]
+    kw, batch, calls, _ = LAYERS[request.param]
     layer = mhagen.mha(**kw)
     w = layer.init_weights(1)
     path = mhagen.export_onnx(layer, tmp_path_factory.mktemp("gqa") / "m.onnx", w, form="gqa",
@@ -92,26 +104,27 @@ def test_decode_calls_with_ragged_rows_equal_the_reference(exported):
 def test_the_contract_in_the_model(exported):
     """Inputs, outputs and the node's attributes as the contract names them."""
     name, layer, w, model, sess, batch, calls = exported
-    kw = LAYERS[name][0]
+    kw, carried = LAYERS[name][0], LAYERS[name][3]
     node = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert node.domain == "com.microsoft"
-    assert attrs["num_heads"] == kw["num_heads"] and attrs["kv_num_heads"] == kw["kv_heads"]
-    assert attrs["scale"] == pytest.approx(kw.get("scale", kw["head_dim"] ** -0.5))
-    assert attrs["causal"] == int(kw.get("causal", False))
-    assert attrs.get("local_window_size", -1) == (3 if "mask" in kw else -1)
-    assert attrs.get("softcap", 0.0) == (1.5 if "score_mod" in kw else 0.0)
-    in_op = name in ("rotary-gqa", "partial-rotary", "non-causal")
-    assert attrs.get("do_rotary", 0) == int(in_op)
+    assert attrs.pop("num_heads") == kw["num_heads"]
+    assert attrs.pop("kv_num_heads") == kw["kv_heads"]
+    assert attrs.pop("scale") == pytest.approx(kw.get("scale", kw["head_dim"] ** -0.5))
+    assert attrs.pop("causal") == int(kw.get("causal", False))
+    if attrs.pop("rotary_interleaved", 0):
+        pytest.fail("mhagen's rotary is the half-split layout")
+    assert attrs == {k: v for k, v in carried.items() if k != "attention_bias"}
+    assert (len(node.input) > 10 and node.input[10] != "") == ("attention_bias" in carried)
     inputs = [i.name for i in model.graph.input]
     assert inputs == ["x", "past_key", "past_value", "seqlens_k", "total_sequence_length"] + \
         (["query_seqlens"] if kw.get("causal") else [])
     assert [o.name for o in model.graph.output] == ["y", "present_key", "present_value"]
     dims = [d.dim_param or d.dim_value for d in model.graph.input[1].type.tensor_type.shape.dim]
     assert dims == ["batch", kw["kv_heads"], kw["kv_cache"], kw["head_dim"]]
-    if in_op:      # cos/sin caches [max_len, rotary_dim / 2]: mhagen's tables
+    if carried.get("do_rotary"):      # cos/sin caches [max_len, rotary_dim / 2]: mhagen's
         cos = next(i for i in model.graph.initializer if i.name == node.input[7])
-        rd = kw["rotary"].rotary_dim if kw["rotary"] is not True else kw["head_dim"]
+        rd = kw["head_dim"] if kw["rotary"] is True else kw["rotary"].rotary_dim
         assert list(cos.dims) == [kw["kv_cache"], rd // 2]
     assert [op.domain for op in model.opset_import] == ["", "com.microsoft"]
 
@@ -150,16 +163,21 @@ def test_session_run_with_gqa_feeds_gives_the_cache_after_the_call(exported):
     (dict(causal=True), "decoding layers"),
     (dict(head_dim=20, causal=True, kv_cache=16), "multiple of 8"),
     (dict(causal=True, kv_cache=16, cache_dtype="bfloat16"), "bfloat16 cache"),
-    (dict(causal=True, kv_cache=16, score_mod=mhagen.alibi(2)), "softcap only"),
+    (dict(causal=True, kv_cache=16, score_mod=[mhagen.alibi(2), mhagen.softcap(5.0)]),
+     "a bias before the cap"),
     (dict(causal=True, kv_cache=16, score_mod=[mhagen.softcap(5.0), mhagen.softcap(3.0)]),
-     "softcap only"),
+     "a bias before the cap"),
+    (dict(causal=True, kv_cache=16, score_mod=mhagen.score * 2), "a product with the score"),
+    (dict(causal=True, kv_cache=16, score_mod=mhagen.score + mhagen.where(
+        mhagen.kv_idx < 1, float("-inf"), 0.0)), "can be infinite"),
     (dict(causal=True, kv_cache=16, mask=mhagen.kv_idx >= 2), "nothing else"),
     (dict(causal=True, kv_cache=16, mask=mhagen.kv_idx <= mhagen.head), "differs per head"),
     (dict(causal=True, kv_cache=16, mask=mhagen.kv_idx < mhagen.q_len), "q_len"),
     (dict(kv_cache=16, mask=mhagen.q_idx - mhagen.kv_idx < 3), "nothing else"),  # no causal
     (dict(cross=True), "cross-attention"),
-], ids=["no-cache", "head-dim-20", "bf16-cache", "alibi", "two-softcaps", "mask", "per-head",
-        "q-len", "window-without-causal", "cross"])
+], ids=["no-cache", "head-dim-20", "bf16-cache", "alibi-then-softcap", "two-softcaps",
+        "score-times-2", "infinite-bias", "mask", "per-head", "q-len", "window-without-causal",
+        "cross"])
 def test_what_the_contract_cannot_carry_is_refused(tmp_path, kw, fragment):
     kw = {"head_dim": 16, **kw}
     layer = mhagen.mha(2 * kw["head_dim"], 2, **kw)

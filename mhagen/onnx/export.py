@@ -457,8 +457,10 @@ class _Builder:
                 np.arange(n_heads, dtype=np.int64).reshape(n_heads, 1, 1), np.int64))
         raise OnnxError(f"expression variable {name!r} cannot be exported")
 
-    def score_mod(self, expr, score, head, base):
-        """The float tensor of a score modifier applied to `score` ([B, S, S], one head)."""
+    def score_mod(self, expr, score, head, base, index=None):
+        """The float tensor of a score modifier applied to `score` ([B, S, S], one head);
+        index(name): the tensors of the index variables instead of index_var's (the gqa
+        form's bias, at each batch row's own positions)."""
         onnx_types = {"float": self.onnx.TensorProto.FLOAT, "int": self.onnx.TensorProto.INT64}
 
         def as_kind(t, kind, want):
@@ -467,7 +469,7 @@ class _Builder:
         def emit(e):   # -> (tensor, "bool" | "int" | "float")
             if isinstance(e, ex.Var):
                 return (score, "float") if e.name == "score" else \
-                    (self.index_var(e.name, head, 3), "int")
+                    (index(e.name) if index else self.index_var(e.name, head, 3), "int")
             if isinstance(e, ex.Const):
                 is_int = isinstance(e.value, int)
                 return self.const(e.value, np.int64 if is_int else np.float32), \

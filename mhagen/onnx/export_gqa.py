@@ -68,6 +68,7 @@ class GQAPlan:
     causal: bool
     window: int | None           # local_window_size (mhagen.sliding_window's W), or None
     softcap: float | None
+    bias: object                 # an expression added after softcap (attention_bias), or None
     rotary: dict | None          # {base, rotary_dim}
     rotary_in_op: bool           # do_rotary with cos/sin caches (else rotated in the graph)
     cache_dtype: str
@@ -119,7 +120,7 @@ def gqa_plan(layer: Graph, fused) -> GQAPlan:
 
     max_len = int(cache["max_len"])
     causal, window = _attention_pattern(att.attrs.get("mask"), max_len, name)
-    softcap = _softcap(att.attrs.get("score_mod"), name)
+    softcap, bias = _score_terms(att.attrs.get("score_mod"), name)
     scale = float(att.attrs["scale"])
     if not scale > 0:     # the op reads 0 as its default 1/sqrt(head_dim)
         raise OnnxError(f"decoding layer {name!r} scales its scores by {scale:.6g}; "
@@ -127,7 +128,7 @@ def gqa_plan(layer: Graph, fused) -> GQAPlan:
     rotary = att.attrs.get("rotary")
     rotary_in_op = (rotary is not None and d % 16 == 0 and rotary["rotary_dim"] % 16 == 0
                     and cache_dtype == "float32")
-    return GQAPlan(n_heads, kv_heads, d, max_len, scale, causal, window, softcap, rotary,
+    return GQAPlan(n_heads, kv_heads, d, max_len, scale, causal, window, softcap, bias, rotary,
                    rotary_in_op, cache_dtype, cols(q_off), cols(k_order),
                    cols([pairs[k] for k in k_order]))
 
@@ -212,19 +213,49 @@ def _pattern_from_grid(expr, mask, max_len, name):
                     "mhagen.sliding_window(W)) or not at all, and nothing else")
 
 
-def _softcap(score_mod, name: str) -> float | None:
-    """The cap of a score modifier that is exactly mhagen.softcap(cap), None for no
-    modifier; OnnxError for any other (the op carries softcap only)."""
+def _score_terms(score_mod, name: str):
+    """(softcap, bias) of a decoding layer's score modifier: GroupQueryAttention caps the
+    scaled scores (softcap), then adds attention_bias, so it carries softcap(c), score + f,
+    and softcap(c) then + f (mhagen.combine(mhagen.softcap(c), f)), with f an expression of
+    the positions and head without the score (ALiBi, T5's buckets...); OnnxError otherwise."""
     if score_mod is None:
-        return None
-    if (isinstance(score_mod, ex.BinOp) and score_mod.op == "*"
-            and isinstance(score_mod.lhs, ex.Const) and score_mod.lhs.value > 0
-            and score_mod == ex.softcap(float(score_mod.lhs.value))):
-        return float(score_mod.lhs.value)
+        return None, None
+    cap = _cap_of(score_mod)
+    if cap is not None:
+        return cap, None
+    if isinstance(score_mod, ex.BinOp) and score_mod.op == "+":
+        for capped, bias in ((score_mod.lhs, score_mod.rhs), (score_mod.rhs, score_mod.lhs)):
+            if "score" in ex.variables(bias):
+                continue
+            cap = None if capped == ex.score else _cap_of(capped)
+            if capped == ex.score or cap is not None:
+                _check_finite(bias, score_mod, name)
+                return cap, bias
     raise OnnxError(f"decoding layer {name!r} has score modifier {score_mod!r}; "
-                    "GroupQueryAttention modifies scores by softcap only (mhagen.softcap(c)): "
-                    "ALiBi, relative-position biases and other modifiers have no attribute "
-                    "there")
+                    "GroupQueryAttention caps the scaled scores (softcap) and then adds a bias "
+                    "(attention_bias), so it carries mhagen.softcap(c), score + f and "
+                    "combine(softcap(c), f) with f free of the score (ALiBi: alibi(num_heads))"
+                    " -- not this one (a bias before the cap, a product with the score...)")
+
+
+def _cap_of(expr) -> float | None:
+    """c when expr is exactly mhagen.softcap(c)'s expression, else None."""
+    if (isinstance(expr, ex.BinOp) and expr.op == "*" and isinstance(expr.lhs, ex.Const)
+            and expr.lhs.value > 0 and expr == ex.softcap(float(expr.lhs.value))):
+        return float(expr.lhs.value)
+    return None
+
+
+def _check_finite(bias, score_mod, name):
+    """A bias that can be infinite could hide every key of a row: mhagen gives such a row
+    zeros, the op does not."""
+    for e in ex.subexpressions(bias):
+        values = [e.value] if isinstance(e, ex.Const) else list(getattr(e, "values", []))
+        if not all(np.isfinite(values)):
+            raise OnnxError(f"decoding layer {name!r} has score modifier {score_mod!r}, whose "
+                            "bias can be infinite: a row whose keys it all hides is zeros "
+                            "in mhagen and not in GroupQueryAttention; hide keys with a mask "
+                            "(causal, sliding_window) instead")
 
 
 # -- the ONNX graph -----------------------------------------------------------------------
@@ -279,8 +310,10 @@ def build_gqa(b, layer: Graph, w: dict, fused) -> str:
         q, k, v = (b.op("Slice", [qkv, b.i64(lo), b.i64(hi), b.i64(-1)], role)
                    for lo, hi, role in ((0, hq, "q"), (hq, hq + hk, "k"),
                                         (hq + hk, hq + 2 * hk, "v")))
-        if p.rotary is not None:
-            pos = _positions(b, seqlens_k, total, query_seqlens, p.max_len)
+        if p.rotary is not None:   # padding rows may point past the tables: clipped
+            pos = b.op("Clip", [_positions(b, seqlens_k, total, query_seqlens),
+                                b.const(0, np.int64), b.const(p.max_len - 1, np.int64)],
+                       "positions_in_cache")
             cos_sin = [b.op("Unsqueeze", [b.op("Gather", [t, pos], f"{t}_at", axis=0),
                                           b.i64(2)], f"{t}_rows") for t in tables]
             q, k = (_rotate(b, t, heads, d, p.rotary["rotary_dim"], cos_sin, role)
@@ -289,11 +322,12 @@ def build_gqa(b, layer: Graph, w: dict, fused) -> str:
             k, v = (b.op("Cast", [b.op("Cast", [t], f"{t}_{p.cache_dtype}", to=cache_elem)],
                          f"{t}_rounded", to=tp.FLOAT) for t in (k, v))
         q_k_v, tables = [q, k, v], ["", ""]
-    ins = q_k_v + [past_k, past_v, seqlens_k, total] + tables
+    given = dict(enumerate(q_k_v + [past_k, past_v, seqlens_k, total] + tables))
+    if p.bias is not None:
+        given[10] = _bias(b, p, seqlens_k, total, query_seqlens)       # attention_bias
     if query_seqlens:
-        ins += [""] * 7 + [query_seqlens]     # position_ids .. k_norm_weight left out
-    while ins[-1] == "":
-        ins.pop()
+        given[16] = query_seqlens
+    ins = [given.get(i, "") for i in range(max(i for i, t in given.items() if t) + 1)]
     y = b.fresh("attention")
     b.nodes.append(b.h.make_node("GroupQueryAttention", ins, [y, present_k, present_v],
                                  name=y, domain="com.microsoft", **attrs))
@@ -304,26 +338,74 @@ def build_gqa(b, layer: Graph, w: dict, fused) -> str:
     return y
 
 
-def _positions(b, seqlens_k, total, query_seqlens, max_len) -> str:
+def _positions(b, seqlens_k, total, query_seqlens) -> str:
     """int64 [batch, seq]: the absolute position of each new token, as the op places it:
     P + s, with P = seqlens_k + 1 - query_seqlens (the tokens cached before the call);
     without query_seqlens P = seqlens_k + 1 - seq, or 0 for a first prompt (seq equal to
-    total_sequence_length). Clipped to the cache (padding rows may point past it)."""
-    i64 = b.onnx.TensorProto.INT64
+    total_sequence_length)."""
+    def make():
+        i64 = b.onnx.TensorProto.INT64
+        seq = b.dim(1)
+        if query_seqlens:
+            before = b.op("Sub", [_row_total(b, seqlens_k), b.op(
+                "Cast", [query_seqlens], "query_seqlens_i64", to=i64)], "row_past")
+        else:
+            first = b.op("Equal", [_total(b, total), seq], "first_prompt")
+            before = b.op("Where", [first, b.const(0, np.int64), b.op(
+                "Sub", [_row_total(b, seqlens_k), seq], "row_past_rest")], "row_past")
+        steps = b.op("Range", [b.const(0, np.int64), seq, b.const(1, np.int64)], "new_token")
+        return b.op("Add", [b.op("Unsqueeze", [before, b.i64(1)], "row_past_col"), steps],
+                    "positions")
+    return b.cached("gqa_positions", make)
+
+
+def _row_total(b, seqlens_k) -> str:
+    """int64 [batch]: each row's tokens after the call (seqlens_k + 1)."""
+    return b.cached("row_total", lambda: b.op("Add", [b.op(
+        "Cast", [seqlens_k], "seqlens_k_i64", to=b.onnx.TensorProto.INT64),
+        b.const(1, np.int64)], "row_total"))
+
+
+def _total(b, total) -> str:
+    """total_sequence_length as an int64 scalar."""
+    return b.cached("total_i64", lambda: b.op("Cast", [total], "total_i64",
+                                              to=b.onnx.TensorProto.INT64))
+
+
+def _bias(b, p, seqlens_k, total, query_seqlens) -> str:
+    """attention_bias [batch, num_heads, seq, total_sequence_length] float32: the score
+    modifier's bias at each row's absolute positions (query P + s, key j)."""
     seq = b.dim(1)
-    after = b.op("Add", [b.op("Cast", [seqlens_k], "seqlens_k_i64", to=i64),
-                         b.const(1, np.int64)], "row_total")
-    if query_seqlens:
-        before = b.op("Sub", [after, b.op("Cast", [query_seqlens], "query_seqlens_i64",
-                                          to=i64)], "row_past")
-    else:
-        first = b.op("Equal", [b.op("Cast", [total], "total_i64", to=i64), seq], "first_prompt")
-        before = b.op("Where", [first, b.const(0, np.int64),
-                                b.op("Sub", [after, seq], "row_past_rest")], "row_past")
-    steps = b.op("Range", [b.const(0, np.int64), seq, b.const(1, np.int64)], "new_token")
-    pos = b.op("Add", [b.op("Unsqueeze", [before, b.i64(1)], "row_past_col"), steps], "pos_raw")
-    return b.op("Clip", [pos, b.const(0, np.int64), b.const(max_len - 1, np.int64)],
-                "positions")
+
+    def index(name):
+        def make():
+            if name == "q_idx":
+                return b.op("Unsqueeze", [_positions(b, seqlens_k, total, query_seqlens),
+                                          b.i64(1, 3)], "bias_q_idx")
+            if name == "kv_idx":
+                return b.op("Reshape", [b.op("Range", [b.const(0, np.int64), _total(b, total),
+                                                       b.const(1, np.int64)], "key_range"),
+                                        b.i64(1, 1, 1, -1)], "bias_kv_idx")
+            if name == "kv_len":
+                return b.op("Reshape", [_row_total(b, seqlens_k), b.i64(-1, 1, 1, 1)],
+                            "bias_kv_len")
+            if name == "batch":
+                return b.op("Reshape", [b.op("Range", [b.const(0, np.int64), b.dim(0),
+                                                       b.const(1, np.int64)], "batch_range"),
+                                        b.i64(-1, 1, 1, 1)], "bias_batch")
+            if name == "head":
+                return b.const(np.arange(p.num_heads, dtype=np.int64).reshape(1, -1, 1, 1),
+                               np.int64)
+            if name == "q_len":
+                return seq
+            raise OnnxError(f"expression variable {name!r} cannot be exported")
+        return b.cached(("bias_index", name), make)
+
+    bias = b.score_mod(p.bias, None, None, "bias", index=index)
+    shape = b.op("Concat", [b.op("Unsqueeze", [t, b.i64(0)], f"bias_dim{i}") for i, t in
+                            enumerate((b.dim(0), b.const(p.num_heads, np.int64), seq,
+                                       _total(b, total)))], "bias_shape", axis=0)
+    return b.op("Expand", [bias, shape], "attention_bias")
 
 
 def _rotate(b, t, heads, d, rotary_dim, cos_sin, role) -> str:
@@ -436,7 +518,7 @@ def gqa_binding(session, cache, x, new_tokens=None, *, cu_seqlens=None):
     binding = session.io_binding()
     for name, value in feeds.items():
         if name not in ("past_key", "past_value"):
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            binding.bind_cpu_input(name, np.asarray(value, order="C"))   # 0-d stays 0-d
     for past, present, a in (("past_key", "present_key", cache.k),
                              ("past_value", "present_value", cache.v)):
         buffer = ort.OrtValue.ortvalue_from_numpy(a)
