@@ -188,7 +188,7 @@ def test_what_the_contract_cannot_carry_is_refused(tmp_path, kw, fragment):
 
 
 @pytest.mark.parametrize("mask, window", [
-    (mhagen.kv_idx <= mhagen.q_idx, None),                       # causal, written by hand
+    (mhagen.q_idx >= mhagen.kv_idx, None),                       # causal, written by hand
     (mhagen.kv_idx > mhagen.q_idx - 5, 5),                       # with causal=True: a window
     (mhagen.sliding_window(40), None),                           # wider than the cache
 ], ids=["causal", "window-5", "window-past-max-len"])
@@ -200,6 +200,15 @@ def test_masks_are_read_by_what_they_select(tmp_path, mask, window):
     node = next(n for n in onnx.load(str(path)).graph.node if n.op_type == "GroupQueryAttention")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["causal"] == 1 and attrs.get("local_window_size", -1) == (window or -1)
+
+
+def test_a_mask_written_by_hand_on_a_long_cache_is_refused(tmp_path):
+    """Masks not written as causal=True / sliding_window(W) are read at every position pair,
+    up to caches of 8192."""
+    layer = mhagen.mha(32, 2, head_dim=16, mask=mhagen.q_idx >= mhagen.kv_idx, kv_cache=8193)
+    with pytest.raises(OnnxError, match="up to kv_cache=8192"):
+        mhagen.export_onnx(layer, tmp_path / "m.onnx", layer.init_weights(0), form="gqa")
+    assert not list(tmp_path.iterdir())
 
 
 def test_bad_calls_are_refused_before_onnxruntime_runs(tmp_path):

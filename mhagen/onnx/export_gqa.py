@@ -28,9 +28,16 @@ float64 tables, half-split layout, ``rotary_interleaved=0``), then the output Ma
 Rotary embeddings the op's tables cannot hold (head_dim or rotary_dim not a multiple of 16)
 and every layer with a float16 cache rotate Q and K in the graph instead (the positions from
 ``seqlens_k`` and ``query_seqlens``), and a float16 cache gets its new K/V rows rounded to
-float16 before the op reads them, as mhagen's kernels read them from the cache.
+float16 before the op reads them, as mhagen's kernels read them from the cache. The op caps
+the scaled scores (softcap) and then adds ``attention_bias`` [batch, num_heads, seq,
+total_sequence_length]: a score modifier score + f or softcap(c) then + f (ALiBi, T5's
+relative buckets) has f computed in the graph at each row's absolute positions.
 
-What the form refuses, and why, is in ``gqa_plan``.
+Refused, with the reason (gqa_plan): layers without a cache, head_dim not a multiple of 8,
+bfloat16 caches (no CPU kernel), masks other than none / causal / a causal sliding window
+(per-head, per-row or q_len-dependent ones included), score modifiers other than the forms
+above (a bias before the cap, a product with the score, an infinite bias), K/V sharing other
+than h // (num_heads / kv_heads).
 """
 from __future__ import annotations
 
@@ -50,11 +57,10 @@ from mhagen.ir.numpy_ops import NUMPY_OPS
 from mhagen.kvcache import KVCache
 from mhagen.onnx._common import OnnxError
 
-#: the model's inputs besides x, in order
-GQA_INPUTS = ("past_key", "past_value", "seqlens_k", "total_sequence_length", "query_seqlens")
 #: cache dtypes onnxruntime's CPU GroupQueryAttention reads with float32 Q/K/V
 CACHE_DTYPES = ("float32", "float16")
 _MASK_BLOCK = 1 << 22     # grid cells per block when a mask is checked cell by cell
+_GRID_MAX_LEN = 8192      # the largest cache whose every position pair a mask is read at
 
 
 @dataclass(frozen=True)
@@ -182,35 +188,34 @@ def _conjunction(terms):
 
 def _pattern_from_grid(expr, mask, max_len, name):
     """(causal, window) by evaluating `expr` (of q_idx and kv_idx) at every position pair of
-    the cache, in blocks of query rows; OnnxError if it is none of the op's patterns."""
+    the cache, in blocks of query rows: no mask, causal, or causal with the window the last
+    position's row shows; OnnxError if it is none of them."""
+    if max_len > _GRID_MAX_LEN:
+        raise OnnxError(f"decoding layer {name!r} has mask {mask!r}, written otherwise than "
+                        f"causal=True and mhagen.sliding_window(W); such a mask is read at "
+                        f"every position pair, up to kv_cache={_GRID_MAX_LEN} "
+                        f"(this one: {max_len}): write it with those")
     kv = np.arange(max_len)[None, :]
-    rows = max(1, _MASK_BLOCK // max_len)
-    every, causal, window = True, True, None
-    last_row = None
-    for start in range(0, max_len, rows):
-        q = np.arange(start, min(start + rows, max_len))[:, None]
-        grid = np.broadcast_to(ex.evaluate(expr, {"q_idx": q, "kv_idx": kv}, NUMPY_OPS),
+
+    def rows(q):
+        return np.broadcast_to(ex.evaluate(expr, {"q_idx": q, "kv_idx": kv}, NUMPY_OPS),
                                (q.shape[0], max_len)).astype(bool)
-        every = every and bool(grid.all())
-        causal = causal and not bool((grid & (kv > q)).any())
-        last_row = grid[-1]
-    if every:
-        return False, None
-    if causal:
-        seen = int(last_row.sum())          # the last query sees its W most recent keys
-        w = seen if 0 < seen < max_len else None
-        for start in range(0, max_len, rows):
-            q = np.arange(start, min(start + rows, max_len))[:, None]
-            want = (kv <= q) if w is None else ((kv <= q) & (q - kv < w))
-            got = np.broadcast_to(ex.evaluate(expr, {"q_idx": q, "kv_idx": kv}, NUMPY_OPS),
-                                  want.shape).astype(bool)
-            if not np.array_equal(got, want):
-                break
-        else:
-            return True, w
-    raise OnnxError(f"decoding layer {name!r} has mask {mask!r}; GroupQueryAttention masks "
-                    "causally (causal=1), with a causal sliding window (local_window_size: "
-                    "mhagen.sliding_window(W)) or not at all, and nothing else")
+    seen = int(rows(np.array([[max_len - 1]])).sum())      # the last query's W recent keys
+    w = seen if 0 < seen < max_len else None
+    alive = {(False, None): lambda q: np.ones((1, 1), bool),
+             (True, w): lambda q: (kv <= q) & (q - kv < (w or max_len))}
+    step = max(1, _MASK_BLOCK // max_len)
+    for start in range(0, max_len, step):
+        q = np.arange(start, min(start + step, max_len))[:, None]
+        got = rows(q)
+        alive = {k: want for k, want in alive.items()
+                 if np.array_equal(got, np.broadcast_to(want(q), got.shape))}
+        if not alive:
+            raise OnnxError(f"decoding layer {name!r} has mask {mask!r}; GroupQueryAttention "
+                            "masks causally (causal=1), with a causal sliding window "
+                            "(local_window_size: mhagen.sliding_window(W)) or not at all, "
+                            "and nothing else")
+    return next(iter(alive))
 
 
 def _score_terms(score_mod, name: str):
@@ -470,7 +475,9 @@ def gqa_feeds(cache, x, new_tokens=None, *, cu_seqlens=None, inputs=None) -> dic
             raise InputError(f"new_tokens must be within 0..{seq} (x's seq), got "
                              f"{counts.tolist()}")
     lens = np.asarray(cache.lens, dtype=np.int64)
-    if lens.min(initial=0) < 0 or (lens + seq).max(initial=0) > cache.max_len:
+    # an idle row on an empty cache is told it holds 1 token (seqlens_k cannot be -1)
+    held = np.where((counts == 0) & (lens == 0), 1, lens)
+    if lens.min(initial=0) < 0 or (held + seq).max(initial=0) > cache.max_len:
         raise InputError(f"the cache holds {lens.tolist()} tokens per row and each row gets a "
                          f"padded chunk of {seq}: GroupQueryAttention needs lens + {seq} <= "
                          f"{cache.max_len} (max_len) in every row, padding included; reset "
