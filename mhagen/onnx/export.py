@@ -19,8 +19,8 @@ and suggests ``form="decomposed"``. Layers with score modifiers or rotary embedd
 refused too (``Attention`` carries neither; opset 23's ``RotaryEmbedding`` is not used).
 
 ``gqa`` (decoding layers only): onnxruntime's ``com.microsoft.GroupQueryAttention``, each
-batch row with its own cache length, rotary embeddings, sliding windows and softcap carried
-by the op; see mhagen/onnx/export_gqa.py.
+batch row with its own cache length and new-token count; rotary embeddings, sliding windows,
+softcap and additive score biases (ALiBi) carried by the op; see mhagen/onnx/export_gqa.py.
 
 Decoding layers (``kv_cache=``) export in the fused form as ONNX's past/present form:
 inputs ``x`` [batch, seq, d_model], ``past_key`` and ``past_value`` [batch, kv_heads,
@@ -114,7 +114,7 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
             (decoding layers: com.microsoft.GroupQueryAttention, mhagen/onnx/export_gqa.py).
         batch, seq_len: the static input shape [batch, seq_len, d_model].
         dynamic_batch, dynamic_seq: make that axis symbolic (``"batch"``, ``"seq"``).
-        opset: ONNX opset; default 17 (decomposed) or 23 (fused).
+        opset: ONNX opset; default 17 (decomposed, gqa) or 23 (fused).
         masks: ``"auto"``, ``"constant"`` or ``"computed"`` (see the module docstring).
         external_data: store initializers in ``<path>.data``; default: only above 2 GB.
         past_len: decoding layers, fused form: the static past length of
