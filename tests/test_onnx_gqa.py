@@ -238,6 +238,27 @@ def test_bad_calls_are_refused_before_onnxruntime_runs(tmp_path):
     assert cache.lens.tolist() == [3, 1]
 
 
+def test_a_bfloat16_layer_decodes_and_a_cache_of_another_dtype_is_refused(tmp_path):
+    """x, y and the weights in bfloat16 (onnxruntime's numpy bridge has none: bound as bits);
+    a float32 cache on a float16-cache model is refused with the fix."""
+    layer = mhagen.mha(64, 4, kv_heads=2, head_dim=16, causal=True, kv_cache=16,
+                       dtype="bfloat16", cache_dtype="float16")
+    w = layer.init_weights(0)
+    path = mhagen.export_onnx(layer, tmp_path / "m.onnx", w, form="gqa", batch=2, seq_len=3)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    cache, ref = KVCache.empty(layer, 2), KVCache.empty(layer, 2, np.float64)
+    x = np.random.default_rng(0).standard_normal((2, 3, 64)).astype(np.float32)
+    y = gqa_step(sess, cache, x, [3, 2])
+    assert y.dtype == mhagen.dtypes.numpy_dtype("bfloat16") and cache.k.dtype == np.float16
+    expected = reference_rows(layer, w, ref, x, [3, 2])
+    assert_close(y.astype(np.float64), expected, judged_as(layer))
+    wrong = KVCache.empty(mhagen.mha(64, 4, kv_heads=2, head_dim=16, causal=True,
+                                     kv_cache=16), 2)
+    with pytest.raises(InputError, match="this model's past is tensor.float16."):
+        gqa_step(sess, wrong, x)
+    assert wrong.lens.tolist() == [0, 0]
+
+
 def test_gqa_binding_reruns_the_same_call(tmp_path):
     """gqa_binding: the same call run twice gives the same y and writes the same rows (what a
     timing loop does); it leaves cache.lens to the caller."""

@@ -55,7 +55,7 @@ from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
 from mhagen.ir.numpy_ops import NUMPY_OPS
 from mhagen.kvcache import KVCache
-from mhagen.onnx._common import OnnxError
+from mhagen.onnx._common import OnnxError, need_onnx
 
 #: cache dtypes onnxruntime's CPU GroupQueryAttention reads with float32 Q/K/V
 CACHE_DTYPES = ("float32", "float16")
@@ -511,28 +511,43 @@ def gqa_binding(session, cache, x, new_tokens=None, *, cu_seqlens=None):
     import onnxruntime as ort
     names = [i.name for i in session.get_inputs()]
     feeds = gqa_feeds(cache, x, new_tokens, cu_seqlens=cu_seqlens, inputs=names)
-    for name in ("k", "v"):
+    given = {i.name: i for i in session.get_inputs()}
+    for name, past in (("k", given["past_key"]), ("v", given["past_value"])):
         a = getattr(cache, name)
+        want = [d if isinstance(d, int) else a.shape[i] for i, d in enumerate(past.shape)]
+        if a.dtype != _numpy_type(past.type) or list(a.shape) != want:
+            raise InputError(f"cache.{name} is {a.dtype} {list(a.shape)}; this model's past "
+                             f"is {past.type} {past.shape}: make the cache with "
+                             "mhagen.KVCache.empty(layer, batch) of the exported layer")
         if not (a.flags.c_contiguous and a.flags.writeable):
             raise InputError(f"cache.{name} must be a writable C-contiguous array "
                              "(onnxruntime writes it in place); make the cache with "
                              "mhagen.KVCache.empty(layer, batch)")
-    x_type = _numpy_type(session.get_inputs()[0].type)
-    feeds["x"] = np.asarray(feeds["x"]).astype(x_type, copy=False)
+    x_type = _numpy_type(given["x"].type)
+    feeds["x"] = np.ascontiguousarray(np.asarray(feeds["x"]).astype(x_type, copy=False))
     out = session.get_outputs()[0]
     d_out = out.shape[-1] if isinstance(out.shape[-1], int) else feeds["x"].shape[2]
     y = np.empty(feeds["x"].shape[:2] + (d_out,), _numpy_type(out.type))
     binding = session.io_binding()
     for name, value in feeds.items():
         if name not in ("past_key", "past_value"):
-            binding.bind_cpu_input(name, np.asarray(value, order="C"))   # 0-d stays 0-d
+            binding.bind_ortvalue_input(name, _ort_value(ort, np.asarray(value, order="C")))
     for past, present, a in (("past_key", "present_key", cache.k),
                              ("past_value", "present_value", cache.v)):
-        buffer = ort.OrtValue.ortvalue_from_numpy(a)
+        buffer = _ort_value(ort, a)
         binding.bind_ortvalue_input(past, buffer)
         binding.bind_ortvalue_output(present, buffer)
-    binding.bind_ortvalue_output(out.name, ort.OrtValue.ortvalue_from_numpy(y))
+    binding.bind_ortvalue_output(out.name, _ort_value(ort, y))
     return binding, y
+
+
+def _ort_value(ort, a):
+    """An OrtValue over numpy array `a`'s memory (onnxruntime's numpy bridge has no
+    bfloat16: such arrays go as their bits)."""
+    if a.dtype == numpy_dtype("bfloat16"):
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+            a.view(np.uint16), need_onnx().TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(a)
 
 
 def _numpy_type(onnxruntime_type: str):
