@@ -120,6 +120,45 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
                   kv_seq_len=kv_seq_len, compile_maps=compile_maps)
 
 
+def build_core(core, target="x86", *, weights=None, tuning="auto",
+               max_batch: int | None = None, max_seq_len: int | None = None,
+               max_kv_seq_len: int | None = None, **ignored):
+    """Compile an attention core (mhagen.attention_core) for `target` into a CoreModule
+    (mhagen/core_module.py): one kernel for single queries (decoding steps) and one for any
+    q_len, both for every batch and kv_len. max_batch, max_seq_len (q_len), max_kv_seq_len:
+    optional limits the calls are checked against (the row tile of the any-q_len kernel is
+    sized for max_seq_len). A core has no weights; it runs its templates' default
+    configs (no tuning records)."""
+    from mhagen.core_module import CoreModule
+    from mhagen.lower.core import lower_core
+    from mhagen.schedules.cpu.core import core_rule
+    if weights is not None:
+        raise GraphError("an attention core has no weights (q, k and v come projected): "
+                         "drop weights=")
+    unknown = sorted(k for k in ignored if k not in ("batch", "seq_len", "kv_seq_len", "fuse"))
+    if unknown:
+        raise GraphError(f"build() of an attention core takes max_batch, max_seq_len and "
+                         f"max_kv_seq_len; got {', '.join(unknown)}")
+    limits = {name: positive_int(name, value) for name, value in
+              (("max_batch", max_batch), ("max_seq_len", max_seq_len),
+               ("max_kv_seq_len", max_kv_seq_len)) if value is not None}
+    t = resolve(target)
+    start = time.perf_counter()
+    backend = t.backend()
+    rule = core_rule(backend)
+    program = lower_core(core, rule, backend, limits.get("max_batch", 64),
+                         limits.get("max_seq_len", 2048), limits.get("max_kv_seq_len", 2048))
+    funcs = {}
+    for kernel in program.kernels:
+        func = backend.finalize(rule.build(kernel.workload, kernel.config, t))
+        backend.verify(kernel, func)
+        funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
+    mod = tvm.IRModule(funcs)
+    executable = tvm.compile(mod, target=t.tvm)
+    return CoreModule(core, t, program, executable.mod, texts={"tir": mod.script()},
+                      compile_seconds=time.perf_counter() - start, limits=limits)
+
+
 def compile_maps(graph: Graph, target, batch: int, seq_len: int) -> Module:
     """The attention-maps module of `graph` at [batch, seq_len] (mhagen/maps.py: its
     unfused program up to every head's softmax), for Module.attention_maps."""
