@@ -5,8 +5,8 @@
 over query, key and value heads as a model hands them over: no projections, no rotary
 (Hugging Face's attention interface, torch's scaled_dot_product_attention). The layout is
 theirs: q [batch, num_heads, q_len, head_dim], k and v [batch, kv_heads, kv_len, head_dim]
-(kv_len >= q_len); the output is [batch, q_len, num_heads, head_dim] (what Hugging Face's
-attention functions return).
+(kv_len >= q_len where the mask or score modifier reads query positions); the output is
+[batch, q_len, num_heads, head_dim] (what Hugging Face's attention functions return).
 
 Positions are absolute and bottom-right aligned: key j is at kv_idx = j, and query t at
 q_idx = kv_len - q_len + t (the queries are the last q_len positions, as a decoder's new
@@ -65,6 +65,13 @@ class AttentionCore:
         return full
 
     @property
+    def reads_query_positions(self) -> bool:
+        """Whether the mask or score modifier reads q_idx (else q_len may exceed kv_len:
+        cross-attention, whose queries have no place among the keys)."""
+        return any(e is not None and "q_idx" in ex.variables(e)
+                   for e in (self.full_mask, self.score_mod))
+
+    @property
     def group(self) -> int:
         """Query heads a K/V head."""
         return self.num_heads // self.kv_heads
@@ -114,10 +121,11 @@ class AttentionCore:
         if k_shape[0] != batch:
             raise InputError(f"q has batch {batch} and k, v batch {k_shape[0]}; give them "
                              "one batch")
-        if kv_len < q_len:
+        if kv_len < q_len and self.reads_query_positions:
             raise InputError(f"q_len {q_len} > kv_len {kv_len}: the queries are the last "
-                             "q_len of the kv_len positions (bottom-right), so k and v need "
-                             "at least as many rows as q")
+                             "q_len of the kv_len positions (bottom-right), which this "
+                             "core's mask or score_mod reads, so k and v need at least as "
+                             "many rows as q")
         return int(batch), int(q_len), int(kv_len)
 
     def check_bounds(self, kv_lens, kv_starts, batch: int, kv_len: int):
