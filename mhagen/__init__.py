@@ -10,11 +10,11 @@ prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS be
 # isort: split
 from mhagen.artifact.load import LoadedArtifact, read_artifact
 from mhagen.dsl import attention_core, mha
-from mhagen.ir.core import AttentionCore
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, kv_len, maximum,
                        minimum, q_idx, q_len, relative_bias, rotary, score, sliding_window,
                        softcap, table, tanh, verify, where)
+from mhagen.ir.core import AttentionCore
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
 from mhagen.module import Module
@@ -62,8 +62,9 @@ def _compile_maps(graph, target, batch, seq_len):
 
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",
            "MhagenError",
-           "TOLERANCES", "TargetError", "aligned_empty", "alibi", "attention_core", "batch", "build", "causal",
+           "TOLERANCES", "TargetError", "aligned_empty", "alibi", "batch", "build", "causal",
            "combine", "exp", "export_onnx", "head", "import_onnx", "kv_idx", "kv_len", "load",
            "max_error", "maximum", "mha", "minimum", "q_idx", "q_len", "relative_bias",
            "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
-           "weights_from_torch", "where", "load_weights", "save_weights"]
+           "weights_from_torch", "where", "load_weights", "save_weights",
+           "attention_core"]

@@ -24,6 +24,7 @@ compiled module is mhagen/core_module.py, its kernels schedules/cpu/core.py.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -81,15 +82,15 @@ class AttentionCore:
         name."""
         return (self.num_heads, self.head_dim, self.kv_heads, float(self.scale),
                 bool(self.causal), self.window,
-                None if self.mask is None else self.mask.to_json(),
-                None if self.score_mod is None else self.score_mod.to_json(),
+                None if self.mask is None else json.dumps(self.mask.to_json()),
+                None if self.score_mod is None else json.dumps(self.score_mod.to_json()),
                 bool(self.key_padding), self.dtype)
 
     def __eq__(self, other):
         return isinstance(other, AttentionCore) and self.key() == other.key()
 
     def __hash__(self):
-        return hash(repr(self.key()))
+        return hash(self.key())
 
     def __repr__(self):
         opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
