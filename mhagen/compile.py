@@ -122,13 +122,15 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
 
 def build_core(core, target="x86", *, weights=None, tuning="auto",
                max_batch: int | None = None, max_seq_len: int | None = None,
-               max_kv_seq_len: int | None = None, **ignored):
+               max_kv_seq_len: int | None = None, lazy: bool = False, **ignored):
     """Compile an attention core (mhagen.attention_core) for `target` into a CoreModule
-    (mhagen/core_module.py): one kernel for single queries (decoding steps) and one for any
-    q_len, both for every batch and kv_len. max_batch, max_seq_len (q_len), max_kv_seq_len:
-    optional limits the calls are checked against (the row tile of the any-q_len kernel is
-    sized for max_seq_len). A core has no weights; it runs its templates' default
-    configs (no tuning records)."""
+    (mhagen/core_module.py): kernels for single queries (decoding steps), for prompts
+    (q_len == kv_len, up to max_seq_len: the prefill template's block table, default 4096)
+    and for any other q_len, all for every batch and kv_len. max_batch, max_seq_len
+    (q_len), max_kv_seq_len: limits the calls are checked against, when given. lazy: each
+    kernel compiled on its first call instead (what mhagen.hf's interface does: a model
+    that only decodes or only encodes compiles one or two). A core has no weights; it runs
+    its templates' default configs (no tuning records)."""
     from mhagen.core_module import CoreModule
     from mhagen.lower.core import lower_core
     from mhagen.schedules.cpu.core import core_rule
@@ -137,8 +139,8 @@ def build_core(core, target="x86", *, weights=None, tuning="auto",
                          "drop weights=")
     unknown = sorted(k for k in ignored if k not in ("batch", "seq_len", "kv_seq_len", "fuse"))
     if unknown:
-        raise GraphError(f"build() of an attention core takes max_batch, max_seq_len and "
-                         f"max_kv_seq_len; got {', '.join(unknown)}")
+        raise GraphError(f"build() of an attention core takes max_batch, max_seq_len, "
+                         f"max_kv_seq_len and lazy; got {', '.join(unknown)}")
     limits = {name: positive_int(name, value) for name, value in
               (("max_batch", max_batch), ("max_seq_len", max_seq_len),
                ("max_kv_seq_len", max_kv_seq_len)) if value is not None}
@@ -147,15 +149,25 @@ def build_core(core, target="x86", *, weights=None, tuning="auto",
     backend = t.backend()
     rule = core_rule(backend)
     program = lower_core(core, rule, backend, limits.get("max_batch", 64),
-                         limits.get("max_seq_len", 2048), limits.get("max_kv_seq_len", 2048))
-    funcs = {}
-    for kernel in program.kernels:
+                         limits.get("max_seq_len", 4096),
+                         limits.get("max_kv_seq_len", limits.get("max_seq_len", 4096)))
+
+    def scheduled(kernel):
         func = backend.finalize(rule.build(kernel.workload, kernel.config, t))
         backend.verify(kernel, func)
-        funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
-    mod = tvm.IRModule(funcs)
-    executable = tvm.compile(mod, target=t.tvm)
-    return CoreModule(core, t, program, executable.mod, texts={"tir": mod.script()},
+        return func.with_attr("global_symbol", kernel.name)
+
+    def compile_kernel(kernel, texts):
+        mod = tvm.IRModule({kernel.name: scheduled(kernel)})
+        texts[kernel.name] = mod.script()
+        return tvm.compile(mod, target=t.tvm).mod[kernel.name]
+
+    if lazy:
+        return CoreModule(core, t, program, limits=limits, compile_kernel=compile_kernel,
+                          compile_seconds=time.perf_counter() - start)
+    mod = tvm.IRModule({k.name: scheduled(k) for k in program.kernels})
+    library = tvm.compile(mod, target=t.tvm).mod
+    return CoreModule(core, t, program, library, texts={"tir": mod.script()},
                       compile_seconds=time.perf_counter() - start, limits=limits)
 
 

@@ -30,51 +30,73 @@ _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
 
 class CoreModule:
     """An attention core compiled for one target: any batch, q_len and kv_len (up to the
-    limits given to build, if any). `kernels`: the program's kernels by name."""
+    limits given to build, if any). Its kernels (mhagen/lower/core.py): core_step for one
+    query a row, core_prefill for q_len == kv_len up to the build's max_seq_len (default
+    4096), core for the rest. compile_kernel: a built module's compiler of one kernel (the
+    kernels not in `library` are compiled on their first call)."""
 
-    def __init__(self, core, target, program, library, *, texts=None, compile_seconds=None,
-                 limits=None):
-        self.core, self.target, self.program, self.library = core, target, program, library
+    def __init__(self, core, target, program, library=None, *, texts=None,
+                 compile_seconds=None, limits=None, compile_kernel=None):
+        self.core, self.target, self.program = core, target, program
         self.texts = texts or {}
         self.compile_seconds = compile_seconds
         self.limits = dict(limits or {})        # max_batch, max_seq_len, max_kv_seq_len
         self.cannot_run = target.cannot_run()
         self.dtype = core.numpy_dtype
-        kernels = {k.name: k for k in program.kernels}
-        # (function, its row tile, its workers, padded head_dim) of each kernel
-        self._step = self._kernel(kernels["core_step"])
-        self._chunk = self._kernel(kernels["core"]) if "core" in kernels else None
-        self._tables = [runtime.tensor(np.ascontiguousarray(b.value, np.float32))
-                        for b in program.buffers.values() if b.role == "param"]
+        self.kernels = {k.name: k for k in program.kernels}
+        self._library, self._compile_kernel = library, compile_kernel
+        self._functions = {}
+        prefill = self.kernels.get("core_prefill")
+        self._prefill_most = prefill.workload.seq if prefill else 0
+        self._prefill_batch = prefill.workload.batch if prefill and \
+            prefill.workload.table_batch > 1 else None
+        # the params (block table, score tables) as the kernels take them
+        self._params = {b.name: runtime.tensor(_aligned(b.value))
+                        for b in program.buffers.values() if b.role == "param"}
         self._scratch = {}      # name -> float32 array, grown to the largest call
         self._lock = threading.Lock()
-
-    def _kernel(self, kernel):
-        if self.cannot_run is not None:
-            return (None, kernel.config.row_tile, kernel.config.workers,
-                    kernel.workload.head_dim_padded)
-        return (self.library[kernel.name], kernel.config.row_tile, kernel.config.workers,
-                kernel.workload.head_dim_padded)
 
     def __repr__(self):
         return f"<mhagen.CoreModule {self.core!r} on {self.target.name}>"
 
     def inspect(self, what: str = "tir") -> str:
-        """The kernels' scheduled TIR ("tir") or their lines ("program")."""
+        """The kernels' scheduled TIR ("tir": the kernels compiled so far) or what each
+        kernel runs ("program")."""
         if what == "program":
             return self.program.te_text
-        if what not in self.texts:
+        if what != "tir":
             raise InputError(f"inspect() of an attention core gives 'tir' or 'program', "
                              f"not {what!r}")
-        return self.texts[what]
+        return "\n".join(self.texts.values())
+
+    def kernel_for(self, batch: int, q_len: int, kv_len: int) -> str:
+        """The kernel a call of these sizes runs."""
+        if q_len == 1:
+            return "core_step"
+        if q_len == kv_len and q_len <= self._prefill_most and (
+                self._prefill_batch is None or batch <= self._prefill_batch):
+            return "core_prefill"
+        return "core"
+
+    def _function(self, name):
+        """A kernel's function: from the built library, or compiled now (a lazy build)."""
+        func = self._functions.get(name)
+        if func is None:
+            if self._library is not None:
+                func = self._library[name]
+            else:
+                func = self._compile_kernel(self.kernels[name], self.texts)
+            self._functions[name] = func
+        return func
 
     # -- calls ---------------------------------------------------------------------------
     def __call__(self, q, k, v, *, kv_lens=None, kv_starts=None, out=None):
         """out [batch, q_len, heads, head_dim] of q [batch, heads, q_len, head_dim], k and v
-        [batch, kv_heads, kv_len, head_dim] (kv_len >= q_len; the queries are the last q_len
-        positions). kv_lens / kv_starts ([batch] ints, a key_padding core): row b sees keys
-        kv_starts[b] <= j < kv_lens[b]. out=: an array or tensor of that shape and the core's
-        dtype, C-contiguous, written in place (what is returned)."""
+        [batch, kv_heads, kv_len, head_dim] (kv_len >= q_len where the mask reads query
+        positions: the queries are the last q_len of them). kv_lens / kv_starts ([batch]
+        ints, a key_padding core): row b sees keys kv_starts[b] <= j < kv_lens[b]. out=: an
+        array or tensor of that shape and the core's dtype, C-contiguous, written in place
+        (what is returned)."""
         if self.cannot_run is not None:
             raise TargetError(f"cannot call this module: {self.cannot_run}")
         torch_in = _is_torch(q)
@@ -95,24 +117,27 @@ class CoreModule:
         return result
 
     def _run(self, q, k, v, ends, starts, result, batch, q_len, kv_len):
-        func, row_tile, workers, dp = self._step if q_len == 1 else self._chunk
-        group = self.core.group
-        n = batch * self.core.kv_heads * -(-(group * q_len) // row_tile) + workers - 1
-        if n * row_tile * dp > _INT32_MAX:
-            raise InputError(f"a call of batch {batch} and q_len {q_len} needs more than "
-                             "2^31 partial values (32-bit indices); split the batch")
-        part_o = self._temp("part_o", (n, row_tile, dp))
-        part_ml = self._temp("part_ml", (n, 2, row_tile))
-        out2d = result.view(batch * q_len, -1) if _is_torch(result) else \
-            runtime.tensor(result.reshape(batch * q_len, -1))
+        kernel = self.kernels[self.kernel_for(batch, q_len, kv_len)]
+        func = self._function(kernel.name)
         if not _is_torch(q):
             q, k, v = runtime.tensor(q), runtime.tensor(k), runtime.tensor(v)
-        if ends is None:
-            args = [q, k, v, part_o, part_ml, out2d]
-        else:
-            args = [q, runtime.tensor(ends), k, v, part_o, part_ml, out2d,
-                    runtime.tensor(starts)]
-        func(*args, *self._tables, batch, q_len, kv_len)
+        out2d = result.view(batch * q_len, -1) if _is_torch(result) else \
+            runtime.tensor(result.reshape(batch * q_len, -1))
+        args = dict(self._params, q=q, k=k, v=v, out=out2d, batch=batch, seq=q_len,
+                    kv_seq=kv_len)
+        if ends is not None:
+            args.update(kv_lens=runtime.tensor(ends), kv_starts=runtime.tensor(starts))
+        if not kernel.workload.prefill:
+            row_tile, workers = kernel.config.row_tile, kernel.config.workers
+            dp = kernel.workload.head_dim_padded
+            n = batch * self.core.kv_heads * -(-(self.core.group * q_len) // row_tile) \
+                + workers - 1
+            if n * row_tile * dp > _INT32_MAX:
+                raise InputError(f"a call of batch {batch} and q_len {q_len} needs more than "
+                                 "2^31 partial values (32-bit indices); split the batch")
+            args.update(part_o=self._temp("part_o", (n, row_tile, dp)),
+                        part_ml=self._temp("part_ml", (n, 2, row_tile)))
+        func(*[args[a] for a in kernel.args])
 
     def _temp(self, name, shape):
         """A view of the module's own float32 array `name` shaped for this call (grown
@@ -129,7 +154,7 @@ class CoreModule:
             if most is not None and value > most:
                 raise InputError(f"{name} {value} is beyond this module's max_{name}={most} "
                                  f"(rebuild with max_{name}={value}, or without a limit)")
-        if q_len > 1 and self._chunk is None:
+        if q_len > 1 and "core" not in self.kernels:
             raise InputError(f"q_len {q_len}: this module was built for one query a row "
                              "(max_seq_len=1); rebuild without max_seq_len to run prompts")
 
@@ -184,6 +209,13 @@ class CoreModule:
             raise InputError(f"out= must be {want} (the call writes its answer into it), "
                              f"got {got.strip()}")
         return out
+
+
+def _aligned(value) -> np.ndarray:
+    """A param's value as the kernels take it: a writable, 64-byte aligned copy."""
+    out = aligned_empty(np.shape(value), np.asarray(value).dtype)
+    out[...] = value
+    return out
 
 
 def _is_torch(a) -> bool:
