@@ -7,6 +7,7 @@ import time
 import tvm
 
 from mhagen.checks import positive_int
+from mhagen.core_module import CoreModule
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 from mhagen.lower import lower
@@ -131,7 +132,6 @@ def build_core(core, target="x86", *, weights=None, tuning="auto",
     kernel compiled on its first call instead (what mhagen.hf's interface does: a model
     that only decodes or only encodes compiles one or two). A core has no weights; it runs
     its templates' default configs (no tuning records)."""
-    from mhagen.core_module import CoreModule
     from mhagen.lower.core import lower_core
     from mhagen.schedules.cpu.core import core_rule
     if weights is not None:

@@ -53,7 +53,7 @@ class CoreModule:
         # the params (block table, score tables) as the kernels take them
         self._params = {b.name: runtime.tensor(_aligned(b.value))
                         for b in program.buffers.values() if b.role == "param"}
-        self._scratch = {}      # name -> float32 array, grown to the largest call
+        self._scratch = {}      # name -> (float32 array, {shape: tensor over it})
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -119,14 +119,12 @@ class CoreModule:
     def _run(self, q, k, v, ends, starts, result, batch, q_len, kv_len):
         kernel = self.kernels[self.kernel_for(batch, q_len, kv_len)]
         func = self._function(kernel.name)
-        if not _is_torch(q):
+        if not _is_torch(q):     # numpy: bfloat16 goes through runtime.tensor's relabelling
             q, k, v = runtime.tensor(q), runtime.tensor(k), runtime.tensor(v)
         out2d = result.view(batch * q_len, -1) if _is_torch(result) else \
             runtime.tensor(result.reshape(batch * q_len, -1))
         args = dict(self._params, q=q, k=k, v=v, out=out2d, batch=batch, seq=q_len,
-                    kv_seq=kv_len)
-        if ends is not None:
-            args.update(kv_lens=runtime.tensor(ends), kv_starts=runtime.tensor(starts))
+                    kv_seq=kv_len, kv_lens=ends, kv_starts=starts)
         if not kernel.workload.prefill:
             row_tile, workers = kernel.config.row_tile, kernel.config.workers
             dp = kernel.workload.head_dim_padded
@@ -140,13 +138,18 @@ class CoreModule:
         func(*[args[a] for a in kernel.args])
 
     def _temp(self, name, shape):
-        """A view of the module's own float32 array `name` shaped for this call (grown
-        when a call needs more)."""
-        size = int(np.prod(shape))
-        held = self._scratch.get(name)
-        if held is None or held.size < size:
-            held = self._scratch[name] = aligned_empty((max(size, 1),), "float32")
-        return runtime.tensor(held[:size].reshape(shape))
+        """A TVM tensor over the module's own float32 array `name` shaped for this call (the
+        array grown when a call needs more; the tensors of recent shapes kept)."""
+        held, made = self._scratch.get(name, (None, {}))
+        tensor = made.get(shape)
+        if tensor is not None:
+            return tensor
+        size = shape[0] * shape[1] * shape[2]
+        if held is None or held.size < size or len(made) > 64:
+            held, made = aligned_empty((max(size, 1),), "float32"), {}
+            self._scratch[name] = (held, made)   # the tensors over an old array go with it
+        tensor = made[shape] = runtime.tensor(held[:size].reshape(shape))
+        return tensor
 
     def _check_limits(self, batch, q_len, kv_len):
         for name, value in (("batch", batch), ("seq_len", q_len), ("kv_seq_len", kv_len)):

@@ -90,21 +90,23 @@ def test_reference_softcap_is_applied_to_the_scaled_score(rng):
 
 @pytest.fixture(scope="module")
 def padded_core():
-    """head_dim 40 (not whole vectors), grouped K/V, causal with a window and a softcap,
-    key padding."""
-    core = mhagen.attention_core(4, 40, kv_heads=2, causal=True, window=6,
+    """Grouped K/V, causal with a window and a softcap, key padding: all three kernels."""
+    core = mhagen.attention_core(4, 32, kv_heads=2, causal=True, window=6,
                                  score_mod=mhagen.softcap(3.0), key_padding=True)
-    return core, mhagen.build(core, "x86")
+    return core, mhagen.build(core, "x86", max_seq_len=128)
 
 
-@pytest.mark.parametrize("batch, q_len, kv_len", [
-    (2, 1, 9), (1, 1, 1), (1, 7, 7), (3, 5, 13), (2, 17, 40), (1, 97, 97)])
-def test_compiled_any_length_with_key_padding(padded_core, rng, batch, q_len, kv_len):
+@pytest.mark.parametrize("batch, q_len, kv_len, kernel", [
+    (2, 1, 9, "core_step"), (1, 1, 1, "core_step"), (1, 7, 7, "core_prefill"),
+    (3, 5, 13, "core"), (2, 17, 40, "core"), (2, 97, 97, "core_prefill"),
+    (1, 128, 128, "core_prefill")])
+def test_compiled_any_length_with_key_padding(padded_core, rng, batch, q_len, kv_len, kernel):
     core, module = padded_core
-    q, k, v = qkv(rng, batch, 4, 2, q_len, kv_len, 40)
+    assert module.kernel_for(batch, q_len, kv_len) == kernel
+    q, k, v = qkv(rng, batch, 4, 2, q_len, kv_len, 32)
     assert_close(module(q, k, v), core.reference(q, k, v))
     ends = rng.integers(0, kv_len + 1, batch)
-    starts = np.minimum(rng.integers(0, 4, batch), ends)
+    starts = np.minimum(rng.integers(0, 9, batch), ends)
     got = module(q, k, v, kv_lens=ends, kv_starts=starts)
     assert_close(got, core.reference(q, k, v, kv_lens=ends, kv_starts=starts))
 
@@ -114,43 +116,52 @@ def test_compiled_reads_strided_torch_views_in_place(padded_core, rng):
     they lie (a torch answer), equal to reading contiguous copies; out= is written in
     place."""
     core, module = padded_core
-    base = [torch.from_numpy(a) for a in (rng.standard_normal((2, 9, 4, 40)),
-                                          rng.standard_normal((2, 14, 2, 40)),
-                                          rng.standard_normal((2, 14, 2, 40)))]
+    base = [torch.from_numpy(a) for a in (rng.standard_normal((2, 9, 4, 32)),
+                                          rng.standard_normal((2, 14, 2, 32)),
+                                          rng.standard_normal((2, 14, 2, 32)))]
     q, k, v = (t.float().transpose(1, 2) for t in base)
     assert not q.is_contiguous()
     got = module(q, k, v, kv_starts=[0, 3])
-    assert isinstance(got, torch.Tensor) and got.shape == (2, 9, 4, 40)
+    assert isinstance(got, torch.Tensor) and got.shape == (2, 9, 4, 32)
     assert_close(got.numpy(), core.reference(q.contiguous(), k.contiguous(), v.contiguous(),
                                              kv_starts=[0, 3]))
-    out = torch.empty(2, 9, 4, 40)
+    out = torch.empty(2, 9, 4, 32)
     assert module(q, k, v, kv_starts=[0, 3], out=out) is out
     assert torch.equal(out, got)
+    # a prompt (the prefill template) over views too
+    k, v = k[:, :, :9], v[:, :, :9]
+    assert module.kernel_for(2, 9, 9) == "core_prefill" and not k.is_contiguous()
+    assert_close(module(q, k, v, kv_starts=[0, 3]).numpy(),
+                 core.reference(q.contiguous(), k.contiguous(), v.contiguous(),
+                                kv_starts=[0, 3]))
     # numpy views with strides too, answered in numpy
     got_np = module(q.numpy(), k.numpy(), v.numpy(), kv_starts=[0, 3])
-    assert isinstance(got_np, np.ndarray) and np.array_equal(got_np, got.numpy())
+    assert isinstance(got_np, np.ndarray)
+    assert np.array_equal(got_np, module(q, k, v, kv_starts=[0, 3]).numpy())
 
 
 def test_compiled_empty_calls(padded_core, rng):
     core, module = padded_core
-    q, k, v = qkv(rng, 2, 4, 2, 0, 5, 40)
-    assert module(q, k, v).shape == (2, 0, 4, 40)
-    q, k, v = qkv(rng, 0, 4, 2, 3, 5, 40)
-    assert module(q, k, v).shape == (0, 3, 4, 40)
+    q, k, v = qkv(rng, 2, 4, 2, 0, 5, 32)
+    assert module(q, k, v).shape == (2, 0, 4, 32)
+    q, k, v = qkv(rng, 0, 4, 2, 3, 5, 32)
+    assert module(q, k, v).shape == (0, 3, 4, 32)
 
 
 @pytest.fixture(scope="module")
 def cross_core():
     """No position in the mask: q_len may exceed kv_len (cross-attention); a custom mask on
-    kv_idx; a scale of its own; no key padding."""
-    core = mhagen.attention_core(2, 16, mask=mhagen.kv_idx >= 1, scale=0.7)
-    return core, mhagen.build(core, "x86")
+    kv_idx; a scale of its own; no key padding; head_dim 40 (not whole P V vectors: no
+    prefill kernel, prompts run the decode template)."""
+    core = mhagen.attention_core(2, 40, mask=mhagen.kv_idx >= 1, scale=0.7)
+    return core, mhagen.build(core, "x86", lazy=True)
 
 
 def test_compiled_cross_attention_lengths_and_custom_mask(cross_core, rng):
     core, module = cross_core
+    assert "core_prefill" not in module.kernels
     for batch, q_len, kv_len in ((2, 9, 4), (1, 1, 6), (3, 4, 4)):
-        q, k, v = qkv(rng, batch, 2, 2, q_len, kv_len, 16)
+        q, k, v = qkv(rng, batch, 2, 2, q_len, kv_len, 40)
         want = core.reference(q, k, v)
         keep = np.broadcast_to(np.arange(kv_len) >= 1, (batch, q_len, kv_len))
         np.testing.assert_allclose(want, sdpa(q, k, v, np.ascontiguousarray(keep), scale=0.7),
@@ -158,16 +169,20 @@ def test_compiled_cross_attention_lengths_and_custom_mask(cross_core, rng):
         assert_close(module(q, k, v), want)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16",
+                                                             marks=pytest.mark.slow)])
 def test_compiled_half_precision(rng, dtype):
     core = mhagen.attention_core(4, 16, kv_heads=1, causal=True, dtype=dtype)
-    module = mhagen.build(core, "x86")
+    module = mhagen.build(core, "x86", lazy=True)
     tdtype = getattr(torch, dtype)
     for q_len, kv_len in ((1, 20), (6, 6)):
         q, k, v = (torch.from_numpy(a).to(tdtype) for a in qkv(rng, 2, 4, 1, q_len, kv_len, 16))
         got = module(q, k, v)
         assert got.dtype == tdtype
         assert_close(got.float().numpy(), core.reference(q, k, v), dtype)
+    assert sorted(module.texts) == ["core_prefill", "core_step"]   # compiled when called
+    # prompts past the prefill kernel's block table (max_seq_len, default 4096) run `core`
+    assert [module.kernel_for(1, n, n) for n in (4096, 4097)] == ["core_prefill", "core"]
 
 
 # -- refusals ---------------------------------------------------------------------------------
@@ -200,24 +215,26 @@ def test_bad_builds_are_refused():
 
 def test_bad_calls_are_refused(padded_core, cross_core, rng):
     core, module = padded_core
-    q, k, v = qkv(rng, 2, 4, 2, 3, 5, 40)
-    with pytest.raises(InputError, match=r"q has shape \(2, 3, 3, 40\)"):
+    q, k, v = qkv(rng, 2, 4, 2, 3, 5, 32)
+    with pytest.raises(InputError, match=r"q has shape \(2, 3, 3, 32\)"):
         module(q[:, :3], k, v)
     with pytest.raises(InputError, match="k .* and v .* differ"):
         module(q, k, v[:, :, :4])
     with pytest.raises(InputError, match="q_len 3 > kv_len 2"):
         module(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(InputError, match="seq_len 129 is beyond this module's max_seq_len=128"):
+        module(*qkv(rng, 1, 4, 2, 129, 129, 32))
     with pytest.raises(InputError, match=r"kv_lens must lie in 0..5"):
         module(q, k, v, kv_lens=[6, 5])
     with pytest.raises(InputError, match=r"kv_starts must be integers of shape \(2,\)"):
         module(q, k, v, kv_starts=[0])
     with pytest.raises(InputError, match="out= must be"):
-        module(q, k, v, out=np.empty((2, 3, 4, 40), np.float64))
+        module(q, k, v, out=np.empty((2, 3, 4, 32), np.float64))
     with pytest.raises(InputError, match="inference-only"):
         module(torch.from_numpy(q).requires_grad_(), torch.from_numpy(k), torch.from_numpy(v))
     with pytest.raises(InputError, match="pass q, k and v alike"):
         module(torch.from_numpy(q), k, v)
     _, cross = cross_core
-    q, k, v = qkv(rng, 1, 2, 2, 3, 5, 16)
+    q, k, v = qkv(rng, 1, 2, 2, 3, 5, 40)
     with pytest.raises(InputError, match="takes no key lengths"):
         cross(q, k, v, kv_lens=[5])

@@ -39,11 +39,14 @@ import threading
 
 import numpy as np
 
+import mhagen
 from mhagen.errors import GraphError, InputError
+from mhagen.target import resolve
 
 NAME = "mhagen"
 _STATE = {"target": "x86"}
 _BUILDS: dict = {}          # (core key, target) -> CoreModule
+_BY_CALL: dict = {}         # a call's raw options -> the CoreModule they make (no checks)
 _BUILD_LOCK = threading.Lock()
 _MASKS: list = []           # recent masks' readings: (mask, version, key, reading)
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -64,7 +67,6 @@ def register(name: str = NAME, target="x86") -> str:
     from transformers.masking_utils import sdpa_mask
     if not isinstance(name, str) or not name:
         raise GraphError(f"register() takes a name for attn_implementation, got {name!r}")
-    from mhagen.target import resolve
     _STATE["target"] = resolve(target)
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)
@@ -140,23 +142,25 @@ def _window(sliding_window):
 
 def core_for(heads: int, kv_heads: int, head_dim: int, dtype: str, causal: bool,
              window: int | None, scaling: float | None, softcap: float | None):
-    """The compiled core of one configuration (built on first use, then shared by every
-    layer and model that asks for the same one)."""
-    import mhagen
+    """The compiled core of one configuration (built on first use, its kernels compiled as
+    calls need them, then shared by every layer and model that asks for the same one)."""
+    target = _STATE["target"]
+    call = (heads, kv_heads, head_dim, dtype, causal, window, scaling, softcap, id(target))
+    built = _BY_CALL.get(call)
+    if built is not None:
+        return built
     scale = 1.0 / math.sqrt(head_dim) if scaling is None else float(scaling)
     core = mhagen.attention_core(
         heads, head_dim, kv_heads=kv_heads, causal=causal,
         window=window if causal else None, scale=scale,
         score_mod=None if softcap is None else mhagen.softcap(float(softcap)),
         key_padding=True, dtype=dtype, name="hf_attention")
-    target = _STATE["target"]
     key = (core.key(), getattr(target, "name", target))
-    built = _BUILDS.get(key)
-    if built is None:
-        with _BUILD_LOCK:
-            built = _BUILDS.get(key)
-            if built is None:
-                built = _BUILDS[key] = mhagen.build(core, _STATE["target"])
+    with _BUILD_LOCK:
+        built = _BUILDS.get(key)
+        if built is None:
+            built = _BUILDS[key] = mhagen.build(core, target, lazy=True)
+        _BY_CALL[call] = built
     return built
 
 
