@@ -127,6 +127,37 @@ def test_bert_right_padding():
                         output(ours, input_ids=IDS, attention_mask=mask)) < 1e-4
 
 
+def test_static_cache_and_a_chunk_after_the_prompt():
+    """A static cache hands all its slots, the unwritten ones past the queries too (read
+    off the mask and left out); new tokens in a chunk after a cached prompt see it
+    bottom-right."""
+    ref, ours = pair(tf.LlamaForCausalLM, tf.LlamaConfig(**TINY))
+    kw = dict(attention_mask=LEFT, max_new_tokens=4, do_sample=False, pad_token_id=0,
+              cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ref.generate(IDS, **kw), ours.generate(IDS, **kw))
+        caches = [m(IDS[:, :8], attention_mask=LEFT[:, :8], use_cache=True).past_key_values
+                  for m in (ref, ours)]
+        want, got = (m(IDS[:, 8:], attention_mask=LEFT, cache=c).logits
+                     for m, c in zip((ref, ours), caches))
+    assert max_diff(want, got) < 1e-4
+
+
+def test_gpt2_cross_attention_to_a_padded_encoder_output():
+    """Cross-attention: no positions (queries may outnumber the keys), the encoder's
+    padding read off its mask."""
+    config = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                           add_cross_attention=True, bos_token_id=0, eos_token_id=0)
+    ref, ours = pair(tf.GPT2LMHeadModel, config)
+    encoded = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 5:] = 0
+    for n in (12, 4):
+        inputs = dict(input_ids=IDS[:, :n], encoder_hidden_states=encoded,
+                      encoder_attention_mask=padding)
+        assert max_diff(output(ref, **inputs), output(ours, **inputs)) < 1e-4
+
+
 def test_bfloat16_model_within_its_tolerance():
     ref, ours = pair(tf.LlamaForCausalLM, tf.LlamaConfig(**TINY))
     ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
@@ -197,8 +228,15 @@ def test_mask_reading(llama):
                for s in ((2, 4, 6, 16), (2, 2, 6, 16), (2, 2, 6, 16)))
     keep = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
     keep[1, :, :, :2] = False
-    causal, window, starts, ends = interface.read_mask(keep, 2, 6, 6, True, None)
-    assert (causal, window, starts.tolist(), ends.tolist()) == (True, None, [0, 2], [6, 6])
+    causal, window, starts, ends, keys = interface.read_mask(keep, 2, 6, 6, True, None)
+    assert (causal, window, starts.tolist(), ends.tolist(), keys) == (True, None, [0, 2],
+                                                                      [6, 6], 6)
+    # a static cache's prompt: 4 slots past the queries, hidden from all of them
+    slots = torch.cat([keep, torch.zeros(2, 1, 6, 4, dtype=torch.bool)], dim=-1)
+    assert interface.read_mask(slots, 2, 6, 10, True, None)[4] == 6
+    # a sliding window of 3 on top of left padding
+    band = keep & (torch.arange(6)[:, None] - torch.arange(6)[None, :] < 3)
+    assert interface.read_mask(band, 2, 6, 6, True, 3)[:2] == (True, 3)
     floats = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
     got = interface.attention(attn, q, k, v, floats)[0]
     assert torch.equal(got, interface.attention(attn, q, k, v, keep)[0])

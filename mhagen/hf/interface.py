@@ -48,7 +48,8 @@ _STATE = {"target": "x86"}
 _BUILDS: dict = {}          # (core key, target) -> CoreModule
 _BY_CALL: dict = {}         # a call's raw options -> the CoreModule they make (no checks)
 _BUILD_LOCK = threading.Lock()
-_MASKS: list = []           # recent masks' readings: (mask, version, key, reading)
+_MASKS: list = []           # recent masks' readings: (mask, version, layer, reading)
+_MASK_LOCK = threading.Lock()
 _DTYPES = ("float32", "float16", "bfloat16")
 _REFUSED_KWARGS = {
     "position_bias": "a position bias added to the scores (T5-style relative attention)",
@@ -105,8 +106,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
             # sdpa's case too: a static cache's prefill, keys past the prompt not written
             key, value = key[:, :, :q_len], value[:, :, :q_len]
     else:
-        causal, window, starts, ends = read_mask(attention_mask, query.shape[0], q_len,
-                                                 kv_len, causal, window)
+        causal, window, starts, ends, keys = read_mask(attention_mask, query.shape[0], q_len,
+                                                       kv_len, causal, window)
+        if keys < kv_len:     # keys no query sees: a static cache's unwritten slots
+            key, value = key[:, :, :keys], value[:, :, :keys]
     core_module = core_for(query.shape[1], key.shape[1], query.shape[3], dtype, causal,
                            window, scaling, softcap)
     return core_module(query, key, value, kv_lens=ends, kv_starts=starts), None
@@ -172,12 +175,15 @@ def builds() -> dict:
 # -- reading Hugging Face's masks -----------------------------------------------------------
 
 def read_mask(mask, batch: int, q_len: int, kv_len: int, causal: bool, window):
-    """(causal, window, kv_starts, kv_lens) that reproduce a 4-D attention mask [batch or 1,
-    heads or 1, q_len, kv_len] exactly: the layer's own pattern (causal with its window,
-    bottom-right) first, then plain causal, then full attention, each with per-row key
-    bounds [kv_starts[b], kv_lens[b]) read from the keys any query sees. InputError for a
-    mask no such reading reproduces. The layers of one forward share their mask: its
-    reading is kept (and checked unchanged by its version counter)."""
+    """(causal, window, kv_starts, kv_lens, keys) that reproduce a 4-D attention mask [batch
+    or 1, heads or 1, q_len, kv_len] exactly over the first `keys` keys (the rest hidden
+    from every query): the layer's own pattern (causal with its window, bottom-right: the
+    queries are the last q_len of the `keys` positions) first, then plain causal, then full
+    attention, each with per-row key bounds [kv_starts[b], kv_lens[b]) read from the keys
+    any query sees; over all kv_len keys first, then up to the last key any query sees (a
+    static cache holds slots not written yet, past the queries). InputError for a mask no
+    such reading reproduces. The layers of one forward share their mask: its reading is
+    kept (and checked unchanged by its version counter)."""
     import torch
     if not isinstance(mask, torch.Tensor):
         raise InputError(f"attn_implementation='mhagen' reads boolean or 0/-inf mask "
@@ -185,12 +191,14 @@ def read_mask(mask, batch: int, q_len: int, kv_len: int, causal: bool, window):
                          "interface with mhagen.hf.register(), which also registers its "
                          "mask function)")
     layer = (bool(causal), window)
-    for held, version, held_layer, reading in _MASKS:
-        if held is mask and version == mask._version and held_layer == layer:
-            return reading
+    with _MASK_LOCK:
+        for held, version, held_layer, reading in _MASKS:
+            if held is mask and version == mask._version and held_layer == layer:
+                return reading
     reading = _read(mask, batch, q_len, kv_len, causal, window)
-    _MASKS.insert(0, (mask, mask._version, layer, reading))
-    del _MASKS[4:]
+    with _MASK_LOCK:
+        _MASKS.insert(0, (mask, mask._version, layer, reading))
+        del _MASKS[4:]
     return reading
 
 
@@ -215,17 +223,19 @@ def _read(mask, batch, q_len, kv_len, causal, window):
     starts = torch.where(has, first, 0).to(torch.int32)
     ends = torch.where(has, last, 0).to(torch.int32)
     kv_idx = torch.arange(kv_len)
-    q_pos = (kv_len - q_len + torch.arange(q_len))[:, None]
     bounds = (kv_idx >= starts[:, None]) & (kv_idx < ends[:, None])      # [batch, kv_len]
-    candidates = [(causal, window), (True, None), (False, None)]
-    for is_causal, win in dict.fromkeys(candidates):
-        pattern = torch.ones(q_len, kv_len, dtype=torch.bool)
-        if is_causal:
-            pattern = kv_idx[None, :] <= q_pos
-            if win is not None:
-                pattern = pattern & (q_pos - kv_idx[None, :] < win)
-        if torch.equal(pattern[None] & bounds[:, None, :], visible):
-            return is_causal, win, starts.numpy(), ends.numpy()
+    candidates = list(dict.fromkeys([(causal, window), (True, None), (False, None)]))
+    seen_keys = int(ends.max()) if bool(has.any()) else kv_len
+    for keys in dict.fromkeys([kv_len, max(seen_keys, q_len)]):
+        q_pos = (keys - q_len + torch.arange(q_len))[:, None]
+        for is_causal, win in candidates:
+            pattern = torch.ones(q_len, kv_len, dtype=torch.bool)
+            if is_causal:
+                pattern = kv_idx[None, :] <= q_pos
+                if win is not None:
+                    pattern = pattern & (q_pos - kv_idx[None, :] < win)
+            if torch.equal(pattern[None] & bounds[:, None, :], visible):
+                return is_causal, win, starts.numpy(), ends.numpy(), keys
     raise InputError(
         "attention_mask is neither causal, sliding-window nor full attention with padding "
         "(each batch row seeing one contiguous range of keys), so "
