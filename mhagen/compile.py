@@ -11,10 +11,12 @@ from mhagen.core_module import CoreModule
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 from mhagen.lower import lower
+from mhagen.lower.core import lower_core
 from mhagen.maps import maps_graph
 from mhagen.module import BuildInfo, Module
 from mhagen.records.database import Database, Tuning
 from mhagen.schedules import schedule_kernel
+from mhagen.schedules.cpu.core import core_rule
 from mhagen.target import resolve
 
 
@@ -121,9 +123,9 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
                   kv_seq_len=kv_seq_len, compile_maps=compile_maps)
 
 
-def build_core(core, target="x86", *, weights=None, tuning="auto",
+def build_core(core, target="x86", *, weights=None,
                max_batch: int | None = None, max_seq_len: int | None = None,
-               max_kv_seq_len: int | None = None, lazy: bool = False, **ignored):
+               max_kv_seq_len: int | None = None, lazy: bool = False, **unknown):
     """Compile an attention core (mhagen.attention_core) for `target` into a CoreModule
     (mhagen/core_module.py): kernels for single queries (decoding steps), for prompts
     (q_len == kv_len, up to max_seq_len: the prefill template's block table, default 4096)
@@ -132,15 +134,13 @@ def build_core(core, target="x86", *, weights=None, tuning="auto",
     kernel compiled on its first call instead (what mhagen.hf's interface does: a model
     that only decodes or only encodes compiles one or two). A core has no weights; it runs
     its templates' default configs (no tuning records)."""
-    from mhagen.lower.core import lower_core
-    from mhagen.schedules.cpu.core import core_rule
     if weights is not None:
         raise GraphError("an attention core has no weights (q, k and v come projected): "
                          "drop weights=")
-    unknown = sorted(k for k in ignored if k not in ("batch", "seq_len", "kv_seq_len", "fuse"))
     if unknown:
         raise GraphError(f"build() of an attention core takes max_batch, max_seq_len, "
-                         f"max_kv_seq_len and lazy; got {', '.join(unknown)}")
+                         f"max_kv_seq_len and lazy (every batch and length runs); got "
+                         f"{', '.join(sorted(unknown))}")
     limits = {name: positive_int(name, value) for name, value in
               (("max_batch", max_batch), ("max_seq_len", max_seq_len),
                ("max_kv_seq_len", max_kv_seq_len)) if value is not None}

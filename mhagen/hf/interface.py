@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import numpy as np
 
@@ -48,7 +49,7 @@ _STATE = {"target": "x86"}
 _BUILDS: dict = {}          # (core key, target) -> CoreModule
 _BY_CALL: dict = {}         # a call's raw options -> the CoreModule they make (no checks)
 _BUILD_LOCK = threading.Lock()
-_MASKS: list = []           # recent masks' readings: (mask, version, layer, reading)
+_MASKS: list = []           # recent masks' readings: (weakref, version, layer, reading)
 _MASK_LOCK = threading.Lock()
 _DTYPES = ("float32", "float16", "bfloat16")
 _REFUSED_KWARGS = {
@@ -193,11 +194,11 @@ def read_mask(mask, batch: int, q_len: int, kv_len: int, causal: bool, window):
     layer = (bool(causal), window)
     with _MASK_LOCK:
         for held, version, held_layer, reading in _MASKS:
-            if held is mask and version == mask._version and held_layer == layer:
+            if held() is mask and version == mask._version and held_layer == layer:
                 return reading
     reading = _read(mask, batch, q_len, kv_len, causal, window)
-    with _MASK_LOCK:
-        _MASKS.insert(0, (mask, mask._version, layer, reading))
+    with _MASK_LOCK:     # weakly: a forward's masks are freed with it
+        _MASKS.insert(0, (weakref.ref(mask), mask._version, layer, reading))
         del _MASKS[4:]
     return reading
 
