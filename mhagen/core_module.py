@@ -8,7 +8,8 @@ q, k and v are read where they lie, with their own strides (only head_dim must b
 contiguous): torch CPU tensors go to the kernels through DLPack, never copied (a transposed
 view included), and the answer is a torch tensor then; numpy arrays likewise, answered in
 numpy. Other inputs (lists, other dtypes, a tensor whose head_dim is strided) are converted
-first (mhagen/inputs.py). Calling needs TVM's runtime library only.
+first (mhagen/inputs.py). Calling a built module needs TVM's runtime library only; a lazy one
+(mhagen.build(core, lazy=True)) compiles each kernel on its first call.
 
 The module owns the partial results' temporaries (sized for the largest call so far), so
 calls take a lock: one at a time.
@@ -25,7 +26,6 @@ from mhagen.errors import InputError, TargetError
 from mhagen.inputs import argument
 
 _INT32_MAX = 2 ** 31 - 1
-_TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 class CoreModule:
@@ -110,6 +110,9 @@ class CoreModule:
         result = self._output(out, shape, torch_in)
         if batch == 0 or q_len == 0:
             return result
+        if kv_len == 0:           # no key to see: every row gives zeros
+            result[...] = 0
+            return result
         for name, a in (("q", q), ("k", k), ("v", v)):
             _check_span(name, a)
         with self._lock:
@@ -173,12 +176,12 @@ class CoreModule:
                 raise InputError(f"{name} requires grad; mhagen is inference-only: pass "
                                  f"{name}.detach() or call under torch.no_grad()/"
                                  "torch.inference_mode()")
-            want = getattr(torch, _TORCH_DTYPES[self.core.dtype])
+            want = getattr(torch, self.core.dtype)
             if a.dtype != want and a.is_floating_point():
                 a = a.to(want)
             if a.dtype != want:
                 raise InputError(f"{name} is a torch {a.dtype} tensor; pass real numbers "
-                                 f"({name}.to(torch.{_TORCH_DTYPES[self.core.dtype]}))")
+                                 f"({name}.to(torch.{self.core.dtype}))")
             if a.dim() == 4 and a.stride(-1) != 1 and a.shape[-1] > 1:
                 a = a.contiguous()
             return a.detach()
@@ -195,12 +198,12 @@ class CoreModule:
         if out is None:
             if torch_in:
                 import torch
-                return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[self.core.dtype]))
+                return torch.empty(shape, dtype=getattr(torch, self.core.dtype))
             return aligned_empty(shape, self.dtype)
         want = f"a C-contiguous {self.core.dtype} array or tensor of shape {shape}"
         if _is_torch(out):
             import torch
-            ok = (out.dtype == getattr(torch, _TORCH_DTYPES[self.core.dtype])
+            ok = (out.dtype == getattr(torch, self.core.dtype)
                   and tuple(out.shape) == shape and out.is_contiguous()
                   and out.device.type == "cpu")
         else:

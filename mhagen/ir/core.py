@@ -25,7 +25,6 @@ compiled module is mhagen/core_module.py, its kernels schedules/cpu/core.py.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,7 +192,3 @@ class AttentionCore:
     @property
     def numpy_dtype(self) -> np.dtype:
         return numpy_dtype(self.dtype)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -45,14 +45,14 @@ from mhagen.schedules.cpu.attention_kernel import (ON_STACK, finish_macro, key_b
 from mhagen.schedules.cpu.attention_layout import KernelLayout, kernel_layout
 from mhagen.schedules.cpu.attention_tiles import default_tiles
 from mhagen.schedules.cpu.decode_kernel import task_macros
-from mhagen.workloads import AttentionWorkload
 from mhagen.schedules.cpu.decode_params import DecodeParams
-from mhagen.schedules.cpu.decode_tiles import (DecodeConfig, default_decode_config,
-                                               keys_in_flight, rows_in_lanes)
+from mhagen.schedules.cpu.decode_tiles import (default_decode_config, keys_in_flight,
+                                               rows_in_lanes)
 from mhagen.schedules.cpu.fast_math import EXP2_HELPER, SCORE_MATH, f32
 from mhagen.schedules.tvmscript import cheap_stack
 from mhagen.schedules.x86 import denormals
 from mhagen.schedules.x86.bf16_dot import with_llvm_ir
+from mhagen.workloads import AttentionWorkload
 
 
 def core_rule(backend):
@@ -136,7 +136,7 @@ class CoreScoreRules(ScoreRules):
         return cond if self.starts is None else tirx.all(cond, kj >= self.starts[b])
 
 
-def core_params(w, cfg, registers, flush, rules, scalars) -> CoreParams:
+def core_params(w, cfg, registers, flush, scalars) -> CoreParams:
     """The params record of core workload w under cfg (scalars: the call's batch, q_len,
     kv_len vars; q_len is 1 in a step kernel)."""
     B, S_var, KV = scalars
@@ -164,7 +164,7 @@ def build_core(w, cfg, registers=16, flush=False):
     scalars = tuple(tirx.Var(n, "int32") for n in ("batch", "seq", "kv_seq"))
     rules = CoreScoreRules(w, SCORE_MATH, scalars[0], 1 if w.step else scalars[1], scalars[2],
                            w.key_padding)
-    prm = core_params(w, cfg, registers, flush, rules, scalars)
+    prm = core_params(w, cfg, registers, flush, scalars)
     with cheap_stack():
         func = _core_function(prm, rules)
     extra = ([rules.starts] if rules.starts is not None else []) + [b for _, b in rules.tables]
