@@ -9,11 +9,12 @@ prepare_tvm_threads()   # TVM sizes its thread pool once: set TVM_NUM_THREADS be
 
 # isort: split
 from mhagen.artifact.load import LoadedArtifact, read_artifact
-from mhagen.dsl import mha
+from mhagen.dsl import attention_core, mha
 from mhagen.errors import ArtifactError, GraphError, InputError, MhagenError, TargetError
 from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, kv_len, maximum,
                        minimum, q_idx, q_len, relative_bias, rotary, score, sliding_window,
                        softcap, table, tanh, verify, where)
+from mhagen.ir.core import AttentionCore
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
 from mhagen.module import Module
@@ -26,7 +27,11 @@ from mhagen.weights import load_weights, save_weights, weights_from_torch
 
 
 def build(layer, target="x86", *, batch=1, seq_len=128, weights=None, **options):
-    """Compile `layer` for `target` at [batch, seq_len]; returns a callable mhagen.module.Module."""
+    """Compile `layer` for `target` at [batch, seq_len]; returns a callable mhagen.module.Module
+    (an attention core, mhagen.attention_core: a CoreModule for every batch and length)."""
+    if isinstance(layer, AttentionCore):
+        from mhagen.compile import build_core
+        return build_core(layer, target, weights=weights, **options)
     from mhagen.compile import build as _build
     return _build(layer, target, batch=batch, seq_len=seq_len, weights=weights, **options)
 
@@ -63,4 +68,5 @@ __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", 
            "kv_len", "kv_lens_from_mask", "load",
            "max_error", "maximum", "mha", "minimum", "q_idx", "q_len", "relative_bias",
            "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
-           "weights_from_torch", "where", "load_weights", "save_weights"]
+           "weights_from_torch", "where", "load_weights", "save_weights",
+           "attention_core"]

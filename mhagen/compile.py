@@ -7,13 +7,16 @@ import time
 import tvm
 
 from mhagen.checks import positive_int
+from mhagen.core_module import CoreModule
 from mhagen.errors import GraphError
 from mhagen.ir.graph import Graph
 from mhagen.lower import lower
+from mhagen.lower.core import lower_core
 from mhagen.maps import maps_graph
 from mhagen.module import BuildInfo, Module
 from mhagen.records.database import Database, Tuning
 from mhagen.schedules import schedule_kernel
+from mhagen.schedules.cpu.core import core_rule
 from mhagen.target import resolve
 
 
@@ -118,6 +121,54 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
                      device_code=device)
     return Module(layer, t, batch, seq_len, program, executable.mod, weights=weights, info=info,
                   kv_seq_len=kv_seq_len, compile_maps=compile_maps)
+
+
+def build_core(core, target="x86", *, weights=None,
+               max_batch: int | None = None, max_seq_len: int | None = None,
+               max_kv_seq_len: int | None = None, lazy: bool = False, **unknown):
+    """Compile an attention core (mhagen.attention_core) for `target` into a CoreModule
+    (mhagen/core_module.py): kernels for single queries (decoding steps), for prompts
+    (q_len == kv_len, up to max_seq_len: the prefill template's block table, default 4096)
+    and for any other q_len, all for every batch and kv_len. max_batch, max_seq_len
+    (q_len), max_kv_seq_len: limits the calls are checked against, when given. lazy: each
+    kernel compiled on its first call instead (what mhagen.hf's interface does: a model
+    that only decodes or only encodes compiles one or two). A core has no weights; it runs
+    its templates' default configs (no tuning records)."""
+    if weights is not None:
+        raise GraphError("an attention core has no weights (q, k and v come projected): "
+                         "drop weights=")
+    if unknown:
+        raise GraphError(f"build() of an attention core takes max_batch, max_seq_len, "
+                         f"max_kv_seq_len and lazy (every batch and length runs); got "
+                         f"{', '.join(sorted(unknown))}")
+    limits = {name: positive_int(name, value) for name, value in
+              (("max_batch", max_batch), ("max_seq_len", max_seq_len),
+               ("max_kv_seq_len", max_kv_seq_len)) if value is not None}
+    t = resolve(target)
+    start = time.perf_counter()
+    backend = t.backend()
+    rule = core_rule(backend)
+    program = lower_core(core, rule, backend, limits.get("max_batch", 64),
+                         limits.get("max_seq_len", 4096),
+                         limits.get("max_kv_seq_len", limits.get("max_seq_len", 4096)))
+
+    def scheduled(kernel):
+        func = backend.finalize(rule.build(kernel.workload, kernel.config, t))
+        backend.verify(kernel, func)
+        return func.with_attr("global_symbol", kernel.name)
+
+    def compile_kernel(kernel, texts):
+        mod = tvm.IRModule({kernel.name: scheduled(kernel)})
+        texts[kernel.name] = mod.script()
+        return tvm.compile(mod, target=t.tvm).mod[kernel.name]
+
+    if lazy:
+        return CoreModule(core, t, program, limits=limits, compile_kernel=compile_kernel,
+                          compile_seconds=time.perf_counter() - start)
+    mod = tvm.IRModule({k.name: scheduled(k) for k in program.kernels})
+    library = tvm.compile(mod, target=t.tvm).mod
+    return CoreModule(core, t, program, library, texts={"tir": mod.script()},
+                      compile_seconds=time.perf_counter() - start, limits=limits)
 
 
 def compile_maps(graph: Graph, target, batch: int, seq_len: int) -> Module:

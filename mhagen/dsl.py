@@ -11,7 +11,8 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.ir.heads import kv_head_map
-from mhagen.ir.verify import check_dtype, check_head_tables
+from mhagen.ir.core import AttentionCore
+from mhagen.ir.verify import _check_mask, _check_score_mod, check_dtype, check_head_tables
 
 
 def _divisors(n):
@@ -109,6 +110,87 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                            cache_dtype=cache_dtype))
     g.shapes()
     return g
+
+
+def attention_core(num_heads: int, head_dim: int, *, kv_heads: int | None = None,
+                   causal: bool = False, window: int | None = None,
+                   mask: ex.Expr | None = None, score_mod=None, scale: float | None = None,
+                   key_padding: bool = False, dtype: str = "float32",
+                   name: str = "attention_core") -> AttentionCore:
+    """The attention core alone: query, key and value heads in, the heads' outputs out, no
+    projections (what Hugging Face's attention interface and torch's
+    scaled_dot_product_attention compute). Per query head h, with g = h // (num_heads //
+    kv_heads): softmax(mask(score_mod(Q_h K_g^T * scale))) V_g.
+
+    Inputs q [batch, num_heads, q_len, head_dim], k and v [batch, kv_heads, kv_len,
+    head_dim] (any strides with head_dim contiguous; kv_len >= q_len); output [batch, q_len,
+    num_heads, head_dim]. The queries are the last q_len positions (q_idx = kv_len - q_len +
+    t: bottom-right, as a decoder's new tokens after its cached ones).
+
+    Args:
+        num_heads, head_dim: query heads H and their width d.
+        kv_heads: K/V heads (grouped-query attention); must divide num_heads; default H.
+        causal: query at q_idx sees keys kv_idx <= q_idx.
+        window: a sliding window (causal only): keys with q_idx - kv_idx < window
+            (Hugging Face's `sliding_window`).
+        mask: any other boolean mask expression of batch, head, q_idx, kv_idx, q_len,
+            kv_len, combined by &.
+        score_mod: a score modifier (e.g. mhagen.softcap(50.0)) or a list of them, applied
+            to the scaled score before the mask.
+        scale: the score scale, default 1/sqrt(head_dim) (a model's `scaling`); a finite
+            positive number.
+        key_padding: the call may give kv_lens and kv_starts ([batch] ints): row b sees
+            keys kv_starts[b] <= j < kv_lens[b] only (left and right padding); kv_len in
+            mask expressions is then kv_lens[b].
+        dtype: of q, k, v and the output: "float32", "float16" or "bfloat16" (computed in
+            float32; the output rounded).
+
+    `mhagen.build(core, target)` compiles it for every batch, q_len and kv_len
+    (mhagen/core_module.py); `core.reference(q, k, v, ...)` is its float64 oracle.
+    """
+    positive_int("num_heads", num_heads)
+    positive_int("head_dim", head_dim)
+    kv_heads = num_heads if kv_heads is None else kv_heads
+    positive_int("kv_heads", kv_heads)
+    if num_heads % kv_heads:
+        raise GraphError(f"kv_heads={kv_heads} does not divide num_heads={num_heads}; choose "
+                         f"kv_heads in {_divisors(num_heads)}")
+    for flag, value in (("causal", causal), ("key_padding", key_padding)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise GraphError(f"{flag}= takes True or False, got {value!r}")
+    if window is not None:
+        positive_int("window", window)
+        if not causal:
+            raise GraphError("window= is a causal sliding window (q_idx - kv_idx < window); "
+                             "pass causal=True too, or write the pattern as mask=")
+    if mask is not None:
+        _check_mask(mask, "attention_core(mask=)")
+    score_mod = _checked_score_mod(score_mod, num_heads)
+    if score_mod is not None:
+        _check_score_mod(score_mod, "attention_core(score_mod=)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.floating,
+                                                                     np.integer)) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise GraphError(f"scale={scale!r} must be a finite positive number (default "
+                         f"1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g})")
+    check_dtype(dtype)
+    options = {"num_heads": num_heads, "head_dim": head_dim, "kv_heads": kv_heads,
+               "causal": bool(causal)}
+    if float(scale) != 1.0 / math.sqrt(head_dim):
+        options["scale"] = float(scale)
+    if window is not None:
+        options["window"] = window
+    for key, expr in (("mask", mask), ("score_mod", score_mod)):
+        if expr is not None:
+            options[key] = repr(expr)
+    if key_padding:
+        options["key_padding"] = True
+    if dtype != "float32":
+        options["dtype"] = dtype
+    return AttentionCore(num_heads, head_dim, kv_heads, float(scale), bool(causal), window,
+                         mask, score_mod, bool(key_padding), dtype, name, options)
 
 
 # -- mha()'s steps: each checks (and normalises) a group of options, in the order mha() asks --

@@ -96,3 +96,29 @@ class ElementwiseWorkload:
     """An element-wise stage; scalar: one value per row (no vector axis to split). Also
     the workload of stages whose rule reads nothing (epilogues, packs)."""
     scalar: bool = False
+
+
+@dataclass(frozen=True)
+class CoreWorkload:
+    """An attention core's kernel (mhagen/ir/core.py: q, k, v as a model hands them over),
+    as the core template (schedules/cpu/core.py) reads it. batch, seq, kv_seq: the largest
+    call's (the kernel takes the call's; seq is 1 exactly in a `step` kernel); heads,
+    kv_heads, head_dim as the core's, head_dim_padded: the template's rows of O; mask: the
+    core's full mask (and kv_idx < kv_len in a prefill kernel with key padding)."""
+    batch: int
+    seq: int
+    kv_seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    head_dim_padded: int
+    scale: float
+    mask: object = None           # the core's full mask expression, or None
+    score_mod: object = None
+    key_padding: bool = False     # kv_lens and kv_starts per call
+    dtype: str = "float32"        # q, k, v and out
+    step: bool = False            # one query a batch row (seq fixed at 1)
+    prefill: bool = False         # q_len == kv_len, on the prefill template: seq is the
+    #                               largest prompt, the block table's extent
+    table_batch: int = 1          # prefill: the block table's batch and head extents
+    table_heads: int = 1

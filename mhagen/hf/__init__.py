@@ -6,12 +6,7 @@
   in mhagen's kernels, with mhagen's K/V cache behind Hugging Face's Cache API
   (mhagen/hf/optimize.py).
 """
-
-
-def register(*args, **kwargs):
-    """Register `attn_implementation="mhagen"` with transformers (mhagen/hf/interface.py)."""
-    from mhagen.hf.interface import register as register_interface
-    return register_interface(*args, **kwargs)
+from mhagen.hf.interface import register  # transformers is imported when it is called
 
 
 def optimize(model, *args, **kwargs):

@@ -34,8 +34,9 @@ def key_block_macro(k, rules):
     KB, MR, MQ, KV_LEN, PAIRS, AMX = k.KB, k.MR, k.MQ, k.KV_LEN, k.PAIRS, k.AMX
 
     @T.macro
-    def key_block(masked, cut, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha, acc,
-                  acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad, vt):
+    def key_block(masked, cut, kv, vv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
+                  acc, acc_o, vec, b, h, g, q0, k0, kv32, q_t32, p32, v32, k_pad, vt):
+        # kv: K's buffer, vv: V's (the same qkv or kv here; the attention core's are two).
         # masked: scores go through the mask (PARTIAL blocks). cut: the block runs past the
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
@@ -59,7 +60,7 @@ def key_block_macro(k, rules):
         online_softmax(n_rows, n_zipped, s_buf, m_buf, l_buf, m_new, alpha, vec, p32)
         if PAIRS:
             zip_values(cut, n_zipped, kv32, v32, b, g, k0)
-        add_values(n_keys, n_pairs, n_rows, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32,
+        add_values(n_keys, n_pairs, n_rows, vv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32, v32,
                    vt)
 
     return key_block
@@ -148,7 +149,7 @@ def copy_queries_macro(k):
 
 def finish_macro(k):
     """finish: out = O / l."""
-    S, d, DP, MQ, AMX, zero = k.S, k.d, k.DP, k.MQ, k.AMX, k.zero
+    S, d, DP, MQ, AMX, zero, out_value = k.S, k.d, k.DP, k.MQ, k.AMX, k.zero, k.out_value
 
     @T.macro
     def finish(o_buf, o_rows, l_buf, vec, out, b, h, q0):
@@ -164,7 +165,7 @@ def finish_macro(k):
             if q0 + i < S:
                 vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                 for j in range(d):
-                    out[b * S + q0 + i, h * d + j] = o_final[i, j] * vec[0, 0]
+                    out[b * S + q0 + i, h * d + j] = out_value(o_final[i, j] * vec[0, 0])
 
     return finish
 
@@ -227,16 +228,16 @@ def body_macro(k, rules):
             for kb in range(NK):
                 state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
                 if state == FULL:
-                    key_block(False, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
+                    key_block(False, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
                               alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
                               p32, v32, k_pad, vt)
                 elif state == PARTIAL:
                     if kb * KB + KB <= KV_LEN:
-                        key_block(True, False, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
+                        key_block(True, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
                                   q_t32, p32, v32, k_pad, vt)
                     else:
-                        key_block(True, True, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
+                        key_block(True, True, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
                                   m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
                                   q_t32, p32, v32, k_pad, vt)
             finish(o_buf, o_rows, l_buf, vec, out, b, h, q0)

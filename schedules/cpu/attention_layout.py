@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvm.script import tirx as T
+
 from mhagen.lower.te import LOG2E
 from mhagen.schedules.x86 import amx
 from mhagen.schedules.cpu.fast_math import f32
@@ -108,6 +110,17 @@ class KernelLayout:
             return kv32[(K_BASE + g * DP) // PW + cp, row, ci2]
         c = cp * self.CW + 2 * ci2
         return kv32[(K_BASE + g * DP + c) // PW, row, (K_BASE + g * DP + c) % PW // 2]
+
+    def v_lane(self, vv, g, co, row, cc):
+        """Lane cc of P V's vector co (NV head columns) of V head g at `row` of vv (qkv or
+        kv, column panels of PW), as float32. The attention core (schedules/cpu/core.py)
+        reads its own value tensor instead."""
+        col = self.V_BASE + g * self.DP + co * self.NV
+        return T.Cast("float32", vv[col // self.PW, row, col % self.PW + cc])
+
+    def out_value(self, value):
+        """An output value (float32) as out stores it."""
+        return value
 
     def score(self, x):
         """A tile's accumulator in log2 units, or unscaled (LATE_SCALE) (pairs, AMX: Q^T is

@@ -23,8 +23,8 @@ def value_macros(k, rules):
 
 def pv_tile_macro(k, rules):
     """pv_tile: one P V register tile."""
-    key_row = rules.key_row
-    DP, PW, LN, NV, V_BASE, PAIRS = k.DP, k.PW, k.LN, k.NV, k.V_BASE, k.PAIRS
+    key_row, v_lane = rules.key_row, k.v_lane
+    LN, NV, PAIRS = k.LN, k.NV, k.PAIRS
 
     @T.macro
     def pv_tile(rows, r0, co, n_keys, n_pairs, kv, s_buf, o_buf, alpha, acc_o, b, g, k0, p32,
@@ -45,10 +45,8 @@ def pv_tile_macro(k, rules):
             for j in range(n_keys):
                 for ii in T.unroll(rows):
                     for cc in T.vectorized(NV):
-                        acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, r0 + ii] * T.Cast(
-                            "float32", kv[(V_BASE + g * DP + co * NV) // PW,
-                                          key_row(b, k0 + j, False),
-                                          (V_BASE + g * DP + co * NV) % PW + cc])
+                        acc_o[ii, cc] = acc_o[ii, cc] + s_buf[j, r0 + ii] * v_lane(
+                            kv, g, co, key_row(b, k0 + j, False), cc)
         for ii in T.unroll(rows):
             for cc in T.vectorized(NV):
                 o_buf[r0 + ii, co * NV + cc] = acc_o[ii, cc]

@@ -30,7 +30,7 @@ def block_macros(prm, rules):
 def lanes_block_macro(prm, rules):
     """block_rows_in_lanes: a key block for a tile's rows in the vector lanes."""
     _, _, _, add_values, rescaled_row, stored_row = row_macros(prm)
-    loaded = prm.loaded
+    loaded, q_pos = prm.loaded, prm.q_pos
     KB, JU, RT, R, S, N, d = prm.KB, prm.JU, prm.RT, prm.R, prm.S, prm.N, prm.d
     GROUP, neg_inf, zero = prm.GROUP, prm.neg_inf, prm.zero
 
@@ -54,7 +54,7 @@ def lanes_block_macro(prm, rules):
                 for r in range(RT):
                     row = T.min(rt * RT + r, R - 1)
                     h = g * GROUP + row // S
-                    qpos = cache_lens[b] + row % S
+                    qpos = q_pos(cache_lens, b, row % S)
                     kv = k0 + jo * JU + u
                     sr[jo * JU + u, r] = scored(sacc[u, r], b, h, qpos, kv, kv_len)
 
@@ -100,6 +100,7 @@ def lanes_block_macro(prm, rules):
 def row_block_macro(prm, rules):
     """block_rows: a key block for a tile's rows one by one, lanes along head_dim."""
     lane_sum, lane_max, dot_rows, add_values, rescaled_row, stored_row = row_macros(prm)
+    q_pos = prm.q_pos
     KB, RT, R, S, N, LN = prm.KB, prm.RT, prm.R, prm.S, prm.N, prm.LN
     GROUP, neg_inf, zero = prm.GROUP, prm.neg_inf, prm.zero
 
@@ -150,7 +151,7 @@ def row_block_macro(prm, rules):
         for r in range(RT):
             row = T.min(rt * RT + r, R - 1)
             h = g * GROUP + row // S
-            qpos = cache_lens[b] + row % S
+            qpos = q_pos(cache_lens, b, row % S)
             row_scores(qb, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len)
             row_softmax(s_buf, acc, st, ml, r)
             row_values(v_cache, part_o, s_buf, st, o_row, r, b, g, slot, k0)

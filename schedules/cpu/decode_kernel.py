@@ -23,10 +23,9 @@ from mhagen.schedules.cpu.fast_math import exp2
 def piece_macro(prm, rules):
     """piece for record prm (DecodeParams) and the workload's ScoreRules."""
     block_rows_in_lanes, block_rows = block_macros(prm, rules)
-    kv_len_of = prm.kv_len_of
-    RT, R, S, KB, d, LN, QCH, DP, PW = (prm.RT, prm.R, prm.S, prm.KB, prm.d, prm.LN, prm.QCH,
-                                        prm.DP, prm.PW)
-    GROUP, Q_BASE, ROW_LANES, causal = prm.GROUP, prm.Q_BASE, prm.ROW_LANES, prm.causal
+    kv_len_of, q_lane, q_pos = prm.kv_len_of, prm.q_lane, prm.q_pos
+    RT, R, S, KB, d, LN, QCH = prm.RT, prm.R, prm.S, prm.KB, prm.d, prm.LN, prm.QCH
+    GROUP, ROW_LANES, causal = prm.GROUP, prm.ROW_LANES, prm.causal
     c_log2e, neg_inf, zero = prm.c_log2e, prm.neg_inf, prm.zero
 
     @T.macro
@@ -37,8 +36,7 @@ def piece_macro(prm, rules):
             t = row % S
             for ch in range(QCH):
                 for ln in T.vectorized(LN):
-                    qb[r, ch * LN + ln] = qkv[(Q_BASE + h * DP + ch * LN) // PW, b * S + t,
-                                              (Q_BASE + h * DP + ch * LN) % PW + ln] * c_log2e
+                    qb[r, ch * LN + ln] = q_lane(qkv, b, h, t, ch, ln) * c_log2e
             for ch in T.unroll(QCH):
                 for ln in T.vectorized(LN):
                     part_o[slot, r, ch * LN + ln] = zero
@@ -60,7 +58,7 @@ def piece_macro(prm, rules):
         # (last row) % S, one that crosses heads reaches token S - 1)
         last = T.min(rt * RT + RT - 1, R - 1)
         t_last = T.Select((rt * RT) // S == last // S, last % S, S - 1)
-        k_end = T.min(kv_len, cache_lens[b] + t_last + 1) if causal else kv_len
+        k_end = T.min(kv_len, q_pos(cache_lens, b, t_last) + 1) if causal else kv_len
         start_piece(qkv, part_o, qb, ml, qt, b, g, rt, slot)
         for kb in range(first, end):
             k0 = kb * KB
@@ -128,7 +126,7 @@ def worker_macro(prm, rules):
 
 def merge_macro(prm):
     """merge_tile for record prm."""
-    n_blocks = prm.n_blocks
+    n_blocks, out_value = prm.n_blocks, prm.out_value
     B, G, NRT, C, RT, R, S, d = prm.B, prm.G, prm.NRT, prm.C, prm.RT, prm.R, prm.S, prm.d
     DP, LN, QCH, GROUP = prm.DP, prm.LN, prm.QCH, prm.GROUP
     neg_inf, zero = prm.neg_inf, prm.zero
@@ -177,7 +175,7 @@ def merge_macro(prm):
                                                    * part_o[tile + p, r, ch * LN + ln])
                 mg[2] = T.Select(mg[1] > zero, T.float32(1) / mg[1], zero)
                 for c in range(d):
-                    out[b * S + t, h * d + c] = o[c] * mg[2]
+                    out[b * S + t, h * d + c] = out_value(o[c] * mg[2])
 
     return merge_tile
 

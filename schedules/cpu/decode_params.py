@@ -77,6 +77,22 @@ class DecodeParams:
         """Key blocks of batch row b in this call."""
         return (self.kv_len_of(cache_lens, b) + self.KB - 1) // self.KB
 
+    # Where the stages read a query and positions, and how they store an output value:
+    # the attention core (schedules/cpu/core.py) reads its own query tensor instead.
+    def q_lane(self, qkv, b, h, t, ch, ln):
+        """Lane ln of vector ch (LN columns) of query head h, new token t of batch row b:
+        from qkv's column panels (each head padded to DP columns there)."""
+        col = self.Q_BASE + h * self.DP + ch * self.LN
+        return qkv[col // self.PW, b * self.S + t, col % self.PW + ln]
+
+    def q_pos(self, cache_lens, b, t):
+        """The position of new token t of batch row b: after the row's cached keys."""
+        return cache_lens[b] + t
+
+    def out_value(self, value):
+        """An output value (float32) as att stores it."""
+        return value
+
 
 def decode_params(w, cfg, registers, flush, rules):
     """The record of workload w (typed) under cfg; registers: the target's vector registers;
