@@ -294,6 +294,7 @@ def main(argv=None) -> int:
                 else:
                     samples = decode_case(impls, ids, steps, args.rounds, gap_s, label, status)
                     per = 1
+                print(f"{label}: done", file=sys.stderr, flush=True)
                 med = {n: (statistics.median(t for t, _ in s) / per,
                            statistics.median(a for _, a in s) / per)
                        for n, s in samples.items()}

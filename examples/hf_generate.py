@@ -9,7 +9,7 @@ left-padded prompts: the tokens must be the same (exits 1 if not), and each mode
 tokens/s is printed (the median of --repeat timed runs after one warm-up).
 
 Run: python examples/hf_generate.py [--d-model 512] [--layers 4] [--heads 8]
-     [--kv-heads 2] [--prompt 64] [--new-tokens 32] [--batch 1] [--repeat 3]
+     [--kv-heads 2] [--prompt 64] [--new-tokens 32] [--batch 1] [--repeat 3] [--threads N]
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def timed_generate(model, ids, mask, args):
     return out, statistics.median(seconds)
 
 
-def main(argv=None) -> int:
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -78,9 +78,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args(argv)
+    p.add_argument("--threads", type=int, help="torch's and mhagen's threads (default: "
+                   "as they are)")
+    return p.parse_args(argv)
 
-    sdpa, fused, report = make_models(args)
+
+def compare(sdpa, fused, report, args) -> int:
+    """Generate with both models, print tokens/s; 0 when the tokens are the same, else 1."""
     print(report)
     ids, mask = prompts(args)
     expected, sdpa_s = timed_generate(sdpa, ids, mask, args)
@@ -96,6 +100,17 @@ def main(argv=None) -> int:
         return 1
     print("same tokens as HF's sdpa: yes")
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.threads:
+        import torch
+
+        import mhagen
+        torch.set_num_threads(args.threads)
+        mhagen.runtime.set_num_threads(args.threads)
+    return compare(*make_models(args), args)
 
 
 if __name__ == "__main__":
