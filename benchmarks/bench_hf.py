@@ -7,8 +7,8 @@ Models (random configs, float32, batch 1; no downloads):
           widths with 16 heads), --layers layers (default 2)
   gpt2    GPT-2-style: 768 wide, 12 heads, MLP 3072, vocab 50257
   bert    BERT-base width (768, 12 heads, MLP 3072; an encoder: prefill only). optimize runs
-          it where a family covers BertSelfAttention (mhagen/hf/seq2seq.py), else that row
-          says why it is missing
+          it where a family covers BERT's attention (mhagen/hf/seq2seq.py: BertAttention),
+          else that row says why it is missing
 Implementations, each on the same weights:
   hf_eager, hf_sdpa       attn_implementation "eager" / "sdpa" (one model, switched)
   hf_mhagen               attn_implementation="mhagen" (mhagen.hf.interface: the attention
@@ -103,12 +103,18 @@ class AttentionClock:
 
 
 def attention_modules(model) -> list:
-    """The modules optimize replaces (or has replaced): a family's class, a FusedAttention;
-    an encoder's *SelfAttention where no family covers it."""
+    """The outermost modules optimize replaces (or has replaced): a family's class, a
+    FusedAttention; an encoder's *SelfAttention where no family covers it."""
     from mhagen.hf.optimizer import FAMILIES, FusedAttention   # (the families registered)
-    return [m for m in model.modules()
-            if isinstance(m, FusedAttention) or type(m).__name__ in FAMILIES
-            or type(m).__name__.endswith("SelfAttention")]
+    found, inside = [], ()
+    for path, m in model.named_modules():
+        if inside and any(path.startswith(p + ".") for p in inside):
+            continue
+        if (isinstance(m, FusedAttention) or type(m).__name__ in FAMILIES
+                or type(m).__name__.endswith("SelfAttention")):
+            found.append(m)
+            inside += (path,)
+    return found
 
 
 class Impl:
