@@ -472,3 +472,26 @@ def test_padding_benchmark_quick_run(tmp_path, causal):
     refused = subprocess.run([sys.executable, script, "--shape", "2x64x64x4", "--lens", "64"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "give 2 lengths" in refused.stderr, refused.stderr
+
+
+def test_hf_benchmark_quick_run(tmp_path):
+    """benchmarks/bench_hf.py --quick on the GPT-2-style model: hf_eager, hf_sdpa and
+    optimize checked against hf_sdpa (prefill logits, every decode step's), then timed, with
+    the attention modules' share; attn_implementation='mhagen' runs or says why not."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_hf.py"), "--quick", "--models",
+         "gpt2", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    status = data["meta"]["status"]
+    timed = {(r["case"], r["impl"]) for r in data["rows"]}
+    for case in ("prefill", "decode"):
+        assert {(case, "hf_eager"), (case, "hf_sdpa"), (case, "optimize")} <= timed
+    assert not [k for k, v in status.items() if v.startswith("excluded")], status
+    assert "checked: max error" in status["gpt2 decode 32+8 at 1 thread optimize"]
+    assert ("gpt2", "hf_mhagen") in {(r["model"], r["impl"]) for r in data["rows"]} or \
+        "left out" in status["gpt2 hf_mhagen"]
+    fused = [r for r in data["rows"] if r["impl"] == "optimize"]
+    assert all(0 < r["attention_ms_per_token"] < r["ms_per_token"] for r in fused)

@@ -178,3 +178,37 @@ def test_half_precision_example_checks_every_dtype():
         assert f"output {name}" in line and "MISMATCH" not in line
     assert r.stdout.count("half-precision reference bound") == 2
     assert "converted to float32 on load" in r.stdout
+
+
+# -- hf_generate -----------------------------------------------------------------------------
+HF_SMALL = ["--d-model", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab",
+            "128", "--prompt", "12", "--new-tokens", "6", "--batch", "2", "--repeat", "1"]
+
+
+def test_hf_generate_example_matches_sdpa_and_fails_loudly(monkeypatch, capsys):
+    """examples/hf_generate.py on a tiny model: the optimized model generates HF sdpa's
+    tokens (left-padded batch of 2) and prints both tokens/s; with the fused attention's
+    answer disturbed, it says MISMATCH and returns 1."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    example = load_example("hf_generate")
+    args = example.parse(HF_SMALL)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # a tiny model: torch's second thread only waits
+    try:
+        models = example.make_models(args)
+        assert example.compare(*models, args) == 0
+        out = capsys.readouterr().out
+        assert "same tokens as HF's sdpa: yes" in out
+        assert re.search(r"HF sdpa: +[0-9.]+ tokens/s", out)
+        assert re.search(r"mhagen.hf.optimize: +[0-9.]+ tokens/s", out)
+        assert "2 attention modules replaced (1 configurations" in out
+
+        from mhagen.hf.fused import FusedAttention
+        real_attend = FusedAttention.attend
+        monkeypatch.setattr(FusedAttention, "attend",
+                            lambda self, hidden: real_attend(self, hidden) * 1.5)
+        assert example.compare(*models, args) == 1
+        assert "MISMATCH" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
