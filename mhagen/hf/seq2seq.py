@@ -1,82 +1,76 @@
-"""Encoder and encoder-decoder families on fused mhagen layers: BERT/RoBERTa, T5, BART, Whisper.
-
-Each Hugging Face attention module plays one of three roles, each a mhagen layer (projections,
-attention and output projection fused):
+"""The encoder and encoder-decoder families of mhagen.hf.optimize: BERT/RoBERTa, T5, BART,
+Whisper. Each Hugging Face attention module of these plays one of three roles, each one
+fused mhagen layer (projections, attention and output projection in mhagen's kernels):
 
 - "encoder": bidirectional self-attention over a right-padded batch,
   `mhagen.mha(..., key_padding=True)`; the key lengths are read from the mask the model
-  hands its attention modules (a padding mask, refused otherwise).
-- "decoder": causal self-attention on mhagen's K/V cache, `mhagen.mha(..., causal=True,
-  kv_cache=N)` (positions absolute: T5's causal relative bias sees true distances).
-- "cross": the decoder's queries over the encoder's keys and values. Those are projected once
-  per sequence (one torch GEMM per layer, as Hugging Face does) into a mhagen K/V cache whose
-  row b holds the encoder's keys 0..lens[b]-1; each call then runs a fused decoding layer
-  over that cache with the mask `kv_idx < kv_len - q_len` (the cached keys only: the call's
-  own K/V rows, written after them, stay hidden and are overwritten by the next call, whose
-  cache.lens is set back to the encoder's lengths). A plain `cross=True` layer would project
-  the whole encoder output again at every generated token (2 x enc_len x d_model x
-  2 inner_dim flops a layer and a step); this costs one token's K and V projection a step.
+  hands its attention modules (a right-padding mask; any other is refused).
+- "decoder": causal self-attention on the model's MhagenCache (`fused.attend`, the
+  decoder-only families' path), positions absolute (T5's causal relative bias sees the
+  true distances).
+- "cross": the decoder's queries over the encoder output's keys and values. Those are
+  projected once per sequence (one torch GEMM per layer, as Hugging Face does) into a
+  mhagen K/V cache whose row b holds the encoder's keys 0..lens[b]-1; every call then runs
+  a fused decoding layer over that cache with the mask `kv_idx < kv_len - q_len` (the
+  cached keys only: the call's own K/V rows, written after them, stay hidden, and the
+  lengths are set back after the call, so the next call overwrites them). The caches live
+  in the EncoderDecoderCache's cross-attention part (a MhagenCache of their own), so
+  generate() and beam search reorder them as they do the self-attention ones; a forward
+  without a cache projects them for that call only. A plain `mhagen.mha(cross=True)` layer
+  would project the whole encoder output again at every generated token (2 x enc_len x
+  d_model x 2 inner_dim flops a layer and a step); this costs one token's K and V
+  projection a step (computed by the fused QKV GEMM and not read).
 
-T5 has no 1/sqrt(head_dim) score scale (`mha(scale=1.0)`); its relative position bias is
-`mhagen.relative_bias` (bidirectional in the encoder, causal buckets in the decoder; the
-table is the first layer's, shared by every layer as in T5Stack). Whisper's and BART's query
-scaling is mhagen's own 1/sqrt(head_dim); Whisper's k_proj has no bias (a zero b_k).
+Families:
+- bert (BertAttention, RobertaAttention): the self-attention and its output dense fused,
+  the output LayerNorm(y + x) kept in torch; encoder only (a BERT decoder, is_decoder or
+  cross-attention, is refused).
+- t5 (T5Attention): no bias, no 1/sqrt(d) (`scale=1.0`), the relative position bias as
+  `mhagen.relative_bias` (bidirectional buckets in the encoder, causal ones in the
+  decoder; the table is the stack's first layer's, shared by every layer as T5Stack
+  passes position_bias along); encoder, decoder and cross roles.
+- bart (BartAttention, WhisperAttention): BART's and Whisper's attention (Whisper's
+  k_proj has no bias: zeros); encoder, decoder and cross roles. Whisper's encoder runs
+  max_source_positions frames: optimize's max_seq_len must hold them.
 
-torch and transformers are imported inside the functions that need them only.
+torch and transformers are imported at this module's top: mhagen.hf.optimize loads it,
+never `import mhagen`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+import torch
+from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from mhagen.errors import GraphError, InputError
+import mhagen
+from mhagen.errors import InputError
+from mhagen.hf.cache import MhagenCache
+from mhagen.hf.fused import Family, LayerPlan, Unsupported, register_family
+from mhagen.kvcache import KVCache
 
 ROLES = ("encoder", "decoder", "cross")
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What one attention module computes, enough to build its mhagen layer.
-
-    role: "encoder", "decoder" or "cross" (module docstring); bias: the projections have
-    biases (a module missing some gets zeros); scale: the factor on Q K^T (None:
-    1/sqrt(head_dim); T5: 1.0); score_mod: T5's relative bias, else None; family: the
-    Hugging Face class it was read from (for messages)."""
-    role: str
-    d_model: int
-    num_heads: int
-    head_dim: int
-    bias: bool
-    scale: float | None = None
-    score_mod: object = None
-    family: str = ""
-
-    def graph(self, *, cache_len: int | None = None, dtype: str = "float32"):
-        """The mhagen layer of this role: cache_len is the K/V cache's rows of a decoder or
-        cross layer (for cross: the longest encoder output plus the most new tokens a call
-        takes)."""
-        import mhagen
-        common = dict(head_dim=self.head_dim, bias=self.bias, scale=self.scale, dtype=dtype,
-                      name=f"{self.role}_attention")
-        if self.role == "encoder":
-            return mhagen.mha(self.d_model, self.num_heads, key_padding=True,
-                              score_mod=self.score_mod, **common)
-        if cache_len is None:
-            raise GraphError(f"a {self.role} layer keeps a K/V cache: give cache_len")
-        if self.role == "decoder":
-            return mhagen.mha(self.d_model, self.num_heads, causal=True, kv_cache=cache_len,
-                              score_mod=self.score_mod, **common)
-        if self.role == "cross":
-            return mhagen.mha(self.d_model, self.num_heads, kv_cache=cache_len,
-                              mask=cross_cache_mask(), **common)
-        raise GraphError(f"unknown attention role {self.role!r}; one of {ROLES}")
+def role_options(role: str, d_model: int, num_heads: int, head_dim: int, bias: bool,
+                 scale: float | None = None, score_mod=None) -> dict:
+    """mhagen.mha options of a layer of `role` (the module docstring); optimize adds the
+    dtype and a decoder's kv_cache, and a cross layer's kv_cache (LayerPlan.context_cache)."""
+    options = dict(d_model=d_model, num_heads=num_heads, head_dim=head_dim, bias=bias,
+                   scale=scale)
+    if role == "encoder":
+        options.update(key_padding=True, score_mod=score_mod)
+    elif role == "decoder":
+        options.update(causal=True, score_mod=score_mod)
+    elif role == "cross":
+        options.update(mask=cross_cache_mask())
+    else:
+        raise ValueError(f"unknown attention role {role!r}; one of {ROLES}")
+    return options
 
 
 def cross_cache_mask():
     """The cached keys only: a call's own K/V rows (written at lens[b] .. lens[b]+S-1, so
     kv_idx >= kv_len - q_len) are hidden."""
-    import mhagen
     return mhagen.kv_idx < mhagen.kv_len - mhagen.q_len
 
 
@@ -91,40 +85,43 @@ def head_weights(linear, num_heads: int, head_dim: int):
     columns are rows h*d .. (h+1)*d-1 of linear.weight (as the models' .view(..., H, d))."""
     w = _array(linear.weight)
     if w.shape[0] != num_heads * head_dim:
-        raise GraphError(f"{type(linear).__name__} has {w.shape[0]} outputs, expected "
-                         f"{num_heads} heads x {head_dim}")
+        raise Unsupported(f"a projection with {w.shape[0]} outputs; expected {num_heads} "
+                          f"heads x {head_dim}")
     heads = w.reshape(num_heads, head_dim, w.shape[1]).transpose(0, 2, 1)
     bias = None if linear.bias is None else _array(linear.bias).reshape(num_heads, head_dim)
     return np.ascontiguousarray(heads), bias
 
 
-def layer_weights(spec: AttentionSpec, q, k, v, o) -> dict:
-    """mhagen's weights of `spec`'s layer from the four nn.Linear of a Hugging Face module
-    (a missing bias is zeros when spec.bias)."""
+def layer_weights(q, k, v, o, num_heads: int, head_dim: int, bias: bool) -> dict:
+    """mhagen's weights from the four nn.Linear of a Hugging Face attention module (a
+    missing bias is zeros when `bias`)."""
     w = {}
     for role, linear in (("q", q), ("k", k), ("v", v)):
-        w[f"w_{role}"], b = head_weights(linear, spec.num_heads, spec.head_dim)
-        if spec.bias:
-            w[f"b_{role}"] = b if b is not None else np.zeros(
-                (spec.num_heads, spec.head_dim), np.float32)
+        w[f"w_{role}"], b = head_weights(linear, num_heads, head_dim)
+        if bias:
+            w[f"b_{role}"] = b if b is not None else np.zeros((num_heads, head_dim),
+                                                               np.float32)
     w["w_o"] = np.ascontiguousarray(_array(o.weight).T)
-    if spec.bias:
+    if bias:
         w["b_o"] = (_array(o.bias) if o.bias is not None
-                    else np.zeros(spec.d_model, np.float32))
+                    else np.zeros(o.weight.shape[0], np.float32))
     return w
+
+
+def has_bias(*linears) -> bool:
+    return any(linear.bias is not None for linear in linears)
 
 
 def t5_relative_bias(attention, bidirectional: bool):
     """T5's relative position bias of `attention` (a T5Attention with
     has_relative_attention_bias) as a mhagen score modifier."""
-    import mhagen
     table = _array(attention.relative_attention_bias.weight).T      # [heads, buckets]
     try:
         return mhagen.relative_bias(table.astype(np.float64),
                                     max_distance=attention.relative_attention_max_distance,
                                     bidirectional=bidirectional)
     except ValueError as err:
-        raise GraphError(f"T5's relative attention bias cannot be read: {err}") from None
+        raise Unsupported(f"its relative attention bias: {err}") from None
 
 
 # -- masks: what the model hands its attention modules -> key lengths ----------------------
@@ -169,22 +166,6 @@ def padding_lengths(mask, batch: int, q_len: int, kv_len: int, what: str) -> np.
                          f"{row[:32]}{'...' if len(row) > 32 else ''}: pad on the right "
                          "(tokenizer.padding_side = 'right')")
     return lens.to(torch.int32).numpy()
-
-
-def check_causal(mask, batch: int, past: int, q_len: int) -> None:
-    """Refuse a decoder self-attention mask that is not plain causal after `past` cached
-    tokens (query t sees keys 0 .. past+t): a padded decoder input would need key padding,
-    which mhagen's decoding layers do not combine with their cache yet."""
-    import torch
-    kv_len = past + q_len
-    if mask is None:
-        return
-    seen = visible_keys(mask, batch, q_len, kv_len)
-    causal = (torch.arange(kv_len)[None, :] <= past + torch.arange(q_len)[:, None])
-    if not torch.equal(seen, causal.expand_as(seen)):
-        raise InputError("mhagen's fused decoder self-attention takes a causal mask without "
-                         "padding (decoding layers keep no key lengths besides their cache): "
-                         "drop decoder_attention_mask, or run unpadded rows")
 
 
 # -- cross-attention: the encoder's keys and values, projected once per sequence ----------
