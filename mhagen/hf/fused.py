@@ -21,6 +21,7 @@ mhagen.hf.optimize (mhagen/hf/__init__.py imports that lazily).
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,12 +65,15 @@ class LayerPlan:
     positions: the layer reads token positions (rotary): the call's position_ids must agree
         with the cache's (checked once per model call).
     note: one line for the report (what was mapped: "rotary 10000, GQA 4/2, window 4096").
+    max_kv_seq_len: a cross-attention layer's longest context (default optimize's
+        max_seq_len); builds take any context length up to it.
     """
     options: dict
     weights: dict
     decoder: bool = True
     positions: bool = False
     note: str = ""
+    max_kv_seq_len: int | None = None
 
 
 class Family:
@@ -82,6 +86,11 @@ class Family:
 
     def forward(self, fused: "FusedAttention", *args, **kwargs):
         raise NotImplementedError
+
+    def hooked(self, model):
+        """The module whose forward sees the token ids, the 2-D attention_mask, the cache and
+        use_cache of a decoder call (optimize hooks it): the model's base module."""
+        return getattr(model, "base_model", model)
 
     def bind(self, fused, args, kwargs) -> inspect.BoundArguments:
         """HF's call arguments by name, read against the replaced class's forward signature."""
@@ -98,7 +107,7 @@ class Builds:
     def __init__(self, target, max_seq_len: int, dtype: str, cache_dtype: str | None):
         self.target, self.max_seq_len = target, max_seq_len
         self.dtype, self.cache_dtype = dtype, cache_dtype
-        self.compiled = {}           # (graph json, batch) -> Module
+        self.compiled = {}           # (graph json, batch) -> (Module, the weights it holds)
         self.graphs = {}             # id(plan) -> graph
         self.log = []                # (graph name, batch, seconds)
 
@@ -116,16 +125,19 @@ class Builds:
         up to the largest batch built so far), bound to `weights`."""
         graph = self.graph(plan)
         key = (graph.to_json(), batch)
-        built = self.compiled.get(key)
-        if built is None:
-            import time
+        if key not in self.compiled:
             start = time.perf_counter()
+            cross = {}
+            if plan.options.get("cross"):
+                cross = dict(kv_seq_len=None,
+                             max_kv_seq_len=plan.max_kv_seq_len or self.max_seq_len)
             built = mhagen.build(graph, self.target, batch=batch, seq_len=None,
-                                 max_seq_len=self.max_seq_len, weights=weights)
+                                 max_seq_len=self.max_seq_len, weights=weights, **cross)
             self.log.append((graph.name, batch, time.perf_counter() - start))
-            self.compiled[key] = built
+            self.compiled[key] = (built, weights)
             return built
-        if built.weights is weights:
+        built, held = self.compiled[key]
+        if held is weights:
             return built
         return Module(built.graph, built.target, built.batch, built.seq_len, built.program,
                       built.library, info=built.info, kv_seq_len=built.kv_seq_len,

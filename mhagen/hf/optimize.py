@@ -30,7 +30,7 @@ from mhagen.hf import decoders  # noqa: F401  (registers the decoder-only famili
 from mhagen.hf.cache import MhagenCache, StepPlan
 from mhagen.hf.fused import (FAMILIES, Builds, FusedAttention, ModelState, Report,
                              Unsupported)
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
           "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -62,7 +62,6 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
     layer_dtype = _dtype_name(model, dtype)
     max_seq_len = _max_seq_len(config, max_seq_len)
     batches = _batches(batch)
-    base = getattr(model, "base_model", model)
 
     found, kept = _attention_modules(model, config, unsupported)
     if not found:
@@ -85,6 +84,8 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
             f.module(b)
     for f, (path, module, family, plan) in zip(fused, found):
         _replace(model, path, f)
+    decoders = [f for f in fused if f.plan.decoder]
+    base = (decoders or fused)[0].family.hooked(model)
     state.positions = any(f.plan.positions for f in fused)
     state.decoder = any(f.plan.decoder for f in fused)
     state.hooks = (base.register_forward_pre_hook(_before_forward(base, state),
@@ -208,7 +209,7 @@ def _before_forward(base, state: ModelState):
         if use_cache is None:
             use_cache = getattr(getattr(module, "config", None), "use_cache", True)
 
-        cache = _the_cache(given, state, use_cache)
+        cache, passed = _the_cache(given, state)
         mask = kw.get("attention_mask")
         new_mask = None
         if mask is not None:
@@ -237,18 +238,26 @@ def _before_forward(base, state: ModelState):
             _check_positions(kw.get("position_ids"), cache, plan, held, rows, columns)
         state.cache, state.plan = cache, plan
         if use_cache:
-            kw["cache" if "cache" in signature.parameters else "past_key_values"] = cache
+            kw["cache" if "cache" in signature.parameters else "past_key_values"] = passed
         return (), kw
 
     return hook
 
 
-def _the_cache(given, state: ModelState, use_cache) -> MhagenCache:
+def _the_cache(given, state: ModelState):
+    """(the MhagenCache the fused layers use, what the model's forward is given): the cache
+    passed (this model's), or a new one in place of none or of an empty Hugging Face cache;
+    an EncoderDecoderCache keeps its cross-attention part and gets the MhagenCache as its
+    self-attention part."""
+    if isinstance(given, EncoderDecoderCache):
+        inner, _ = _the_cache(given.self_attention_cache, state)
+        given.self_attention_cache = inner
+        return inner, given
     if isinstance(given, MhagenCache):
         if given.owner is not state:
             raise InputError("this MhagenCache belongs to another optimized model: pass "
                              "report.new_cache() of this one (or none)")
-        return given
+        return given, given
     if given is not None:
         if not isinstance(given, Cache):
             raise InputError(f"the optimized model keeps K/V in mhagen's cache; got a "
@@ -263,7 +272,7 @@ def _the_cache(given, state: ModelState, use_cache) -> MhagenCache:
     for index in getattr(state, "torch_layers", ()):
         if index < len(cache.layers):
             cache.layers[index] = DynamicLayer()
-    return cache
+    return cache, cache
 
 
 def _check_positions(position_ids, cache: MhagenCache, plan: StepPlan, held, rows, columns):
