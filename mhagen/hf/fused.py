@@ -67,6 +67,11 @@ class LayerPlan:
     note: one line for the report (what was mapped: "rotary 10000, GQA 4/2, window 4096").
     max_kv_seq_len: a cross-attention layer's longest context (default optimize's
         max_seq_len); builds take any context length up to it.
+    context_cache: a cross-attention layer run as a decoding layer over a K/V cache its
+        family fills from the context once per sequence (mhagen/hf/seq2seq.py): built with
+        kv_cache = max_kv_seq_len (default max_seq_len) + max_seq_len rows.
+    modules: torch modules the family's forward still runs (BERT's output LayerNorm, a
+        cross layer's K/V projections), kept as the FusedAttention's children.
     """
     options: dict
     weights: dict
@@ -74,6 +79,8 @@ class LayerPlan:
     positions: bool = False
     note: str = ""
     max_kv_seq_len: int | None = None
+    context_cache: bool = False
+    modules: dict = field(default_factory=dict)
 
 
 class Family:
@@ -117,6 +124,9 @@ class Builds:
             options = dict(plan.options, dtype=self.dtype)
             if plan.decoder:
                 options.update(kv_cache=self.max_seq_len, cache_dtype=self.cache_dtype)
+            elif plan.context_cache:
+                options.update(kv_cache=(plan.max_kv_seq_len or self.max_seq_len)
+                               + self.max_seq_len)
             self.graphs[key] = (plan, mhagen.mha(**options))
         return self.graphs[key][1]
 
@@ -207,6 +217,8 @@ class FusedAttention(torch.nn.Module):
             if hasattr(replaced, name):
                 setattr(self, name, getattr(replaced, name))
         self._modules_by_batch = {}
+        for name, kept in plan.modules.items():
+            self.add_module(name, kept)
         self.train(replaced.training)
 
     def extra_repr(self) -> str:

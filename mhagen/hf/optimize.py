@@ -27,6 +27,7 @@ import torch
 
 from mhagen.errors import InputError
 from mhagen.hf import decoders  # noqa: F401  (registers the decoder-only families)
+from mhagen.hf import seq2seq  # noqa: F401  (registers the encoder and encoder-decoder families)
 from mhagen.hf.cache import MhagenCache, StepPlan
 from mhagen.hf.fused import (FAMILIES, Builds, FusedAttention, ModelState, Report,
                              Unsupported)

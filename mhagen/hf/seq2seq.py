@@ -183,3 +183,225 @@ def fill_cross_cache(cache, encoder_states, k, v, num_heads: int, head_dim: int,
             torch.from_numpy(target)[:, :, :t].copy_(heads)
     cache.lens[:] = lens
 
+
+
+def cross_store(cache, state) -> MhagenCache | None:
+    """The MhagenCache holding this model's cross-attention K/V caches between calls: the
+    cross part of the EncoderDecoderCache the decoder was given (an empty Hugging Face
+    cache there, as generate() makes, is swapped for one); None without an
+    EncoderDecoderCache (use_cache=False: each call projects the encoder output anew)."""
+    if not isinstance(cache, EncoderDecoderCache):
+        return None
+    store = cache.cross_attention_cache
+    if isinstance(store, MhagenCache) and store.owner is state:
+        return store
+    if isinstance(store, MhagenCache) or (isinstance(store, Cache)
+                                          and store.get_seq_length() > 0):
+        raise InputError("the cache's cross-attention part holds keys made elsewhere (by "
+                         "torch layers or another optimized model): run the optimized model "
+                         "with a new cache (or none)")
+    store = MhagenCache(state.num_layers, state.max_seq_len, owner=state)
+    cache.cross_attention_cache = store
+    return store
+
+
+def cross_attend(fused, hidden, encoder_states, mask, cache) -> torch.Tensor:
+    """Cross-attention of hidden [B, S, D] over encoder_states [B, T, D] (module docstring):
+    the encoder's K/V projected into a KVCache on the first call of a sequence, then one
+    fused decoding call over it."""
+    plan = fused.plan
+    batch, columns = hidden.shape[:2]
+    store = cross_store(cache, fused.state)
+    module = fused.module(batch)
+    kv = None
+    if store is not None:
+        kv = store.layers[fused.layer_idx].kv
+        if kv is not None and kv.batch != batch:
+            raise InputError(f"the cross-attention cache holds {kv.batch} rows and this call "
+                             f"has {batch}: pass the cache of this batch, or none")
+    if kv is None:
+        if encoder_states is None:
+            raise InputError(f"{fused.path}: cross-attention needs encoder_hidden_states")
+        kv = _projected_context(fused, module, hidden, encoder_states, mask)
+        if store is not None:
+            store.layers[fused.layer_idx].kv = kv
+    if int(kv.lens.max(initial=0)) + columns > kv.max_len:
+        raise InputError(f"{columns} decoder tokens in one call over an encoder output of "
+                         f"{int(kv.lens.max())}: the cross-attention cache holds "
+                         f"{kv.max_len} rows; optimize with a larger max_seq_len")
+    y = fused.run(hidden, cache=kv)
+    kv.lens -= columns          # the call's own rows are not keys: the next call overwrites them
+    return y
+
+
+def _projected_context(fused, module, hidden, encoder_states, mask) -> KVCache:
+    """A new KVCache holding the encoder output's keys and values, lens = its key lengths."""
+    plan = fused.plan
+    batch, columns = hidden.shape[:2]
+    length = encoder_states.shape[1]
+    if encoder_states.shape[0] != batch:
+        raise InputError(f"encoder_hidden_states has {encoder_states.shape[0]} rows and the "
+                         f"decoder input {batch}")
+    rows = plan.max_kv_seq_len or fused.state.max_seq_len
+    if length > rows:
+        raise InputError(f"the encoder output has {length} positions; the model was "
+                         f"optimized for {rows}: mhagen.hf.optimize(model, max_seq_len>="
+                         f"{length})")
+    lens = padding_lengths(mask, batch, columns, length, "cross")
+    kv = KVCache.empty(module, batch)
+    fill_cross_cache(kv, encoder_states, plan.modules["k_proj"], plan.modules["v_proj"],
+                     plan.options["num_heads"], plan.options["head_dim"], lens)
+    return kv
+
+
+def encoder_attend(fused, hidden, mask) -> torch.Tensor:
+    batch, columns = hidden.shape[:2]
+    if columns > fused.state.max_seq_len:
+        raise InputError(f"{fused.path}: {columns} positions; the model was optimized for "
+                         f"{fused.state.max_seq_len}: mhagen.hf.optimize(model, "
+                         f"max_seq_len>={columns})")
+    return fused.run(hidden, kv_lens=padding_lengths(mask, batch, columns, columns,
+                                                    "encoder"))
+
+
+def decoder_attend(fused, hidden) -> torch.Tensor:
+    plan = fused.state.plan
+    if plan is not None and not plan.dense:
+        raise InputError("the optimized decoder takes unpadded decoder rows (as generate() "
+                         "makes them): drop the zeros of decoder_attention_mask")
+    return fused.attend(hidden)
+
+
+def _note(role: str, heads: int, extra: str = "") -> str:
+    what = {"encoder": "encoder self-attention, key padding",
+            "decoder": "decoder self-attention, K/V cache",
+            "cross": "cross-attention over the encoder's cached K/V"}[role]
+    return f"{what}, {heads} heads" + (f", {extra}" if extra else "")
+
+
+def role_plan(role, q, k, v, o, num_heads, head_dim, d_model, *, scale=None,
+              score_mod=None, note="", max_kv_seq_len=None, modules=None) -> LayerPlan:
+    """The LayerPlan of one attention module of `role` from its four nn.Linear."""
+    bias = has_bias(q, k, v, o)
+    options = role_options(role, d_model, num_heads, head_dim, bias, scale, score_mod)
+    modules = dict(modules or {})
+    if role == "cross":
+        modules.update(k_proj=k, v_proj=v)
+    return LayerPlan(options, layer_weights(q, k, v, o, num_heads, head_dim, bias),
+                     decoder=role == "decoder", note=_note(role, num_heads, note),
+                     max_kv_seq_len=max_kv_seq_len, context_cache=role == "cross",
+                     modules=modules)
+
+
+@register_family
+class Bert(Family):
+    """BERT and RoBERTa encoders: BertAttention = self-attention + output dense, then the
+    output LayerNorm(y + x) (kept in torch)."""
+    name = "bert"
+    classes = ("BertAttention", "RobertaAttention")
+
+    def plan(self, module, config) -> LayerPlan:
+        attention = module.self
+        if getattr(module, "is_cross_attention", False) or getattr(attention, "is_causal",
+                                                                    False):
+            raise Unsupported("BERT as a decoder (config.is_decoder / add_cross_attention) is "
+                              "not covered: the fused BERT layers are encoder self-attention")
+        heads, head_dim = attention.num_attention_heads, attention.attention_head_size
+        return role_plan("encoder", attention.query, attention.key, attention.value,
+                         module.output.dense, heads, head_dim,
+                         attention.query.in_features, note="output LayerNorm in torch",
+                         modules={"norm": module.output.LayerNorm})
+
+    def forward(self, fused, *args, **kwargs):
+        bound = self.bind(fused, args, kwargs).arguments
+        hidden = bound["hidden_states"]
+        y = encoder_attend(fused, hidden, bound["attention_mask"])
+        return fused.norm(y + hidden), None
+
+
+def _role(module) -> str:
+    """encoder / decoder / cross of a T5, BART or Whisper attention module (its flags as
+    the models set them: decoder self-attention is causal, cross-attention is not)."""
+    if not module.is_decoder:
+        return "encoder"
+    return "decoder" if module.is_causal else "cross"
+
+
+def plan_role(plan: LayerPlan) -> str:
+    return "decoder" if plan.decoder else "cross" if plan.context_cache else "encoder"
+
+
+@register_family
+class T5(Family):
+    """T5: no biases, no score scale, the relative position bias of the stack's first
+    layer in every self-attention layer."""
+    name = "t5"
+    classes = ("T5Attention",)
+
+    def __init__(self):
+        # the relative bias of each stack (keyed by its config, which every layer of the
+        # stack shares), read off its first layer: the walk meets it first
+        self._bias = {}
+
+    def plan(self, module, config) -> LayerPlan:
+        role = _role(module)
+        score_mod, note = None, "no score scale"
+        if role != "cross":
+            if module.has_relative_attention_bias:
+                bias = t5_relative_bias(module, bidirectional=role == "encoder")
+                self._bias[id(module.config)] = (module.config, bias)
+            held = self._bias.get(id(module.config))
+            if held is None:
+                raise Unsupported("its stack's relative attention bias (kept by the first "
+                                  "layer) was not found before this layer")
+            score_mod = held[1]
+            note += (f", relative bias {module.relative_attention_num_buckets} buckets "
+                     f"to {module.relative_attention_max_distance}")
+        return role_plan(role, module.q, module.k, module.v, module.o, module.n_heads,
+                         module.key_value_proj_dim, module.d_model, scale=1.0,
+                         score_mod=score_mod, note=note)
+
+    def hooked(self, model):
+        return model.get_decoder()
+
+    def forward(self, fused, *args, **kwargs):
+        bound = self.bind(fused, args, kwargs).arguments
+        hidden, mask = bound["hidden_states"], bound["mask"]
+        role = plan_role(fused.plan)
+        if role == "encoder":
+            y = encoder_attend(fused, hidden, mask)
+        elif role == "decoder":
+            y = decoder_attend(fused, hidden)
+        else:
+            y = cross_attend(fused, hidden, bound["key_value_states"], mask, bound["cache"])
+        return y, None, None       # position_bias: the fused layers hold it themselves
+
+
+@register_family
+class Bart(Family):
+    """BART and Whisper attention (Whisper's k_proj has no bias)."""
+    name = "bart"
+    classes = ("BartAttention", "WhisperAttention")
+
+    def plan(self, module, config) -> LayerPlan:
+        role = _role(module)
+        config = module.config if getattr(module, "config", None) is not None else config
+        context = getattr(config, "max_source_positions", None)   # Whisper's encoder frames
+        return role_plan(role, module.q_proj, module.k_proj, module.v_proj, module.out_proj,
+                         module.num_heads, module.head_dim, module.embed_dim,
+                         max_kv_seq_len=context if role == "cross" else None)
+
+    def hooked(self, model):
+        return model.get_decoder()
+
+    def forward(self, fused, *args, **kwargs):
+        bound = self.bind(fused, args, kwargs).arguments
+        hidden, mask = bound["hidden_states"], bound["attention_mask"]
+        role = plan_role(fused.plan)
+        if role == "encoder":
+            y = encoder_attend(fused, hidden, mask)
+        elif role == "decoder":
+            y = decoder_attend(fused, hidden)
+        else:
+            y = cross_attend(fused, hidden, bound["key_value_states"], mask, bound["cache"])
+        return y, None
