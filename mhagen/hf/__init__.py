@@ -4,7 +4,7 @@
   the model projected and rotated them) on mhagen kernels (mhagen/hf/interface.py).
 - `optimize(model, ...)`: every attention module replaced in place by the whole layer fused
   in mhagen's kernels, with mhagen's K/V cache behind Hugging Face's Cache API
-  (mhagen/hf/optimize.py).
+  (mhagen/hf/optimizer.py).
 """
 
 
@@ -15,6 +15,7 @@ def register(*args, **kwargs):
 
 
 def optimize(model, *args, **kwargs):
-    """Replace the model's attention modules by fused mhagen layers (mhagen/hf/optimize.py)."""
-    from mhagen.hf.optimize import optimize as optimize_model
+    """Replace the model's attention modules by fused mhagen layers (mhagen/hf/optimizer.py;
+    not optimize.py: importing a submodule of that name would replace this function)."""
+    from mhagen.hf.optimizer import optimize as optimize_model
     return optimize_model(model, *args, **kwargs)

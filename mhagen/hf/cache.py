@@ -1,6 +1,6 @@
 """MhagenCache: Hugging Face's `Cache` API in front of mhagen's K/V caches.
 
-An optimized model (mhagen/hf/optimize.py) keeps each replaced decoder layer's keys and
+An optimized model (mhagen/hf/optimizer.py) keeps each replaced decoder layer's keys and
 values in a `mhagen.KVCache` that its kernels write in place; this class is what
 `model(...)`, `model.generate(...)` and Hugging Face's mask code see instead of a
 `DynamicCache`:

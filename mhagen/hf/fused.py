@@ -161,7 +161,7 @@ class Builds:
 class ModelState:
     """Shared by every FusedAttention of one optimized model: the builds, the cache of the
     forward under way and its padding plan. Set by the hooks on the model's base module
-    (mhagen/hf/optimize.py) for the length of one forward."""
+    (mhagen/hf/optimizer.py) for the length of one forward."""
 
     def __init__(self, builds: Builds, num_layers: int, max_seq_len: int):
         self.builds, self.num_layers, self.max_seq_len = builds, num_layers, max_seq_len

@@ -306,9 +306,13 @@ def _check_positions(position_ids, cache: MhagenCache, plan: StepPlan, held, row
         cache.offsets = np.where(held == 0, first, 0).astype(np.int64)
     started = (held > 0) & (counts > 0)
     if np.any(started & (first != cache.offsets)):
-        raise InputError("position_ids continue a row at another position than its cached "
-                         "tokens end (right padding without position_ids?): pass "
-                         "position_ids = attention_mask.cumsum(-1) - 1, as generate() does")
+        b = int(np.flatnonzero(started & (first != cache.offsets))[0])
+        raise InputError(f"position_ids put row {b}'s next token at {int(real[b, 0])}, where "
+                         f"its cached real tokens say {int(held[b] + cache.offsets[b])} "
+                         "(mhagen's caches hold real tokens only; generate() numbers a "
+                         "right-padded row's new tokens from its last padding column): pad "
+                         "decoder-only prompts on the left (tokenizer.padding_side='left'), "
+                         "or pass position_ids = attention_mask.cumsum(-1) - 1")
     fresh = (held == 0) & (counts > 0)
     cache.offsets = np.where(fresh, first, cache.offsets)
 
