@@ -106,6 +106,18 @@ class Family:
         return bound
 
 
+# Programs compiled in this process, shared by every optimized model (a layer configuration:
+# graph, batch, target and lengths compiles once; each model's layers get Modules of their own)
+SHARED_BUILDS: dict = {}
+
+
+def _rebound(built: Module, weights) -> Module:
+    """A Module over built's compiled program and library, bound to other weights."""
+    return Module(built.graph, built.target, built.batch, built.seq_len, built.program,
+                  built.library, info=built.info, kv_seq_len=built.kv_seq_len,
+                  weights=weights)
+
+
 class Builds:
     """Compiled modules shared by every layer of one configuration: one build per distinct
     (graph, batch); each layer gets its own Module over the same program and library,
@@ -136,22 +148,26 @@ class Builds:
         graph = self.graph(plan)
         key = (graph.to_json(), batch)
         if key not in self.compiled:
-            start = time.perf_counter()
             cross = {}
             if plan.options.get("cross"):
                 cross = dict(kv_seq_len=None,
                              max_kv_seq_len=plan.max_kv_seq_len or self.max_seq_len)
-            built = mhagen.build(graph, self.target, batch=batch, seq_len=None,
-                                 max_seq_len=self.max_seq_len, weights=weights, **cross)
-            self.log.append((graph.name, batch, time.perf_counter() - start))
+            shared_key = key + (str(self.target), self.max_seq_len, tuple(cross.items()))
+            built = SHARED_BUILDS.get(shared_key)
+            if built is not None:       # another optimized model compiled this layer
+                built = _rebound(built, weights)
+            else:
+                start = time.perf_counter()
+                built = mhagen.build(graph, self.target, batch=batch, seq_len=None,
+                                     max_seq_len=self.max_seq_len, weights=weights, **cross)
+                self.log.append((graph.name, batch, time.perf_counter() - start))
+                SHARED_BUILDS[shared_key] = built
             self.compiled[key] = (built, weights)
             return built
         built, held = self.compiled[key]
         if held is weights:
             return built
-        return Module(built.graph, built.target, built.batch, built.seq_len, built.program,
-                      built.library, info=built.info, kv_seq_len=built.kv_seq_len,
-                      weights=weights)
+        return _rebound(built, weights)
 
     @property
     def count(self) -> int:
