@@ -8,7 +8,6 @@ Whisper encoders share one compiled program, BART's and Whisper's decoders and
 cross-attention layers another each (mhagen.hf.fused.SHARED_BUILDS): six builds in all."""
 import copy
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -219,6 +218,34 @@ def test_bart_forward_matches_hf(bart):
         got = optimized(ids, attention_mask=mask, decoder_input_ids=ids[:, :6])
     _close(got.encoder_last_hidden_state, expected.encoder_last_hidden_state, "encoder")
     _close(got.logits, expected.logits, "logits")
+
+
+def test_bart_step_by_step_with_the_returned_cache(bart):
+    """A loop of model calls passing the returned cache back (no generate()): the cache
+    is an EncoderDecoderCache (the MhagenCache, and the cross-attention K/V projected on the
+    first call only); each step's logits are HF's for the whole sequence."""
+    model, optimized, _ = bart
+    ids, mask = _padded_ids(seed=6)
+    cross = [m for m in optimized.modules()
+             if isinstance(m, mhagen.hf.fused.FusedAttention) and m.plan.context_cache]
+    projected = []
+    handles = [m.k_proj.register_forward_hook(lambda *_: projected.append(1)) for m in cross]
+    try:
+        with torch.no_grad():
+            expected = model(ids, attention_mask=mask, decoder_input_ids=ids[:, :4]).logits
+            out = optimized(ids, attention_mask=mask, decoder_input_ids=ids[:, :2])
+            assert isinstance(out.cache, transformers.EncoderDecoderCache)
+            steps = [out.logits]
+            for t in (2, 3):
+                out = optimized(attention_mask=mask, decoder_input_ids=ids[:, t:t + 1],
+                                encoder_outputs=(out.encoder_last_hidden_state,),
+                                cache=out.cache)
+                steps.append(out.logits)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(projected) == len(cross)       # once per layer, on the first call
+    _close(torch.cat(steps, dim=1), expected, "logits step by step")
 
 
 def test_whisper_forward_matches_hf(whisper):

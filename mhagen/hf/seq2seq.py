@@ -209,7 +209,6 @@ def cross_attend(fused, hidden, encoder_states, mask, cache) -> torch.Tensor:
     """Cross-attention of hidden [B, S, D] over encoder_states [B, T, D] (module docstring):
     the encoder's K/V projected into a KVCache on the first call of a sequence, then one
     fused decoding call over it."""
-    plan = fused.plan
     batch, columns = hidden.shape[:2]
     store = cross_store(cache, fused.state)
     module = fused.module(batch)
