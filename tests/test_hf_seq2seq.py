@@ -181,18 +181,22 @@ def test_bert_masked_lm_matches_hf_on_a_right_padded_batch(bert):
     _close(unpadded, expected.logits[:1], "batch 1, no padding")
 
 
-def test_roberta_model_matches_hf():
+def test_roberta_model_matches_hf(bert):
+    """RobertaModel, on the program BERT's encoder layers compiled (same widths, another
+    model: no build)."""
+    ids, mask = _padded_ids(seed=1)
+    with torch.no_grad():
+        bert[1](ids, attention_mask=mask)      # BERT's encoder program for batch 2
     torch.manual_seed(4)
     config = transformers.RobertaConfig(hidden_size=D, num_attention_heads=H,
                                         num_hidden_layers=2, intermediate_size=128,
                                         vocab_size=VOCAB, max_position_embeddings=64)
     model, optimized, report = _pair(_scaled(transformers.RobertaModel(config)))
     assert {cls for _, cls, _, _ in report.replaced} == {"RobertaAttention"}
-    assert report.state.builds.log == []     # the BERT encoder's program, already compiled
-    ids, mask = _padded_ids(seed=1)
     with torch.no_grad():
         _close(optimized(ids, attention_mask=mask).last_hidden_state,
                model(ids, attention_mask=mask).last_hidden_state, "last hidden state")
+    assert report.state.builds.log == []
 
 
 def test_t5_forward_matches_hf(t5):
@@ -290,6 +294,17 @@ def test_generate_gives_hf_tokens_greedy_and_sampled(family, request):
         torch.manual_seed(seed)
         assert optimized.generate(**inputs, do_sample=True, **options).tolist() == \
             expected.tolist()
+
+
+@pytest.mark.slow
+def test_bart_beam_search_gives_hf_tokens(bart):
+    """Beam search reorders the self- and cross-attention caches (batch 2 x 2 beams: the
+    decoder and cross layers compile for batch 4)."""
+    model, optimized, _ = bart
+    inputs = _inputs("bart")
+    options = dict(max_new_tokens=6, num_beams=2, num_return_sequences=2)
+    assert optimized.generate(**inputs, **options).tolist() == \
+        model.generate(**inputs, **options).tolist()
 
 
 # -- refusals ---------------------------------------------------------------------------------
