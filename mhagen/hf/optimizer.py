@@ -65,9 +65,10 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
     batches = _batches(batch)
 
     found, kept = _attention_modules(model, config, unsupported)
+    kept_lines = [(p, type(m).__name__, why) for p, m, why in kept]
     if not found:
         if kept:
-            return Report(model, target, layer_dtype, max_seq_len, kept=kept,
+            return Report(model, target, layer_dtype, max_seq_len, kept=kept_lines,
                           state=ModelState(Builds(target, max_seq_len, layer_dtype,
                                                   layer_dtype), 0, max_seq_len))
         raise InputError(f"found no attention module in {type(model).__name__}: optimize() "
@@ -96,7 +97,7 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
     report = Report(model, target, layer_dtype, max_seq_len,
                     replaced=[(f.path, f.replaced_class, f.family.name, f.plan.note)
                               for f in fused],
-                    kept=[(p, type(m).__name__, why) for p, m, why in kept], state=state)
+                    kept=kept_lines, state=state)
     model.mhagen_report = report
     return report
 
