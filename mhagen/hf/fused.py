@@ -67,6 +67,11 @@ class LayerPlan:
     note: one line for the report (what was mapped: "rotary 10000, GQA 4/2, window 4096").
     max_kv_seq_len: a cross-attention layer's longest context (default optimize's
         max_seq_len); builds take any context length up to it.
+    context_cache: a cross-attention layer run as a decoding layer over a K/V cache its
+        family fills from the context once per sequence (mhagen/hf/seq2seq.py): built with
+        kv_cache = max_kv_seq_len (default max_seq_len) + max_seq_len rows.
+    modules: torch modules the family's forward still runs (BERT's output LayerNorm, a
+        cross layer's K/V projections), kept as the FusedAttention's children.
     """
     options: dict
     weights: dict
@@ -74,6 +79,8 @@ class LayerPlan:
     positions: bool = False
     note: str = ""
     max_kv_seq_len: int | None = None
+    context_cache: bool = False
+    modules: dict = field(default_factory=dict)
 
 
 class Family:
@@ -99,6 +106,18 @@ class Family:
         return bound
 
 
+# Programs compiled in this process, shared by every optimized model (a layer configuration:
+# graph, batch, target and lengths compiles once; each model's layers get Modules of their own)
+SHARED_BUILDS: dict = {}
+
+
+def _rebound(built: Module, weights) -> Module:
+    """A Module over built's compiled program and library, bound to other weights."""
+    return Module(built.graph, built.target, built.batch, built.seq_len, built.program,
+                  built.library, info=built.info, kv_seq_len=built.kv_seq_len,
+                  weights=weights)
+
+
 class Builds:
     """Compiled modules shared by every layer of one configuration: one build per distinct
     (graph, batch); each layer gets its own Module over the same program and library,
@@ -117,6 +136,9 @@ class Builds:
             options = dict(plan.options, dtype=self.dtype)
             if plan.decoder:
                 options.update(kv_cache=self.max_seq_len, cache_dtype=self.cache_dtype)
+            elif plan.context_cache:
+                options.update(kv_cache=(plan.max_kv_seq_len or self.max_seq_len)
+                               + self.max_seq_len)
             self.graphs[key] = (plan, mhagen.mha(**options))
         return self.graphs[key][1]
 
@@ -126,22 +148,26 @@ class Builds:
         graph = self.graph(plan)
         key = (graph.to_json(), batch)
         if key not in self.compiled:
-            start = time.perf_counter()
             cross = {}
             if plan.options.get("cross"):
                 cross = dict(kv_seq_len=None,
                              max_kv_seq_len=plan.max_kv_seq_len or self.max_seq_len)
-            built = mhagen.build(graph, self.target, batch=batch, seq_len=None,
-                                 max_seq_len=self.max_seq_len, weights=weights, **cross)
-            self.log.append((graph.name, batch, time.perf_counter() - start))
+            shared_key = key + (str(self.target), self.max_seq_len, tuple(cross.items()))
+            built = SHARED_BUILDS.get(shared_key)
+            if built is not None:       # another optimized model compiled this layer
+                built = _rebound(built, weights)
+            else:
+                start = time.perf_counter()
+                built = mhagen.build(graph, self.target, batch=batch, seq_len=None,
+                                     max_seq_len=self.max_seq_len, weights=weights, **cross)
+                self.log.append((graph.name, batch, time.perf_counter() - start))
+                SHARED_BUILDS[shared_key] = built
             self.compiled[key] = (built, weights)
             return built
         built, held = self.compiled[key]
         if held is weights:
             return built
-        return Module(built.graph, built.target, built.batch, built.seq_len, built.program,
-                      built.library, info=built.info, kv_seq_len=built.kv_seq_len,
-                      weights=weights)
+        return _rebound(built, weights)
 
     @property
     def count(self) -> int:
@@ -207,6 +233,8 @@ class FusedAttention(torch.nn.Module):
             if hasattr(replaced, name):
                 setattr(self, name, getattr(replaced, name))
         self._modules_by_batch = {}
+        for name, kept in plan.modules.items():
+            self.add_module(name, kept)
         self.train(replaced.training)
 
     def extra_repr(self) -> str:

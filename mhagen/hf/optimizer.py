@@ -27,10 +27,11 @@ import torch
 
 from mhagen.errors import InputError
 from mhagen.hf import decoders  # noqa: F401  (registers the decoder-only families)
+from mhagen.hf import seq2seq  # noqa: F401  (registers the encoder and encoder-decoder families)
 from mhagen.hf.cache import MhagenCache, StepPlan
 from mhagen.hf.fused import (FAMILIES, Builds, FusedAttention, ModelState, Report,
                              Unsupported)
-from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
           "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -89,6 +90,7 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
     base = (decoders or fused)[0].family.hooked(model)
     state.positions = any(f.plan.positions for f in fused)
     state.decoder = any(f.plan.decoder for f in fused)
+    state.cross_cache = any(f.plan.context_cache for f in fused)
     state.hooks = (base.register_forward_pre_hook(_before_forward(base, state),
                                                   with_kwargs=True),
                    base.register_forward_hook(_after_forward(state), with_kwargs=True))
@@ -211,6 +213,9 @@ def _before_forward(base, state: ModelState):
             use_cache = getattr(getattr(module, "config", None), "use_cache", True)
 
         cache, passed = _the_cache(given, state)
+        if getattr(state, "cross_cache", False) and not isinstance(passed, EncoderDecoderCache):
+            # an encoder-decoder's cross-attention layers keep their K/V in the second part
+            passed = EncoderDecoderCache(cache, DynamicCache())
         mask = kw.get("attention_mask")
         new_mask = None
         if mask is not None:
