@@ -7,7 +7,6 @@ batches), right padding, the cache API, half precision, refusals.
 The configs use initializer_range 0.2 (Hugging Face's 0.02 leaves every attention nearly
 uniform, where a wrong rotary base moves the logits by 3e-4 only; at 0.2 by 1.5). Each
 family is built once (module-scoped fixture, batch 2: every call here has 2 rows)."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

@@ -8,6 +8,8 @@
 """
 from mhagen.hf.interface import register  # transformers is imported when it is called
 
+__all__ = ["register", "optimize"]
+
 
 def optimize(model, *args, **kwargs):
     """Replace the model's attention modules by fused mhagen layers (mhagen/hf/optimizer.py;

@@ -86,8 +86,8 @@ def optimize(model, target="x86", dtype=None, max_seq_len: int | None = None, *,
             f.module(b)
     for f, (path, module, family, plan) in zip(fused, found):
         _replace(model, path, f)
-    decoders = [f for f in fused if f.plan.decoder]
-    base = (decoders or fused)[0].family.hooked(model)
+    decoding = [f for f in fused if f.plan.decoder]
+    base = (decoding or fused)[0].family.hooked(model)
     state.positions = any(f.plan.positions for f in fused)
     state.decoder = any(f.plan.decoder for f in fused)
     state.cross_cache = any(f.plan.context_cache for f in fused)
