@@ -6,6 +6,7 @@ DecodeSplit            the row tiles, groups and partial results a config cuts a
 decode_layout          that split for a workload
 balanced_share         a worker's even, contiguous share of the call's key blocks
 decode_kv_block        keys per online-softmax step
+paged_kv_block         that step's keys for a paged cache (a divisor of its block size)
 rows_in_lanes          whether a tile's scores put its query rows in the vector lanes
 keys_in_flight         keys whose row-lane scores accumulate at once
 default_decode_config  the default config
@@ -65,10 +66,14 @@ class DecodeSplit:
 
 
 def decode_layout(w, cfg) -> DecodeSplit:
-    """The split of workload w under cfg."""
+    """The split of workload w under cfg. Packed calls (w.packed: each batch row's own number
+    of new tokens, w.batch * w.seq in all at most) bound their groups: sum_b kv_heads *
+    ceil(GROUP n_b / row_tile) <= kv_heads * (ceil(GROUP * total / row_tile) + batch)."""
     rows = w.heads // w.kv_heads * w.seq
     n_row_tiles = -(-rows // cfg.row_tile)
     groups = w.batch * w.kv_heads * n_row_tiles
+    if w.packed:
+        groups = w.kv_heads * (-(-rows * w.batch // cfg.row_tile) + w.batch)
     # a group's blocks split over the workers whose shares meet them: group j's piece of
     # worker t is partial j + t (shares are contiguous runs, so no two pieces meet there)
     return DecodeSplit(rows=rows, n_row_tiles=n_row_tiles, groups=groups,
@@ -97,9 +102,21 @@ def keys_in_flight(row_tile, lanes, registers, kv_block):
     return ju
 
 
+def paged_kv_block(kv_block, lanes, block_size):
+    """A paged cache's key block: the largest multiple of the lanes up to kv_block that
+    divides the pool's block size, so a key block lies in one pool block (its address read
+    once from the block table)."""
+    best = lanes
+    for kb in range(lanes, min(kv_block, block_size) + 1, lanes):
+        if block_size % kb == 0:
+            best = kb
+    return best
+
+
 def default_decode_config(workload, target):
     """The default config: row tiles of up to 16 query rows (rows in the lanes where a few
-    copied rows allow it), one worker a core, key blocks by decode_kv_block."""
+    copied rows allow it), one worker a core, key blocks by decode_kv_block (a paged cache:
+    dividing its block size, paged_kv_block)."""
     rows = workload.heads // workload.kv_heads * workload.seq
     row_tile = min(rows, 16)
     padded = round_up(row_tile, target.lanes)
@@ -111,6 +128,8 @@ def default_decode_config(workload, target):
     # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
     # thread, so more tasks balance nothing and add partials to merge (against 4 a
     # core: benchmarks/PERFORMANCE.md, Schedule decisions)
-    return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores),
-                        kv_block=decode_kv_block(row_tile, target.lanes),
+    kv_block = decode_kv_block(row_tile, target.lanes)
+    if workload.kv_block_size:
+        kv_block = paged_kv_block(kv_block, target.lanes, workload.kv_block_size)
+    return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores), kv_block=kv_block,
                         lanes=target.lanes)
