@@ -136,6 +136,11 @@ def decode_arguments(module, x, cache, cu_seqlens, seqs) -> DecodeArgs:
         if not packed and x.shape[1] != module.seq_len:
             raise InputError(f"x has {x.shape[1]} new tokens a row; this module was built for "
                              f"seq_len={module.seq_len} (build with seq_len=None for any)")
+        if packed and not 1 <= x.shape[1] <= module.seq_len:
+            raise InputError(f"x has seq_len {x.shape[1]}; this module runs seq_len 1.."
+                             f"{module.seq_len} (rebuild with max_seq_len={x.shape[1]}), or "
+                             f"up to {module.batch * module.seq_len} tokens in all packed "
+                             "with cu_seqlens=")
         counts = [x.shape[1]] * rows
         cu = np.arange(rows + 1, dtype=np.int32) * x.shape[1] if packed else None
     total = sum(counts)
