@@ -208,7 +208,7 @@ class PagedKVCache:
         k, v = aligned_zeros(shape, dtype), aligned_zeros(shape, dtype)
         for row, seq in enumerate(seqs):
             held = self.lens(seq)
-            for i, block in enumerate(self._tables[seq]):
+            for i, block in enumerate(self._tables[seq][:-(-held // self.block_size)]):
                 lo, hi = i * self.block_size, min(held, (i + 1) * self.block_size)
                 k[row, :, lo:hi] = self.k[block, :, :hi - lo]
                 v[row, :, lo:hi] = self.v[block, :, :hi - lo]
