@@ -137,3 +137,33 @@ def test_reference_of_packed_rows_is_each_row_alone():
     np.testing.assert_allclose(packed, np.concatenate(rows, axis=1), rtol=1e-13, atol=1e-13)
     assert cache.lens.tolist() == [6, 5, 11]
     np.testing.assert_array_equal(cache.k[0], alone[0].k[0])
+
+
+@pytest.mark.slow
+def test_c_api_runs_packed_rows_as_python_does(tmp_path):
+    """mha_run_cached_varlen of the saved module: the same call as Python's gives the same
+    bits (output, caches, lengths); offsets that decrease are refused with nothing written
+    or advanced; mha_run_paged of this contiguous artifact says which entry it needs."""
+    from decode_modules import c_driver, run_c_call
+    m = packed_module()
+    artifact, exe = c_driver(m, tmp_path)
+    header = (artifact / "mha.h").read_text()
+    assert "#define MHA_VARLEN 1" in header and "#define MHA_KV_BLOCK_SIZE 0" in header
+    cache = filled_cache(m, [3, 0, 40, 20])
+    cu = np.array([0, 7, 8, 8, 11], np.int32)
+    x = np.random.default_rng(9).standard_normal((1, 11, 64)).astype(np.float32)
+    arrays = dict(x=x, cu=cu, lens=cache.lens, k=cache.k, v=cache.v)
+    status, message, out = run_c_call(artifact, exe, tmp_path / "ok", arrays, (4, 11, 0))
+    assert status == "MHA_OK", message
+    expected = m(x, cache=cache, cu_seqlens=cu)
+    np.testing.assert_array_equal(np.frombuffer(out["y"], np.float32), expected.reshape(-1))
+    np.testing.assert_array_equal(np.frombuffer(out["k.out"], np.float32), cache.k.reshape(-1))
+    np.testing.assert_array_equal(np.frombuffer(out["v.out"], np.float32), cache.v.reshape(-1))
+    assert np.frombuffer(out["lens.out"], np.int32).tolist() == cache.lens.tolist()
+    bad = dict(arrays, cu=np.array([0, 7, 6, 8, 11], np.int32))
+    status, message, out = run_c_call(artifact, exe, tmp_path / "bad", bad, (4, 11, 0))
+    assert status == "MHA_ERR_ARGUMENT" and "never decrease" in message, message
+    assert out["k.out"] == cache.k.tobytes() and out["lens.out"] == cache.lens.tobytes()
+    status, message, _ = run_c_call(artifact, exe, tmp_path / "other", arrays, (4, 11, 0),
+                                    mode="other")
+    assert status == "MHA_ERR_ARGUMENT" and "mha_run_cached" in message, message

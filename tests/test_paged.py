@@ -251,3 +251,42 @@ def test_paged_build_options_are_checked():
     assert paged_module().new_paged_cache(3).k.shape == (3, 2, 16, 24)
     assert MAX_LEN == paged_module().new_paged_cache(3).max_len
     assert reference_cache  # (shared helper, used above through the contiguous module)
+
+
+@pytest.mark.slow
+def test_c_api_runs_a_paged_call_as_python_does(tmp_path):
+    """mha_run_paged of the saved module with the block tables Python's pool holds (the
+    caller's allocation: shuffled blocks, a fork sharing a prefix, copy-on-write done by
+    reserve) gives the same bits as the Python call; a table entry outside the pool is
+    refused with nothing written or advanced."""
+    from decode_modules import c_driver, run_c_call
+    m = paged_module()
+    artifact, exe = c_driver(m, tmp_path)
+    assert "#define MHA_KV_BLOCK_SIZE 16" in (artifact / "mha.h").read_text()
+    pool, _ = shuffled_pool(m, 8, seed=3)
+    rng = np.random.default_rng(10)
+    a = pool.add()
+    m(rng.standard_normal((1, 20, 64)).astype(np.float32), cache=pool, seqs=[a],
+      cu_seqlens=[0, 20])
+    b = pool.fork(a)
+    seqs, cu = [a, b], np.array([0, 3, 4], np.int32)
+    pool.reserve(seqs, np.diff(cu))     # what the caller's block manager does first
+    tables = np.zeros((2, pool.max_blocks), np.int32)
+    for row, s in enumerate(seqs):
+        tables[row, :len(pool.blocks(s))] = pool.blocks(s)
+    lens = np.array([pool.lens(s) for s in seqs], np.int32)
+    x = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    arrays = dict(x=x, cu=cu, lens=lens, k=pool.k, v=pool.v, tables=tables)
+    status, message, out = run_c_call(artifact, exe, tmp_path / "ok", arrays, (2, 4, 8))
+    assert status == "MHA_OK", message
+    expected = m(x, cache=pool, seqs=seqs, cu_seqlens=cu)
+    np.testing.assert_array_equal(np.frombuffer(out["y"], np.float32), expected.reshape(-1))
+    np.testing.assert_array_equal(np.frombuffer(out["k.out"], np.float32), pool.k.reshape(-1))
+    assert np.frombuffer(out["lens.out"], np.int32).tolist() == [23, 21]
+    outside = tables.copy()
+    outside[1, 1] = 8
+    status, message, out = run_c_call(artifact, exe, tmp_path / "bad",
+                                      dict(arrays, tables=outside), (2, 4, 8))
+    assert status == "MHA_ERR_ARGUMENT" and "block_tables[1][1] = 8" in message, message
+    assert out["k.out"] == np.ascontiguousarray(arrays["k"]).tobytes()
+    assert out["lens.out"] == lens.tobytes()
