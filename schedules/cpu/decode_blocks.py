@@ -120,9 +120,9 @@ def lanes_block_macro(prm, rules):
 def row_block_macro(prm, rules):
     """block_rows: a key block for a tile's rows one by one, lanes along head_dim."""
     lane_sum, lane_max, dot_rows, add_values, rescaled_row, stored_row = row_macros(prm)
-    key_block, key_slot, q_len = prm.key_block, prm.key_slot, prm.q_len
+    key_block, key_slot, q_len, kv_head = prm.key_block, prm.key_slot, prm.q_len, prm.kv_head
     KB, RT, R, S, LN = prm.KB, prm.RT, prm.R, prm.S, prm.LN
-    GROUP, neg_inf, zero, PACKED = prm.GROUP, prm.neg_inf, prm.zero, prm.packed
+    GROUP, neg_inf, zero, PACKED = prm.GROUPT, prm.neg_inf, prm.zero, prm.packed
     PAGED = prm.BS is not None
 
     def scored(value, b, h, qpos, kv, kv_len, cu=None):
@@ -171,15 +171,19 @@ def row_block_macro(prm, rules):
                   b, g, rt, slot, k0, kv_len, kr, base):
         for r in range(RT):
             if PACKED:     # the rows' heads and positions, found at the piece's start
-                row_scores(qb, cu, k_cache, s_buf, acc, r, b, g, rq[0, r], rq[1, r], k0,
-                           kv_len, kr, base)
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, rq[0, r]), rq[0, r],
+                           rq[1, r], k0, kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, rq[0, r]),
+                           slot, base)
             else:
                 row = T.min(rt * RT + r, R - 1)
                 h = g * GROUP + row // S
                 qpos = cache_lens[b] + row % S
-                row_scores(qb, cu, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len, kr, base)
-            row_softmax(s_buf, acc, st, ml, r)
-            row_values(v_cache, part_o, s_buf, st, o_row, r, kr, g, slot, base)
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, h), h, qpos, k0,
+                           kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, h), slot, base)
 
     @T.macro
     def block_rows(cache_lens, cu, tables, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml,
