@@ -38,7 +38,8 @@ class Buffer:
     doc: str = ""
     symbolic: dict | None = None  # symbolic-length builds: {axis: "batch" | "rows" |
                                   # "padded_rows" | "kv_rows" | "kv_padded_rows"}; `shape`
-                                  # then holds the maximum
+                                  # then holds the maximum ("pool_blocks": a paged cache's
+                                  # pool, any size; shape holds 1)
 
     def call_shape(self, dims: dict) -> tuple:
         """The shape of one call: symbolic axes from dims (call_dims()), the rest fixed."""
@@ -153,7 +154,8 @@ class Program:
 
 
 ROLES = ("input", "param", "temp", "output", "state")
-SYMBOLIC_AXES = ("batch", "rows", "padded_rows", "kv_rows", "kv_padded_rows")
+SYMBOLIC_AXES = ("batch", "rows", "padded_rows", "kv_rows", "kv_padded_rows",
+                 "pool_blocks")   # pool_blocks: a paged K/V cache's blocks, the caller's
 BUFFER_DTYPES = SUPPORTED_DTYPES + ("int32",)   # int32: key lengths, block tables
 
 

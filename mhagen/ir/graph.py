@@ -234,14 +234,17 @@ class Graph:
         return init_weights(self, seed)
 
     def reference(self, x, weights, kv_lens=None, cache=None,
-                  context=None, rounded_to=None) -> "numpy.ndarray":  # noqa: F821
+                  context=None, rounded_to=None, cu_seqlens=None,
+                  seqs=None) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
         the per-batch key lengths of a layer with key padding; cache: a decoding layer's
-        mhagen.KVCache, written and advanced in place as a module call does; context: the
-        second input of a cross-attention layer; rounded_to: a half-precision yardstick,
-        every value rounded to that dtype: mhagen.reference.run_reference)."""
+        mhagen.KVCache or PagedKVCache, written and advanced in place as a module call does,
+        cu_seqlens: each cache row's own new tokens, x packed, seqs: a paged cache's
+        sequences; context: the second input of a cross-attention layer; rounded_to: a
+        half-precision yardstick, every value rounded to that dtype:
+        mhagen.reference.run_reference)."""
         return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache, context=context,
-                             rounded_to=rounded_to)
+                             rounded_to=rounded_to, cu_seqlens=cu_seqlens, seqs=seqs)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

@@ -14,7 +14,10 @@ from mhagen.errors import InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.numpy_ops import NUMPY_OPS
-from mhagen.call_checks import check_cache, check_context, check_input, check_lengths
+from mhagen.call_checks import (check_cache, check_context, check_cu_seqlens, check_input,
+                                check_lengths)
+from mhagen.kvcache import KVCache
+from mhagen.paged_cache import PagedKVCache
 from mhagen.weights import check_weights
 
 
@@ -61,7 +64,7 @@ def softmax_rows(s: np.ndarray) -> np.ndarray:
 
 
 def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
-                  context=None, rounded_to: str | None = None):
+                  context=None, rounded_to: str | None = None, cu_seqlens=None, seqs=None):
     """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
     kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
     a decoding graph (its new K/V rows are written and lens advanced, as a module call does);
@@ -70,7 +73,14 @@ def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cac
     weights rounded to its dtype (what its module computes with), still in float64.
     rounded_to ("float16", "bfloat16"): also round every node's value to that dtype, as a
     framework computing in half precision would (the yardstick of half-precision
-    tolerances, mhagen/tolerances.py)."""
+    tolerances, mhagen/tolerances.py).
+    Decoding graphs: cu_seqlens gives each cache row its own number of new tokens (x [1,
+    total, d_model] packed, the output likewise), and cache may be a PagedKVCache with seqs
+    its sequences the call's rows are (decode_rows)."""
+    if cu_seqlens is not None or seqs is not None or isinstance(cache, PagedKVCache):
+        if return_all:
+            raise InputError("return_all=True takes a call of one shape: run each row alone")
+        return decode_rows(graph, x, weights, cache, cu_seqlens, seqs, rounded_to)
     if len(graph.inputs) > 2 or (len(graph.inputs) == 2 and graph.context_input is None):
         raise InputError("run_reference takes x (and a cross-attention layer's context); "
                          f"this graph has {len(graph.inputs)} inputs")
@@ -102,6 +112,59 @@ def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cac
     if cache is not None:
         cache.lens += x.shape[1]
     return vals if return_all else vals[graph.output]
+
+
+def decode_rows(graph, x, weights, cache, cu_seqlens, seqs, rounded_to=None):
+    """A decoding call whose rows add their own numbers of new tokens (cu_seqlens [rows +
+    1], x [1, total, d_model] packed; without it x [rows, S, d_model]), on a KVCache (rows:
+    its batch) or a PagedKVCache (rows: seqs): row by row, each a batch-1 call of the same
+    semantics on that row's cache (a paged sequence's gathered into a contiguous one, its
+    new K/V rows then written back into the blocks the pool reserved for them)."""
+    if graph.cache_lens_input is None:
+        raise InputError(f"cu_seqlens and seqs are for decoding layers (kv_cache=); "
+                         f"graph {graph.name!r} keeps no K/V cache")
+    paged = isinstance(cache, PagedKVCache)
+    if paged and seqs is None:
+        raise InputError("a PagedKVCache call names its rows' sequences: seqs=[ids]")
+    if not paged and seqs is not None:
+        raise InputError("seqs= names the sequences of a PagedKVCache; a KVCache's rows are "
+                         "the call's rows")
+    if not paged and not isinstance(cache, KVCache):
+        raise InputError(f"cache= takes a mhagen.KVCache or PagedKVCache, got "
+                         f"{type(cache).__name__}")
+    rows = len(seqs) if paged else cache.batch
+    x = check_input(graph, x)
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise InputError(f"with cu_seqlens, x holds the rows' tokens packed: [1, total, "
+                             f"d_model], got {x.shape}")
+        cu = check_cu_seqlens(cu_seqlens, x.shape[1], sequences=rows).tolist()
+        tokens = x[0]
+    else:
+        if x.shape[0] != rows:
+            raise InputError(f"x has {x.shape[0]} rows; the call runs {rows}")
+        cu = [b * x.shape[1] for b in range(rows + 1)]
+        tokens = x.reshape(-1, x.shape[2])
+    counts = [hi - lo for lo, hi in zip(cu, cu[1:])]
+    if paged:
+        cache.reserve(seqs, counts)       # refuses a full pool before anything is written
+    outs = []
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        part = tokens[cu[b]:cu[b + 1]][None]
+        if paged:
+            seq = seqs[b]
+            held = cache.lens(seq)
+            row = cache.to_contiguous([seq])
+            outs.append(run_reference(graph, part, weights, cache=row, rounded_to=rounded_to))
+            cache.write(seq, held, row.k[0, :, held:held + n], row.v[0, :, held:held + n])
+            cache.advance([seq], [n])
+        else:     # views of row b: written and advanced in place
+            row = KVCache(cache.k[b:b + 1], cache.v[b:b + 1], cache.lens[b:b + 1])
+            outs.append(run_reference(graph, part, weights, cache=row, rounded_to=rounded_to))
+    out = np.concatenate(outs, axis=1) if outs else np.zeros((1, 0, 0))
+    return out if cu_seqlens is not None else out.reshape(rows, x.shape[1], -1)
 
 
 def _stored(graph, a) -> np.ndarray:

@@ -16,6 +16,11 @@ Decoding layers (attention with a `cache`) run instead, after the GEMM and the r
                   cache_lens[b] + t (the caller's state, written in place)
   attention       qkv (Q), the caches, cache_lens -> att, split-KV (the backend's decode
                   template; partial results in two temporaries)
+Built for any number of new tokens (seq_len=None) they are packed: each batch row's tokens
+follow the previous row's (cu_seqlens [batch + 1], row b's at cu_seqlens[b]..), the kernels'
+scalars are batch 1 and seq the call's tokens. Built for a paged cache (kv_block_size), the
+caches are pools [num_blocks, kv_heads, block, d] (num_blocks: the call's) read and written
+through block_tables [batch, max_len / block].
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ __all__ = ["NotFusable", "lower_fused", "fused_buffers"]
 
 
 def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None,
-                kv_seq=None) -> Program:
+                kv_seq=None, kv_block_size=None) -> Program:
     """The kernels, laid out as the target's backend asks (mhagen/backends.py): plan ->
     buffers -> kernels.
     symbolic ({"batch": bool, "seq": bool}, or None): one program for every batch <= batch
@@ -43,8 +48,9 @@ def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None
     Cross-attention (attention attr cross; kv_seq: the context's length): a second packed
     GEMM projects the context into `kv` (the K/V heads' columns, kv_seq rows per batch row),
     which the attention template reads its keys and values from.
-    attention_config: (default config, workload) -> a tuned config, or None."""
-    plan = plan_fused(graph, batch, seq, backend, symbolic, kv_seq)
+    attention_config: (default config, workload) -> a tuned config, or None.
+    kv_block_size: a decoding layer's paged cache, tokens a block (mhagen.PagedKVCache)."""
+    plan = plan_fused(graph, batch, seq, backend, symbolic, kv_seq, kv_block_size)
     work = attention_workload(plan)
     rule = backend.attention if plan.cache is None else backend.decode
     default = rule.default_config(work, backend.target)
@@ -113,8 +119,19 @@ def _lengths_buffers(plan) -> list:
         return []
     doc = ("tokens already cached per batch row, given at call time" if plan.cache else
            "key lengths per batch row, given at call time")
-    return [Buffer(plan.att_node.inputs[-1], (plan.batch,), "input", "int32", doc=doc,
-                   symbolic={0: "batch"} if plan.symbolic else None)]
+    # a decoding layer's batch is fixed (its cache rows): packed calls run batch 1
+    fixed = plan.cache is not None and plan.packed
+    out = [Buffer(plan.att_node.inputs[-1], (plan.batch,), "input", "int32", doc=doc,
+                  symbolic={0: "batch"} if plan.symbolic and not fixed else None)]
+    if plan.packed:
+        out.append(Buffer("cu_seqlens", (plan.batch + 1,), "input", "int32",
+                          doc="row b's new tokens are rows cu_seqlens[b] .. cu_seqlens[b+1]-1 "
+                          "of x, given at call time"))
+    if plan.kv_block_size:
+        out.append(Buffer("block_tables", (plan.batch, plan.max_blocks), "input", "int32",
+                          doc="the pool blocks of each batch row's sequence, in order, given "
+                          "at call time"))
+    return out
 
 
 def _panels(plan, width, path) -> dict:
@@ -166,10 +183,16 @@ def _table_buffers(table) -> list:
 def _cache_buffers(plan, partial_shapes) -> list:
     part_o, part_ml = partial_shapes
     shape = (plan.batch, plan.kv_heads, plan.cache["max_len"], plan.head_dim)
-    return [Buffer("k_cache", shape, "state", dtype=plan.cache_dtype,
-                   doc="keys of every K/V head by position (the caller's KVCache, written "
-                   "in place)"),
-            Buffer("v_cache", shape, "state", dtype=plan.cache_dtype, doc="values, as k_cache"),
+    doc, symbolic = ("keys of every K/V head by position (the caller's KVCache, written "
+                     "in place)"), None
+    if plan.kv_block_size:   # a pool of the call's size (shape[0]: a placeholder)
+        shape = (1, plan.kv_heads, plan.kv_block_size, plan.head_dim)
+        doc, symbolic = ("keys of every K/V head in pool blocks (the caller's PagedKVCache, "
+                         "written in place; its num_blocks the call's)"), {0: "pool_blocks"}
+    return [Buffer("k_cache", shape, "state", dtype=plan.cache_dtype, doc=doc,
+                   symbolic=symbolic),
+            Buffer("v_cache", shape, "state", dtype=plan.cache_dtype, doc="values, as k_cache",
+                   symbolic=symbolic),
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
 
@@ -277,7 +300,8 @@ def kv_kernel(plan, ph) -> tuple:
 def rotary_kernel(plan, work, ph) -> tuple:
     """2. RoPE on qkv's Q and K columns, in place (the backend's rotary template)."""
     r = plan.attrs["rotary"]
-    lengths = plan.lengths_input if plan.cache else []
+    lengths = plan.lengths_input + (["cu_seqlens"] if plan.packed else []) if plan.cache \
+        else []
     kernel = Kernel("rotary", ["qkv"] + lengths + ["rope"] + ph.names,
                     stages=[Stage("rotary", "rotary_template", plan.att_node.name, (), work)],
                     template="rotary", workload=work)
@@ -307,6 +331,8 @@ def decode_kernels(plan, work, cfg, ph, tuned=False) -> list:
     tuned: cfg came from a tuning record."""
     tables = [b.name for _, b in score_table_buffers(plan.attrs.get("score_mod"))]
     lengths, node = plan.lengths_input, plan.att_node.name
+    lengths = lengths + (["cu_seqlens"] if plan.packed else []) + (
+        ["block_tables"] if plan.kv_block_size else [])
     append = Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"] + ph.names,
                     stages=[Stage("cache_append", "cache_append_template", node, (), work)],
                     template="cache_append", workload=work)

@@ -22,6 +22,7 @@ from tvm.script import tirx as T
 
 from mhagen.lower.te import call_scalars
 from mhagen.schedules.attention_common import with_scalars
+from mhagen.schedules.cpu.decode_params import sequence_of_macro
 
 
 ROW_BLOCK = 32   # rows per task
@@ -66,6 +67,7 @@ def build_rotary(w, cfg):
     TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
 
     P = w.cache or S       # table rows: positions up to the cache length (decoding)
+    CB = B                 # decoding: the cache's rows (a packed call's scalar batch is 1)
     scalars = ()
     if w.symbolic:         # the call's batch and seq: parameters, rows dense b*seq + t
         scalars = B, S = call_scalars()
@@ -93,6 +95,9 @@ def build_rotary(w, cfg):
                     qkv[(BASE + slot * DP + ch * LN) // PW, row,
                         (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
 
+    if w.cache and w.packed:
+        return packed_rotary(w, body, scalars, (NP, M, PW), CB, P, HALF, SLOTS, B * S)
+
     if w.cache:
         @T.prim_func(check_well_formed=False)   # free scalars: see below
         def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
@@ -116,5 +121,33 @@ def build_rotary(w, cfg):
                 for r in range(RB):
                     row = rb * RB + r
                     body(qkv, rope, slot, row, row % S)
+
+    return with_scalars(rotary, scalars)
+
+
+def packed_rotary(w, body, scalars, qkv_shape, batch, positions, half, slots, tokens):
+    """The rotary kernel of a packed decoding call (qkv, cache_lens, cu_seqlens, rope): row m
+    is token m - cu_seqlens[b] of the batch row b whose tokens hold it, at position
+    cache_lens[b] + m - cu_seqlens[b]; a task's rows find theirs once, then every head."""
+    RB = ROW_BLOCK
+    NRB = (tokens + RB - 1) // RB
+    sequence_of = sequence_of_macro(batch)
+
+    @T.prim_func(check_well_formed=False)   # free scalars until with_scalars
+    def rotary(qkv: T.Buffer(qkv_shape, "float32"),
+               cache_lens: T.Buffer((batch,), "int32"),
+               cu_seqlens: T.Buffer((batch + 1,), "int32"),
+               rope: T.Buffer((2, positions, half), "float32")):
+        T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+        for rb in T.parallel(NRB):
+            pos = T.decl_buffer((RB,), "int32")
+            found = T.decl_buffer((1,), "int32")
+            for r in range(RB):
+                sequence_of(cu_seqlens, rb * RB + r, found)
+                pos[r] = T.min(cache_lens[found[0]] + rb * RB + r - cu_seqlens[found[0]],
+                               positions - 1)
+            for slot in range(slots):
+                for r in range(RB):
+                    body(qkv, rope, slot, rb * RB + r, pos[r])
 
     return with_scalars(rotary, scalars)

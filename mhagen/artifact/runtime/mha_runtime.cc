@@ -25,6 +25,8 @@
 #define mha_run_padded mha_impl_run_padded
 #define mha_run_cached mha_impl_run_cached
 #define mha_run_cross mha_impl_run_cross
+#define mha_run_cached_varlen mha_impl_run_cached_varlen
+#define mha_run_paged mha_impl_run_paged
 #define mha_destroy mha_impl_destroy
 #define mha_last_error mha_impl_last_error
 #define mha_last_error_code mha_impl_last_error_code
@@ -503,6 +505,8 @@ struct Runtime {
   decltype(&mha_run_padded) run_padded;
   decltype(&mha_run_cached) run_cached;
   decltype(&mha_run_cross) run_cross;
+  decltype(&mha_run_cached_varlen) run_cached_varlen;
+  decltype(&mha_run_paged) run_paged;
   decltype(&mha_destroy) destroy;
   decltype(&mha_last_error) last_error;
   decltype(&mha_last_error_code) last_error_code;
@@ -541,6 +545,8 @@ int load_runtime(const std::string &dir) {
         bind(library, "mha_impl_run_padded", &r.run_padded) &&
         bind(library, "mha_impl_run_cached", &r.run_cached) &&
         bind(library, "mha_impl_run_cross", &r.run_cross) &&
+        bind(library, "mha_impl_run_cached_varlen", &r.run_cached_varlen) &&
+        bind(library, "mha_impl_run_paged", &r.run_paged) &&
         bind(library, "mha_impl_destroy", &r.destroy) &&
         bind(library, "mha_impl_last_error", &r.last_error) &&
         bind(library, "mha_impl_last_error_code", &r.last_error_code)))
@@ -614,6 +620,26 @@ MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int
   if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cross");
   mha::g_forwarded = true;
   return r->run_cross(handle, x, batch, seq_len, context, kv_seq_len, kv_lens, y);
+}
+
+MHA_API int mha_run_cached_varlen(mha_handle *handle, const mha_value *x, int total,
+                                  const int32_t *cu_seqlens, mha_cache_value *k_cache,
+                                  mha_cache_value *v_cache, int32_t *cache_lens, mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cached_varlen");
+  mha::g_forwarded = true;
+  return r->run_cached_varlen(handle, x, total, cu_seqlens, k_cache, v_cache, cache_lens, y);
+}
+
+MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, int total,
+                          const int32_t *cu_seqlens, mha_cache_value *k_pool,
+                          mha_cache_value *v_pool, int num_blocks,
+                          const int32_t *block_tables, int32_t *cache_lens, mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_paged");
+  mha::g_forwarded = true;
+  return r->run_paged(handle, x, num_seqs, total, cu_seqlens, k_pool, v_pool, num_blocks,
+                      block_tables, cache_lens, y);
 }
 
 MHA_API void mha_destroy(mha_handle *handle) {
@@ -852,7 +878,7 @@ void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_se
   const int64_t values[] = {0, batch, rows, (rows + kRowTile - 1) / kRowTile * kRowTile,
                             kv_rows, (kv_rows + kRowTile - 1) / kRowTile * kRowTile};
   for (int i = 0; i < kNumBuffers; ++i)
-    if (kBuffers[i].sym_kind != kFixed)
+    if (kBuffers[i].sym_kind != kFixed && kBuffers[i].sym_kind != kDimPoolBlocks)
       h->shapes[size_t(i) * kMaxDims + size_t(kBuffers[i].sym_axis)] =
           values[kBuffers[i].sym_kind];
 #if !MHA_DEVICE_CUDA   // (CUDA artifacts have fixed shapes)
@@ -1048,6 +1074,166 @@ int run_device(mha_handle *h, const mha_value *x, mha_value *y, void *stream, in
 }
 #endif
 
+// ---- decoding calls with each row's own new tokens, and paged caches -------------------------
+// The arguments of mha_run_cached (packed artifacts), mha_run_cached_varlen, mha_run_paged.
+struct DecodeCall {
+  const char *fn;
+  bool paged;                   // called as mha_run_paged
+  int rows;                     // the call's rows: cache rows, or sequences of the pool
+  int total;                    // new tokens in all (x's and y's rows), with cu_seqlens
+  const int32_t *cu_seqlens;    // [rows + 1], or nullptr: every row seq_len new tokens
+  int seq_len;
+  mha_cache_value *k_cache;     // the caches, or the pools
+  mha_cache_value *v_cache;
+  int num_blocks;               // paged: the pools' blocks
+  const int32_t *block_tables;  // paged: [rows, kMaxBlocks]
+  int32_t *cache_lens;          // [rows], advanced by each row's count on success
+};
+
+// Checks a decoding call against this artifact; fills counts (each row's new tokens).
+int check_decode(const DecodeCall &c, std::vector<int64_t> *counts, int64_t *total) {
+  const std::string fn = c.fn;
+  if (kLengthsKind != 2)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact is no decoding layer (no K/V cache)");
+  const bool paged = kBlockTablesIndex >= 0, packed = kCuSeqlensIndex >= 0;
+  if (c.paged != paged)
+    return fail(MHA_ERR_ARGUMENT, fn + (paged ? ": this artifact reads a paged cache: run it "
+                                                "with mha_run_paged"
+                                              : ": this artifact reads a contiguous cache: run "
+                                                "it with mha_run_cached / mha_run_cached_varlen"));
+  if (c.cu_seqlens != nullptr && !packed)
+    return fail(MHA_ERR_ARGUMENT, fn + ": each row's own new tokens (cu_seqlens) need an "
+                                       "artifact built for any number (mhagen build --max-seq-len"
+                                       " N, MHA_VARLEN 1); pass NULL");
+  const int least = paged && packed ? 1 : kBatch;
+  if (c.rows < least || c.rows > kBatch)
+    return fail(MHA_ERR_SHAPE, fn + ": got " + std::to_string(c.rows) + " rows; this artifact "
+                                    "runs " + (least < kBatch ? "1.." : "") +
+                                    std::to_string(kBatch) + " (MHA_BATCH)");
+  counts->assign(size_t(c.rows), c.seq_len);
+  if (c.cu_seqlens != nullptr) {
+    if (c.cu_seqlens[0] != 0 || c.cu_seqlens[c.rows] != c.total)
+      return fail(MHA_ERR_ARGUMENT, fn + ": cu_seqlens must start at 0 and end at total (" +
+                                        std::to_string(c.total) + "), got " +
+                                        std::to_string(c.cu_seqlens[0]) + " .. " +
+                                        std::to_string(c.cu_seqlens[c.rows]));
+    for (int b = 0; b < c.rows; ++b) {
+      if (c.cu_seqlens[b + 1] < c.cu_seqlens[b])
+        return fail(MHA_ERR_ARGUMENT, fn + ": cu_seqlens must never decrease: entry " +
+                                          std::to_string(b + 1) + " is below entry " +
+                                          std::to_string(b));
+      (*counts)[size_t(b)] = c.cu_seqlens[b + 1] - c.cu_seqlens[b];
+    }
+    *total = c.total;
+  } else {
+    if (packed ? c.seq_len < 1 || c.seq_len > kSeqLen : c.seq_len != kSeqLen)
+      return fail(MHA_ERR_SHAPE, fn + ": got seq_len=" + std::to_string(c.seq_len) +
+                                     "; this artifact runs " + (packed ? "1.." : "") +
+                                     std::to_string(kSeqLen) + " (MHA_SEQ_LEN)");
+    *total = int64_t(c.rows) * c.seq_len;
+  }
+  if (*total < 1 || *total > kBatch * kSeqLen)
+    return fail(MHA_ERR_SHAPE, fn + ": the call has " + std::to_string(*total) + " new tokens; "
+                                    "this artifact runs 1.." + std::to_string(kBatch * kSeqLen));
+  if (c.cache_lens == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
+  if (c.k_cache == nullptr || c.v_cache == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT, fn + ": k_cache or v_cache is NULL");
+  if (!usable_in_place(c.k_cache) || !usable_in_place(c.v_cache))
+    return fail(MHA_ERR_ARGUMENT, fn + ": the caches must be 64-byte aligned (aligned_alloc(64, "
+                                       "...))");
+  for (int b = 0; b < c.rows; ++b) {
+    const int64_t held = c.cache_lens[b], n = (*counts)[size_t(b)];
+    if (held < 0 || held + n > kMaxLen)
+      return fail(MHA_ERR_ARGUMENT, fn + ": length " + std::to_string(held) + " of row " +
+                                        std::to_string(b) + " is outside 0.." +
+                                        std::to_string(kMaxLen - n) + " (the cache holds " +
+                                        std::to_string(kMaxLen) + " tokens; " +
+                                        std::to_string(n) + " new ones)");
+  }
+  if (!paged) return MHA_OK;
+  if (c.num_blocks < 1) return fail(MHA_ERR_ARGUMENT, fn + ": num_blocks must be positive");
+  if (c.block_tables == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": block_tables is NULL");
+  for (int b = 0; b < c.rows; ++b) {
+    const int64_t blocks = (c.cache_lens[b] + (*counts)[size_t(b)] + kBlockSize - 1) / kBlockSize;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int32_t block = c.block_tables[b * kMaxBlocks + j];
+      if (block < 0 || block >= c.num_blocks)
+        return fail(MHA_ERR_ARGUMENT, fn + ": block_tables[" + std::to_string(b) + "][" +
+                                          std::to_string(j) + "] = " + std::to_string(block) +
+                                          " is outside the pool's blocks 0.." +
+                                          std::to_string(c.num_blocks - 1));
+    }
+  }
+  return MHA_OK;
+}
+
+int run_decode(mha_handle *h, const mha_value *x, mha_value *y, const DecodeCall &c) {
+  clear_error();
+  const std::string fn = c.fn;
+  if (h == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT,
+                fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x is NULL");
+  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": y is NULL");
+#if MHA_DEVICE_CUDA
+  return fail(MHA_ERR_ARGUMENT, fn + ": CUDA artifacts have no decoding layers");
+#else
+  std::vector<int64_t> counts;
+  int64_t total = 0;
+  if (check_decode(c, &counts, &total) != MHA_OK) return g_code;
+  std::lock_guard<std::mutex> lock(h->mutex);
+  if (kCuSeqlensIndex >= 0) set_call_shape(h, 1, total, 0);   // packed: batch 1 x total rows
+  void *in_scratch = h->data[size_t(kInputIndex)];
+  void *out_scratch = h->data[size_t(kOutputIndex)];
+  DLTensor &in = h->tensors[size_t(kInputIndex)];
+  DLTensor &out = h->tensors[size_t(kOutputIndex)];
+  if (usable_in_place(x))
+    in.data = const_cast<mha_value *>(x);   // the kernels only read their input
+  else
+    std::memcpy(in_scratch, x, size_t(total * kDModel) * sizeof(mha_value));
+  int32_t *lens = static_cast<int32_t *>(h->data[size_t(kLengthsIndex)]);
+  for (int b = 0; b < kBatch; ++b) lens[b] = b < c.rows ? c.cache_lens[b] : 0;
+  if (kCuSeqlensIndex >= 0) {   // rows past the call's: no tokens
+    int32_t *cu = static_cast<int32_t *>(h->data[size_t(kCuSeqlensIndex)]);
+    cu[0] = 0;
+    for (int b = 0; b < kBatch; ++b)
+      cu[b + 1] = int32_t(cu[b] + (b < c.rows ? counts[size_t(b)] : 0));
+  }
+  if (kBlockTablesIndex >= 0) {
+    int32_t *tables = static_cast<int32_t *>(h->data[size_t(kBlockTablesIndex)]);
+    std::memset(tables, 0, size_t(kBatch * kMaxBlocks) * sizeof(int32_t));
+    std::memcpy(tables, c.block_tables, size_t(c.rows * kMaxBlocks) * sizeof(int32_t));
+    for (int i : {kKCacheIndex, kVCacheIndex})   // the pools' size: the call's
+      h->shapes[size_t(i) * kMaxDims] = c.num_blocks;
+  }
+  h->tensors[size_t(kKCacheIndex)].data = c.k_cache;
+  h->tensors[size_t(kVCacheIndex)].data = c.v_cache;
+  const bool direct = kOutCols == kOutDModel && usable_in_place(y);
+  if (direct) out.data = y;
+  int rc = MHA_OK;
+  try {
+    for (size_t k = 0; rc == MHA_OK && k < h->kernels.size(); ++k) {
+      tvm::ffi::Any result;
+      h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
+    }
+  } catch (const std::exception &ex) {
+    rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
+  }
+  in.data = in_scratch;
+  out.data = out_scratch;
+  h->tensors[size_t(kKCacheIndex)].data = nullptr;
+  h->tensors[size_t(kVCacheIndex)].data = nullptr;
+  if (rc == MHA_OK && !direct) {
+    const mha_value *src = static_cast<const mha_value *>(out_scratch);
+    for (int64_t r = 0; r < total; ++r)
+      std::memcpy(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(mha_value));
+  }
+  if (rc == MHA_OK)
+    for (int b = 0; b < c.rows; ++b) c.cache_lens[b] += int32_t(counts[size_t(b)]);
+  return rc;
+#endif
+}
+
 // The C entry points' shared exception guard.
 template <typename F>
 int guarded(const char *fn, F &&body) {
@@ -1099,8 +1285,39 @@ MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, in
                            mha_cache_value *k_cache, mha_cache_value *v_cache,
                            int32_t *cache_lens, mha_value *y) {
   return mha::guarded("mha_run_cached", [&] {
+    if (mha::config::kCuSeqlensIndex >= 0 || mha::config::kBlockTablesIndex >= 0)
+      return mha::run_decode(handle, x, y, {"mha_run_cached", false, batch, 0, nullptr,
+                                            seq_len, k_cache, v_cache, 0, nullptr, cache_lens});
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
+  });
+}
+
+MHA_API int mha_run_cached_varlen(mha_handle *handle, const mha_value *x, int total,
+                                  const int32_t *cu_seqlens, mha_cache_value *k_cache,
+                                  mha_cache_value *v_cache, int32_t *cache_lens, mha_value *y) {
+  return mha::guarded("mha_run_cached_varlen", [&] {
+    if (cu_seqlens == nullptr)
+      return mha::fail(MHA_ERR_NULL_ARGUMENT, "mha_run_cached_varlen: cu_seqlens is NULL");
+    return mha::run_decode(handle, x, y, {"mha_run_cached_varlen", false, int(mha::config::kBatch),
+                                          total, cu_seqlens, 0, k_cache, v_cache, 0, nullptr,
+                                          cache_lens});
+  });
+}
+
+MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, int total,
+                          const int32_t *cu_seqlens, mha_cache_value *k_pool,
+                          mha_cache_value *v_pool, int num_blocks,
+                          const int32_t *block_tables, int32_t *cache_lens, mha_value *y) {
+  return mha::guarded("mha_run_paged", [&] {
+    const int seq_len = cu_seqlens != nullptr || num_seqs < 1 ? 0 : total / num_seqs;
+    if (cu_seqlens == nullptr && num_seqs >= 1 && total != num_seqs * seq_len)
+      return mha::fail(MHA_ERR_SHAPE, "mha_run_paged: without cu_seqlens every sequence adds "
+                                      "total / num_seqs tokens; " + std::to_string(total) +
+                                      " is no multiple of " + std::to_string(num_seqs));
+    return mha::run_decode(handle, x, y, {"mha_run_paged", true, num_seqs, total, cu_seqlens,
+                                          seq_len, k_pool, v_pool, num_blocks, block_tables,
+                                          cache_lens});
   });
 }
 

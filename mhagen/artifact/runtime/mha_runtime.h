@@ -13,6 +13,10 @@
 //   kLengthsIndex, kLengthsKind               the int32 [batch] lengths input (-1 / 0: none;
 //                                             kind 1 key lengths, 2 tokens in the K/V cache)
 //   kKCacheIndex, kVCacheIndex, kMaxLen       decoding layers: the caller's caches (kState)
+//   kCuSeqlensIndex, kBlockTablesIndex        packed decoding (the rows' offsets, int32
+//   kBlockSize, kMaxBlocks                    [batch + 1]) and a paged cache (block tables
+//                                             [batch, kMaxBlocks], blocks of kBlockSize
+//                                             tokens; -1 / 0: none)
 //   kNumBuffers, kBuffers[]                   every kernel argument (BufferSpec)
 //   kNumKernels, kKernels[]                   the kernels of kernel.so, called in order
 //   kNumFiles, kFiles[], kParamsFile          the files mha_create checks (FileSpec)
@@ -44,9 +48,10 @@ enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3, kState = 4 };
 // the shape holds its largest value) and what it is, and the scalar kernel arguments.
 // (cross-attention: kDimKvRows = batch * kv_seq rows of the context, kDimKvPaddedRows those
 // padded to kRowTile)
+// (kDimPoolBlocks: a paged cache's pools, [num_blocks, ...] with num_blocks the call's)
 enum SymbolicDim {
   kFixed = 0, kDimBatch = 1, kDimRows = 2, kDimPaddedRows = 3, kDimKvRows = 4,
-  kDimKvPaddedRows = 5
+  kDimKvPaddedRows = 5, kDimPoolBlocks = 6
 };
 enum ScalarArg { kArgBatch = -1, kArgSeq = -2, kArgKvSeq = -3 };   // KernelSpec.args below 0
 
