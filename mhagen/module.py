@@ -26,6 +26,8 @@ from mhagen.maps import head_softmaxes
 from mhagen.program import multiplies
 from mhagen.call_checks import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
+from mhagen.ir.reference import packed_refusal
+from mhagen.packed import check_packed, tile_table, token_positions
 from mhagen.staging import Staging, aligned_copy, deliver
 from mhagen.storage import StorageCasts
 from mhagen.weights import check_weights
@@ -168,12 +170,20 @@ class Module:
         return self
 
     def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None,
-                 context=None) -> np.ndarray:
+                 context=None, cu_seqlens=None, cu_seqlens_k=None) -> np.ndarray:
         """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding.
         cache: the mhagen.KVCache of a decoding layer (mhagen.mha(..., kv_cache=N)); x holds
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len. context: the keys' and values' input of a
-        cross-attention layer, [batch, kv_seq_len, kv_dim]."""
+        cross-attention layer, [batch, kv_seq_len, kv_dim].
+        cu_seqlens: a packed call (any-length builds, mhagen/packed.py): x [1, total,
+        d_model] holds the sequences' tokens one after the other, sequence i tokens
+        cu_seqlens[i]:cu_seqlens[i+1], each attending as if alone; the answer has the same
+        layout. cu_seqlens_k: a cross-attention layer's context offsets (context [1,
+        total_kv, kv_dim])."""
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            return self._packed_call(x, weights, out, kv_lens, cache, context, cu_seqlens,
+                                     cu_seqlens_k)
         with self._lock:
             x, returns = self._check_x(x)
             buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
@@ -223,6 +233,82 @@ class Module:
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
                     target)
+
+    def _packed_call(self, x, weights, out, kv_lens, cache, context, cu_seqlens,
+                     cu_seqlens_k):
+        """module(x, cu_seqlens=...): a packed call, checked whole before anything runs."""
+        with self._lock:
+            buffers, dims, returns = self._packed_buffers(x, weights, kv_lens, cache, context,
+                                                          cu_seqlens, cu_seqlens_k)
+            result, target = self.staging.output_array(out, dims, returns)
+            if dims["seq"] == 0:    # no tokens (every sequence empty): nothing to run
+                return result
+            buffers[self.staging.output.name] = runtime.tensor(target)
+            self.staging.run(buffers, packed=True)
+            return self.storage.deliver(result, target)
+
+    def _packed_buffers(self, x, weights, kv_lens, cache, context, cu_seqlens, cu_seqlens_k):
+        """(the kernels' arguments, the call's dims, the dtype it answers in) of a packed
+        call: every argument checked (mhagen.packed.check_packed, this build's limits), the
+        tile table and the tokens' positions written into the module's arrays."""
+        if self.cannot_run is not None:
+            raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
+                              "saved and run where it fits)")
+        if cu_seqlens is None:
+            raise InputError("cu_seqlens_k goes with cu_seqlens (the queries' offsets)")
+        if self.program.packed is None:
+            why = packed_refusal(self.graph) or (
+                "packed calls need a module built for any length: mhagen.build(layer, ..., "
+                "seq_len=None, max_seq_len=N) (batch=None, max_batch=B packs up to B * N "
+                "tokens)" if not self.symbolic else "this target's kernels take none")
+            raise InputError(f"this module takes no packed calls (cu_seqlens=): {why}")
+        x, cu, context, cu_k = check_packed(self.graph, x, cu_seqlens, cu_seqlens_k, context,
+                                            kv_lens, cache, self.storage.takes)
+        self._check_packed_sizes(x.shape[1], cu, x.shape[2], "", self.seq_len)
+        if context is not None:
+            self._check_packed_sizes(context.shape[1], cu_k, None, "_k", self.kv_seq_len)
+        total = x.shape[1]
+        returns = x.dtype
+        params = self._params
+        if weights is not None:
+            params = self.staging.pack(check_weights(self.graph, weights, dtype=self.dtype))
+        elif params is None:
+            raise InputError("no weights: pass weights= to mhagen.build(), call "
+                             "module.bind(weights), or call module(x, weights=...)")
+        table = tile_table(cu, cu_k, self.program.packed_q_tile)
+        dims = self.program.call_dims(1, total, None if context is None else context.shape[1],
+                                      tiles=max(1, len(table)))
+        if total == 0:
+            return {}, dims, returns
+        x = self.storage.deferred("x", x)
+        if context is not None:
+            context = np.ascontiguousarray(self.storage.deferred("context", context))
+        buffers = self.staging.arguments(params, x, dims, self.storage, None, None, context)
+        self.staging.view(self.program.buffers["tiles"], dims)[...] = table
+        if "positions" in self.program.buffers:
+            self.staging.view(self.program.buffers["positions"], dims)[...] = \
+                token_positions(cu)
+        return buffers, dims, returns
+
+    def _check_packed_sizes(self, total, cu, d_model, suffix, longest):
+        """A packed call's tokens (context rows: suffix "_k") against what this build holds:
+        each sequence at most `longest` (the build's max_seq_len / max_kv_seq_len), all of
+        them at most max_batch times that."""
+        if d_model is not None and d_model != self.d_model:
+            raise InputError(f"x has d_model {d_model}, this module takes {self.d_model}")
+        most = self.batch * longest
+        name = "max_kv_seq_len" if suffix else "max_seq_len"
+        if total > most:
+            raise InputError(f"a packed call holds {total} {'context rows' if suffix else 'tokens'}"
+                             f"; this module packs at most {most} (max_batch {self.batch} x "
+                             f"{name} {longest}): rebuild with a larger max_batch or {name}")
+        lens = np.diff(cu)
+        if lens.size and lens.max() > longest:
+            i = int(np.argmax(lens))
+            raise InputError(f"sequence {i} of the packed call has {int(lens[i])} "
+                             f"{'context rows' if suffix else 'tokens'} (cu_seqlens{suffix}); "
+                             f"this module runs sequences of at most {longest} ({name}): "
+                             f"rebuild with {name}={int(lens[i])}")
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""

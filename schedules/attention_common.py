@@ -39,21 +39,45 @@ class ScoreRules:
         self.table_batch, self.table_heads = w.table_batch or 1, w.table_heads or 1
         self.lengths = bool(w.lengths)   # key lengths per batch row, given per call
         self.skip_by_length = bool(w.skip_by_length)   # the mask has kv_idx < kv_len
+        # packed sequences (mhagen/packed.py): the per-call tile table [tiles, 5], a free
+        # buffer while the template is parsed (its first axis a free var), a parameter after
+        # with_scalars; a task's `b` is then its PackedSequence
+        self.varlen = bool(w.varlen)
+        self.tiles = tirx.decl_buffer((tirx.Var("n_tiles", "int32"), 5), "int32",
+                                      name="tiles") if self.varlen else None
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         """The key exists and the mask keeps it. Prefill: keys kj < kv_seq (seq, or the
         context's length), the mask reads kv_len = lens[b] when the layer takes key lengths,
         else kv_seq. Decoding: kv_len (the cached keys and the new ones) is both the bound
         and what the mask reads."""
-        S, T = self.seq, self.kv_seq
+        S, T = self.queries(b), self.keys(b)
         if kv_len is None:
             bound, kv_len = T, (T if lens is None else lens[b])
         else:
             bound = kv_len
         cond = kj < bound
         if self.mask is not None:
-            cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, kv_len))
+            cond = tirx.all(cond, mask_to_tir(self.mask, self.batch_index(b), h, qi, kj, S,
+                                              kv_len))
         return cond
+
+    def queries(self, b):
+        """Batch row b's queries: the call's seq, or a packed sequence's own length."""
+        return b.q_len if self.varlen else self.seq
+
+    def keys(self, b):
+        """Batch row b's keys: the call's kv_seq, or a packed sequence's own keys."""
+        return b.k_len if self.varlen else self.kv_seq
+
+    def batch_index(self, b):
+        """What masks and score modifiers read as `batch` (packed sequences: 0, each runs as
+        if alone; layers whose masks read it take no packed calls)."""
+        return 0 if self.varlen else b
+
+    def query_base(self, b):
+        """The qkv (and att) row of batch row b's first query."""
+        return b.q_start if self.varlen else b * self.seq
 
     def block_state(self, state, lens, b, k0, kb):
         """A key block's state from the build-time table, corrected by the call's key
@@ -61,6 +85,8 @@ class ScoreRules:
         block it cuts becomes PARTIAL (its scores masked one by one)."""
         if lens is not None and self.skip_by_length:
             length = lens[b]
+        elif self.varlen:
+            length = b.k_len
         elif self.symbolic:
             length = self.kv_seq
         else:
@@ -74,34 +100,51 @@ class ScoreRules:
         layer's keys (else seq)."""
         if self.score_mod is None:
             return x
-        S = self.seq
+        S = self.queries(b)
         loads = {v: (lambda buf: lambda i: buf[i])(buf) for v, buf in self.tables}
-        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S,
-                            self.kv_seq if kv_len is None else kv_len,
+        return score_to_tir(self.score_mod, x * T.float32(LN2), self.batch_index(b), h, qi,
+                            kj, S, self.keys(b) if kv_len is None else kv_len,
                             self.math, loads) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
         """Key t of batch row b (rows b * kv_seq + t): full blocks hold keys < kv_seq only;
         partial ones may run past it (clamped, masked)."""
+        if self.varlen:
+            return b.k_start + (T.min(t, b.k_len - 1) if masked else t)
         S = self.kv_seq
         return b * S + (T.min(t, S - 1) if masked else t)
 
     def tb(self, b):
-        return b if self.table_batch > 1 else 0
+        return b if self.table_batch > 1 and not self.varlen else 0
 
     def th(self, h):
         return h if self.table_heads > 1 else 0
 
 
-def with_scalars(func, scalars, tables=()):
+def with_scalars(func, scalars, tables=(), extra=()):
     """A template's PrimFunc with `tables` (ScoreRules.tables: the score modifier's large
-    tables, buffers) and then `scalars` (the call's batch and seq vars of a symbolic-length
-    build, or ()) appended as parameters; the template was parsed with them free
-    (check_well_formed=False; tvm.compile checks the result)."""
-    if not scalars and not tables:
+    tables, buffers), `extra` buffers (a packed call's tile table) and then `scalars` (the
+    call's batch and seq vars of a symbolic-length build, or ()) appended as parameters;
+    the template was parsed with them free (check_well_formed=False; tvm.compile checks the
+    result)."""
+    if not scalars and not tables and not extra:
         return func
-    return tirx.PrimFunc(list(func.params) + [buf for _, buf in tables] + list(scalars),
-                         func.body, func.ret_type, func.attrs)
+    return tirx.PrimFunc(list(func.params) + [buf for _, buf in tables] + list(extra)
+                         + list(scalars), func.body, func.ret_type, func.attrs)
+
+
+class PackedSequence:
+    """A packed call's task's sequence (ScoreRules.varlen): its first query row and number
+    of queries, its first key row and number of keys, as TIR vars bound from its tile
+    table row; the templates pass it where a padded call passes the batch row."""
+
+    def __init__(self, q_start, q_len, k_start, k_len):
+        self.q_start, self.q_len, self.k_start, self.k_len = q_start, q_len, k_start, k_len
+
+
+def _tiles(rules) -> list:
+    """A packed call's tile table, as a parameter (after the score tables)."""
+    return [rules.tiles] if rules.varlen else []
 
 
 def attention_entry(*args, **kwargs):
@@ -130,7 +173,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars, rules.tables)
+        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
     if kv_shape is not None:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
@@ -138,7 +181,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
-        return with_scalars(attention, rules.scalars, rules.tables)
+        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
     if rules.lengths:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype),
@@ -147,7 +190,7 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars, rules.tables)
+        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
 
     @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, dtype),
@@ -155,4 +198,4 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                   out: T.Buffer(out_shape, out_dtype)):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, qkv, blocks, None, out)
-    return with_scalars(attention, rules.scalars, rules.tables)
+    return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))

@@ -107,6 +107,19 @@ def build_rotary(w, cfg):
                              T.min(cache_lens[T.min(row, B * S - 1) // S] + row % S, P - 1))
         return with_scalars(rotary, scalars)
 
+    if w.varlen:
+        @T.prim_func(check_well_formed=False)   # free scalars: see below
+        def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+                   positions: T.Buffer((B * S,), "int32"),
+                   rope: T.Buffer((2, P, HALF), "float32")):
+            T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+            for rb in T.parallel(NRB):
+                for slot in range(SLOTS):
+                    for r in range(RB):      # a packed token: its sequence's own position
+                        row = rb * RB + r
+                        body(qkv, rope, slot, row, positions[T.min(row, B * S - 1)])
+        return with_scalars(rotary, scalars)
+
     @T.prim_func(check_well_formed=False)   # free scalar vars: see below
     def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
                rope: T.Buffer((2, P, HALF), "float32")):
