@@ -94,7 +94,8 @@ _MAX_DIMS = 8     # mha_runtime.h kMaxDims
 _MAX_LAUNCH_ARGS = 16   # mha_runtime.h kMaxLaunchArgs
 _SYMBOLIC_DIMS = {"fixed": "kFixed", "batch": "kDimBatch", "rows": "kDimRows",
                   "padded_rows": "kDimPaddedRows", "kv_rows": "kDimKvRows",
-                  "kv_padded_rows": "kDimKvPaddedRows"}   # mha_runtime.h SymbolicDim
+                  "kv_padded_rows": "kDimKvPaddedRows",
+                  "tiles": "kDimTiles"}   # mha_runtime.h SymbolicDim
 
 __all__ = ["CONFIG", "HEADER", "LIBRARY", "RUNTIME_LIBS", "STATUS", "Toolchain",
            "compile_commands", "find_tvm_runtime", "generate_config", "generate_header",
@@ -181,6 +182,11 @@ def generate_header(manifest) -> str:
 
 def _symbolic(manifest) -> dict:
     return manifest["program"].get("symbolic") or {}
+
+
+def _packed(manifest) -> dict:
+    """The program's packed calls ({"kernels", "q_tile"}), or {} (none)."""
+    return manifest["program"].get("packed") or {}
 
 
 def _shape_rule(manifest) -> str:
@@ -319,6 +325,8 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_SYMBOLIC_KV_SEQ_LEN {int(bool(sym.get('kv_seq')))}   /* 1: any kv_seq_len 1..MHA_KV_SEQ_LEN */
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* values in context */
+#define MHA_PACKED {int(bool(_packed(manifest)))}   /* 1: packed calls (mha_run_varlen) */
+#define MHA_MAX_TOKENS {b * s if _packed(manifest) else 0}   /* tokens a packed call holds at most */
 
 """
 
@@ -372,6 +380,21 @@ MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, in
 MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int seq_len,
                           const mha_value *context, int kv_seq_len, const int32_t *kv_lens,
                           mha_value *y);
+
+/* Packed calls (MHA_PACKED 1: artifacts built for any length, seq_len=None, of prefill
+ * layers): the tokens of n_seqs sequences one after the other, no padding. x holds
+ * cu_seqlens[n_seqs] rows of MHA_D_MODEL values; sequence i is rows cu_seqlens[i] ..
+ * cu_seqlens[i+1] - 1 and attends as if run alone (its positions count from its first
+ * token). cu_seqlens: n_seqs + 1 int32 offsets, 0 first, never decreasing (an empty
+ * sequence is allowed), each sequence at most MHA_SEQ_LEN tokens, at most MHA_MAX_TOKENS in
+ * all. Cross-attention (MHA_CROSS 1): context holds each sequence's context rows one after
+ * the other ([cu_seqlens_k[n_seqs], MHA_KV_DIM] values; each at most MHA_KV_SEQ_LEN, and at
+ * least 1 where the sequence has tokens), cu_seqlens_k their offsets; otherwise both NULL.
+ * y: cu_seqlens[n_seqs] rows of MHA_OUT_D_MODEL values, in the same order. Bad offsets:
+ * MHA_ERR_ARGUMENT; too many tokens: MHA_ERR_SHAPE; nothing is written then. */
+MHA_API int mha_run_varlen(mha_handle *handle, const mha_value *x, const int32_t *cu_seqlens,
+                           int n_seqs, const mha_value *context, const int32_t *cu_seqlens_k,
+                           mha_value *y);
 
 /* Free the handle (NULL is allowed). */
 MHA_API void mha_destroy(mha_handle *handle);
@@ -540,11 +563,16 @@ def generate_config(manifest, files: list) -> str:
                        f"{len(b['shape'])}, {{{shape}}}, {nbytes}, {offset}, {int(axis)}, "
                        f"{_SYMBOLIC_DIMS[kind]}}},")
     kernels, args = [], []
-    for k, kern in enumerate(prog["kernels"]):
-        index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    packed = _packed(manifest)
+    listed = prog["kernels"] + packed.get("kernels", [])
+    for k, kern in enumerate(listed):
         args.append(f"constexpr int kArgs{k}[] = "
                     f"{{{', '.join(str(index[a]) for a in kern['args'])}}};")
-        kernels.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
+    kernels = [f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},"
+               for k, kern in enumerate(listed)]
+    packed_kernels = kernels[len(prog["kernels"]):] or ["    {nullptr, 0, nullptr},"]
+    kernels = kernels[:len(prog["kernels"])]
     file_rows = [f"    {{{_c_string(name)}, {size}, "
                  f"{_c_string(digest) if digest else 'nullptr'}}},"
                  for name, size, digest in files]
@@ -596,6 +624,16 @@ def generate_config(manifest, files: list) -> str:
             "constexpr BufferSpec kBuffers[kNumBuffers] = {", *buffers, "};", "", *args,
             f"constexpr int kNumKernels = {len(kernels)};",
             "constexpr KernelSpec kKernels[kNumKernels] = {", *kernels, "};", "",
+            "// packed calls (mha_run_varlen; 0 kernels: none): their kernels in order, the",
+            "// query tiles of their tile table, its buffer and the tokens' positions' (-1:",
+            "// none)",
+            f"constexpr int kNumPackedKernels = {len(packed.get('kernels', []))};",
+            f"constexpr KernelSpec kPackedKernels[{len(packed_kernels)}] = {{",
+            *packed_kernels, "};",
+            f"constexpr int64_t kPackedQTile = {int(packed.get('q_tile', 1))};",
+            f"constexpr int kTilesIndex = {lay['index'].get('tiles', -1) if packed else -1};",
+            "constexpr int kPositionsIndex = "
+            f"{lay['index'].get('positions', -1) if packed else -1};", "",
             "// The files mha_create checks: size, and sha256 unless nullptr (never read).",
             f"constexpr int kNumFiles = {len(file_rows)};",
             "constexpr FileSpec kFiles[kNumFiles] = {", *file_rows, "};",
