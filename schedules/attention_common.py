@@ -39,12 +39,10 @@ class ScoreRules:
         self.table_batch, self.table_heads = w.table_batch or 1, w.table_heads or 1
         self.lengths = bool(w.lengths)   # key lengths per batch row, given per call
         self.skip_by_length = bool(w.skip_by_length)   # the mask has kv_idx < kv_len
-        # packed sequences (mhagen/packed.py): the per-call tile table [tiles, 5], a free
-        # buffer while the template is parsed (its first axis a free var), a parameter after
-        # with_scalars; a task's `b` is then its PackedSequence
+        # packed sequences (mhagen/packed.py): the per-call tile table [tiles, 5] takes the
+        # key lengths' parameter (a packed call has none), its first axis bound by the call;
+        # a task's `b` is then its PackedSequence
         self.varlen = bool(w.varlen)
-        self.tiles = tirx.decl_buffer((tirx.Var("n_tiles", "int32"), 5), "int32",
-                                      name="tiles") if self.varlen else None
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         """The key exists and the mask keeps it. Prefill: keys kj < kv_seq (seq, or the
@@ -121,16 +119,15 @@ class ScoreRules:
         return h if self.table_heads > 1 else 0
 
 
-def with_scalars(func, scalars, tables=(), extra=()):
+def with_scalars(func, scalars, tables=()):
     """A template's PrimFunc with `tables` (ScoreRules.tables: the score modifier's large
-    tables, buffers), `extra` buffers (a packed call's tile table) and then `scalars` (the
-    call's batch and seq vars of a symbolic-length build, or ()) appended as parameters;
-    the template was parsed with them free (check_well_formed=False; tvm.compile checks the
-    result)."""
-    if not scalars and not tables and not extra:
+    tables, buffers) and then `scalars` (the call's batch and seq vars of a symbolic-length
+    build, or ()) appended as parameters; the template was parsed with them free
+    (check_well_formed=False; tvm.compile checks the result)."""
+    if not scalars and not tables:
         return func
-    return tirx.PrimFunc(list(func.params) + [buf for _, buf in tables] + list(extra)
-                         + list(scalars), func.body, func.ret_type, func.attrs)
+    return tirx.PrimFunc(list(func.params) + [buf for _, buf in tables] + list(scalars),
+                         func.body, func.ret_type, func.attrs)
 
 
 class PackedSequence:
@@ -140,11 +137,6 @@ class PackedSequence:
 
     def __init__(self, q_start, q_len, k_start, k_len):
         self.q_start, self.q_len, self.k_start, self.k_len = q_start, q_len, k_start, k_len
-
-
-def _tiles(rules) -> list:
-    """A packed call's tile table, as a parameter (after the score tables)."""
-    return [rules.tiles] if rules.varlen else []
 
 
 def attention_entry(*args, **kwargs):
@@ -159,21 +151,23 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
     """The attention PrimFunc around a template's body macro body(qkv, kv, blocks, lens, out):
     (qkv, [kv,] blocks, [kv_lens,] out [, batch, seq]), with kv (the keys' and values'
     buffer, kv_shape) only for cross-attention (else the body reads them from qkv too),
-    kv_lens only for layers that take key lengths per call and the scalars only in
-    symbolic-length builds. Parsed without the well-formedness check (the scalars are free
+    kv_lens only for layers that take key lengths per call (a packed call's kernel: its
+    tile table `tiles` [n_tiles, 5] there, handed to the body as lens) and the scalars only
+    in symbolic-length builds. Parsed without the well-formedness check (the scalars are free
     until with_scalars); tvm.compile checks the finished function. dtype: qkv's and kv's
     (float32, or a half layer's: on GPUs, and x86's bfloat16 pairs); out_dtype: out's
     (default dtype)."""
     out_dtype = out_dtype or dtype
-    if kv_shape is not None and rules.lengths:
+    lens_shape = (tirx.Var("n_tiles", "int32"), 5) if rules.varlen else (batch,)
+    if kv_shape is not None and (rules.lengths or rules.varlen):
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      kv_lens: T.Buffer((batch,), "int32"),
+                      kv_lens: T.Buffer(lens_shape, "int32"),
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
+        return with_scalars(attention, rules.scalars, rules.tables)
     if kv_shape is not None:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
@@ -181,16 +175,16 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
-        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
-    if rules.lengths:
+        return with_scalars(attention, rules.scalars, rules.tables)
+    if rules.lengths or rules.varlen:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      kv_lens: T.Buffer((batch,), "int32"),
+                      kv_lens: T.Buffer(lens_shape, "int32"),
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)
-        return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
+        return with_scalars(attention, rules.scalars, rules.tables)
 
     @T.prim_func(check_well_formed=False)
     def attention(qkv: T.Buffer(qkv_shape, dtype),
@@ -198,4 +192,4 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
                   out: T.Buffer(out_shape, out_dtype)):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         body(qkv, qkv, blocks, None, out)
-    return with_scalars(attention, rules.scalars, rules.tables, _tiles(rules))
+    return with_scalars(attention, rules.scalars, rules.tables)

@@ -400,8 +400,8 @@ def packed_kernels(plan, packed, ph) -> list:
                     "qkv[Q, K columns] = rope(qkv)  # packed calls: at positions[token], "
                     "each token's position in its own sequence"))
     tables = [b.name for _, b in score_table_buffers(plan.attrs.get("score_mod"))]
-    args = (["qkv"] + (["kv"] if plan.cross else []) + [packed.blocks, "att"] + tables
-            + ["tiles"] + ph.names)
+    args = (["qkv"] + (["kv"] if plan.cross else []) + [packed.blocks, "tiles", "att"] + tables
+            + ph.names)
     out.append((Kernel("attention_varlen", args,
                        stages=[Stage("attention_varlen", "attention_template",
                                      plan.att_node.name, (), packed.work)],

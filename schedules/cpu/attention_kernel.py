@@ -184,7 +184,7 @@ def body_macro(k, rules):
     run_task = task_macro(k, rules)
     transpose_values = transpose_values_macro(k, rules)
     B, H, NQ, PW, AMX, DP, NKT, G = k.B, k.H, k.NQ, k.PW, k.AMX, k.DP, k.NKT, k.G
-    KB, VARLEN, TILES = k.KB, rules.varlen, rules.tiles
+    KB, VARLEN = k.KB, rules.varlen
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):
@@ -196,17 +196,18 @@ def body_macro(k, rules):
         if AMX:
             transpose_values(kv, vt)
         if VARLEN:
-            # head-major: a thread's run of tasks is whole heads, or a head's tiles in the
-            # table's order (each sequence's in query_tile_order)
-            for task in T.parallel(H * TILES.shape[0]):
-                tile = task % TILES.shape[0]
-                q_start = T.Bind(TILES[tile, 0])
-                q_len = T.Bind(TILES[tile, 1])
-                k_start = T.Bind(TILES[tile, 2])
-                k_len = T.Bind(TILES[tile, 3])
+            # lens: the tile table (mhagen/packed.py). Head-major: a thread's run of tasks
+            # is whole heads, or a head's tiles in the table's order (each sequence's in
+            # query_tile_order)
+            for task in T.parallel(H * lens.shape[0]):
+                tile = task % lens.shape[0]
+                q_start = T.Bind(lens[tile, 0])
+                q_len = T.Bind(lens[tile, 1])
+                k_start = T.Bind(lens[tile, 2])
+                k_len = T.Bind(lens[tile, 3])
                 seq = T.meta_var(PackedSequence(q_start, q_len, k_start, k_len))
-                run_task(qkv, kv, blocks, lens, out, kv32, vt, seq, task // TILES.shape[0],
-                         TILES[tile, 4], (k_len + KB - 1) // KB)
+                run_task(qkv, kv, blocks, None, out, kv32, vt, seq, task // lens.shape[0],
+                         lens[tile, 4], (k_len + KB - 1) // KB)
         else:
             for task in T.parallel(B * H * NQ):
                 b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
