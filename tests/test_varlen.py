@@ -182,3 +182,29 @@ def test_saved_and_loaded_modules_keep_packed_calls(causal, tmp_path):
     assert [k.name for k in loaded.program.packed] == [k.name for k in module.program.packed]
     x, cu = _packed(LENGTHS["ragged"], seed=9)
     np.testing.assert_array_equal(loaded(x, cu_seqlens=cu), module(x, cu_seqlens=cu))
+
+
+def test_the_packed_attention_takes_tuned_configs(tmp_path):
+    """mhagen.tune(..., kernels=["attention_varlen"]) sweeps the packed calls' attention on
+    a packed call of the shape's sequences and records it under the any-length build's
+    maximum shape; a build of that maximum uses a record's config (query tiles of its own,
+    then with a block table of its own) and stays right."""
+    from mhagen.tuning import Database
+    layer = mhagen.mha(D, 4, causal=True)
+    report = mhagen.tune(layer, shapes=[(2, 32)], trials=2, kernels=["attention_varlen"],
+                         database=tmp_path / "db.json", progress=False)
+    (res,) = report.results
+    assert (res.kernel, res.method, res.trials) == ("attention_varlen", "config sweep", 2)
+    (record,) = Database.load(tmp_path / "db.json").records.values()
+    assert (record["key"]["kernel"], record["key"]["batch"], record["key"]["seq"]) == (
+        "attention_varlen", 2, 32)
+    other = {**record["default_config"], "q_tile": 64, "kv_block": 64}
+    Database(tmp_path / "forced.json", [{**record, "kind": "config", "config": other}]).save()
+    module, w = _build(layer, max_batch=2, max_seq_len=32, tuning=str(tmp_path / "forced.json"))
+    (decision,) = [d for d in module.decisions if d["kernel"] == "attention_varlen"]
+    assert (decision["source"], decision["config"]) == ("tuned", other)
+    assert module.program.packed_q_tile == 64 and "blocks_varlen" in module.program.buffers
+    x, cu = _packed([5, 0, 32, 27], seed=11)
+    y = module(x, cu_seqlens=cu)
+    assert_close(y, layer.reference(x, w, cu_seqlens=cu))
+    np.testing.assert_array_equal(y, _alone(module, x, cu))
