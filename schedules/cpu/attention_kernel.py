@@ -1,5 +1,7 @@
 """The CPU attention template's main loop: the kernel around the stages (scores, mask,
-softmax, values), one parallel task per (batch row, head, query tile).
+softmax, values), one parallel task per (batch row, head, query tile), or for a packed call
+of several sequences (mhagen/packed.py; ScoreRules.varlen) per (head, row of its tile
+table: a query tile of one sequence, whose keys are that sequence's).
 
 kernel_macros    the kernel's TVMScript macros for a kernel layout:
   key_block        one key block of the online softmax: S^T tiles (attention_scores.py), the
@@ -8,9 +10,10 @@ kernel_macros    the kernel's TVMScript macros for a kernel layout:
   transpose_values AMX: V^T of every (batch row, K/V head, 32 keys), once a call
   copy_queries     the task's Q^T (scaled, or unscaled pairs), through LN x LN transposes
   finish           out = O / l (0 for a row that saw no key); AMX: O^T back into rows
-  body             the kernel: V^T, then per task Q^T, the key blocks the block table keeps
-                   (FULL ones unmasked; a PARTIAL one masked, cut where it runs past the last
-                   key), finish
+  run_task         one task: Q^T, the key blocks the block table keeps (FULL ones unmasked;
+                   a PARTIAL one masked, cut where it runs past the last key), finish
+  body             the kernel: V^T, then the tasks (a packed call's: their sequence's rows
+                   and lengths bound from the tile table, its key loop ending at its last key)
 """
 from __future__ import annotations
 

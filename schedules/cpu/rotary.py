@@ -13,6 +13,8 @@ jumped a panel's rows x 128 bytes from one head to the next, 32 KiB at 256 rows 
 every access in one L1 set (see benchmarks/PERFORMANCE.md, Schedule decisions). Cost: read
 and write rotary_dim columns of each of heads + kv_heads heads per row, a small share of the
 QKV GEMM's memory traffic and nothing next to its flops; no extra temporary.
+A packed call's kernel (w.varlen, mhagen/packed.py) reads each token's position in its own
+sequence from a `positions` array the call writes.
 """
 from __future__ import annotations
 
