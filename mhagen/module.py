@@ -298,17 +298,17 @@ class Module:
             raise InputError(f"x has d_model {d_model}, this module takes {self.d_model}")
         most = self.batch * longest
         name = "max_kv_seq_len" if suffix else "max_seq_len"
+        rows = "context rows" if suffix else "tokens"
         if total > most:
-            raise InputError(f"a packed call holds {total} {'context rows' if suffix else 'tokens'}"
-                             f"; this module packs at most {most} (max_batch {self.batch} x "
-                             f"{name} {longest}): rebuild with a larger max_batch or {name}")
+            raise InputError(f"a packed call holds {total} {rows}; this module packs at most "
+                             f"{most} (max_batch {self.batch} x {name} {longest}): rebuild "
+                             f"with a larger max_batch or {name}")
         lens = np.diff(cu)
         if lens.size and lens.max() > longest:
             i = int(np.argmax(lens))
-            raise InputError(f"sequence {i} of the packed call has {int(lens[i])} "
-                             f"{'context rows' if suffix else 'tokens'} (cu_seqlens{suffix}); "
-                             f"this module runs sequences of at most {longest} ({name}): "
-                             f"rebuild with {name}={int(lens[i])}")
+            raise InputError(f"sequence {i} of the packed call has {int(lens[i])} {rows} "
+                             f"(cu_seqlens{suffix}); this module runs sequences of at most "
+                             f"{longest} ({name}): rebuild with {name}={int(lens[i])}")
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""

@@ -681,7 +681,10 @@ int main(int argc, char **argv) {
   if (argc != 5 && argc != 7) return 2;
   const char *c = argv[1];
   mha_handle *h = mha_create(argv[2]);
-  if (!h) { printf("%s|%s|\n", mha_status_name(mha_last_error_code()), mha_last_error()); return 0; }
+  if (!h) {
+    printf("%s|%s|\n", mha_status_name(mha_last_error_code()), mha_last_error());
+    return 0;
+  }
   int32_t cu[64], cu_k[64];
   const int n = offsets(argv[4], cu);
   const size_t off = strcmp(c, "unaligned") ? 0 : 1;   /* values of x and y off the grid */

@@ -326,7 +326,7 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* values in context */
 #define MHA_PACKED {int(bool(_packed(manifest)))}   /* 1: packed calls (mha_run_varlen) */
-#define MHA_MAX_TOKENS {b * s if _packed(manifest) else 0}   /* tokens a packed call holds at most */
+#define MHA_MAX_TOKENS {b * s if _packed(manifest) else 0}   /* a packed call's tokens, at most */
 
 """
 
