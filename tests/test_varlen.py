@@ -15,12 +15,12 @@ D = 64
 MAX_SEQ, MAX_BATCH = 97, 3
 
 
-def _build(layer, **kw):
+def _build(layer, target="x86", **kw):
     w = layer.init_weights(seed=1)
     options = dict(batch=None, max_batch=MAX_BATCH, seq_len=None, max_seq_len=MAX_SEQ,
                    tuning=None, weights=w)
     options.update(kw)
-    return mhagen.build(layer, "x86", **options), w
+    return mhagen.build(layer, target, **options), w
 
 
 def _packed(lens, width=D, seed=0):
@@ -60,6 +60,16 @@ def test_packed_equals_each_sequence_alone(causal, lens):
     x, cu = _packed(lens, seed=len(lens))
     y = module(x, cu_seqlens=cu)
     assert y.shape == x.shape
+    assert_close(y, layer.reference(x, w, cu_seqlens=cu))
+    np.testing.assert_array_equal(y, _alone(module, x, cu))
+
+
+def test_packed_on_the_avx2_class():
+    """The AVX2 class's tiles (6-key S^T tiles, query tiles of 16 or 32): the same."""
+    layer = mhagen.mha(D, 4, kv_heads=2, causal=True, rotary=True, score_mod=mhagen.alibi(4))
+    module, w = _build(layer, target="x86-avx2")
+    x, cu = _packed(LENGTHS["ragged"], seed=2)
+    y = module(x, cu_seqlens=cu)
     assert_close(y, layer.reference(x, w, cu_seqlens=cu))
     np.testing.assert_array_equal(y, _alone(module, x, cu))
 
