@@ -27,7 +27,7 @@ def compile_program(program, backend, tuning=None):
     source, PTX, ptxas report); else the device code is None."""
     target = backend.target
     funcs, decisions = {}, []
-    for kernel in program.kernels:
+    for kernel in program.compiled:   # a symbolic build's packed kernels too
         func, dec = schedule_kernel(kernel, target, record=_record(program, kernel, tuning),
                                     backend=backend)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)

@@ -28,6 +28,8 @@ from mhagen.maps import head_softmaxes
 from mhagen.program import multiplies
 from mhagen.call_checks import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
+from mhagen.ir.reference import packed_refusal
+from mhagen.packed import check_packed, tile_table, token_positions
 from mhagen.staging import Staging, aligned_copy, deliver
 from mhagen.storage import StorageCasts
 from mhagen.weights import check_weights
@@ -177,22 +179,38 @@ class Module:
         return self
 
     def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None,
-                 context=None, cu_seqlens=None, seqs=None) -> np.ndarray:
+                 context=None, cu_seqlens=None, cu_seqlens_k=None, seqs=None) -> np.ndarray:
         """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding.
         cache: the mhagen.KVCache of a decoding layer (mhagen.mha(..., kv_cache=N)); x holds
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len. context: the keys' and values' input of a
         cross-attention layer, [batch, kv_seq_len, kv_dim].
+        cu_seqlens: a packed call (any-length builds, mhagen/packed.py): x [1, total,
+        d_model] holds the sequences' tokens one after the other, sequence i tokens
+        cu_seqlens[i]:cu_seqlens[i+1], each attending as if alone; the answer has the same
+        layout. cu_seqlens_k: a cross-attention layer's context offsets (context [1,
+        total_kv, kv_dim]).
         Decoding modules built with seq_len=None: cu_seqlens (int, [rows + 1]) gives each
         cache row its own number of new tokens, x [1, total, d_model] holding them packed
         (the output likewise); built with kv_block_size=: cache a mhagen.PagedKVCache and
         seqs its sequences the call's rows are (mhagen/decode_call.py)."""
+        decoding = self._cache_lens_node is not None
+        if decoding and cu_seqlens_k is not None:
+            raise InputError("cu_seqlens_k= is a packed cross-attention call's context "
+                             "offsets; a decoding module's cu_seqlens= gives each cache row's "
+                             "new tokens")
         if self._packed or self._paged:
             return self._call_decoding(x, weights, out, cache, cu_seqlens, seqs)
-        if cu_seqlens is not None or seqs is not None:
+        if decoding and (cu_seqlens is not None or seqs is not None):
             raise InputError("cu_seqlens= and seqs= are for decoding modules built with "
                              "seq_len=None (each row's own new tokens) or kv_block_size= "
                              "(a paged cache)")
+        if seqs is not None:
+            raise InputError("seqs= names the sequences of a paged K/V cache: for decoding "
+                             "layers (kv_cache=) built with kv_block_size=")
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            return self._packed_call(x, weights, out, kv_lens, cache, context, cu_seqlens,
+                                     cu_seqlens_k)
         with self._lock:
             given = x
             x, returns = self._check_x(x)
@@ -233,6 +251,10 @@ class Module:
                              f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)}")
         if self._packed or self._paged:
             return self._prepare_decoding(x, given, out, cache, cu_seqlens, seqs)
+        if cu_seqlens is not None or seqs is not None:
+            raise InputError("prepare() takes cu_seqlens= and seqs= for decoding modules built "
+                             "with seq_len=None or kv_block_size=; a packed call of this "
+                             "module runs through module(x, cu_seqlens=...)")
         with self._lock:
             x, _ = self._check_x(x)
             buffers, dims = self._buffers(x, None, kv_lens, cache, context)
@@ -252,6 +274,79 @@ class Module:
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
                     target, answered(result, given, out))
+
+    def _packed_call(self, x, weights, out, kv_lens, cache, context, cu_seqlens,
+                     cu_seqlens_k):
+        """module(x, cu_seqlens=...): a packed call, checked whole before anything runs;
+        answered as module(x) is (a torch x gets a torch tensor, out= itself where given)."""
+        with self._lock:
+            given = x
+            buffers, dims, returns = self._packed_buffers(x, weights, kv_lens, cache, context,
+                                                          cu_seqlens, cu_seqlens_k)
+            result, target = self.staging.output_array(out, dims, returns)
+            if dims["seq"] == 0:    # no tokens (every sequence empty): nothing to run
+                return answered(result, given, out)
+            buffers[self.staging.output.name] = runtime.tensor(target)
+            self.staging.run(buffers, packed=True)
+            return answered(self.storage.deliver(result, target), given, out)
+
+    def _packed_buffers(self, x, weights, kv_lens, cache, context, cu_seqlens, cu_seqlens_k):
+        """(the kernels' arguments, the call's dims, the dtype it answers in) of a packed
+        call: every argument checked (mhagen.packed.check_packed, this build's limits), the
+        tile table and the tokens' positions written into the module's arrays."""
+        if self.cannot_run is not None:
+            raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
+                              "saved and run where it fits)")
+        if cu_seqlens is None:
+            raise InputError("cu_seqlens_k goes with cu_seqlens (the queries' offsets)")
+        if self.program.packed is None:
+            why = packed_refusal(self.graph) or (
+                "packed calls need a module built for any length: mhagen.build(layer, ..., "
+                "seq_len=None, max_seq_len=N) (batch=None, max_batch=B packs up to B * N "
+                "tokens)" if not self.symbolic else "this target's kernels take none")
+            raise InputError(f"this module takes no packed calls (cu_seqlens=): {why}")
+        x, cu, context, cu_k = check_packed(self.graph, x, cu_seqlens, cu_seqlens_k, context,
+                                            kv_lens, cache, self.storage.takes)
+        self._check_packed_sizes(x.shape[1], cu, x.shape[2], "", self.seq_len)
+        if context is not None:
+            self._check_packed_sizes(context.shape[1], cu_k, None, "_k", self.kv_seq_len)
+        total = x.shape[1]
+        returns = x.dtype
+        params = self._params_for(weights)
+        table = tile_table(cu, cu_k, self.program.packed_q_tile)
+        dims = self.program.call_dims(1, total, None if context is None else context.shape[1],
+                                      tiles=max(1, len(table)))
+        if total == 0:
+            return {}, dims, returns
+        x = self.storage.deferred("x", x)
+        if context is not None:
+            context = np.ascontiguousarray(self.storage.deferred("context", context))
+        buffers = self.staging.arguments(params, x, dims, self.storage, None, None, context)
+        self.staging.view(self.program.buffers["tiles"], dims)[...] = table
+        if "positions" in self.program.buffers:
+            self.staging.view(self.program.buffers["positions"], dims)[...] = \
+                token_positions(cu)
+        return buffers, dims, returns
+
+    def _check_packed_sizes(self, total, cu, d_model, suffix, longest):
+        """A packed call's tokens (context rows: suffix "_k") against what this build holds:
+        each sequence at most `longest` (the build's max_seq_len / max_kv_seq_len), all of
+        them at most max_batch times that."""
+        if d_model is not None and d_model != self.d_model:
+            raise InputError(f"x has d_model {d_model}, this module takes {self.d_model}")
+        most = self.batch * longest
+        name = "max_kv_seq_len" if suffix else "max_seq_len"
+        rows = "context rows" if suffix else "tokens"
+        if total > most:
+            raise InputError(f"a packed call holds {total} {rows}; this module packs at most "
+                             f"{most} (max_batch {self.batch} x {name} {longest}): rebuild "
+                             f"with a larger max_batch or {name}")
+        lens = np.diff(cu)
+        if lens.size and lens.max() > longest:
+            i = int(np.argmax(lens))
+            raise InputError(f"sequence {i} of the packed call has {int(lens[i])} {rows} "
+                             f"(cu_seqlens{suffix}); this module runs sequences of at most "
+                             f"{longest} ({name}): rebuild with {name}={int(lens[i])}")
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""

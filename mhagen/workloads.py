@@ -62,6 +62,8 @@ class AttentionWorkload:
     table_batch: int | None = None    # the block table's batch extent (1: shared)
     table_heads: int | None = None    # the block table's head extent (1: shared)
     skip_by_length: bool = False  # key blocks past a row's length are skipped
+    varlen: bool = False          # packed sequences: the query tiles and each tile's keys
+    #                               come from a per-call tile table (mhagen/packed.py)
 
 
 @dataclass(frozen=True)

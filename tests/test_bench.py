@@ -475,3 +475,26 @@ def test_padding_benchmark_quick_run(tmp_path, causal):
     refused = subprocess.run([sys.executable, script, "--shape", "2x64x64x4", "--lens", "64"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "give 2 lengths" in refused.stderr, refused.stderr
+
+
+def test_varlen_case_checks_every_implementation_on_the_real_rows(bench):
+    """bench_mha.py --varlen's implementations (packed, each sequence's own calls, padded,
+    ONNX Runtime padded; causal) each answer the sequences' real rows of the packed
+    reference; lengths that do not fit the shape are a usage error."""
+    pytest.importorskip("onnxruntime")
+    causal = True
+    layer = mhagen.mha(32, 4, causal=causal)
+    w = layer.init_weights(3)
+    status = {}
+    lens = [16, 5, 0, 9]
+    impls, x, cu = bench.varlen_impls(layer, mhagen.mha(32, 4, causal=causal, key_padding=True),
+                                      w, (4, 16, 32, 4), lens, causal, 1, status)
+    assert set(impls) == {"mhagen_packed", "mhagen_own", "mhagen_padded", "ort_mha_padded",
+                          "ort_attention_padded"}, status
+    expected = layer.reference(x, w, cu_seqlens=cu)
+    for name, (call, real) in impls.items():
+        assert bench._varlen_ok(name, call, real, expected, status), status[name]
+    assert bench.parse_varlen("4x16x32x4:16,5,0,9") == ((4, 16, 32, 4), lens)
+    for bad in ("4x16x32x4:16,5", "4x16x32x4:17,5,0,9"):
+        with pytest.raises(bench.argparse.ArgumentTypeError, match="give 4 lengths"):
+            bench.parse_varlen(bad)

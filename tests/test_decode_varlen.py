@@ -101,6 +101,19 @@ def test_bad_calls_are_refused_before_anything_is_written(x_shape, cu, lens, mes
     np.testing.assert_array_equal(cache.v, before.v)
 
 
+
+def test_context_offsets_are_refused_on_a_decoding_module():
+    """cu_seqlens_k= (a packed cross-attention call's context) means nothing to a decoding
+    module: refused with nothing written."""
+    m = packed_module()
+    cache = filled_cache(m, [1, 2, 3, 4])
+    before = cache.copy()
+    with pytest.raises(mhagen.InputError, match="cu_seqlens_k= is a packed cross-attention"):
+        m(np.zeros((1, 4, 64), np.float32), cache=cache, cu_seqlens=[0, 1, 2, 3, 4],
+          cu_seqlens_k=[0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(cache.lens, before.lens)
+    np.testing.assert_array_equal(cache.k, before.k)
+
 def test_prepared_packed_call_runs_the_same_counts_each_step():
     """prepare() binds x (written in place between runs) and the rows' counts once: rows 0,
     2 and 3 add a token each run, row 1 none; each run equals the reference call, and runs

@@ -95,6 +95,7 @@ _MAX_LAUNCH_ARGS = 16   # mha_runtime.h kMaxLaunchArgs
 _SYMBOLIC_DIMS = {"fixed": "kFixed", "batch": "kDimBatch", "rows": "kDimRows",
                   "padded_rows": "kDimPaddedRows", "kv_rows": "kDimKvRows",
                   "kv_padded_rows": "kDimKvPaddedRows",
+                  "tiles": "kDimTiles",
                   "pool_blocks": "kDimPoolBlocks"}   # mha_runtime.h SymbolicDim
 # The int32 inputs of packed / paged decoding layers (mhagen/lower/fused.py): the rows'
 # offsets of mha_run_cached_varlen and mha_run_paged, and the sequences' block tables.
@@ -204,6 +205,11 @@ def generate_header(manifest) -> str:
 
 def _symbolic(manifest) -> dict:
     return manifest["program"].get("symbolic") or {}
+
+
+def _packed(manifest) -> dict:
+    """The program's packed calls ({"kernels", "q_tile"}), or {} (none)."""
+    return manifest["program"].get("packed") or {}
 
 
 def _shape_rule(manifest) -> str:
@@ -337,7 +343,7 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_KV_HEADS {g}
 #define MHA_HEAD_DIM {hd}
 #define MHA_CACHE_SIZE {0 if lay['block_size'] else b * g * n * hd}   /* values in each of k_cache and v_cache */
-#define MHA_VARLEN {int(lay['cu_seqlens'] >= 0)}   /* 1: rows of their own new-token counts (mha_run_cached_varlen, mha_run_paged) */
+#define MHA_VARLEN {int(lay['cu_seqlens'] >= 0)}   /* 1: a decoding layer's cache rows of their own new-token counts (mha_run_cached_varlen, mha_run_paged) */
 #define MHA_KV_BLOCK_SIZE {lay['block_size']}   /* > 0: a paged cache of blocks of this many tokens (mha_run_paged) */
 #define MHA_MAX_BLOCKS {lay['max_blocks']}   /* a block table's entries per sequence (MHA_KV_CACHE / MHA_KV_BLOCK_SIZE) */
 #define MHA_BLOCK_SIZE_VALUES {g * lay['block_size'] * hd}   /* values in one block of a pool */
@@ -346,6 +352,8 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_SYMBOLIC_KV_SEQ_LEN {int(bool(sym.get('kv_seq')))}   /* 1: any kv_seq_len 1..MHA_KV_SEQ_LEN */
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* values in context */
+#define MHA_PACKED {int(bool(_packed(manifest)))}   /* 1: packed calls of prefill sequences, each run alone (mha_run_varlen) */
+#define MHA_MAX_TOKENS {b * s if _packed(manifest) else 0}   /* a packed call's tokens, at most */
 
 """
 
@@ -426,6 +434,21 @@ MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, 
 MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int seq_len,
                           const mha_value *context, int kv_seq_len, const int32_t *kv_lens,
                           mha_value *y);
+
+/* Packed calls (MHA_PACKED 1: artifacts built for any length, seq_len=None, of prefill
+ * layers): the tokens of n_seqs sequences one after the other, no padding. x holds
+ * cu_seqlens[n_seqs] rows of MHA_D_MODEL values; sequence i is rows cu_seqlens[i] ..
+ * cu_seqlens[i+1] - 1 and attends as if run alone (its positions count from its first
+ * token). cu_seqlens: n_seqs + 1 int32 offsets, 0 first, never decreasing (an empty
+ * sequence is allowed), each sequence at most MHA_SEQ_LEN tokens, at most MHA_MAX_TOKENS in
+ * all. Cross-attention (MHA_CROSS 1): context holds each sequence's context rows one after
+ * the other ([cu_seqlens_k[n_seqs], MHA_KV_DIM] values; each at most MHA_KV_SEQ_LEN, and at
+ * least 1 where the sequence has tokens), cu_seqlens_k their offsets; otherwise both NULL.
+ * y: cu_seqlens[n_seqs] rows of MHA_OUT_D_MODEL values, in the same order. Bad offsets:
+ * MHA_ERR_ARGUMENT; too many tokens: MHA_ERR_SHAPE; nothing is written then. */
+MHA_API int mha_run_varlen(mha_handle *handle, const mha_value *x, const int32_t *cu_seqlens,
+                           int n_seqs, const mha_value *context, const int32_t *cu_seqlens_k,
+                           mha_value *y);
 
 /* Free the handle (NULL is allowed). */
 MHA_API void mha_destroy(mha_handle *handle);
@@ -594,11 +617,16 @@ def generate_config(manifest, files: list) -> str:
                        f"{len(b['shape'])}, {{{shape}}}, {nbytes}, {offset}, {int(axis)}, "
                        f"{_SYMBOLIC_DIMS[kind]}}},")
     kernels, args = [], []
-    for k, kern in enumerate(prog["kernels"]):
-        index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    packed = _packed(manifest)
+    listed = prog["kernels"] + packed.get("kernels", [])
+    for k, kern in enumerate(listed):
         args.append(f"constexpr int kArgs{k}[] = "
                     f"{{{', '.join(str(index[a]) for a in kern['args'])}}};")
-        kernels.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
+    kernels = [f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},"
+               for k, kern in enumerate(listed)]
+    packed_kernels = kernels[len(prog["kernels"]):] or ["    {nullptr, 0, nullptr},"]
+    kernels = kernels[:len(prog["kernels"])]
     file_rows = [f"    {{{_c_string(name)}, {size}, "
                  f"{_c_string(digest) if digest else 'nullptr'}}},"
                  for name, size, digest in files]
@@ -657,6 +685,16 @@ def generate_config(manifest, files: list) -> str:
             "constexpr BufferSpec kBuffers[kNumBuffers] = {", *buffers, "};", "", *args,
             f"constexpr int kNumKernels = {len(kernels)};",
             "constexpr KernelSpec kKernels[kNumKernels] = {", *kernels, "};", "",
+            "// packed calls (mha_run_varlen; 0 kernels: none): their kernels in order, the",
+            "// query tiles of their tile table, its buffer and the tokens' positions' (-1:",
+            "// none)",
+            f"constexpr int kNumPackedKernels = {len(packed.get('kernels', []))};",
+            f"constexpr KernelSpec kPackedKernels[{len(packed_kernels)}] = {{",
+            *packed_kernels, "};",
+            f"constexpr int64_t kPackedQTile = {int(packed.get('q_tile', 1))};",
+            f"constexpr int kTilesIndex = {lay['index'].get('tiles', -1) if packed else -1};",
+            "constexpr int kPositionsIndex = "
+            f"{lay['index'].get('positions', -1) if packed else -1};", "",
             "// The files mha_create checks: size, and sha256 unless nullptr (never read).",
             f"constexpr int kNumFiles = {len(file_rows)};",
             "constexpr FileSpec kFiles[kNumFiles] = {", *file_rows, "};",

@@ -137,7 +137,7 @@ def _load(path, man) -> LoadedArtifact | CudaArtifactModule:
         if params and (b.pack or {}).get("kind") == "constant":
             b.value = params[b.name]
     library = runtime.load_library(path / "kernel.so")
-    for k in program.kernels:
+    for k in program.compiled:
         library[k.name]     # AttributeError: kernel.so has no such function
     return LoadedArtifact(path, man, graph, target, program, library, shapes, weights, params,
                           texts)

@@ -17,6 +17,7 @@ from mhagen.ir.numpy_ops import NUMPY_OPS
 from mhagen.call_checks import (check_cache, check_context, check_cu_seqlens, check_input,
                                 check_lengths)
 from mhagen.kvcache import KVCache
+from mhagen.packed import check_packed
 from mhagen.paged_cache import PagedKVCache
 from mhagen.weights import check_weights
 
@@ -165,6 +166,53 @@ def decode_rows(graph, x, weights, cache, cu_seqlens, seqs, rounded_to=None):
             outs.append(run_reference(graph, part, weights, cache=row, rounded_to=rounded_to))
     out = np.concatenate(outs, axis=1) if outs else np.zeros((1, 0, 0))
     return out if cu_seqlens is not None else out.reshape(rows, x.shape[1], -1)
+
+
+def packed_refusal(graph) -> str | None:
+    """Why `graph` takes no packed calls (cu_seqlens=: each sequence run alone, see
+    run_packed_reference), or None where it does."""
+    if graph.cache_lens_input is not None:
+        return ("decoding layers (kv_cache=) take their cache rows' new tokens packed "
+                "instead: cu_seqlens= with cache= (modules built with seq_len=None)")
+    for node in graph.nodes:
+        exprs = [node.attrs.get(k) for k in ("mask", "score_mod", "expr")]
+        if node.kind in ("mask", "score_mod", "attention") and any(
+                isinstance(e, ex.Expr) and "batch" in ex.variables(e) for e in exprs):
+            return ("its mask or score modifier reads `batch`, which a packed sequence does "
+                    "not have (each one runs as if alone)")
+    return None
+
+
+def run_packed_reference(graph, x, weights, cu_seqlens, cu_seqlens_k=None, context=None,
+                         kv_lens=None, cache=None, rounded_to: str | None = None):
+    """The float64 reference of a packed call (mhagen/packed.py): x [1, total, d_model]
+    holds n sequences one after the other, sequence i tokens cu_seqlens[i]:cu_seqlens[i+1]
+    (a cross-attention layer's context rows: cu_seqlens_k[i]:cu_seqlens_k[i+1] of context
+    [1, total_kv, kv_dim]). It is each sequence run alone (run_reference at batch 1: its
+    positions from 0, its own lengths as q_len and kv_len, a key-padding layer's kv_lens
+    its whole length), the outputs one after the other: [1, total, out_features]."""
+    why = packed_refusal(graph)
+    if why is not None:
+        raise InputError(f"graph {graph.name!r} takes no packed calls (cu_seqlens=): {why}")
+    x, cu, context, cu_k = check_packed(graph, x, cu_seqlens, cu_seqlens_k, context,
+                                        kv_lens, cache)
+    outs = []
+    for i in range(len(cu) - 1):
+        if cu[i + 1] == cu[i]:
+            continue
+        kw = {}
+        if context is not None:
+            kw["context"] = context[:, cu_k[i]:cu_k[i + 1]]
+        if graph.lengths_input is not None:
+            kw["kv_lens"] = [int(cu_k[i + 1] - cu_k[i])]
+        outs.append(run_reference(graph, x[:, cu[i]:cu[i + 1]], weights,
+                                  rounded_to=rounded_to, **kw))
+    if outs:
+        return np.concatenate(outs, axis=1)
+    check_weights(graph, weights)
+    features = graph.shapes(**graph.dims(1, 1, 1 if context is not None else None))[
+        graph.output][2]
+    return np.zeros((1, 0, features))
 
 
 def _stored(graph, a) -> np.ndarray:

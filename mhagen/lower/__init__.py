@@ -45,10 +45,16 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
         config = None if cross or tuned_rule is None or kv_block_size else _tuned_config(
             tuned_rule, tuning, workload_key(graph, target, batch, seq_len, "attention"),
             target)
+        # a symbolic prefill build's packed calls (mhagen/packed.py): their attention's own
+        # record (a decoding layer's packed calls run the decode template)
+        packed_config = None
+        if symbolic and not cross and graph.cache_lens_input is None:
+            packed_config = _tuned_config(rule, tuning, workload_key(
+                graph, target, batch, seq_len, "attention_varlen"), target)
         try:
             program = lower_fused(fusion.graph, batch, seq_len, backend, config,
                                   symbolic=symbolic, kv_seq=kv_seq_len,
-                                  kv_block_size=kv_block_size)
+                                  kv_block_size=kv_block_size, packed_config=packed_config)
         except NotFusable as why:
             reason = f"not fused: {why}"
     if program is None and graph.cache_lens_input is not None:

@@ -130,6 +130,7 @@ class CoreScoreRules(ScoreRules):
         self.lengths = self.skip_by_length = bool(key_padding)
         self.starts = (tirx.decl_buffer((batch,), "int32", name="kv_starts")
                        if key_padding else None)
+        self.varlen = False     # a core's calls are never packed
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         cond = super().visible(b, h, qi, kj, lens, kv_len)
@@ -302,7 +303,7 @@ def build_core_prefill(w, cfg, lanes, flush=False, x86_helpers=False):
 def _prefill_body(k, rules):
     """The kernel's body: one task per (batch row, head, query tile), as the prefill
     template's body_macro, over views of the task's batch row of k and v."""
-    key_block, finish = key_block_macro(k, rules), finish_macro(k)
+    key_block, finish = key_block_macro(k, rules), finish_macro(k, rules)
     tb, th, loaded = rules.tb, rules.th, k.loaded
     B, S, H, G, GROUP, NQ, NK = k.B, k.S, k.H, k.G, k.GROUP, k.NQ, k.NK
     d, DP, MQ, KB, MR, NR, OR, NV, LN, DT = (k.d, k.DP, k.MQ, k.KB, k.MR, k.NR, k.OR, k.NV,

@@ -13,6 +13,8 @@ jumped a panel's rows x 128 bytes from one head to the next, 32 KiB at 256 rows 
 every access in one L1 set (see benchmarks/PERFORMANCE.md, Schedule decisions). Cost: read
 and write rotary_dim columns of each of heads + kv_heads heads per row, a small share of the
 QKV GEMM's memory traffic and nothing next to its flops; no extra temporary.
+A packed call's kernel (w.varlen, mhagen/packed.py) reads each token's position in its own
+sequence from a `positions` array the call writes.
 """
 from __future__ import annotations
 
@@ -110,6 +112,19 @@ def build_rotary(w, cfg):
                         row = rb * RB + r
                         body(qkv, rope, slot, row,
                              T.min(cache_lens[T.min(row, B * S - 1) // S] + row % S, P - 1))
+        return with_scalars(rotary, scalars)
+
+    if w.varlen:
+        @T.prim_func(check_well_formed=False)   # free scalars: see below
+        def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+                   positions: T.Buffer((B * S,), "int32"),
+                   rope: T.Buffer((2, P, HALF), "float32")):
+            T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+            for rb in T.parallel(NRB):
+                for slot in range(SLOTS):
+                    for r in range(RB):      # a packed token: its sequence's own position
+                        row = rb * RB + r
+                        body(qkv, rope, slot, row, positions[T.min(row, B * S - 1)])
         return with_scalars(rotary, scalars)
 
     @T.prim_func(check_well_formed=False)   # free scalar vars: see below
