@@ -16,6 +16,21 @@ output projection) with the same weights, converted from mhagen's per-head layou
 Each output is checked against the float64 reference (layer.reference) with mhagen.tolerances
 before timing; a failing peer is reported and excluded, a failing mhagen makes the exit code 1.
 Timing interleaves the implementations in rounds and reports medians. See benchmarks/README.md.
+
+--varlen BxSxDxH:LENS (e.g. 4x512x768x12:512,400,200,100) adds the ragged-batch case: B
+sequences of LENS tokens (each <= S), unmasked and causal, at every thread count:
+  mhagen_packed   one packed call, module(x [1, sum(LENS), D], cu_seqlens=...) of the
+                  any-length build (batch=None, max_batch=B, seq_len=None, max_seq_len=S)
+  mhagen_own      the same module called on each sequence alone, one call after another:
+                  the sum of the sequences' own times
+  mhagen_padded   the batch padded to [B, S, D], mhagen.mha(..., key_padding=True) built for
+                  B x S, kv_lens = LENS
+  ort_mha_padded, ort_attention_padded
+                  ONNX Runtime on the padded batch with its key masks (as
+                  benchmarks/bench_padding.py)
+each checked on the sequences' real rows against layer.reference(x, w, cu_seqlens=...);
+the table gives packed / own, packed / padded and packed / the faster ORT (written to
+varlen/results.md and varlen/results.json in the output directory).
 """
 from __future__ import annotations
 
@@ -922,6 +937,139 @@ def loud(msg):
     print(f"\n{bar}\n!!! {msg}\n{bar}\n", flush=True)
 
 
+# -- the ragged batch (--varlen) -----------------------------------------------------------
+
+def parse_varlen(text: str):
+    """BxSxDxH:LENS -> ((B, S, D, H), [lens]); B lengths, each 1..S."""
+    shape_text, _, lens_text = text.partition(":")
+    shape = parse_shape(shape_text)
+    lens = lengths_arg(0, "512,400,200,100")(lens_text)
+    if len(lens) != shape[0] or max(lens) > shape[1]:
+        raise argparse.ArgumentTypeError(
+            f"--varlen {text}: give {shape[0]} lengths (one per sequence of the shape's "
+            f"batch), each at most seq {shape[1]}")
+    return shape, lens
+
+
+class OrtPaddedBatch:
+    """ONNX Runtime on the padded batch [B, S, D] with each row's key mask (op: ort_mha,
+    ort_attention), as benchmarks/bench_padding.py."""
+
+    def __init__(self, w, batch, seq, lens, causal, op, threads):
+        self.session = ort_session(onnx_model(w, batch, seq, causal, op, key_mask=True),
+                                   threads)
+        seen = np.arange(seq)[None, :] < np.asarray(lens)[:, None]      # [B, S] keys
+        self.mask = seen.astype(np.int32) if op == "ort_mha" else np.ascontiguousarray(
+            np.broadcast_to(seen[:, None, None, :], (batch, 1, seq, seq)))
+
+    def __call__(self, x):
+        return self.session.run(None, {"x": x, "key_mask": self.mask})[0]
+
+
+def varlen_impls(layer, padded_layer, w, shape, lens, causal, threads, status):
+    """name -> (call of no argument, its answer's real rows [1, total, D] from its output)."""
+    B, S, D, H = shape
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    x = make_input(1, int(cu[-1]), D, seed=3)
+    padded = np.zeros((B, S, D), np.float32)
+    for b, (a, e) in enumerate(zip(cu[:-1], cu[1:])):
+        padded[b, :e - a] = x[0, a:e]
+    seqs = [np.ascontiguousarray(x[:, a:e]) for a, e in zip(cu[:-1], cu[1:]) if e > a]
+    rows = lambda y: np.concatenate([y[b:b + 1, :n] for b, n in enumerate(lens)], axis=1)
+    packed = mhagen.build(layer, TARGET, batch=None, max_batch=B, seq_len=None,
+                          max_seq_len=S, weights=w)
+    out = mhagen.aligned_empty(x.shape)
+    padded_module = mhagen.build(padded_layer, TARGET, batch=B, seq_len=S, weights=w)
+    kv_lens = np.asarray(lens, np.int32)
+    impls = {"mhagen_packed": (lambda: packed(x, cu_seqlens=cu, out=out), lambda y: y),
+             "mhagen_own": (lambda: [packed(s) for s in seqs],
+                            lambda ys: np.concatenate(ys, axis=1)),
+             "mhagen_padded": (lambda: padded_module(padded, kv_lens=kv_lens), rows)}
+    for op in ("ort_mha", "ort_attention"):
+        try:
+            ort = OrtPaddedBatch(w, B, S, lens, causal, op, threads)
+            impls[f"{op}_padded"] = ((lambda o: lambda: o(padded))(ort), rows)
+        except Exception as err:     # a peer that cannot run here is reported, not fatal
+            status[f"{op}_padded"] = f"unavailable: {type(err).__name__}: {str(err)[:160]}"
+    return impls, x, cu
+
+
+def run_varlen(spec, causal, args, status):
+    """Check and time the ragged batch at every thread count: rows of the varlen table."""
+    shape, lens = spec
+    B, S, D, H = shape
+    layer = mhagen.mha(D, H, causal=causal)
+    padded_layer = mhagen.mha(D, H, causal=causal, key_padding=True)
+    w = layer.init_weights(0)
+    name = f"{shape_name(shape)}:{','.join(map(str, lens))} mask={mask_name(causal)}"
+    print(f"\n== varlen {name}", flush=True)
+    out = []
+    for n in args.threads:
+        set_threads(n)
+        impls, x, cu = varlen_impls(layer, padded_layer, w, shape, lens, causal, n, status)
+        expected = layer.reference(x, w, cu_seqlens=cu)
+        checked = {k: (lambda f: lambda _: f())(f) for k, (f, real) in impls.items()
+                   if _varlen_ok(k, f, real, expected, status)}
+        est = {}
+        for k, f in checked.items():
+            t0 = time.perf_counter()
+            f(None)
+            est[k] = time.perf_counter() - t0
+        samples, _ = time_interleaved(checked, None, est, args.rounds, args.target_ms / 1e3,
+                                      args.gap_ms / 1e3 if n > 1 else 0.0)
+        med = {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
+        orts = [med[k] for k in ("ort_mha_padded", "ort_attention_padded") if k in med]
+        p = med["mhagen_packed"]
+        row = {"case": name, "shape": shape_name(shape), "lens": lens, "mask": mask_name(causal),
+               "threads": n, "median_ms": med,
+               "packed_vs_own": p / med["mhagen_own"], "packed_vs_padded": p / med["mhagen_padded"],
+               "packed_vs_ort": p / min(orts) if orts else None}
+        out.append(row)
+        print(f"  threads={n}: " + "  ".join(f"{k} {v:.2f}ms" for k, v in med.items())
+              + f"  packed/own {row['packed_vs_own']:.2f}, packed/padded "
+              f"{row['packed_vs_padded']:.2f}, packed/ORT "
+              f"{fmt(row['packed_vs_ort'], '.2f')}", flush=True)
+        impls.clear()
+        checked.clear()
+    return out
+
+
+def _varlen_ok(name, f, real, expected, status):
+    """Whether impl `name` (call f, its real rows by `real`) matches the packed reference;
+    its max error (or failure) into status. mhagen's failing ends the run."""
+    try:
+        y = real(f())
+    except Exception as err:    # a peer that cannot run is reported, not fatal
+        if name.startswith("mhagen"):
+            raise
+        status[name] = f"unavailable: {type(err).__name__}: {str(err)[-160:]}"
+        return False
+    err, tol = tolerances.max_error(y, expected), tolerances.tolerance(expected)
+    status[name] = f"max error {err:.3g} (tolerance {tol:.3g})"
+    if err <= tol:
+        return True
+    if name.startswith("mhagen"):
+        raise SystemExit(f"{name} is wrong on the ragged batch: max error {err:.3g} > {tol:.3g}")
+    status[name] = f"excluded: max error {err:.3g} > tolerance {tol:.3g}"
+    return False
+
+
+def varlen_markdown(rows, status, meta) -> str:
+    impls = list(dict.fromkeys(k for r in rows for k in r["median_ms"]))
+    lines = [f"Ragged batch, packed (--varlen): {meta['cpu']}; target {TARGET}; medians in ms, "
+             "ratios of mhagen_packed's median (targets: / own <= 1.1, / ORT padded <= 0.9)",
+             "", "| case | threads | " + " | ".join(impls)
+             + " | packed / own | packed / padded | packed / ORT |",
+             "|---|---:|" + "---:|" * (len(impls) + 3)]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['threads']} | "
+                     + " | ".join(fmt(r["median_ms"].get(k), ".2f") for k in impls)
+                     + f" | {r['packed_vs_own']:.2f} | {r['packed_vs_padded']:.2f} | "
+                     f"{fmt(r['packed_vs_ort'], '.2f')} |")
+    lines += ["", *[f"- {k}: {v}" for k, v in status.items()]]
+    return "\n".join(lines)
+
+
 # -- the benchmark ------------------------------------------------------------------------
 
 def run_case(shape, causal, args, status, rows, memory_specs):
@@ -1448,6 +1596,10 @@ def parse_args(argv=None):
     p.add_argument("--target", default="x86",
                    help="mhagen's target preset (default x86: this CPU; x86-avx2: the AVX2 "
                         "class, on any host)")
+    p.add_argument("--varlen", type=parse_varlen, metavar="BxSxDxH:LENS",
+                   help="also the ragged batch of B sequences of LENS tokens (e.g. "
+                        "4x512x768x12:512,400,200,100): packed vs each sequence's own calls "
+                        "vs padded (mhagen, ONNX Runtime); --shapes none for it alone")
     p.add_argument("--out-dir",
                    help="where to write results.md, results.json, results.png (default "
                         "benchmarks/results/<cpu class>_on_<host cpu>/)")
@@ -1485,8 +1637,8 @@ def parse_args(argv=None):
         args.retries = 0 if args.quick else 2
     if args.target_ms is None:
         args.target_ms = 15.0 if args.quick else 40.0
-    if not args.shapes and not args.long:
-        p.error("nothing to run: give --shapes or --long")
+    if not args.shapes and not args.long and not args.varlen:
+        p.error("nothing to run: give --shapes, --long or --varlen")
     return args
 
 
@@ -1541,7 +1693,7 @@ def main(argv=None):
           f"shapes {[shape_name(s) for s in args.shapes]}, rounds {args.rounds}", flush=True)
 
     peaks = {}
-    for n in args.threads:
+    for n in args.threads if args.shapes or args.long else ():
         measure_peak(n, args, peaks, "start")
 
     rows, memory_specs = [], []
@@ -1549,12 +1701,15 @@ def main(argv=None):
     for shape in args.shapes:
         for causal in MASKS:
             run_case(shape, causal, args, status, rows, memory_specs)
-    for n in args.threads:   # a busy neighbour at the start: measure again at the end
-        if ((peaks[str(n)]["other_load_cores"] or 0.0) >= DISTURBED
+    for n in args.threads if peaks else ():   # a busy neighbour at the start: measure
+        if ((peaks[str(n)]["other_load_cores"] or 0.0) >= DISTURBED     # again at the end
                 or peaks[str(n)]["probe_share"] < CONTENDED) and rows:
             measure_peak(n, args, peaks, "end")
     if memory_specs:
         measure_memory(memory_specs, rows)
+    varlen_rows, varlen_status = [], {}
+    for causal in (MASKS if args.varlen else ()):
+        varlen_rows += run_varlen(args.varlen, causal, args, varlen_status)
 
     long_result = None
     if args.long:
@@ -1586,6 +1741,14 @@ def main(argv=None):
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if varlen_rows:
+        save_results(out / "varlen", {"meta": meta, "rows": varlen_rows,
+                                      "status": varlen_status},
+                     varlen_markdown(varlen_rows, varlen_status, meta))
+        print("\n" + varlen_markdown(varlen_rows, varlen_status, meta))
+    if not rows and not long_result:
+        print(f"wrote {out / 'varlen' / 'results.md'}")
+        return 0
     md = markdown(meta, peaks, rows, summary, impl_status, long_result)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(json.dumps(

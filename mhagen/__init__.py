@@ -17,6 +17,7 @@ from mhagen.ir import (Graph, alibi, batch, causal, combine, exp, head, kv_idx, 
 from mhagen.ir.core import AttentionCore
 from mhagen.arrays import aligned_empty
 from mhagen.kvcache import KVCache
+from mhagen.paged_cache import PagedKVCache
 from mhagen.module import Module
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
@@ -62,6 +63,7 @@ def _compile_maps(graph, target, batch, seq_len):
 
 
 __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", "KVCache",
+           "PagedKVCache",
            "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "batch", "build", "causal",
            "combine", "exp", "export_onnx", "from_torch", "head", "import_onnx", "kv_idx",

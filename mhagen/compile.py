@@ -27,7 +27,7 @@ def compile_program(program, backend, tuning=None):
     source, PTX, ptxas report); else the device code is None."""
     target = backend.target
     funcs, decisions = {}, []
-    for kernel in program.kernels:
+    for kernel in program.compiled:   # a symbolic build's packed kernels too
         func, dec = schedule_kernel(kernel, target, record=_record(program, kernel, tuning),
                                     backend=backend)
         funcs[kernel.name] = func.with_attr("global_symbol", kernel.name)
@@ -65,7 +65,7 @@ def resolve_tuning(tuning, target):
 def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | None = 128,
           weights=None, fuse: bool = True, tuning="auto", max_batch: int | None = None,
           max_seq_len: int | None = None, kv_seq_len: int | None = None,
-          max_kv_seq_len: int | None = None):
+          max_kv_seq_len: int | None = None, kv_block_size: int | None = None):
     """Compile `layer` for `target` (a preset name, "host", or a Target) into a Module.
 
     batch, seq_len: the input shape [batch, seq_len, d_model] the kernels are built for.
@@ -76,7 +76,9 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     maximum shape when a record has it.
     kv_seq_len: the context's length of a cross-attention layer (mhagen.mha(..., cross=True));
     required for them (or kv_seq_len=None with max_kv_seq_len=T: any context length up to
-    T), refused for others."""
+    T), refused for others.
+    kv_block_size: a decoding layer (kv_cache=) for a paged cache, mhagen.PagedKVCache, of
+    blocks of that many tokens (a multiple of 16): module.new_paged_cache(num_blocks)."""
     if not isinstance(layer, Graph):
         raise GraphError(f"build() takes a mhagen graph (mhagen.mha(...) or a Graph), got "
                          f"{type(layer).__name__}")
@@ -112,7 +114,7 @@ def build(layer: Graph, target="x86", *, batch: int | None = 1, seq_len: int | N
     backend = t.backend()
     tuning = resolve_tuning(tuning, t)
     program = lower(layer, batch, seq_len, t, fuse=fuse, tuning=tuning, symbolic=symbolic,
-                    kv_seq_len=kv_seq_len, backend=backend)
+                    kv_seq_len=kv_seq_len, backend=backend, kv_block_size=kv_block_size)
     executable, texts, decisions, device = compile_program(program, backend, tuning)
     tuned = {d["kernel"] for d in decisions if d["source"] == "tuned"}
     used = [tuning.lookup(program.key(k)) for k in sorted(tuned)]

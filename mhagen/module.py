@@ -21,11 +21,15 @@ from mhagen.cost import graph_flops
 from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError, InputError, TargetError
 from mhagen.inputs import answered, argument, shared
+from mhagen.decode_call import PreparedDecode, decode_arguments
 from mhagen.kvcache import KVCache, cache_shape, check_room
+from mhagen.paged_cache import PagedKVCache
 from mhagen.maps import head_softmaxes
 from mhagen.program import multiplies
 from mhagen.call_checks import (check_cache, check_context, check_input, check_length_range,
                               check_lengths)
+from mhagen.ir.reference import packed_refusal
+from mhagen.packed import check_packed, tile_table, token_positions
 from mhagen.staging import Staging, aligned_copy, deliver
 from mhagen.storage import StorageCasts
 from mhagen.weights import check_weights
@@ -89,6 +93,11 @@ class Module:
         self._lengths_node = graph.lengths_input
         self._cache_lens_node = graph.cache_lens_input
         self._context_node = graph.context_input
+        # decoding forms (mhagen/decode_call.py): rows of their own token counts packed
+        # (seq_len=None builds), a paged cache (built with kv_block_size=)
+        self._packed = "cu_seqlens" in program.buffers
+        self._paged = "block_tables" in program.buffers
+        self.kv_block_size = program.buffers["k_cache"].shape[2] if self._paged else None
         self.storage = StorageCasts(library, self.dtype)     # the storage dtype's conversions
         self.staging = Staging(graph, program, library, self.dtype, self.out_shape[2])
         self._lock = threading.Lock()
@@ -170,12 +179,38 @@ class Module:
         return self
 
     def __call__(self, x, weights=None, *, out=None, kv_lens=None, cache=None,
-                 context=None) -> np.ndarray:
+                 context=None, cu_seqlens=None, cu_seqlens_k=None, seqs=None) -> np.ndarray:
         """kv_lens: per-batch key lengths (int, [batch]) of a layer built with key padding.
         cache: the mhagen.KVCache of a decoding layer (mhagen.mha(..., kv_cache=N)); x holds
         the new tokens, whose K/V rows the call writes into the cache before attending;
         cache.lens then advances by seq_len. context: the keys' and values' input of a
-        cross-attention layer, [batch, kv_seq_len, kv_dim]."""
+        cross-attention layer, [batch, kv_seq_len, kv_dim].
+        cu_seqlens: a packed call (any-length builds, mhagen/packed.py): x [1, total,
+        d_model] holds the sequences' tokens one after the other, sequence i tokens
+        cu_seqlens[i]:cu_seqlens[i+1], each attending as if alone; the answer has the same
+        layout. cu_seqlens_k: a cross-attention layer's context offsets (context [1,
+        total_kv, kv_dim]).
+        Decoding modules built with seq_len=None: cu_seqlens (int, [rows + 1]) gives each
+        cache row its own number of new tokens, x [1, total, d_model] holding them packed
+        (the output likewise); built with kv_block_size=: cache a mhagen.PagedKVCache and
+        seqs its sequences the call's rows are (mhagen/decode_call.py)."""
+        decoding = self._cache_lens_node is not None
+        if decoding and cu_seqlens_k is not None:
+            raise InputError("cu_seqlens_k= is a packed cross-attention call's context "
+                             "offsets; a decoding module's cu_seqlens= gives each cache row's "
+                             "new tokens")
+        if self._packed or self._paged:
+            return self._call_decoding(x, weights, out, cache, cu_seqlens, seqs)
+        if decoding and (cu_seqlens is not None or seqs is not None):
+            raise InputError("cu_seqlens= and seqs= are for decoding modules built with "
+                             "seq_len=None (each row's own new tokens) or kv_block_size= "
+                             "(a paged cache)")
+        if seqs is not None:
+            raise InputError("seqs= names the sequences of a paged K/V cache: for decoding "
+                             "layers (kv_cache=) built with kv_block_size=")
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            return self._packed_call(x, weights, out, kv_lens, cache, context, cu_seqlens,
+                                     cu_seqlens_k)
         with self._lock:
             given = x
             x, returns = self._check_x(x)
@@ -187,7 +222,8 @@ class Module:
                 cache.lens += dims["seq"]
             return answered(self.storage.deliver(result, target), given, out)
 
-    def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None) -> "Call":
+    def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None,
+                cu_seqlens=None, seqs=None) -> "Call":
         """Bind one call's arrays once and get a callable that runs the kernels on them with
         almost no Python work (ONNX Runtime's I/O binding, a CUDA graph): for decode loops,
         where module(x, cache=...) spends 20-80 us of Python per call. Between runs write the
@@ -213,6 +249,12 @@ class Module:
             raise InputError("kv_lens must be a numpy integer array (prepare() reads it anew "
                              "every run: change it in place; an integer CPU tensor too), got "
                              f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)}")
+        if self._packed or self._paged:
+            return self._prepare_decoding(x, given, out, cache, cu_seqlens, seqs)
+        if cu_seqlens is not None or seqs is not None:
+            raise InputError("prepare() takes cu_seqlens= and seqs= for decoding modules built "
+                             "with seq_len=None or kv_block_size=; a packed call of this "
+                             "module runs through module(x, cu_seqlens=...)")
         with self._lock:
             x, _ = self._check_x(x)
             buffers, dims = self._buffers(x, None, kv_lens, cache, context)
@@ -233,9 +275,159 @@ class Module:
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
                     target, answered(result, given, out))
 
+    def _packed_call(self, x, weights, out, kv_lens, cache, context, cu_seqlens,
+                     cu_seqlens_k):
+        """module(x, cu_seqlens=...): a packed call, checked whole before anything runs;
+        answered as module(x) is (a torch x gets a torch tensor, out= itself where given)."""
+        with self._lock:
+            given = x
+            buffers, dims, returns = self._packed_buffers(x, weights, kv_lens, cache, context,
+                                                          cu_seqlens, cu_seqlens_k)
+            result, target = self.staging.output_array(out, dims, returns)
+            if dims["seq"] == 0:    # no tokens (every sequence empty): nothing to run
+                return answered(result, given, out)
+            buffers[self.staging.output.name] = runtime.tensor(target)
+            self.staging.run(buffers, packed=True)
+            return answered(self.storage.deliver(result, target), given, out)
+
+    def _packed_buffers(self, x, weights, kv_lens, cache, context, cu_seqlens, cu_seqlens_k):
+        """(the kernels' arguments, the call's dims, the dtype it answers in) of a packed
+        call: every argument checked (mhagen.packed.check_packed, this build's limits), the
+        tile table and the tokens' positions written into the module's arrays."""
+        if self.cannot_run is not None:
+            raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
+                              "saved and run where it fits)")
+        if cu_seqlens is None:
+            raise InputError("cu_seqlens_k goes with cu_seqlens (the queries' offsets)")
+        if self.program.packed is None:
+            why = packed_refusal(self.graph) or (
+                "packed calls need a module built for any length: mhagen.build(layer, ..., "
+                "seq_len=None, max_seq_len=N) (batch=None, max_batch=B packs up to B * N "
+                "tokens)" if not self.symbolic else "this target's kernels take none")
+            raise InputError(f"this module takes no packed calls (cu_seqlens=): {why}")
+        x, cu, context, cu_k = check_packed(self.graph, x, cu_seqlens, cu_seqlens_k, context,
+                                            kv_lens, cache, self.storage.takes)
+        self._check_packed_sizes(x.shape[1], cu, x.shape[2], "", self.seq_len)
+        if context is not None:
+            self._check_packed_sizes(context.shape[1], cu_k, None, "_k", self.kv_seq_len)
+        total = x.shape[1]
+        returns = x.dtype
+        params = self._params_for(weights)
+        table = tile_table(cu, cu_k, self.program.packed_q_tile)
+        dims = self.program.call_dims(1, total, None if context is None else context.shape[1],
+                                      tiles=max(1, len(table)))
+        if total == 0:
+            return {}, dims, returns
+        x = self.storage.deferred("x", x)
+        if context is not None:
+            context = np.ascontiguousarray(self.storage.deferred("context", context))
+        buffers = self.staging.arguments(params, x, dims, self.storage, None, None, context)
+        self.staging.view(self.program.buffers["tiles"], dims)[...] = table
+        if "positions" in self.program.buffers:
+            self.staging.view(self.program.buffers["positions"], dims)[...] = \
+                token_positions(cu)
+        return buffers, dims, returns
+
+    def _check_packed_sizes(self, total, cu, d_model, suffix, longest):
+        """A packed call's tokens (context rows: suffix "_k") against what this build holds:
+        each sequence at most `longest` (the build's max_seq_len / max_kv_seq_len), all of
+        them at most max_batch times that."""
+        if d_model is not None and d_model != self.d_model:
+            raise InputError(f"x has d_model {d_model}, this module takes {self.d_model}")
+        most = self.batch * longest
+        name = "max_kv_seq_len" if suffix else "max_seq_len"
+        rows = "context rows" if suffix else "tokens"
+        if total > most:
+            raise InputError(f"a packed call holds {total} {rows}; this module packs at most "
+                             f"{most} (max_batch {self.batch} x {name} {longest}): rebuild "
+                             f"with a larger max_batch or {name}")
+        lens = np.diff(cu)
+        if lens.size and lens.max() > longest:
+            i = int(np.argmax(lens))
+            raise InputError(f"sequence {i} of the packed call has {int(lens[i])} {rows} "
+                             f"(cu_seqlens{suffix}); this module runs sequences of at most "
+                             f"{longest} ({name}): rebuild with {name}={int(lens[i])}")
+
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
+        if self._paged:
+            raise InputError("this module reads a paged cache (built with kv_block_size="
+                             f"{self.kv_block_size}): module.new_paged_cache(num_blocks)")
         return KVCache.empty(self, self.batch)
+
+    def new_paged_cache(self, num_blocks: int) -> PagedKVCache:
+        """An empty pool of num_blocks blocks for this module (built with kv_block_size=;
+        see mhagen/paged_cache.py)."""
+        if not self._paged:
+            raise InputError("this module reads a contiguous KVCache (module.new_cache()); "
+                             "build with kv_block_size=16 for a paged one")
+        return PagedKVCache.for_module(self, num_blocks)
+
+    def _call_decoding(self, x, weights, out, cache, cu_seqlens, seqs):
+        """A packed or paged decoding module's call (mhagen/decode_call.py); answered as
+        module(x) is (a torch x gets a torch tensor, out= itself where given)."""
+        with self._lock:
+            given, asked = x, out
+            buffers, dims, args, returns = self._decoding_buffers(x, weights, cache,
+                                                                  cu_seqlens, seqs)
+            out = self._kernel_out(out, dims, args)
+            result, target = self.staging.output_array(out, dims, returns)
+            buffers[self.staging.output.name] = runtime.tensor(target)
+            self.staging.run(buffers)
+            args.advance()
+            return answered(self.storage.deliver(result, target).reshape(args.out_shape),
+                            given, asked)
+
+    def _kernel_out(self, out, dims, args):
+        """out= of a packed or paged call (a torch tensor or DLPack array: the numpy view
+        of its memory) as the kernels' [batch, seq] rows where it is the caller's shape."""
+        if out is None:
+            return None
+        out = shared(out, "out=")
+        if isinstance(out, np.ndarray) and out.shape == args.out_shape \
+                and out.flags.c_contiguous:
+            out = out.reshape(dims["batch"], dims["seq"], self.out_shape[2])   # a view
+        return out
+
+    def _decoding_buffers(self, x, weights, cache, cu_seqlens, seqs, stage=True):
+        """(the kernels' arguments, the call's dims, its DecodeArgs, the dtype it answers
+        in) of a packed or paged decoding call, every argument checked first; stage: then
+        make room in a paged cache and fill the lengths, offsets and block tables."""
+        if self.cannot_run is not None:
+            raise TargetError(f"cannot call this module: {self.cannot_run} (it can still be "
+                              "saved and run where it fits)")
+        args = decode_arguments(self, x, cache, cu_seqlens, seqs)
+        params = self._params_for(weights)
+        returns = args.x.dtype
+        x = self.storage.deferred("x", args.x)
+        dims = self.program.call_dims(args.batch, args.seq)
+        buffers = self.staging.arguments(params, x, dims, self.storage)
+        if stage:
+            buffers.update(args.stage(self))
+        return buffers, dims, args, returns
+
+    def _prepare_decoding(self, x, given, out, cache, cu_seqlens, seqs) -> PreparedDecode:
+        """prepare() of a packed or paged decoding module: x (checked by prepare; given: as
+        the caller passed it) is read in place every run, with the rows' counts given now."""
+        with self._lock:
+            buffers, dims, args, _ = self._decoding_buffers(x, None, cache, cu_seqlens, seqs,
+                                                            stage=False)
+            buffers.update(args.tensors(self))
+            asked, out = out, self._kernel_out(out, dims, args)
+            result, target = self.staging.output_array(out, dims, self.dtype)
+            buffers[self.staging.output.name] = runtime.tensor(target)
+        return PreparedDecode(self, [(self.library[k.name], [buffers[a] for a in k.args])
+                                     for k in self.program.kernels], args, result, target,
+                              answered(result.reshape(args.out_shape), given, asked))
+
+    def _params_for(self, weights):
+        """The kernels' params: of `weights` (checked, packed) or the bound ones."""
+        if weights is not None:
+            return self.staging.pack(check_weights(self.graph, weights, dtype=self.dtype))
+        if self._params is not None:
+            return self._params
+        raise InputError("no weights: pass weights= to mhagen.build(), call "
+                         "module.bind(weights), or call module(x, weights=...)")
 
     def _buffers(self, x, weights, kv_lens=None, cache=None, context=None):
         """(the kernels' arguments by name: Staging.arguments; the call's dims:
@@ -255,13 +447,7 @@ class Module:
         if cache is not None or self._cache_lens_node is not None:
             cache = check_cache(self.graph, cache, batch, seq, self._cache_dtype,
                                 self._cache_spec)
-        if weights is not None:
-            params = self.staging.pack(check_weights(self.graph, weights, dtype=self.dtype))
-        elif self._params is not None:
-            params = self._params
-        else:
-            raise InputError("no weights: pass weights= to mhagen.build(), call "
-                             "module.bind(weights), or call module(x, weights=...)")
+        params = self._params_for(weights)
         buffers = self.staging.arguments(params, x, dims, self.storage, lens, cache, context)
         return buffers, dims
 
@@ -313,12 +499,13 @@ class Module:
             raise InputError(f"x has d_model {x.shape[2]}, this module takes {self.d_model}")
 
     def latency(self, x=None, *, number: int = 10, repeat: int = 5, min_repeat_ms: int = 50,
-                kv_lens=None, cache=None, context=None):
+                kv_lens=None, cache=None, context=None, seqs=None):
         """Median seconds per call (kernels only, weights bound) over `repeat` runs of at
         least `number` calls and `min_repeat_ms` each (key padding: full lengths unless
         kv_lens is given; decoding: every call appends at the same place of `cache`, by
-        default a cache full up to its last seq_len rows; cross-attention: a random context
-        unless given)."""
+        default a cache full up to its last seq_len rows, for a paged module a pool of
+        batch such sequences, or `seqs` of the paged cache given; cross-attention: a random
+        context unless given)."""
         rng = np.random.default_rng(0)
         if x is None:
             x = rng.standard_normal(self.in_shape).astype(np.float32).astype(self.dtype)
@@ -331,15 +518,26 @@ class Module:
         if kv_lens is None and self.graph.lengths_input is not None:
             kv_lens = np.full(x.shape[0], x.shape[1] if node is None else self.kv_seq_len,
                               np.int32)
-        if cache is None and self.graph.cache_lens_input is not None:
+        if cache is None and self._paged:   # every row's sequence at max_len - seq_len
+            cache = self.new_paged_cache(self.batch * -(-self._cache_spec["max_len"]
+                                                        // self.kv_block_size))
+            seqs = [cache.add() for _ in range(self.batch)]
+            held = [self._cache_spec["max_len"] - self.seq_len] * self.batch
+            cache.reserve(seqs, held)
+            cache.advance(seqs, held)
+        elif cache is None and self.graph.cache_lens_input is not None:
             cache = self.new_cache()
             cache.lens[...] = cache.max_len - self.seq_len
         with self._lock:
-            return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache, context)
+            return self._latency(x, number, repeat, min_repeat_ms, kv_lens, cache, context,
+                                 seqs)
 
-    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache, context):
-        x, _ = self._check_x(x)
-        buffers, dims = self._buffers(x, None, kv_lens, cache, context)
+    def _latency(self, x, number, repeat, min_repeat_ms, kv_lens, cache, context, seqs=None):
+        if self._packed or self._paged:
+            buffers, dims, _, _ = self._decoding_buffers(x, None, cache, None, seqs)
+        else:
+            x, _ = self._check_x(x)
+            buffers, dims = self._buffers(x, None, kv_lens, cache, context)
         staging = self.staging
         buffers[staging.output.name] = runtime.tensor(staging.view(staging.output, dims))
         staging.run(buffers)

@@ -37,8 +37,9 @@ class Buffer:
     value: np.ndarray | None = None  # params of kind "constant": the array
     doc: str = ""
     symbolic: dict | None = None  # symbolic-length builds: {axis: "batch" | "rows" |
-                                  # "padded_rows" | "kv_rows" | "kv_padded_rows"}; `shape`
-                                  # then holds the maximum
+                                  # "padded_rows" | "kv_rows" | "kv_padded_rows" | "tiles"};
+                                  # `shape` then holds the maximum ("pool_blocks": a paged
+                                  # cache's pool, any size; shape holds 1)
 
     def call_shape(self, dims: dict) -> tuple:
         """The shape of one call: symbolic axes from dims (call_dims()), the rest fixed."""
@@ -99,16 +100,28 @@ class Program:
                                     # by lower(); None: its kernels consult no records)
     symbolic: dict | None = None  # one build for every length: {"batch": bool, "seq": bool,
                                   # "row_tile": rows the GEMM temporaries are padded to}
+    packed: list | None = None    # the kernels of a packed call (mhagen/packed.py), in
+                                  # order: the GEMMs above, and kernels of their own
+    packed_q_tile: int = 0        # the query tiles of their tile table
 
-    def call_dims(self, batch: int, seq: int, kv_seq: int | None = None) -> dict:
+    @property
+    def compiled(self) -> list:
+        """Every kernel the library holds: the padded call's, then those only packed calls
+        run."""
+        names = {k.name for k in self.kernels}
+        return self.kernels + [k for k in self.packed or [] if k.name not in names]
+
+    def call_dims(self, batch: int, seq: int, kv_seq: int | None = None,
+                  tiles: int = 1) -> dict:
         """The values of the symbolic axes (and the kernels' scalar arguments) for a call;
-        kv_seq: a cross-attention's context length."""
+        kv_seq: a cross-attention's context length; tiles: a packed call's query tiles (the
+        rows of its tile table; padded calls read none)."""
         rows = batch * seq
         tile = self.symbolic["row_tile"] if self.symbolic else 1
         kv_rows = batch * (kv_seq or seq)
         return {"batch": batch, "seq": seq, "rows": rows, "padded_rows": round_up(rows, tile),
                 "kv_seq": kv_seq or seq, "kv_rows": kv_rows,
-                "kv_padded_rows": round_up(kv_rows, tile)}
+                "kv_padded_rows": round_up(kv_rows, tile), "tiles": tiles}
 
     @property
     def tunable(self) -> bool:
@@ -134,6 +147,9 @@ class Program:
              "fusion": self.fusion}
         if self.symbolic:
             d["symbolic"] = dict(self.symbolic)
+        if self.packed:
+            d["packed"] = {"kernels": [{"name": k.name, "args": list(k.args)}
+                                       for k in self.packed], "q_tile": self.packed_q_tile}
         return d
 
     @classmethod
@@ -149,11 +165,15 @@ class Program:
         kernels = [Kernel(k["name"], list(k["args"]),
                           multiplies=k.get("multiplies"))
                    for k in d["kernels"]]
-        return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"))
+        packed = d.get("packed")
+        return cls(buffers, kernels, fusion=d.get("fusion", ""), symbolic=d.get("symbolic"),
+                   packed=[Kernel(k["name"], list(k["args"])) for k in packed["kernels"]]
+                   if packed else None, packed_q_tile=packed["q_tile"] if packed else 0)
 
 
 ROLES = ("input", "param", "temp", "output", "state")
-SYMBOLIC_AXES = ("batch", "rows", "padded_rows", "kv_rows", "kv_padded_rows")
+SYMBOLIC_AXES = ("batch", "rows", "padded_rows", "kv_rows", "kv_padded_rows", "tiles",
+                 "pool_blocks")   # pool_blocks: a paged K/V cache's blocks, the caller's
 BUFFER_DTYPES = SUPPORTED_DTYPES + ("int32",)   # int32: key lengths, block tables
 
 
@@ -182,7 +202,12 @@ def _check_description(d) -> None:
             raise ValueError(f"buffer {b['name']!r} has pack or symbolic entries of the "
                              f"wrong type (symbolic: axis -> one of {', '.join(SYMBOLIC_AXES)})")
         names.add(b["name"])
-    for k in d["kernels"]:
+    packed = d.get("packed") or {"kernels": [], "q_tile": 1}
+    if not isinstance(packed, dict) or not isinstance(packed.get("kernels"), list) or not (
+            isinstance(packed.get("q_tile"), int) and packed["q_tile"] > 0):
+        raise ValueError("the program's packed calls need a list of kernels and a positive "
+                         "q_tile")
+    for k in d["kernels"] + packed["kernels"]:
         if not isinstance(k, dict) or not isinstance(k.get("name"), str) or not k["name"] \
                 or not isinstance(k.get("args"), list) or not all(
                     isinstance(a, str) and (a in names or a in CROSS_SCALARS)

@@ -164,12 +164,15 @@ class Staging:
             return full
         return full.reshape(-1)[:math.prod(shape)].reshape(shape)
 
-    def run(self, buffers):
-        """Run the kernels in order on a call's arguments."""
+    def run(self, buffers, packed=False):
+        """Run the kernels in order on a call's arguments (packed: a packed call's,
+        Program.packed)."""
         if self.calls is None:
-            self.calls = [(self.library[k.name], k.args, k.name)
-                          for k in self.program.kernels]
-        for func, args, name in self.calls:
+            self.calls = {False: [(self.library[k.name], k.args, k.name)
+                                  for k in self.program.kernels],
+                          True: [(self.library[k.name], k.args, k.name)
+                                 for k in self.program.packed or []]}
+        for func, args, name in self.calls[packed]:
             try:
                 func(*[buffers[a] for a in args])
             # TVM checks every argument's count (TypeError), ndim, shape and dtype (ValueError)

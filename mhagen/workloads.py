@@ -55,9 +55,15 @@ class AttentionWorkload:
     kv_width: int | None = None   # cross: kv's columns
     cache: int | None = None      # decoding: the K/V cache's max_len
     cache_dtype: str = "float32"  # decoding: what the cache stores
+    packed: bool = False          # decoding, any number of new tokens: each batch row's
+    #                               tokens packed (cu_seqlens [batch + 1]; call scalars batch
+    #                               1, seq the call's tokens)
+    kv_block_size: int | None = None  # decoding with a paged cache: tokens a pool block
     table_batch: int | None = None    # the block table's batch extent (1: shared)
     table_heads: int | None = None    # the block table's head extent (1: shared)
     skip_by_length: bool = False  # key blocks past a row's length are skipped
+    varlen: bool = False          # packed sequences: the query tiles and each tile's keys
+    #                               come from a per-call tile table (mhagen/packed.py)
 
 
 @dataclass(frozen=True)
@@ -122,3 +128,7 @@ class CoreWorkload:
     #                               largest prompt, the block table's extent
     table_batch: int = 1          # prefill: the block table's batch and head extents
     table_heads: int = 1
+    # what the decode template asks of a workload (default_decode_config, decode_layout):
+    # a core is never packed nor paged (class attributes, not fields)
+    packed = False
+    kv_block_size = None

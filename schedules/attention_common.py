@@ -39,21 +39,43 @@ class ScoreRules:
         self.table_batch, self.table_heads = w.table_batch or 1, w.table_heads or 1
         self.lengths = bool(w.lengths)   # key lengths per batch row, given per call
         self.skip_by_length = bool(w.skip_by_length)   # the mask has kv_idx < kv_len
+        # packed sequences (mhagen/packed.py): the per-call tile table [tiles, 5] takes the
+        # key lengths' parameter (a packed call has none), its first axis bound by the call;
+        # a task's `b` is then its PackedSequence
+        self.varlen = bool(w.varlen)
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         """The key exists and the mask keeps it. Prefill: keys kj < kv_seq (seq, or the
         context's length), the mask reads kv_len = lens[b] when the layer takes key lengths,
         else kv_seq. Decoding: kv_len (the cached keys and the new ones) is both the bound
         and what the mask reads."""
-        S, T = self.seq, self.kv_seq
+        S, T = self.queries(b), self.keys(b)
         if kv_len is None:
             bound, kv_len = T, (T if lens is None else lens[b])
         else:
             bound = kv_len
         cond = kj < bound
         if self.mask is not None:
-            cond = tirx.all(cond, mask_to_tir(self.mask, b, h, qi, kj, S, kv_len))
+            cond = tirx.all(cond, mask_to_tir(self.mask, self.batch_index(b), h, qi, kj, S,
+                                              kv_len))
         return cond
+
+    def queries(self, b):
+        """Batch row b's queries: the call's seq, or a packed sequence's own length."""
+        return b.q_len if self.varlen else self.seq
+
+    def keys(self, b):
+        """Batch row b's keys: the call's kv_seq, or a packed sequence's own keys."""
+        return b.k_len if self.varlen else self.kv_seq
+
+    def batch_index(self, b):
+        """What masks and score modifiers read as `batch` (packed sequences: 0, each runs as
+        if alone; layers whose masks read it take no packed calls)."""
+        return 0 if self.varlen else b
+
+    def query_base(self, b):
+        """The qkv (and att) row of batch row b's first query."""
+        return b.q_start if self.varlen else b * self.seq
 
     def block_state(self, state, lens, b, k0, kb):
         """A key block's state from the build-time table, corrected by the call's key
@@ -61,6 +83,8 @@ class ScoreRules:
         block it cuts becomes PARTIAL (its scores masked one by one)."""
         if lens is not None and self.skip_by_length:
             length = lens[b]
+        elif self.varlen:
+            length = b.k_len
         elif self.symbolic:
             length = self.kv_seq
         else:
@@ -74,20 +98,22 @@ class ScoreRules:
         layer's keys (else seq)."""
         if self.score_mod is None:
             return x
-        S = self.seq
+        S = self.queries(b)
         loads = {v: (lambda buf: lambda i: buf[i])(buf) for v, buf in self.tables}
-        return score_to_tir(self.score_mod, x * T.float32(LN2), b, h, qi, kj, S,
-                            self.kv_seq if kv_len is None else kv_len,
+        return score_to_tir(self.score_mod, x * T.float32(LN2), self.batch_index(b), h, qi,
+                            kj, S, self.keys(b) if kv_len is None else kv_len,
                             self.math, loads) * T.float32(LOG2E)
 
     def key_row(self, b, t, masked):
         """Key t of batch row b (rows b * kv_seq + t): full blocks hold keys < kv_seq only;
         partial ones may run past it (clamped, masked)."""
+        if self.varlen:
+            return b.k_start + (T.min(t, b.k_len - 1) if masked else t)
         S = self.kv_seq
         return b * S + (T.min(t, S - 1) if masked else t)
 
     def tb(self, b):
-        return b if self.table_batch > 1 else 0
+        return b if self.table_batch > 1 and not self.varlen else 0
 
     def th(self, h):
         return h if self.table_heads > 1 else 0
@@ -104,6 +130,15 @@ def with_scalars(func, scalars, tables=()):
                          func.body, func.ret_type, func.attrs)
 
 
+class PackedSequence:
+    """A packed call's task's sequence (ScoreRules.varlen): its first query row and number
+    of queries, its first key row and number of keys, as TIR vars bound from its tile
+    table row; the templates pass it where a padded call passes the batch row."""
+
+    def __init__(self, q_start, q_len, k_start, k_len):
+        self.q_start, self.q_len, self.k_start, self.k_len = q_start, q_len, k_start, k_len
+
+
 def attention_entry(*args, **kwargs):
     """The attention PrimFunc (_parse_attention), parsed under schedules/tvmscript.py's
     cheap stack: without it TVM's frame lookups took most of each template parse."""
@@ -116,17 +151,19 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
     """The attention PrimFunc around a template's body macro body(qkv, kv, blocks, lens, out):
     (qkv, [kv,] blocks, [kv_lens,] out [, batch, seq]), with kv (the keys' and values'
     buffer, kv_shape) only for cross-attention (else the body reads them from qkv too),
-    kv_lens only for layers that take key lengths per call and the scalars only in
-    symbolic-length builds. Parsed without the well-formedness check (the scalars are free
+    kv_lens only for layers that take key lengths per call (a packed call's kernel: its
+    tile table `tiles` [n_tiles, 5] there, handed to the body as lens) and the scalars only
+    in symbolic-length builds. Parsed without the well-formedness check (the scalars are free
     until with_scalars); tvm.compile checks the finished function. dtype: qkv's and kv's
     (float32, or a half layer's: on GPUs, and x86's bfloat16 pairs); out_dtype: out's
     (default dtype)."""
     out_dtype = out_dtype or dtype
-    if kv_shape is not None and rules.lengths:
+    lens_shape = (tirx.Var("n_tiles", "int32"), 5) if rules.varlen else (batch,)
+    if kv_shape is not None and (rules.lengths or rules.varlen):
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype), kv: T.Buffer(kv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      kv_lens: T.Buffer((batch,), "int32"),
+                      kv_lens: T.Buffer(lens_shape, "int32"),
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, kv_lens, out)
@@ -139,11 +176,11 @@ def _parse_attention(body, rules, qkv_shape, table_shape, batch, out_shape, kv_s
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, kv, blocks, None, out)
         return with_scalars(attention, rules.scalars, rules.tables)
-    if rules.lengths:
+    if rules.lengths or rules.varlen:
         @T.prim_func(check_well_formed=False)
         def attention(qkv: T.Buffer(qkv_shape, dtype),
                       blocks: T.Buffer(table_shape, "int32"),
-                      kv_lens: T.Buffer((batch,), "int32"),
+                      kv_lens: T.Buffer(lens_shape, "int32"),
                       out: T.Buffer(out_shape, out_dtype)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
             body(qkv, qkv, blocks, kv_lens, out)

@@ -645,3 +645,186 @@ def test_c_decode_example_matches_the_whole_sequence(root, seq_len, calls, cache
     r = subprocess.run([CC, "-std=c11", "-fsyntax-only", str(APP / "decode.c"), f"-I{plain}"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "needs the mha.h of a decoding artifact" in r.stderr
+
+
+# -- packed calls: mha_run_varlen ----------------------------------------------------------
+VARLEN_DRIVER = r"""
+/* Test driver for mha_run_varlen: `driver CASE DIR X CU [CONTEXT CU_K]` runs one packed call
+   of the offsets CU ("0,5,5,40"; CU_K the context's) on x (and the context) read from files,
+   prints "STATUS_NAME|message|untouched" (untouched: y still holds the 7s it was filled
+   with) and writes y to X.y. Cases: ok, unaligned (x and y off the 64-byte grid), null_cu,
+   no_sequences, no_context. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mha.h"
+
+static int offsets(const char *text, int32_t *cu) {
+  int n = 0;
+  for (const char *p = text; *p; ++n) {
+    cu[n] = (int32_t)strtol(p, (char **)&p, 10);
+    if (*p == ',') ++p;
+  }
+  return n - 1;
+}
+
+static mha_value *read_values(const char *path, size_t n, size_t offset) {
+  mha_value *a = aligned_alloc(64, ((n + offset) * sizeof(mha_value) + 64) / 64 * 64);
+  FILE *f = fopen(path, "rb");
+  if (!f || fread(a + offset, sizeof(mha_value), n, f) != n) exit(3);
+  fclose(f);
+  return a;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 5 && argc != 7) return 2;
+  const char *c = argv[1];
+  mha_handle *h = mha_create(argv[2]);
+  if (!h) {
+    printf("%s|%s|\n", mha_status_name(mha_last_error_code()), mha_last_error());
+    return 0;
+  }
+  int32_t cu[64], cu_k[64];
+  const int n = offsets(argv[4], cu);
+  const size_t off = strcmp(c, "unaligned") ? 0 : 1;   /* values of x and y off the grid */
+  size_t total = 0;
+  for (int i = 0; i <= n; ++i) total = (size_t)cu[i] > total ? (size_t)cu[i] : total;
+  mha_value *x = read_values(argv[3], total * MHA_D_MODEL, off);
+  mha_value *context = NULL;
+  if (argc == 7) {
+    offsets(argv[6], cu_k);
+    size_t rows = 0;
+    for (int i = 0; i <= n; ++i) rows = (size_t)cu_k[i] > rows ? (size_t)cu_k[i] : rows;
+    context = read_values(argv[5], rows * MHA_KV_DIM, 0);
+  }
+  size_t ny = (total ? total : 1) * MHA_OUT_D_MODEL;
+  mha_value *y = aligned_alloc(64, ((ny + off) * sizeof(mha_value) + 64) / 64 * 64);
+  for (size_t i = 0; i < ny + off; ++i) y[i] = (mha_value)7;
+  int rc;
+  if (!strcmp(c, "null_cu")) rc = mha_run_varlen(h, x + off, NULL, n, context, NULL, y + off);
+  else if (!strcmp(c, "no_sequences")) rc = mha_run_varlen(h, x, cu, 0, context, cu_k, y);
+  else if (!strcmp(c, "no_context")) rc = mha_run_varlen(h, x, cu, n, NULL, cu_k, y);
+  else rc = mha_run_varlen(h, x + off, cu, n, context, argc == 7 ? cu_k : NULL, y + off);
+  int untouched = 1;
+  for (size_t i = 0; i < ny + off; ++i) untouched &= y[i] == (mha_value)7;
+  printf("%s|%s|%d\n", mha_status_name(rc), mha_last_error(), untouched);
+  if (rc == MHA_OK) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s.y", argv[3]);
+    FILE *f = fopen(path, "wb");
+    fwrite(y + off, sizeof(mha_value), total * MHA_OUT_D_MODEL, f);
+    fclose(f);
+  }
+  mha_destroy(h);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def varlen_driver(root):
+    path = root / "varlen_driver.c"
+    path.write_text(VARLEN_DRIVER)
+    return path
+
+
+@pytest.fixture(scope="module")
+def varlen_artifacts(root, varlen_driver):
+    """Any-length artifacts taking packed calls, each with the varlen driver: causal grouped
+    K/V heads with RoPE and ALiBi (sequences up to 40, 2 x 40 tokens), and cross-attention
+    (sequences up to 24, contexts up to 16)."""
+    out = {}
+    for key, kwargs, extra in (
+            ("rope", dict(kv_heads=2, causal=True, rotary=True, score_mod=mhagen.alibi(4)),
+             dict(max_seq_len=40)),
+            ("cross", dict(cross=True, kv_dim=48),
+             dict(max_seq_len=24, kv_seq_len=None, max_kv_seq_len=16))):
+        layer = mhagen.mha(64, 4, **kwargs)
+        w = layer.init_weights(2)
+        module = mhagen.build(layer, "x86", batch=None, max_batch=2, seq_len=None,
+                              weights=w, **extra)
+        d = module.save(root / f"varlen-{key}")
+        exe = build_c_app(CC, d, root / f"varlen-{key}.driver", varlen_driver)
+        out[key] = (layer, w, module, d, exe)
+    return out
+
+
+def _offsets(lens):
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+
+
+def _varlen(root, exe, d, case, cu, cu_k=None, seed=7):
+    """Run the varlen driver on artifact d: (status, message, y untouched, (x, context, y))
+    for offsets cu (and cu_k) as given, x (and the context) random."""
+    x = np.random.default_rng(seed).standard_normal((1, int(max(cu)), 64)).astype(np.float32)
+    xfile = root / f"{d.name}-{case}.x"
+    x.tofile(xfile)
+    args = [case, d, xfile, ",".join(map(str, cu))]
+    context = None
+    if cu_k is not None:
+        context = np.random.default_rng(seed).standard_normal((1, int(max(cu_k)), 48)).astype(
+            np.float32)
+        context.tofile(root / f"{d.name}-{case}.c")
+        args += [root / f"{d.name}-{case}.c", ",".join(map(str, cu_k))]
+    r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    status, message, untouched = r.stdout.strip().split("|")
+    y = np.fromfile(f"{xfile}.y", np.float32).reshape(1, -1, 64) if status == "MHA_OK" \
+        else None
+    return status, message, untouched == "1", (x, context, y)
+
+
+@pytest.mark.parametrize("case", ["ok", "unaligned"])
+def test_c_api_packed_call_matches_python(root, varlen_artifacts, case):
+    """Sequences of 0, 1, 40 (the maximum), 17 and 0 tokens packed in one call from C (x and
+    y aligned, or not): the module's packed call bit for bit, the reference within the
+    tolerance; the artifact says it takes packed calls and how many tokens."""
+    layer, w, module, d, exe = varlen_artifacts["rope"]
+    cu = _offsets([0, 1, 40, 17, 0])
+    status, message, _, (x, _, y) = _varlen(root, exe, d, case, cu)
+    assert status == "MHA_OK", message
+    np.testing.assert_array_equal(y, module(x, cu_seqlens=cu))
+    assert_close(y, layer.reference(x, w, cu_seqlens=cu))
+    header = (d / "mha.h").read_text()
+    assert "#define MHA_PACKED 1" in header and "#define MHA_MAX_TOKENS 80" in header
+
+
+def test_c_api_packed_cross_attention_matches_python(root, varlen_artifacts):
+    layer, w, module, d, exe = varlen_artifacts["cross"]
+    cu, cu_k = _offsets([5, 0, 24, 1]), _offsets([3, 2, 16, 1])
+    status, message, _, (x, context, y) = _varlen(root, exe, d, "ok", cu, cu_k)
+    assert status == "MHA_OK", message
+    np.testing.assert_array_equal(
+        y, module(x, cu_seqlens=cu, context=context, cu_seqlens_k=cu_k))
+    assert_close(y, layer.reference(x, w, cu_seqlens=cu, context=context, cu_seqlens_k=cu_k))
+
+
+@pytest.mark.parametrize("key,case,cu,cu_k,status,message", [
+    ("rope", "ok", [0, 5, 3, 13], None, "MHA_ERR_ARGUMENT", "must never decrease: entry 2"),
+    ("rope", "ok", [1, 5], None, "MHA_ERR_ARGUMENT", "start at 0"),
+    ("rope", "ok", [0, 41], None, "MHA_ERR_SHAPE", "sequence 0 has 41 rows"),
+    ("rope", "ok", [0, 40, 80, 81], None, "MHA_ERR_SHAPE", "packs at most 80 rows"),
+    ("rope", "null_cu", [0, 5], None, "MHA_ERR_NULL_ARGUMENT", "cu_seqlens is NULL"),
+    ("rope", "no_sequences", [0, 5], None, "MHA_ERR_ARGUMENT", "at least one sequence"),
+    ("rope", "ok", [0, 3], [0, 3], "MHA_ERR_ARGUMENT", "not a cross-attention layer"),
+    ("cross", "ok", [0, 5, 7], [0, 3, 3], "MHA_ERR_ARGUMENT",
+     "sequence 1 has queries but no context rows"),
+    ("cross", "ok", [0, 5], [0, 17], "MHA_ERR_SHAPE", "sequence 0 has 17 rows (cu_seqlens_k)"),
+    ("cross", "no_context", [0, 5], [0, 3], "MHA_ERR_NULL_ARGUMENT", "context is NULL"),
+])
+def test_c_api_packed_call_errors_write_nothing(root, varlen_artifacts, key, case, cu, cu_k,
+                                                status, message):
+    _, _, _, d, exe = varlen_artifacts[key]
+    got, text, untouched, _ = _varlen(root, exe, d, case, cu, cu_k)
+    assert got == status and message in text, text
+    assert untouched
+
+
+def test_c_api_packed_call_on_an_artifact_without_packed_calls(root, small, varlen_driver):
+    """An exact-length artifact's mha_run_varlen says how to get one that takes them."""
+    exe = build_c_app(CC, small.dir, root / "small.varlen", varlen_driver)
+    got, text, untouched, _ = _varlen(root, exe, small.dir, "ok", [0, 5])
+    assert got == "MHA_ERR_ARGUMENT" and "--max-seq-len" in text and untouched
+    assert "#define MHA_PACKED 0" in (small.dir / "mha.h").read_text()

@@ -94,7 +94,12 @@ _MAX_DIMS = 8     # mha_runtime.h kMaxDims
 _MAX_LAUNCH_ARGS = 16   # mha_runtime.h kMaxLaunchArgs
 _SYMBOLIC_DIMS = {"fixed": "kFixed", "batch": "kDimBatch", "rows": "kDimRows",
                   "padded_rows": "kDimPaddedRows", "kv_rows": "kDimKvRows",
-                  "kv_padded_rows": "kDimKvPaddedRows"}   # mha_runtime.h SymbolicDim
+                  "kv_padded_rows": "kDimKvPaddedRows",
+                  "tiles": "kDimTiles",
+                  "pool_blocks": "kDimPoolBlocks"}   # mha_runtime.h SymbolicDim
+# The int32 inputs of packed / paged decoding layers (mhagen/lower/fused.py): the rows'
+# offsets of mha_run_cached_varlen and mha_run_paged, and the sequences' block tables.
+_DECODE_INPUTS = ("cu_seqlens", "block_tables")
 
 __all__ = ["CONFIG", "HEADER", "LIBRARY", "RUNTIME_LIBS", "STATUS", "Toolchain",
            "compile_commands", "find_tvm_runtime", "generate_config", "generate_header",
@@ -121,8 +126,10 @@ def _layout(manifest):
     ins = [i for i, b in enumerate(bufs) if b["role"] == "input"]
     outs = [i for i, b in enumerate(bufs) if b["role"] == "output"]
     states = {b["name"]: i for i, b in enumerate(bufs) if b["role"] == "state"}
-    lengths = [i for i in ins if bufs[i]["dtype"] == "int32"]
-    ins = [i for i in ins if i not in lengths]
+    # a packed or paged decoding layer's per-call offsets and block tables (decode entries)
+    decode = {bufs[i]["name"]: i for i in ins if bufs[i]["name"] in _DECODE_INPUTS}
+    lengths = [i for i in ins if bufs[i]["dtype"] == "int32" and i not in decode.values()]
+    ins = [i for i in ins if i not in lengths and i not in decode.values()]
     context = shapes.get("kv_seq_len") is not None   # cross-attention: x, then the context
     if len(ins) != 1 + context or len(outs) != 1 or len(lengths) > 1:
         raise ArtifactError("the C API needs one input (two for cross-attention), one output "
@@ -159,14 +166,31 @@ def _layout(manifest):
     if manifest["target"].get("device", "cpu") != "cpu" and (states or out_cols != d_out):
         raise ArtifactError("the CUDA C API runs layers without a K/V cache whose output "
                             "buffer is y itself")
+    if decode and not states:
+        raise ArtifactError(f"buffers {sorted(decode)} belong to decoding layers; this program "
+                            "has no K/V cache")
     cache = bufs[states["k_cache"]]["shape"] if states else [0, 0, 0, 0]
+    paged = "block_tables" in decode
+    max_len = cache[2]
+    if paged:    # a pool's blocks [num_blocks (the call's), kv_heads, block_size, head_dim]
+        max_len = int(((manifest.get("graph") or {}).get("options") or {}).get("kv_cache", 0))
+        if list(bufs[decode["block_tables"]]["shape"]) != [batch, -(-max_len // cache[2])]:
+            raise ArtifactError(f"block_tables {bufs[decode['block_tables']]['shape']} is not "
+                                f"[batch, max_len / block_size] for max_len {max_len}")
+    if "cu_seqlens" in decode and list(bufs[decode["cu_seqlens"]]["shape"]) != [batch + 1]:
+        raise ArtifactError(f"cu_seqlens {bufs[decode['cu_seqlens']]['shape']} is not "
+                            "[batch + 1]")
     return dict(batch=batch, seq=seq, d_in=d_in, d_out=d_out, rows=rows, out_cols=out_cols,
                 dtype=dtype,
                 index=index, input=ins[0], output=outs[0],
                 lengths=lengths[0] if lengths else -1,
                 lengths_kind=(2 if states else 1) if lengths else 0,
                 k_cache=states.get("k_cache", -1), v_cache=states.get("v_cache", -1),
-                kv_heads=cache[1], max_len=cache[2], head_dim=cache[3],
+                kv_heads=cache[1], max_len=max_len, head_dim=cache[3],
+                cu_seqlens=decode.get("cu_seqlens", -1),
+                block_tables=decode.get("block_tables", -1),
+                block_size=cache[2] if paged else 0,
+                max_blocks=-(-max_len // cache[2]) if paged else 0,
                 cache_dtype=bufs[states["k_cache"]]["dtype"] if states else "float32",
                 context=ins[1] if context else -1, kv_seq=kv_seq, kv_dim=kv_dim)
 
@@ -181,6 +205,11 @@ def generate_header(manifest) -> str:
 
 def _symbolic(manifest) -> dict:
     return manifest["program"].get("symbolic") or {}
+
+
+def _packed(manifest) -> dict:
+    """The program's packed calls ({"kernels", "q_tile"}), or {} (none)."""
+    return manifest["program"].get("packed") or {}
 
 
 def _shape_rule(manifest) -> str:
@@ -313,12 +342,18 @@ typedef {_VALUE_TYPES[lay['cache_dtype']][0]} mha_cache_value;
 #define MHA_KV_CACHE {n}   /* > 0: a decoding layer (mha_run_cached) caching this many tokens */
 #define MHA_KV_HEADS {g}
 #define MHA_HEAD_DIM {hd}
-#define MHA_CACHE_SIZE {b * g * n * hd}   /* values in each of k_cache and v_cache */
+#define MHA_CACHE_SIZE {0 if lay['block_size'] else b * g * n * hd}   /* values in each of k_cache and v_cache */
+#define MHA_VARLEN {int(lay['cu_seqlens'] >= 0)}   /* 1: a decoding layer's cache rows of their own new-token counts (mha_run_cached_varlen, mha_run_paged) */
+#define MHA_KV_BLOCK_SIZE {lay['block_size']}   /* > 0: a paged cache of blocks of this many tokens (mha_run_paged) */
+#define MHA_MAX_BLOCKS {lay['max_blocks']}   /* a block table's entries per sequence (MHA_KV_CACHE / MHA_KV_BLOCK_SIZE) */
+#define MHA_BLOCK_SIZE_VALUES {g * lay['block_size'] * hd}   /* values in one block of a pool */
 #define MHA_CROSS {int(lay['context'] >= 0)}   /* 1: a cross-attention layer (mha_run_cross) */
 #define MHA_KV_SEQ_LEN {lay['kv_seq']}   /* its context's length (the most, when symbolic) */
 #define MHA_SYMBOLIC_KV_SEQ_LEN {int(bool(sym.get('kv_seq')))}   /* 1: any kv_seq_len 1..MHA_KV_SEQ_LEN */
 #define MHA_KV_DIM {lay['kv_dim']}   /* its context's width */
 #define MHA_CONTEXT_SIZE {b * lay['kv_seq'] * lay['kv_dim']}   /* values in context */
+#define MHA_PACKED {int(bool(_packed(manifest)))}   /* 1: packed calls of prefill sequences, each run alone (mha_run_varlen) */
+#define MHA_MAX_TOKENS {b * s if _packed(manifest) else 0}   /* a packed call's tokens, at most */
 
 """
 
@@ -364,6 +399,33 @@ MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, in
                            mha_cache_value *k_cache, mha_cache_value *v_cache,
                            int32_t *cache_lens, mha_value *y);
 
+/* Decoding layers built for any number of new tokens (MHA_VARLEN 1): each of the
+ * MHA_BATCH cache rows adds its own number of tokens, cu_seqlens[b+1] - cu_seqlens[b] (0
+ * allowed): cu_seqlens [MHA_BATCH + 1] int32, 0 first, never decreasing, total last. x holds
+ * the rows' tokens packed, [total, MHA_D_MODEL] values (row b's at cu_seqlens[b]..), y
+ * likewise [total, MHA_OUT_D_MODEL]; total 1..MHA_BATCH * MHA_SEQ_LEN. Token t of row b
+ * sits at position cache_lens[b] + t; cache_lens[b] advances by its own count. The caches
+ * as mha_run_cached's. Offsets or lengths out of range: MHA_ERR_ARGUMENT, nothing written. */
+MHA_API int mha_run_cached_varlen(mha_handle *handle, const mha_value *x, int total,
+                                  const int32_t *cu_seqlens, mha_cache_value *k_cache,
+                                  mha_cache_value *v_cache, int32_t *cache_lens, mha_value *y);
+
+/* Decoding layers built for a paged cache (MHA_KV_BLOCK_SIZE > 0): num_seqs sequences
+ * (1..MHA_BATCH when MHA_VARLEN, else MHA_BATCH) whose keys and values lie in pools k_pool,
+ * v_pool [num_blocks, MHA_KV_HEADS, MHA_KV_BLOCK_SIZE, MHA_HEAD_DIM] mha_cache_value
+ * (64-byte aligned; MHA_BLOCK_SIZE_VALUES a block): token p of sequence s in block
+ * block_tables[s * MHA_MAX_BLOCKS + p / MHA_KV_BLOCK_SIZE] at row p % MHA_KV_BLOCK_SIZE.
+ * cu_seqlens [num_seqs + 1] as mha_run_cached_varlen's (total new tokens, MHA_VARLEN 1),
+ * or NULL: every sequence MHA_SEQ_LEN tokens (total num_seqs * MHA_SEQ_LEN). cache_lens
+ * [num_seqs] int32, each advanced by its count. The caller owns the blocks (allocation,
+ * sharing, copy-on-write): every block a sequence's tokens and new tokens lie in must be
+ * in the table, each new token's block its own (not shared). An entry outside
+ * 0..num_blocks-1, a length out of range: MHA_ERR_ARGUMENT, nothing written. */
+MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, int total,
+                          const int32_t *cu_seqlens, mha_cache_value *k_pool,
+                          mha_cache_value *v_pool, int num_blocks,
+                          const int32_t *block_tables, int32_t *cache_lens, mha_value *y);
+
 /* Cross-attention layers (MHA_CROSS 1): queries from x, keys and values from context
  * [batch, kv_seq_len, MHA_KV_DIM] values (kv_seq_len: MHA_KV_SEQ_LEN, or at most that when
  * MHA_SYMBOLIC_KV_SEQ_LEN). kv_lens
@@ -372,6 +434,21 @@ MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, in
 MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int seq_len,
                           const mha_value *context, int kv_seq_len, const int32_t *kv_lens,
                           mha_value *y);
+
+/* Packed calls (MHA_PACKED 1: artifacts built for any length, seq_len=None, of prefill
+ * layers): the tokens of n_seqs sequences one after the other, no padding. x holds
+ * cu_seqlens[n_seqs] rows of MHA_D_MODEL values; sequence i is rows cu_seqlens[i] ..
+ * cu_seqlens[i+1] - 1 and attends as if run alone (its positions count from its first
+ * token). cu_seqlens: n_seqs + 1 int32 offsets, 0 first, never decreasing (an empty
+ * sequence is allowed), each sequence at most MHA_SEQ_LEN tokens, at most MHA_MAX_TOKENS in
+ * all. Cross-attention (MHA_CROSS 1): context holds each sequence's context rows one after
+ * the other ([cu_seqlens_k[n_seqs], MHA_KV_DIM] values; each at most MHA_KV_SEQ_LEN, and at
+ * least 1 where the sequence has tokens), cu_seqlens_k their offsets; otherwise both NULL.
+ * y: cu_seqlens[n_seqs] rows of MHA_OUT_D_MODEL values, in the same order. Bad offsets:
+ * MHA_ERR_ARGUMENT; too many tokens: MHA_ERR_SHAPE; nothing is written then. */
+MHA_API int mha_run_varlen(mha_handle *handle, const mha_value *x, const int32_t *cu_seqlens,
+                           int n_seqs, const mha_value *context, const int32_t *cu_seqlens_k,
+                           mha_value *y);
 
 /* Free the handle (NULL is allowed). */
 MHA_API void mha_destroy(mha_handle *handle);
@@ -540,11 +617,16 @@ def generate_config(manifest, files: list) -> str:
                        f"{len(b['shape'])}, {{{shape}}}, {nbytes}, {offset}, {int(axis)}, "
                        f"{_SYMBOLIC_DIMS[kind]}}},")
     kernels, args = [], []
-    for k, kern in enumerate(prog["kernels"]):
-        index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    index = {**lay["index"], "batch": "kArgBatch", "seq": "kArgSeq", "kv_seq": "kArgKvSeq"}
+    packed = _packed(manifest)
+    listed = prog["kernels"] + packed.get("kernels", [])
+    for k, kern in enumerate(listed):
         args.append(f"constexpr int kArgs{k}[] = "
                     f"{{{', '.join(str(index[a]) for a in kern['args'])}}};")
-        kernels.append(f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},")
+    kernels = [f"    {{{_c_string(kern['name'])}, {len(kern['args'])}, kArgs{k}}},"
+               for k, kern in enumerate(listed)]
+    packed_kernels = kernels[len(prog["kernels"]):] or ["    {nullptr, 0, nullptr},"]
+    kernels = kernels[:len(prog["kernels"])]
     file_rows = [f"    {{{_c_string(name)}, {size}, "
                  f"{_c_string(digest) if digest else 'nullptr'}}},"
                  for name, size, digest in files]
@@ -586,6 +668,13 @@ def generate_config(manifest, files: list) -> str:
             f"constexpr int kKCacheIndex = {lay['k_cache']};",
             f"constexpr int kVCacheIndex = {lay['v_cache']};",
             f"constexpr int64_t kMaxLen = {lay['max_len']};",
+            "// packed decoding (rows of their own token counts: the offsets' buffer, -1:",
+            "// none) and a paged cache (the block tables' buffer; tokens a block; a table's",
+            "// entries per sequence)",
+            f"constexpr int kCuSeqlensIndex = {lay['cu_seqlens']};",
+            f"constexpr int kBlockTablesIndex = {lay['block_tables']};",
+            f"constexpr int64_t kBlockSize = {lay['block_size']};",
+            f"constexpr int64_t kMaxBlocks = {lay['max_blocks']};",
             "// cross-attention: the context input [batch * kKvSeqLen, kKvDim] (-1: none)",
             f"constexpr int kContextIndex = {lay['context']};",
             f"constexpr int64_t kKvSeqLen = {lay['kv_seq']};",
@@ -596,6 +685,16 @@ def generate_config(manifest, files: list) -> str:
             "constexpr BufferSpec kBuffers[kNumBuffers] = {", *buffers, "};", "", *args,
             f"constexpr int kNumKernels = {len(kernels)};",
             "constexpr KernelSpec kKernels[kNumKernels] = {", *kernels, "};", "",
+            "// packed calls (mha_run_varlen; 0 kernels: none): their kernels in order, the",
+            "// query tiles of their tile table, its buffer and the tokens' positions' (-1:",
+            "// none)",
+            f"constexpr int kNumPackedKernels = {len(packed.get('kernels', []))};",
+            f"constexpr KernelSpec kPackedKernels[{len(packed_kernels)}] = {{",
+            *packed_kernels, "};",
+            f"constexpr int64_t kPackedQTile = {int(packed.get('q_tile', 1))};",
+            f"constexpr int kTilesIndex = {lay['index'].get('tiles', -1) if packed else -1};",
+            "constexpr int kPositionsIndex = "
+            f"{lay['index'].get('positions', -1) if packed else -1};", "",
             "// The files mha_create checks: size, and sha256 unless nullptr (never read).",
             f"constexpr int kNumFiles = {len(file_rows)};",
             "constexpr FileSpec kFiles[kNumFiles] = {", *file_rows, "};",

@@ -79,7 +79,8 @@ def _check_program(program: Program, params: dict, path, shapes: dict) -> None:
             for k in ("input", "output"))
             or not holds(floats[0], shapes["input"])
             or not holds(program.role("output")[0], shapes["output"])
-            or any(b.dtype == "int32" and tuple(b.shape) != (shapes["batch"],) for b in inputs)):
+            or any(b.dtype == "int32" and tuple(b.shape) != (shapes["batch"],)
+                   and b.name not in ("cu_seqlens", "block_tables") for b in inputs)):
         raise ArtifactError(f"{path}: the program's input and output buffers do not hold the "
                             f"manifest's shapes ({shapes['input']} in, {shapes['output']} out); "
                             "rebuild the module")
@@ -136,7 +137,7 @@ def _load(path, man) -> LoadedArtifact | CudaArtifactModule:
         if params and (b.pack or {}).get("kind") == "constant":
             b.value = params[b.name]
     library = runtime.load_library(path / "kernel.so")
-    for k in program.kernels:
+    for k in program.compiled:
         library[k.name]     # AttributeError: kernel.so has no such function
     return LoadedArtifact(path, man, graph, target, program, library, shapes, weights, params,
                           texts)

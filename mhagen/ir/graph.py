@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from mhagen.errors import GraphError
+from mhagen.errors import GraphError, InputError
 from mhagen.ir import expr as ex
 from mhagen.ir.kinds import KINDS, WeightSpec
-from mhagen.ir.reference import run_reference
+from mhagen.ir.reference import run_packed_reference, run_reference
 from mhagen.ir.verify import check_dtype, infer_shapes, verify, weight_specs
 from mhagen.weights import init_weights
 
@@ -234,14 +234,32 @@ class Graph:
         return init_weights(self, seed)
 
     def reference(self, x, weights, kv_lens=None, cache=None,
-                  context=None, rounded_to=None) -> "numpy.ndarray":  # noqa: F821
+                  context=None, rounded_to=None, cu_seqlens=None, cu_seqlens_k=None,
+                  seqs=None) -> "numpy.ndarray":  # noqa: F821
         """The float64 numpy oracle of this graph: returns the output as float64 (kv_lens:
         the per-batch key lengths of a layer with key padding; cache: a decoding layer's
-        mhagen.KVCache, written and advanced in place as a module call does; context: the
-        second input of a cross-attention layer; rounded_to: a half-precision yardstick,
-        every value rounded to that dtype: mhagen.reference.run_reference)."""
+        mhagen.KVCache or PagedKVCache, written and advanced in place as a module call does;
+        context: the second input of a cross-attention layer; rounded_to: a half-precision
+        yardstick, every value rounded to that dtype: mhagen.reference.run_reference).
+        cu_seqlens: of a prefill layer (and a cross-attention's cu_seqlens_k), a packed call,
+        each sequence run alone: mhagen.reference.run_packed_reference; of a decoding layer,
+        each cache row's own new tokens, x packed, with seqs a paged cache's sequences."""
+        if self.cache_lens_input is None and (cu_seqlens is not None
+                                              or cu_seqlens_k is not None):
+            if cu_seqlens is None:
+                raise InputError("cu_seqlens_k goes with cu_seqlens (the queries' offsets)")
+            if seqs is not None:
+                raise InputError("seqs= names the sequences of a paged K/V cache: for "
+                                 "decoding layers (kv_cache=)")
+            return run_packed_reference(self, x, weights, cu_seqlens, cu_seqlens_k,
+                                        context=context, kv_lens=kv_lens, cache=cache,
+                                        rounded_to=rounded_to)
+        if cu_seqlens_k is not None:
+            raise InputError("cu_seqlens_k= is a packed cross-attention call's context "
+                             "offsets; a decoding layer's cu_seqlens= gives each cache row's "
+                             "new tokens")
         return run_reference(self, x, weights, kv_lens=kv_lens, cache=cache, context=context,
-                             rounded_to=rounded_to)
+                             rounded_to=rounded_to, cu_seqlens=cu_seqlens, seqs=seqs)
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> str:

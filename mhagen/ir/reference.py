@@ -14,7 +14,11 @@ from mhagen.errors import InputError
 from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.numpy_ops import NUMPY_OPS
-from mhagen.call_checks import check_cache, check_context, check_input, check_lengths
+from mhagen.call_checks import (check_cache, check_context, check_cu_seqlens, check_input,
+                                check_lengths)
+from mhagen.kvcache import KVCache
+from mhagen.packed import check_packed
+from mhagen.paged_cache import PagedKVCache
 from mhagen.weights import check_weights
 
 
@@ -61,7 +65,7 @@ def softmax_rows(s: np.ndarray) -> np.ndarray:
 
 
 def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cache=None,
-                  context=None, rounded_to: str | None = None):
+                  context=None, rounded_to: str | None = None, cu_seqlens=None, seqs=None):
     """Evaluate `graph` on x with `weights` in float64; the output, or every node's value.
     kv_lens: the per-batch key lengths of a graph with a lengths input; cache: the KVCache of
     a decoding graph (its new K/V rows are written and lens advanced, as a module call does);
@@ -70,7 +74,14 @@ def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cac
     weights rounded to its dtype (what its module computes with), still in float64.
     rounded_to ("float16", "bfloat16"): also round every node's value to that dtype, as a
     framework computing in half precision would (the yardstick of half-precision
-    tolerances, mhagen/tolerances.py)."""
+    tolerances, mhagen/tolerances.py).
+    Decoding graphs: cu_seqlens gives each cache row its own number of new tokens (x [1,
+    total, d_model] packed, the output likewise), and cache may be a PagedKVCache with seqs
+    its sequences the call's rows are (decode_rows)."""
+    if cu_seqlens is not None or seqs is not None or isinstance(cache, PagedKVCache):
+        if return_all:
+            raise InputError("return_all=True takes a call of one shape: run each row alone")
+        return decode_rows(graph, x, weights, cache, cu_seqlens, seqs, rounded_to)
     if len(graph.inputs) > 2 or (len(graph.inputs) == 2 and graph.context_input is None):
         raise InputError("run_reference takes x (and a cross-attention layer's context); "
                          f"this graph has {len(graph.inputs)} inputs")
@@ -102,6 +113,106 @@ def run_reference(graph, x, weights, return_all: bool = False, kv_lens=None, cac
     if cache is not None:
         cache.lens += x.shape[1]
     return vals if return_all else vals[graph.output]
+
+
+def decode_rows(graph, x, weights, cache, cu_seqlens, seqs, rounded_to=None):
+    """A decoding call whose rows add their own numbers of new tokens (cu_seqlens [rows +
+    1], x [1, total, d_model] packed; without it x [rows, S, d_model]), on a KVCache (rows:
+    its batch) or a PagedKVCache (rows: seqs): row by row, each a batch-1 call of the same
+    semantics on that row's cache (a paged sequence's gathered into a contiguous one, its
+    new K/V rows then written back into the blocks the pool reserved for them)."""
+    if graph.cache_lens_input is None:
+        raise InputError(f"cu_seqlens and seqs are for decoding layers (kv_cache=); "
+                         f"graph {graph.name!r} keeps no K/V cache")
+    paged = isinstance(cache, PagedKVCache)
+    if paged and seqs is None:
+        raise InputError("a PagedKVCache call names its rows' sequences: seqs=[ids]")
+    if not paged and seqs is not None:
+        raise InputError("seqs= names the sequences of a PagedKVCache; a KVCache's rows are "
+                         "the call's rows")
+    if not paged and not isinstance(cache, KVCache):
+        raise InputError(f"cache= takes a mhagen.KVCache or PagedKVCache, got "
+                         f"{type(cache).__name__}")
+    rows = len(seqs) if paged else cache.batch
+    x = check_input(graph, x)
+    if cu_seqlens is not None:
+        if x.shape[0] != 1:
+            raise InputError(f"with cu_seqlens, x holds the rows' tokens packed: [1, total, "
+                             f"d_model], got {x.shape}")
+        cu = check_cu_seqlens(cu_seqlens, x.shape[1], sequences=rows).tolist()
+        tokens = x[0]
+    else:
+        if x.shape[0] != rows:
+            raise InputError(f"x has {x.shape[0]} rows; the call runs {rows}")
+        cu = [b * x.shape[1] for b in range(rows + 1)]
+        tokens = x.reshape(-1, x.shape[2])
+    counts = [hi - lo for lo, hi in zip(cu, cu[1:])]
+    if paged:
+        cache.reserve(seqs, counts)       # refuses a full pool before anything is written
+    outs = []
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        part = tokens[cu[b]:cu[b + 1]][None]
+        if paged:
+            seq = seqs[b]
+            held = cache.lens(seq)
+            row = cache.to_contiguous([seq])
+            outs.append(run_reference(graph, part, weights, cache=row, rounded_to=rounded_to))
+            cache.write(seq, held, row.k[0, :, held:held + n], row.v[0, :, held:held + n])
+            cache.advance([seq], [n])
+        else:     # views of row b: written and advanced in place
+            row = KVCache(cache.k[b:b + 1], cache.v[b:b + 1], cache.lens[b:b + 1])
+            outs.append(run_reference(graph, part, weights, cache=row, rounded_to=rounded_to))
+    out = np.concatenate(outs, axis=1) if outs else np.zeros((1, 0, 0))
+    return out if cu_seqlens is not None else out.reshape(rows, x.shape[1], -1)
+
+
+def packed_refusal(graph) -> str | None:
+    """Why `graph` takes no packed calls (cu_seqlens=: each sequence run alone, see
+    run_packed_reference), or None where it does."""
+    if graph.cache_lens_input is not None:
+        return ("decoding layers (kv_cache=) take their cache rows' new tokens packed "
+                "instead: cu_seqlens= with cache= (modules built with seq_len=None)")
+    for node in graph.nodes:
+        exprs = [node.attrs.get(k) for k in ("mask", "score_mod", "expr")]
+        if node.kind in ("mask", "score_mod", "attention") and any(
+                isinstance(e, ex.Expr) and "batch" in ex.variables(e) for e in exprs):
+            return ("its mask or score modifier reads `batch`, which a packed sequence does "
+                    "not have (each one runs as if alone)")
+    return None
+
+
+def run_packed_reference(graph, x, weights, cu_seqlens, cu_seqlens_k=None, context=None,
+                         kv_lens=None, cache=None, rounded_to: str | None = None):
+    """The float64 reference of a packed call (mhagen/packed.py): x [1, total, d_model]
+    holds n sequences one after the other, sequence i tokens cu_seqlens[i]:cu_seqlens[i+1]
+    (a cross-attention layer's context rows: cu_seqlens_k[i]:cu_seqlens_k[i+1] of context
+    [1, total_kv, kv_dim]). It is each sequence run alone (run_reference at batch 1: its
+    positions from 0, its own lengths as q_len and kv_len, a key-padding layer's kv_lens
+    its whole length), the outputs one after the other: [1, total, out_features]."""
+    why = packed_refusal(graph)
+    if why is not None:
+        raise InputError(f"graph {graph.name!r} takes no packed calls (cu_seqlens=): {why}")
+    x, cu, context, cu_k = check_packed(graph, x, cu_seqlens, cu_seqlens_k, context,
+                                        kv_lens, cache)
+    outs = []
+    for i in range(len(cu) - 1):
+        if cu[i + 1] == cu[i]:
+            continue
+        kw = {}
+        if context is not None:
+            kw["context"] = context[:, cu_k[i]:cu_k[i + 1]]
+        if graph.lengths_input is not None:
+            kw["kv_lens"] = [int(cu_k[i + 1] - cu_k[i])]
+        outs.append(run_reference(graph, x[:, cu[i]:cu[i + 1]], weights,
+                                  rounded_to=rounded_to, **kw))
+    if outs:
+        return np.concatenate(outs, axis=1)
+    check_weights(graph, weights)
+    features = graph.shapes(**graph.dims(1, 1, 1 if context is not None else None))[
+        graph.output][2]
+    return np.zeros((1, 0, features))
 
 
 def _stored(graph, a) -> np.ndarray:

@@ -18,7 +18,8 @@ from mhagen.records.database import TuningWarning, stale_default, workload_key
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
-          symbolic=None, kv_seq_len: int | None = None, backend=None) -> Program:
+          symbolic=None, kv_seq_len: int | None = None, backend=None,
+          kv_block_size: int | None = None) -> Program:
     """Fused kernels when the passes recognise the graph, else one unfused kernel (a graph
     with the fused kinds: those of its builder form, mhagen/ir/unfuse.py).
     `tuning` (mhagen.records.database.Tuning) may supply the attention template's config (the
@@ -26,7 +27,9 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     symbolic ({"batch": bool, "seq": bool}): batch and seq_len are the largest call's; the
     fused kernels take the call's (mhagen/lower/fused.py). kv_seq_len: the context's length
     of a cross-attention layer (its programs consult no tuning records yet). backend: the
-    target's (mhagen.backends.Backend; made from the target when not given)."""
+    target's (mhagen.backends.Backend; made from the target when not given).
+    kv_block_size: a decoding layer built for a paged cache of blocks of that many tokens
+    (mhagen.PagedKVCache; the contiguous cache's tuning records do not apply to it)."""
     cross = graph.context_input is not None
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     graph = unfuse(graph)    # a graph holding the fused kinds compiles as its builder form
@@ -39,18 +42,28 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     program = None
     if fusion.fused and rule is not None:
         tuned_rule = backend.decode if graph.cache_lens_input is not None else rule
-        config = None if cross or tuned_rule is None else _tuned_config(
+        config = None if cross or tuned_rule is None or kv_block_size else _tuned_config(
             tuned_rule, tuning, workload_key(graph, target, batch, seq_len, "attention"),
             target)
+        # a symbolic prefill build's packed calls (mhagen/packed.py): their attention's own
+        # record (a decoding layer's packed calls run the decode template)
+        packed_config = None
+        if symbolic and not cross and graph.cache_lens_input is None:
+            packed_config = _tuned_config(rule, tuning, workload_key(
+                graph, target, batch, seq_len, "attention_varlen"), target)
         try:
             program = lower_fused(fusion.graph, batch, seq_len, backend, config,
-                                  symbolic=symbolic, kv_seq=kv_seq_len)
+                                  symbolic=symbolic, kv_seq=kv_seq_len,
+                                  kv_block_size=kv_block_size, packed_config=packed_config)
         except NotFusable as why:
             reason = f"not fused: {why}"
     if program is None and graph.cache_lens_input is not None:
         raise GraphError(f"decoding layers (a K/V cache) compile through the fused kernels "
                          f"only, and this one was {reason}; build it with fuse=True from "
                          "mhagen.mha(..., kv_cache=N) or a graph of that form")
+    if program is None and kv_block_size:
+        raise GraphError(f"kv_block_size= builds a decoding layer (kv_cache=) for a paged "
+                         f"cache, and this one was {reason}")
     if program is None and symbolic:
         raise GraphError(f"symbolic lengths (seq_len=None or batch=None) need the fused "
                          f"kernels, and this layer was {reason}; build it for one length "

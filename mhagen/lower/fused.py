@@ -16,10 +16,15 @@ Decoding layers (attention with a `cache`) run instead, after the GEMM and the r
                   cache_lens[b] + t (the caller's state, written in place)
   attention       qkv (Q), the caches, cache_lens -> att, split-KV (the backend's decode
                   template; partial results in two temporaries)
+Built for any number of new tokens (seq_len=None) they are packed: each batch row's tokens
+follow the previous row's (cu_seqlens [batch + 1], row b's at cu_seqlens[b]..), the kernels'
+scalars are batch 1 and seq the call's tokens. Built for a paged cache (kv_block_size), the
+caches are pools [num_blocks, kv_heads, block, d] (num_blocks: the call's) read and written
+through block_tables [batch, max_len / block].
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tvm import te, tirx
 
@@ -27,13 +32,15 @@ from mhagen.blockmask import block_table, split_lengths
 from mhagen.lower.gemm import GemmShape, packed_gemm
 from mhagen.lower.plan import FusedPlan, NotFusable, attention_workload, plan_fused
 from mhagen.lower.te import call_scalars, rope_table, score_table_buffers
+from mhagen.ir.reference import packed_refusal
+from mhagen.packed import TILE_FIELDS
 from mhagen.program import CROSS_SCALARS, Buffer, Kernel, Program, Stage
 
 __all__ = ["NotFusable", "lower_fused", "fused_buffers"]
 
 
 def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None,
-                kv_seq=None) -> Program:
+                kv_seq=None, kv_block_size=None, packed_config=None) -> Program:
     """The kernels, laid out as the target's backend asks (mhagen/backends.py): plan ->
     buffers -> kernels.
     symbolic ({"batch": bool, "seq": bool}, or None): one program for every batch <= batch
@@ -43,8 +50,16 @@ def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None
     Cross-attention (attention attr cross; kv_seq: the context's length): a second packed
     GEMM projects the context into `kv` (the K/V heads' columns, kv_seq rows per batch row),
     which the attention template reads its keys and values from.
-    attention_config: (default config, workload) -> a tuned config, or None."""
-    plan = plan_fused(graph, batch, seq, backend, symbolic, kv_seq)
+    attention_config: (default config, workload) -> a tuned config, or None.
+    kv_block_size: a decoding layer's paged cache, tokens a block (mhagen.PagedKVCache).
+    Packed calls (mhagen/packed.py): a symbolic build of a prefill layer that can take them
+    also holds the kernels of a packed call, Program.packed: the same GEMMs over the packed
+    tokens (batch 1, seq the total), RoPE at each token's position in its own sequence
+    (rotary_varlen) and the attention template over a per-call tile table
+    (attention_varlen, its config from packed_config as attention_config gives the padded
+    one's). (A decoding layer built with seq_len=None packs its rows' new tokens instead,
+    through the decode template: cu_seqlens in its kernels, Program.packed None.)"""
+    plan = plan_fused(graph, batch, seq, backend, symbolic, kv_seq, kv_block_size)
     work = attention_workload(plan)
     rule = backend.attention if plan.cache is None else backend.decode
     default = rule.default_config(work, backend.target)
@@ -58,8 +73,11 @@ def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None
         work = replace(work, table_batch=table.shape[0], table_heads=table.shape[1],
                        skip_by_length=plan.has_lengths
                        and split_lengths(plan.attrs.get("mask"))[1])
+    packed = None
+    if symbolic and plan.cache is None and packed_refusal(graph) is None:
+        packed = packed_attention(plan, work, backend, cfg, table, packed_config)
     buffers = fused_buffers(plan, table, backend.decode.partial_shapes(work, cfg)
-                            if plan.cache is not None else None)
+                            if plan.cache is not None else None, packed)
     ph = Placeholders(buffers, call_scalars(plan.cross) if symbolic else (), plan.tile_rows)
     made = [qkv_kernel(plan, ph)] + ([kv_kernel(plan, ph)] if plan.cross else [])
     if plan.attrs.get("rotary"):
@@ -69,8 +87,14 @@ def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None
     else:
         made.append(attention_kernel(plan, work, cfg, ph, table, tuned=tuned is not None))
     made.append(output_kernel(plan, ph))
+    extra = packed_kernels(plan, packed, ph) if packed is not None else []
     program = Program({b.name: b for b in buffers}, [k for k, _ in made],
-                      "\n".join(text for _, text in made))
+                      "\n".join(text for _, text in made + extra))
+    if packed is not None:   # the padded call's kernels, the packed ones in their place
+        swap = {"rotary": extra[0][0]} if len(extra) == 2 else {}
+        swap["attention"] = extra[-1][0]
+        program.packed = [swap.get(k.name, k) for k in program.kernels]
+        program.packed_q_tile = packed.cfg.q_tile
     if symbolic:
         program.symbolic = {**symbolic, "max_batch": batch, "max_seq": seq,
                             "row_tile": plan.tile_rows,
@@ -80,12 +104,14 @@ def lower_fused(graph, batch, seq, backend, attention_config=None, symbolic=None
 
 # -- buffers ---------------------------------------------------------------------------
 
-def fused_buffers(plan: FusedPlan, table=None, partial_shapes=None) -> list:
+def fused_buffers(plan: FusedPlan, table=None, partial_shapes=None, packed=None) -> list:
     """The program's buffers in call-argument order of first use: x (and the lengths),
     the QKV GEMM's weights and qkv, a cross-attention's context, weights and kv, the
     attention's (block table, or a decoding layer's caches and partial results), the score
     modifier's tables, the RoPE table, att, the output GEMM's weights and out.
-    partial_shapes: the decode template's (part_o, part_ml) shapes."""
+    partial_shapes: the decode template's (part_o, part_ml) shapes. packed (a
+    PackedAttention): then last, what only packed calls read (the tile table, the tokens'
+    positions, the varlen kernel's own block table where its tiles differ)."""
     a, symbolic = plan.attrs, plan.symbolic
     w_qkv, b_qkv = _packed(plan.qkv_node.attrs["segments"], plan, plan.qkv_width,
                            plan.qkv_gemm)
@@ -105,7 +131,25 @@ def fused_buffers(plan: FusedPlan, table=None, partial_shapes=None) -> list:
                                                                           partial_shapes)),
         *[b for _, b in score_table_buffers(a.get("score_mod"))],
         *(_rope_buffers(plan) if a.get("rotary") else []),
-        *_output_buffers(plan)]
+        *_output_buffers(plan),
+        *(_packed_buffers(plan, packed) if packed is not None else [])]
+
+
+def _packed_buffers(plan, packed) -> list:
+    """A packed call's tile table (at most a query tile per token), its tokens' positions
+    (RoPE layers) and the varlen kernel's own block table (where it has one)."""
+    out = [Buffer("tiles", (plan.rows, len(TILE_FIELDS)), "temp", "int32",
+                  doc="a packed call's query tiles: " + ", ".join(TILE_FIELDS)
+                  + " (mhagen/packed.py), written per call", symbolic={0: "tiles"})]
+    if plan.attrs.get("rotary"):
+        out.append(Buffer("positions", (plan.rows,), "temp", "int32",
+                          doc="each packed token's position in its own sequence, written "
+                          "per call", symbolic={0: "rows"}))
+    if packed.table is not None:
+        out.append(Buffer(packed.blocks, packed.table.shape, "param", dtype="int32",
+                          pack={"kind": "constant"}, value=packed.table,
+                          doc="the packed calls' block table (their config's tiles)"))
+    return out
 
 
 def _lengths_buffers(plan) -> list:
@@ -113,8 +157,19 @@ def _lengths_buffers(plan) -> list:
         return []
     doc = ("tokens already cached per batch row, given at call time" if plan.cache else
            "key lengths per batch row, given at call time")
-    return [Buffer(plan.att_node.inputs[-1], (plan.batch,), "input", "int32", doc=doc,
-                   symbolic={0: "batch"} if plan.symbolic else None)]
+    # a decoding layer's batch is fixed (its cache rows): packed calls run batch 1
+    fixed = plan.cache is not None and plan.packed
+    out = [Buffer(plan.att_node.inputs[-1], (plan.batch,), "input", "int32", doc=doc,
+                  symbolic={0: "batch"} if plan.symbolic and not fixed else None)]
+    if plan.packed:
+        out.append(Buffer("cu_seqlens", (plan.batch + 1,), "input", "int32",
+                          doc="row b's new tokens are rows cu_seqlens[b] .. cu_seqlens[b+1]-1 "
+                          "of x, given at call time"))
+    if plan.kv_block_size:
+        out.append(Buffer("block_tables", (plan.batch, plan.max_blocks), "input", "int32",
+                          doc="the pool blocks of each batch row's sequence, in order, given "
+                          "at call time"))
+    return out
 
 
 def _panels(plan, width, path) -> dict:
@@ -166,10 +221,16 @@ def _table_buffers(table) -> list:
 def _cache_buffers(plan, partial_shapes) -> list:
     part_o, part_ml = partial_shapes
     shape = (plan.batch, plan.kv_heads, plan.cache["max_len"], plan.head_dim)
-    return [Buffer("k_cache", shape, "state", dtype=plan.cache_dtype,
-                   doc="keys of every K/V head by position (the caller's KVCache, written "
-                   "in place)"),
-            Buffer("v_cache", shape, "state", dtype=plan.cache_dtype, doc="values, as k_cache"),
+    doc, symbolic = ("keys of every K/V head by position (the caller's KVCache, written "
+                     "in place)"), None
+    if plan.kv_block_size:   # a pool of the call's size (shape[0]: a placeholder)
+        shape = (1, plan.kv_heads, plan.kv_block_size, plan.head_dim)
+        doc, symbolic = ("keys of every K/V head in pool blocks (the caller's PagedKVCache, "
+                         "written in place; its num_blocks the call's)"), {0: "pool_blocks"}
+    return [Buffer("k_cache", shape, "state", dtype=plan.cache_dtype, doc=doc,
+                   symbolic=symbolic),
+            Buffer("v_cache", shape, "state", dtype=plan.cache_dtype, doc="values, as k_cache",
+                   symbolic=symbolic),
             Buffer("part_o", part_o, "temp", doc="unnormalised output per (task, row)"),
             Buffer("part_ml", part_ml, "temp", doc="running max and sum per (task, row)")]
 
@@ -277,7 +338,8 @@ def kv_kernel(plan, ph) -> tuple:
 def rotary_kernel(plan, work, ph) -> tuple:
     """2. RoPE on qkv's Q and K columns, in place (the backend's rotary template)."""
     r = plan.attrs["rotary"]
-    lengths = plan.lengths_input if plan.cache else []
+    lengths = plan.lengths_input + (["cu_seqlens"] if plan.packed else []) if plan.cache \
+        else []
     kernel = Kernel("rotary", ["qkv"] + lengths + ["rope"] + ph.names,
                     stages=[Stage("rotary", "rotary_template", plan.att_node.name, (), work)],
                     template="rotary", workload=work)
@@ -307,6 +369,8 @@ def decode_kernels(plan, work, cfg, ph, tuned=False) -> list:
     tuned: cfg came from a tuning record."""
     tables = [b.name for _, b in score_table_buffers(plan.attrs.get("score_mod"))]
     lengths, node = plan.lengths_input, plan.att_node.name
+    lengths = lengths + (["cu_seqlens"] if plan.packed else []) + (
+        ["block_tables"] if plan.kv_block_size else [])
     append = Kernel("cache_append", ["qkv"] + lengths + ["k_cache", "v_cache"] + ph.names,
                     stages=[Stage("cache_append", "cache_append_template", node, (), work)],
                     template="cache_append", workload=work)
@@ -319,6 +383,60 @@ def decode_kernels(plan, work, cfg, ph, tuned=False) -> list:
             (attend, f"att = decode_attention(qkv, k_cache, v_cache)  # split-KV template: "
                      f"{work.heads} heads, {work.kv_heads} K/V heads, cache "
                      f"{work.cache}, mask {work.mask!r}; positions from cache_lens")]
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """The attention of a build's packed calls: its workload (varlen; bfloat16 pairs where
+    the padded kernel takes AMX tiles, whose V^T is laid out by batch row), its config
+    (tuned: from a record), its block table's buffer name and, where its tiles differ from
+    the padded kernel's, that table (else None: it reads `blocks`)."""
+    work: object
+    cfg: object
+    tuned: bool
+    blocks: str
+    table: object
+
+
+def packed_attention(plan, work, backend, cfg, table, packed_config) -> PackedAttention:
+    """The packed calls' attention beside the padded kernel's (work, cfg, table)."""
+    vwork = replace(work, varlen=True, lengths=False, skip_by_length=False, amx=False,
+                    pairs=work.pairs or work.amx)
+    default = backend.attention.default_config(vwork, backend.target)
+    tuned = packed_config(default, vwork) if packed_config else None
+    vcfg = tuned or default
+    if (vcfg.q_tile, vcfg.kv_block) == (cfg.q_tile, cfg.kv_block):
+        return PackedAttention(vwork, vcfg, tuned is not None, "blocks", None)
+    # the padded kernel's table (key lengths or not) is that of the parts that read no
+    # length, as a packed call's
+    own = block_table(plan.attrs.get("mask"), plan.batch, plan.heads, plan.seq, vcfg.q_tile,
+                      kv_block=vcfg.kv_block, lengths=plan.has_lengths, symbolic=True,
+                      kv_seq=plan.kv_seq)
+    return PackedAttention(vwork, vcfg, tuned is not None, "blocks_varlen", own)
+
+
+def packed_kernels(plan, packed, ph) -> list:
+    """The kernels only packed calls run: [rotary_varlen (RoPE layers),] attention_varlen."""
+    out = []
+    if plan.attrs.get("rotary"):
+        work = replace(packed.work, pairs=False)
+        out.append((Kernel("rotary_varlen", ["qkv", "positions", "rope"] + ph.names,
+                           stages=[Stage("rotary_varlen", "rotary_template",
+                                         plan.att_node.name, (), work)],
+                           template="rotary", workload=work),
+                    "qkv[Q, K columns] = rope(qkv)  # packed calls: at positions[token], "
+                    "each token's position in its own sequence"))
+    tables = [b.name for _, b in score_table_buffers(plan.attrs.get("score_mod"))]
+    args = (["qkv"] + (["kv"] if plan.cross else []) + [packed.blocks, "tiles", "att"] + tables
+            + ph.names)
+    out.append((Kernel("attention_varlen", args,
+                       stages=[Stage("attention_varlen", "attention_template",
+                                     plan.att_node.name, (), packed.work)],
+                       template="attention", workload=packed.work, config=packed.cfg,
+                       tuned=packed.tuned),
+                f"att = attention(qkv)  # packed calls: a task per (head, query tile of one "
+                f"sequence) of the tile table; {packed.blocks}"))
+    return out
 
 
 def output_kernel(plan, ph) -> tuple:

@@ -79,6 +79,18 @@ class FusedPlan:
     kv_rows: int | None = None   # batch * kv_seq
     rows_kv: int | None = None
     kv_gemm: GemmPath | None = None
+    kv_block_size: int | None = None   # a paged cache's tokens a block (mhagen.PagedKVCache)
+
+    @property
+    def packed(self) -> bool:
+        """A decoding layer of any number of new tokens: its kernels take each batch row's
+        count packed (cu_seqlens), the call's rows being all the rows' tokens."""
+        return self.cache is not None and bool(self.symbolic and self.symbolic.get("seq"))
+
+    @property
+    def max_blocks(self) -> int:
+        """A paged cache's block-table width: blocks of one sequence of max_len tokens."""
+        return -(-self.cache["max_len"] // self.kv_block_size)
 
     @property
     def attrs(self) -> dict:
@@ -98,10 +110,12 @@ class FusedPlan:
         return self.heads * self.head_dim
 
 
-def plan_fused(graph, batch, seq, backend, symbolic=None, kv_seq=None) -> FusedPlan:
+def plan_fused(graph, batch, seq, backend, symbolic=None, kv_seq=None,
+               kv_block_size=None) -> FusedPlan:
     """The plan of a fused graph (qkv_projection -> attention -> output_projection); raises
     TargetError / GraphError where the backend or the options refuse it, NotFusable where
-    the heads are not in the regular grouped order."""
+    the heads are not in the regular grouped order. kv_block_size: a decoding layer's
+    paged cache (tokens a block)."""
     nodes = {n.name: n for n in graph.nodes}
     by_kind = {n.kind: n for n in graph.nodes}
     att_node, out_node = by_kind["attention"], by_kind["output_projection"]
@@ -112,6 +126,7 @@ def plan_fused(graph, batch, seq, backend, symbolic=None, kv_seq=None) -> FusedP
     check_support(backend, cross, cache, symbolic)
     heads, kv_heads, (k_base, v_base) = head_groups(a)
     check_decode(backend, cache)
+    check_paged(cache, kv_block_size)
     d_model = nodes[qkv_node.inputs[0]].attrs["shape"][2]
     kv_dim = nodes[kv_node.inputs[0]].attrs["shape"][2] if cross else None
     d, dtype = a["head_dim"], graph.dtype
@@ -132,7 +147,7 @@ def plan_fused(graph, batch, seq, backend, symbolic=None, kv_seq=None) -> FusedP
         qkv_temp="bfloat16" if att_path else temp, kv_temp="bfloat16" if att_path else COMPUTE,
         has_lengths=len(att_node.inputs) > 1 + cross, symbolic=symbolic, cache=cache,
         qkv_gemm=_packing(backend, gemms[d_model], dtype != COMPUTE),
-        out_gemm=_packing(backend, gemms[heads * d]))
+        out_gemm=_packing(backend, gemms[heads * d]), kv_block_size=kv_block_size)
     if cross:
         layout.update(cross=True, kv_seq=kv_seq, kv_dim=kv_dim,
                       kv_width=round_up(len(kv_node.attrs["segments"]) * dp, nr),
@@ -162,6 +177,25 @@ def check_decode(backend, cache) -> None:
         raise TargetError(f"decoding layers (kv_cache=) do not compile for "
                           f"{backend.target.name} yet ({backend.family} has no decode "
                           "template); build them for a CPU target")
+
+
+PAGE_MULTIPLE = 16   # a paged block holds whole key blocks of the decode template (16 or more
+#                      keys, whole vectors of up to 16 lanes)
+
+
+def check_paged(cache, kv_block_size) -> None:
+    """A paged cache (kv_block_size) needs a decoding layer and blocks of a multiple of
+    PAGE_MULTIPLE tokens: the decode template reads a key block from one pool block."""
+    if kv_block_size is None:
+        return
+    if cache is None:
+        raise GraphError("kv_block_size= builds a decoding layer for a paged K/V cache: "
+                         "build mhagen.mha(..., kv_cache=max_len), or drop kv_block_size")
+    if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) \
+            or kv_block_size < PAGE_MULTIPLE or kv_block_size % PAGE_MULTIPLE:
+        raise GraphError(f"kv_block_size must be a multiple of {PAGE_MULTIPLE} (tokens a "
+                         f"block of the paged cache; 16 or 32 are usual), got "
+                         f"{kv_block_size!r}")
 
 
 def head_groups(a: dict) -> tuple:
@@ -241,4 +275,4 @@ def attention_workload(plan: FusedPlan) -> AttentionWorkload:
         kv_seq=plan.kv_seq if plan.cross else None, kv_rows=plan.rows_kv,
         kv_width=plan.kv_width if plan.cross else None,
         cache=plan.cache["max_len"] if plan.cache is not None else None,
-        cache_dtype=plan.cache_dtype)
+        cache_dtype=plan.cache_dtype, packed=plan.packed, kv_block_size=plan.kv_block_size)

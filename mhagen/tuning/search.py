@@ -8,7 +8,10 @@ Per kernel of the lowered program:
     measurement and a re-run resumes.
   - the attention template: its few knobs (query tile, key block) are measured side by side
     (each with its real block table); a decoding layer's decode template likewise (tasks a
-    core, key block, row tile), on a full cache.
+    core, key block, row tile), on a full cache. The packed calls' attention of an
+    any-length build (attention_varlen, mhagen/packed.py) when named in `kernels`: its
+    record keyed by the build's maximum shape (batch, seq), measured on a packed call of
+    `batch` sequences of `seq` tokens.
 The default schedule and the best tuned one are then measured side by side with the same
 steady-state timing the benchmark uses (interleaved rounds, medians); the record keeps the
 tuned schedule only if it is at least 3% faster (kind "trace"/"config"), else records
@@ -45,6 +48,7 @@ from mhagen.artifact.other_arch import ARCHES
 from mhagen.errors import GraphError, InputError, MhagenError, TargetError
 from mhagen.host import host_arch, host_cpu_model
 from mhagen.lower import lower
+from mhagen.packed import tile_table
 from mhagen.records.database import Database, Tuning, user_database_path
 from mhagen.records.replay import (kernel_hash, local_outputs, outputs_differ,
                                    prepared_calls, random_arguments, trace_fields, versions)
@@ -666,6 +670,13 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     plans, known, fixed = [], set(), []
     for batch, seq in shapes:
         program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(), backend=backend)
+        if kernels is not None and PACKED_ATTENTION in kernels:
+            # an any-length build of this maximum shape: its packed calls' attention
+            packed = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(),
+                           backend=backend, symbolic=_ANY_LENGTH)
+            for k in [k for k in packed.packed or [] if k.name == PACKED_ATTENTION]:
+                known.add(k.name)
+                plans.append(((batch, seq), packed, k))
         for k in program.kernels:
             gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
             fixed_by = next((how for s in gemms for key, how in (
@@ -895,18 +906,9 @@ def _tune_template(kernel, backend, remote, bar, index, key, shape, layer, fuse,
     started = time.monotonic()
     funcs, fixed = [], []
     for cfg in candidates:
-        program = lower(layer, shape[0], shape[1], t, fuse=fuse, tuning=_Fixed(cfg, key),
-                        backend=backend)
-        k = next(k for k in program.kernels if k.name == kernel.name)
-        funcs.append(rule.build(k.workload, cfg, t))
-        # every candidate with its own block table (and the full key lengths, if any)
-        fixed.append({} if decoding else
-                     {k.args.index("blocks"): program.buffers["blocks"].make(None)})
-    full = kernel.workload.cache - shape[1] if decoding else shape[1]
-    for i, a in enumerate(kernel.args):
-        if program.buffers[a].role == "input" and program.buffers[a].dtype == "int32":
-            for f in fixed:
-                f[i] = np.full(shape[0], full, np.int32)
+        func, args = _candidate(layer, shape, t, fuse, backend, rule, kernel, cfg, key)
+        funcs.append(func)
+        fixed.append(args)
     errors = []
     times = _measure(funcs, t.tvm, remote, fixed=fixed, errors=errors)
     bar.trials(len(candidates))
@@ -941,14 +943,50 @@ def _tune_template(kernel, backend, remote, bar, index, key, shape, layer, fuse,
                          _failure_note(errors) if default_s is None else "", planned), record)
 
 
+PACKED_ATTENTION = "attention_varlen"
+_ANY_LENGTH = {"batch": True, "seq": True}
+
+
+def _candidate(layer, shape, t, fuse, backend, rule, kernel, cfg, key):
+    """(PrimFunc, {argument index: array}) of one candidate config of a template kernel:
+    built with its own block table (and full key lengths, a full cache); the packed calls'
+    attention specialised to a packed call of shape[0] sequences of shape[1] tokens (its
+    tile table as the call's)."""
+    batch, seq = shape
+    varlen = kernel.name == PACKED_ATTENTION
+    program = lower(layer, batch, seq, t, fuse=fuse, tuning=_Fixed(cfg, key), backend=backend,
+                    symbolic=_ANY_LENGTH if varlen else None)
+    k = next(k for k in (program.packed if varlen else program.kernels)
+             if k.name == kernel.name)
+    func = rule.build(k.workload, cfg, t)
+    args = {}
+    blocks = next((a for a in k.args if a.startswith("blocks")), None)
+    if blocks is not None:
+        args[k.args.index(blocks)] = program.buffers[blocks].make(None)
+    full = kernel.workload.cache - seq if kernel.template == "decode" else seq
+    for i, a in enumerate(k.args):
+        b = program.buffers.get(a)
+        if b is not None and b.role == "input" and b.dtype == "int32":
+            args[i] = np.full(batch, full, np.int32)
+    if varlen:
+        cu = np.arange(batch + 1) * seq
+        table = tile_table(cu, cu, cfg.q_tile)
+        at = {a: func.params[i] for i, a in enumerate(k.args)}
+        func = func.specialize({at["batch"]: 1, at["seq"]: batch * seq,
+                                at["tiles"]: tvm.tirx.decl_buffer(table.shape, "int32")})
+        args[k.args.index("tiles")] = table
+    return func, args
+
+
 class _Fixed:
-    """A Tuning that answers one attention (or decode) config (to lower a candidate)."""
+    """A Tuning that answers one attention (or decode) config (to lower a candidate): for
+    the kernel of `key` (attention, or the packed calls' attention_varlen)."""
 
     def __init__(self, cfg, key):
         self.record = {"key": key, "kind": "config", "config": asdict(cfg)}
 
     def lookup(self, key):
-        return self.record if key["kernel"] == "attention" else None
+        return self.record if key["kernel"] == self.record["key"]["kernel"] else None
 
 
 def plain_json(obj):

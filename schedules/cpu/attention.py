@@ -35,6 +35,11 @@ write-back reads the stored tile; P V runs as O^T = V^T P^T: the softmax's bfloa
 of P^T are its B tiles as packed, V^T its A tiles (the kernel's first parallel loop
 transposes V once a call, into a workspace of V's size); O^T is rescaled lane-wise before
 P V accumulates into it and turned back into rows at the task's end.
+Packed calls (w.varlen, mhagen/packed.py): the same template over a tile table the call
+writes, one task per (head, query tile of one sequence), each sequence's rows and lengths in
+place of a batch row's (ScoreRules: key_row, query_base, queries, keys); positions count
+from the sequence's start, so the block table of an any-length build holds. No AMX there
+(V^T is transposed by batch row): pairs instead.
 Pairs and AMX: the softmax writes P^T straight into bfloat16 pairs; without a score
 modifier the scores stay unscaled until the softmax's exponent (LATE_SCALE). AVX-512: 2^t
 on LLVM IR helpers (fast_math.EXP2_16: vreduceps, a polynomial, vscalefps).

@@ -1,5 +1,7 @@
 """The CPU attention template's main loop: the kernel around the stages (scores, mask,
-softmax, values), one parallel task per (batch row, head, query tile).
+softmax, values), one parallel task per (batch row, head, query tile), or for a packed call
+of several sequences (mhagen/packed.py; ScoreRules.varlen) per (head, row of its tile
+table: a query tile of one sequence, whose keys are that sequence's).
 
 kernel_macros    the kernel's TVMScript macros for a kernel layout:
   key_block        one key block of the online softmax: S^T tiles (attention_scores.py), the
@@ -8,15 +10,17 @@ kernel_macros    the kernel's TVMScript macros for a kernel layout:
   transpose_values AMX: V^T of every (batch row, K/V head, 32 keys), once a call
   copy_queries     the task's Q^T (scaled, or unscaled pairs), through LN x LN transposes
   finish           out = O / l (0 for a row that saw no key); AMX: O^T back into rows
-  body             the kernel: V^T, then per task Q^T, the key blocks the block table keeps
-                   (FULL ones unmasked; a PARTIAL one masked, cut where it runs past the last
-                   key), finish
+  run_task         one task: Q^T, the key blocks the block table keeps (FULL ones unmasked;
+                   a PARTIAL one masked, cut where it runs past the last key), finish
+  body             the kernel: V^T, then the tasks (a packed call's: their sequence's rows
+                   and lengths bound from the tile table, its key loop ending at its last key)
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
 from mhagen.blockmask import FULL, PARTIAL
+from mhagen.schedules.attention_common import PackedSequence
 from mhagen.schedules.x86 import amx, denormals
 from mhagen.schedules.cpu.attention_scores import score_macros
 from mhagen.schedules.cpu.attention_softmax import softmax_macros
@@ -31,7 +35,8 @@ def key_block_macro(k, rules):
     """key_block for layout k (KernelLayout) and the workload's ScoreRules."""
     s_tiles, online_softmax = score_macros(k, rules), softmax_macros(k)
     zip_values, add_values = value_macros(k, rules)
-    KB, MR, MQ, KV_LEN, PAIRS, AMX = k.KB, k.MR, k.MQ, k.KV_LEN, k.PAIRS, k.AMX
+    KB, MR, MQ, PAIRS, AMX = k.KB, k.MR, k.MQ, k.PAIRS, k.AMX
+    keys = rules.keys
 
     @T.macro
     def key_block(masked, cut, kv, vv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new, alpha,
@@ -41,7 +46,7 @@ def key_block_macro(k, rules):
         # last key (masked too): its S^T tiles stop at the tile holding the last key (only
         # that tile clamps its key rows) and P V stops at the last key, so no loop pays for
         # the padding and the others keep the unclamped, affine key rows of full blocks.
-        n_keys = T.min(KB, KV_LEN - k0) if cut else KB          # keys that exist
+        n_keys = T.min(KB, keys(b) - k0) if cut else KB         # keys that exist
         n_full = n_keys // MR if cut else KB // MR                # S^T tiles of such keys
         n_rows = (n_keys + MR - 1) // MR * MR if cut else KB     # s_buf rows written
         for i in T.vectorized(MQ):
@@ -68,7 +73,8 @@ def key_block_macro(k, rules):
 
 def edge_macros(k, rules):
     """(transpose_values, copy_queries, finish) for layout k and the workload's ScoreRules."""
-    return transpose_values_macro(k, rules), copy_queries_macro(k), finish_macro(k)
+    return (transpose_values_macro(k, rules), copy_queries_macro(k, rules),
+            finish_macro(k, rules))
 
 
 def transpose_values_macro(k, rules):
@@ -104,10 +110,11 @@ def transpose_values_macro(k, rules):
     return transpose_values
 
 
-def copy_queries_macro(k):
-    """copy_queries: the task's Q^T."""
+def copy_queries_macro(k, rules):
+    """copy_queries: the task's Q^T (b: its batch row, or packed sequence)."""
     q_word = k.q_word
-    S, DP, PW, MQ, LN, NP, M, Q_BASE = k.S, k.DP, k.PW, k.MQ, k.LN, k.NP, k.M, k.Q_BASE
+    queries, query_base = rules.queries, rules.query_base
+    DP, PW, MQ, LN, NP, M, Q_BASE = k.DP, k.PW, k.MQ, k.LN, k.NP, k.M, k.Q_BASE
     QT_PAIRS, QT_SHUFFLE, QT_TRANSPOSE, QW, NW, NB = (k.QT_PAIRS, k.QT_SHUFFLE, k.QT_TRANSPOSE,
                                                       k.QW, k.NW, k.NB)
     c_log2e = k.c_log2e
@@ -120,12 +127,13 @@ def copy_queries_macro(k):
         if QT_SHUFFLE:   # blocks of LN x LN words transposed in registers, scaled after
             for c16 in range(NB // LN):
                 for i16 in range(MQ // LN):
-                    if q0 + i16 * LN + LN <= S:
+                    if q0 + i16 * LN + LN <= queries(b):
                         T.evaluate(T.call_extern(
                             "int32", QT_TRANSPOSE, q_dst.data,
                             T.int64(c16 * LN * MQ + i16 * LN), T.int64(MQ * 4), q_src.data,
                             (T.Cast("int64", (Q_BASE + h * DP + c16 * LN * QW) // PW)
-                             * T.Cast("int64", M) + T.Cast("int64", b * S + q0 + i16 * LN))
+                             * T.Cast("int64", M)
+                             + T.Cast("int64", query_base(b) + q0 + i16 * LN))
                             * (PW // QW) + (Q_BASE + h * DP + c16 * LN * QW) % PW // QW,
                             T.int64(PW // QW * 4)))
                     else:   # the last queries' rows clamped
@@ -133,7 +141,8 @@ def copy_queries_macro(k):
                             for i in T.vectorized(LN):
                                 q_dst[c16 * LN + c, i16 * LN + i] = q_word(
                                     q_src, h, c16 * LN + c,
-                                    b * S + T.min(q0 + i16 * LN + i, S - 1), False)
+                                    query_base(b) + T.min(q0 + i16 * LN + i,
+                                                          queries(b) - 1), False)
             if not QT_PAIRS:
                 for c in range(NB):
                     for i in T.vectorized(MQ):
@@ -142,14 +151,16 @@ def copy_queries_macro(k):
             for ct in range(NW - NB):
                 for i in T.vectorized(MQ):
                     q_dst[NB + ct, i] = q_word(q_src, h, NB + ct,
-                                               b * S + T.min(q0 + i, S - 1), True)
+                                               query_base(b)
+                                               + T.min(q0 + i, queries(b) - 1), True)
 
     return copy_queries
 
 
-def finish_macro(k):
+def finish_macro(k, rules):
     """finish: out = O / l."""
-    S, d, DP, MQ, AMX, zero, out_value = k.S, k.d, k.DP, k.MQ, k.AMX, k.zero, k.out_value
+    queries, query_base = rules.queries, rules.query_base
+    d, DP, MQ, AMX, zero, out_value = k.d, k.DP, k.MQ, k.AMX, k.zero, k.out_value
 
     @T.macro
     def finish(o_buf, o_rows, l_buf, vec, out, b, h, q0):
@@ -162,26 +173,23 @@ def finish_macro(k):
                                              T.int64(MQ * 4)))
         o_final = T.meta_var(o_rows if AMX else o_buf)
         for i in range(MQ):
-            if q0 + i < S:
+            if q0 + i < queries(b):
                 vec[0, 0] = T.Select(l_buf[i] > zero, T.float32(1) / l_buf[i], zero)
                 for j in range(d):
-                    out[b * S + q0 + i, h * d + j] = out_value(o_final[i, j] * vec[0, 0])
+                    out[query_base(b) + q0 + i, h * d + j] = out_value(o_final[i, j]
+                                                                       * vec[0, 0])
 
     return finish
 
 
 def body_macro(k, rules):
     """The kernel's body(qkv, kv, blocks, lens, out) for layout k and the workload's
-    ScoreRules (attention_common.attention_entry wraps it)."""
-    key_block = key_block_macro(k, rules)
-    transpose_values, copy_queries, finish = edge_macros(k, rules)
-    tb, th = rules.tb, rules.th
-    B, H, G, GROUP, NQ, NK, NKT = k.B, k.H, k.G, k.GROUP, k.NQ, k.NK, k.NKT
-    d, DP, PW, MQ, KB, MR, NR, OR, NV, LN = (k.d, k.DP, k.PW, k.MQ, k.KB, k.MR, k.NR, k.OR,
-                                             k.NV, k.LN)
-    KV_LEN, O_SHAPE, CW, AMX, PAIRS, QT_PAIRS = (k.KV_LEN, k.O_SHAPE, k.CW, k.AMX, k.PAIRS,
-                                                 k.QT_PAIRS)
-    flush, neg_inf, zero = k.flush, k.neg_inf, k.zero
+    ScoreRules (attention_common.attention_entry wraps it): one task per (batch row, head,
+    query tile), or for packed sequences (rules.varlen) per (head, row of the tile table)."""
+    run_task = task_macro(k, rules)
+    transpose_values = transpose_values_macro(k, rules)
+    B, H, NQ, PW, AMX, DP, NKT, G = k.B, k.H, k.NQ, k.PW, k.AMX, k.DP, k.NKT, k.G
+    KB, VARLEN = k.KB, rules.varlen
 
     @T.macro
     def body(qkv, kv, blocks, lens, out):
@@ -192,61 +200,95 @@ def body_macro(k, rules):
         vt = T.decl_buffer((B * G * NKT * DP * 32 if AMX else 1,), "bfloat16")
         if AMX:
             transpose_values(kv, vt)
-        for task in T.parallel(B * H * NQ):
-            csr = T.decl_buffer((1,), "int32")
-            if flush:
-                csr[0] = T.call_extern("int32", denormals.ENTER)
-            if AMX:   # this thread's tile configuration, for this task (amx.py)
-                T.evaluate(T.call_extern("int32", amx.CONFIG))
-            q_t = T.decl_buffer((1 if QT_PAIRS else d, MQ), "float32")
-            q_t32 = T.decl_buffer((d // 2 if QT_PAIRS else 1, MQ), "int32")
-            k_pad = T.decl_buffer((d // CW if AMX else 1, MR if AMX else 1, CW if AMX else 1),
-                                  "bfloat16")
-            p32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, MQ), "int32")
-            v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP if PAIRS else 1), "int32")
-            s_buf = T.decl_buffer((KB, MQ), "float32")
-            o_buf = T.decl_buffer(O_SHAPE, "float32")     # O, or O^T on AMX tiles
-            o_rows = T.decl_buffer((MQ if AMX else 1, DP if AMX else 1), "float32")
-            m_buf = T.decl_buffer((MQ,), "float32")
-            l_buf = T.decl_buffer((MQ,), "float32")
-            m_new = T.decl_buffer((MQ,), "float32")
-            alpha = T.decl_buffer((MQ,), "float32")
-            acc = T.alloc_buffer((1 if AMX else MR, NR), "float32", scope="local",
-                                 annotations=ON_STACK)
-            acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
-            vec = T.alloc_buffer((4, LN), "float32", scope="local", annotations=ON_STACK)
-            b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
-            g = h // GROUP
-            q0 = qt * MQ
-            copy_queries(qkv, q_t, q_t32, b, h, q0)
-            for i in T.vectorized(MQ):
-                m_buf[i] = neg_inf
-                l_buf[i] = zero
-            for i in range(O_SHAPE[0]):
-                for j in T.vectorized(O_SHAPE[1]):
-                    o_buf[i, j] = zero
-            for kb in range(NK):
-                state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
-                if state == FULL:
-                    key_block(False, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
-                              alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
-                              p32, v32, k_pad, vt)
-                elif state == PARTIAL:
-                    if kb * KB + KB <= KV_LEN:
-                        key_block(True, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
-                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad, vt)
-                    else:
-                        key_block(True, True, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
-                                  m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
-                                  q_t32, p32, v32, k_pad, vt)
-            finish(o_buf, o_rows, l_buf, vec, out, b, h, q0)
-            if AMX:
-                T.evaluate(T.call_extern("int32", amx.RELEASE))
-            if flush:
-                T.evaluate(T.call_extern("int32", denormals.EXIT, csr[0]))
+        if VARLEN:
+            # lens: the tile table (mhagen/packed.py). Head-major: a thread's run of tasks
+            # is whole heads, or a head's tiles in the table's order (each sequence's in
+            # query_tile_order)
+            for task in T.parallel(H * lens.shape[0]):
+                tile = task % lens.shape[0]
+                q_start = T.Bind(lens[tile, 0])
+                q_len = T.Bind(lens[tile, 1])
+                k_start = T.Bind(lens[tile, 2])
+                k_len = T.Bind(lens[tile, 3])
+                seq = T.meta_var(PackedSequence(q_start, q_len, k_start, k_len))
+                run_task(qkv, kv, blocks, None, out, kv32, vt, seq, task // lens.shape[0],
+                         lens[tile, 4], (k_len + KB - 1) // KB)
+        else:
+            for task in T.parallel(B * H * NQ):
+                b, h, qt = T.meta_var(task_tile(task, B, H, NQ, rules.lengths))
+                run_task(qkv, kv, blocks, lens, out, kv32, vt, b, h, qt, k.NK)
 
     return body
+
+
+def task_macro(k, rules):
+    """run_task: one task of the kernel, query tile qt of batch row b (or a packed
+    sequence) and head h, over its first n_blocks key blocks: Q^T, the key blocks the block
+    table keeps (FULL ones unmasked; a PARTIAL one masked, cut where it runs past the last
+    key), finish."""
+    key_block = key_block_macro(k, rules)
+    _, copy_queries, finish = edge_macros(k, rules)
+    tb, th, keys = rules.tb, rules.th, rules.keys
+    GROUP, d, DP, MQ, KB, MR, NR, OR, NV, LN = (k.GROUP, k.d, k.DP, k.MQ, k.KB, k.MR, k.NR,
+                                                k.OR, k.NV, k.LN)
+    O_SHAPE, CW, AMX, PAIRS, QT_PAIRS = k.O_SHAPE, k.CW, k.AMX, k.PAIRS, k.QT_PAIRS
+    flush, neg_inf, zero = k.flush, k.neg_inf, k.zero
+
+    @T.macro
+    def run_task(qkv, kv, blocks, lens, out, kv32, vt, b, h, qt, n_blocks):
+        csr = T.decl_buffer((1,), "int32")
+        if flush:
+            csr[0] = T.call_extern("int32", denormals.ENTER)
+        if AMX:   # this thread's tile configuration, for this task (amx.py)
+            T.evaluate(T.call_extern("int32", amx.CONFIG))
+        q_t = T.decl_buffer((1 if QT_PAIRS else d, MQ), "float32")
+        q_t32 = T.decl_buffer((d // 2 if QT_PAIRS else 1, MQ), "int32")
+        k_pad = T.decl_buffer((d // CW if AMX else 1, MR if AMX else 1, CW if AMX else 1),
+                              "bfloat16")
+        p32 = T.decl_buffer((KB // 2 if QT_PAIRS else 1, MQ), "int32")
+        v32 = T.decl_buffer((KB // 2 if PAIRS else 1, DP if PAIRS else 1), "int32")
+        s_buf = T.decl_buffer((KB, MQ), "float32")
+        o_buf = T.decl_buffer(O_SHAPE, "float32")     # O, or O^T on AMX tiles
+        o_rows = T.decl_buffer((MQ if AMX else 1, DP if AMX else 1), "float32")
+        m_buf = T.decl_buffer((MQ,), "float32")
+        l_buf = T.decl_buffer((MQ,), "float32")
+        m_new = T.decl_buffer((MQ,), "float32")
+        alpha = T.decl_buffer((MQ,), "float32")
+        acc = T.alloc_buffer((1 if AMX else MR, NR), "float32", scope="local",
+                             annotations=ON_STACK)
+        acc_o = T.alloc_buffer((OR, NV), "float32", scope="local", annotations=ON_STACK)
+        vec = T.alloc_buffer((4, LN), "float32", scope="local", annotations=ON_STACK)
+        g = h // GROUP
+        q0 = qt * MQ
+        copy_queries(qkv, q_t, q_t32, b, h, q0)
+        for i in T.vectorized(MQ):
+            m_buf[i] = neg_inf
+            l_buf[i] = zero
+        for i in range(O_SHAPE[0]):
+            for j in T.vectorized(O_SHAPE[1]):
+                o_buf[i, j] = zero
+        for kb in range(n_blocks):
+            state = rules.block_state(blocks[tb(b), th(h), qt, kb], lens, b, kb * KB, KB)
+            if state == FULL:
+                key_block(False, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf, m_new,
+                          alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32, q_t32,
+                          p32, v32, k_pad, vt)
+            elif state == PARTIAL:
+                if kb * KB + KB <= keys(b):
+                    key_block(True, False, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
+                              m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
+                              q_t32, p32, v32, k_pad, vt)
+                else:
+                    key_block(True, True, kv, kv, lens, q_t, s_buf, o_buf, m_buf, l_buf,
+                              m_new, alpha, acc, acc_o, vec, b, h, g, q0, kb * KB, kv32,
+                              q_t32, p32, v32, k_pad, vt)
+        finish(o_buf, o_rows, l_buf, vec, out, b, h, q0)
+        if AMX:
+            T.evaluate(T.call_extern("int32", amx.RELEASE))
+        if flush:
+            T.evaluate(T.call_extern("int32", denormals.EXIT, csr[0]))
+
+    return run_task
 
 
 def query_tile_order(i, n):

@@ -96,7 +96,7 @@ class CoreParams(DecodeParams):
     DT: str = "float32"      # q, k, v and out
     padding: bool = False    # kv_lens per call
 
-    def q_lane(self, q, b, h, t, ch, ln):
+    def q_lane(self, q, cu, b, h, t, ch, ln):
         col = ch * self.LN + ln
         if self.NCH * self.LN == self.d:    # head_dim in whole vectors
             return self.loaded(q[b, h, t, col])
@@ -104,10 +104,10 @@ class CoreParams(DecodeParams):
         return T.Select(col < self.d, self.loaded(q[b, h, t, T.min(col, self.d - 1)]),
                         self.zero)
 
-    def q_pos(self, kv_lens, b, t):
+    def q_pos(self, kv_lens, cu, b, t):
         return self.KV - self.S + t
 
-    def kv_len_of(self, kv_lens, b):
+    def kv_len_of(self, kv_lens, cu, b):
         return T.min(kv_lens[b], self.KV) if self.padding else self.KV
 
     def out_value(self, value):
@@ -130,6 +130,7 @@ class CoreScoreRules(ScoreRules):
         self.lengths = self.skip_by_length = bool(key_padding)
         self.starts = (tirx.decl_buffer((batch,), "int32", name="kv_starts")
                        if key_padding else None)
+        self.varlen = False     # a core's calls are never packed
 
     def visible(self, b, h, qi, kj, lens=None, kv_len=None):
         cond = super().visible(b, h, qi, kj, lens, kv_len)
@@ -155,7 +156,8 @@ def core_params(w, cfg, registers, flush, scalars) -> CoreParams:
         RT=RT, C=cfg.workers, KB=KB, LN=LN, NCH=d // LN, TAIL=d % LN, QCH=DP // LN,
         ROW_LANES=rows_in_lanes(RT, LN), JU=keys_in_flight(RT, LN, registers, KB),
         causal=causal, c_log2e=f32(w.scale * LOG2E), neg_inf=f32(float("-inf")),
-        zero=f32(0.0), flush=flush, KV=KV, DT=w.dtype, padding=bool(w.key_padding))
+        zero=f32(0.0), flush=flush, packed=False, BS=None, GT=G, GROUPT=GROUP, KV=KV,
+        DT=w.dtype, padding=bool(w.key_padding))
 
 
 def build_core(w, cfg, registers=16, flush=False):
@@ -199,10 +201,11 @@ def _core_function(prm, rules):
                       part_ml: T.Buffer((NP_MAX, 2, RT), "float32"),
                       out: T.Buffer((B * S, HD), DT, align=align, offset_factor=1)):
             T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
+            # never packed nor paged: no cu_seqlens, no block tables
             for worker in T.parallel(C):
-                worker_task(q, kv_lens, k, v, part_o, part_ml, worker)
+                worker_task(q, kv_lens, None, None, k, v, part_o, part_ml, worker)
             for tile in T.parallel(NG):
-                merge_tile(kv_lens, part_o, part_ml, out, tile)
+                merge_tile(kv_lens, None, part_o, part_ml, out, tile)
         return attention
 
     @T.prim_func(check_well_formed=False)
@@ -218,9 +221,9 @@ def _core_function(prm, rules):
         T.func_attr({"global_symbol": "attention", "tirx.noalias": True})
         # without key padding the template's lengths argument is never read: q stands in
         for worker in T.parallel(C):
-            worker_task(q, q, k, v, part_o, part_ml, worker)
+            worker_task(q, q, None, None, k, v, part_o, part_ml, worker)
         for tile in T.parallel(NG):
-            merge_tile(q, part_o, part_ml, out, tile)
+            merge_tile(q, None, part_o, part_ml, out, tile)
     return attention
 
 
@@ -300,7 +303,7 @@ def build_core_prefill(w, cfg, lanes, flush=False, x86_helpers=False):
 def _prefill_body(k, rules):
     """The kernel's body: one task per (batch row, head, query tile), as the prefill
     template's body_macro, over views of the task's batch row of k and v."""
-    key_block, finish = key_block_macro(k, rules), finish_macro(k)
+    key_block, finish = key_block_macro(k, rules), finish_macro(k, rules)
     tb, th, loaded = rules.tb, rules.th, k.loaded
     B, S, H, G, GROUP, NQ, NK = k.B, k.S, k.H, k.G, k.GROUP, k.NQ, k.NK
     d, DP, MQ, KB, MR, NR, OR, NV, LN, DT = (k.d, k.DP, k.MQ, k.KB, k.MR, k.NR, k.OR, k.NV,

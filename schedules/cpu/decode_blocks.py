@@ -2,6 +2,8 @@
 scores, softmax and values, in one of two shapes.
 
 block_macros   the TVMScript macros for a DecodeParams record:
+  Keys: row b of a contiguous cache at k0, or (paged) the pool block the block table gives
+  for k0, read once a key block (key_block, key_slot: decode_params.py).
   Rows in the lanes (ROW_LANES: tiles of 8 or more rows):
     lanes_scores    S[j, rows] += Q^T[c, rows] K[j, c], JU keys at a time, then masked
     lanes_softmax   m', alpha, P = 2^(S - m') and l, vectors over the tile's rows
@@ -30,17 +32,21 @@ def block_macros(prm, rules):
 def lanes_block_macro(prm, rules):
     """block_rows_in_lanes: a key block for a tile's rows in the vector lanes."""
     _, _, _, add_values, rescaled_row, stored_row = row_macros(prm)
-    loaded, q_pos = prm.loaded, prm.q_pos
-    KB, JU, RT, R, S, N, d = prm.KB, prm.JU, prm.RT, prm.R, prm.S, prm.N, prm.d
-    GROUP, neg_inf, zero = prm.GROUP, prm.neg_inf, prm.zero
+    loaded, key_block, key_slot, q_len = prm.loaded, prm.key_block, prm.key_slot, prm.q_len
+    rows_of, q_pos = prm.rows_of, prm.q_pos
+    KB, JU, RT, R, S, d = prm.KB, prm.JU, prm.RT, prm.R, prm.S, prm.d
+    GROUP, neg_inf, zero, PACKED = prm.GROUP, prm.neg_inf, prm.zero, prm.packed
+    PAGED = prm.BS is not None
 
-    def scored(value, b, h, qpos, kv, kv_len):
-        return masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len)
+    def scored(value, b, h, qpos, kv, kv_len, cu=None):
+        return masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len, q_len(cu, b))
 
     @T.macro
-    def lanes_scores(cache_lens, k_cache, qt, sr, sacc, b, g, rt, k0, kv_len):
+    def lanes_scores(cache_lens, cu, k_cache, qt, sr, sacc, rq, b, g, rt, k0, kv_len, kr,
+                     base):
         # scores of JU keys at a time for all RT rows, rows in the lanes: S[j, rows] +=
-        # Q^T[c, rows] * K[j, c] over head_dim c (K[j, c] a broadcast)
+        # Q^T[c, rows] * K[j, c] over head_dim c (K[j, c] a broadcast); the keys at `base`
+        # of the cache's row (or pool block) kr
         for jo in range(KB // JU):
             for u in T.unroll(JU):
                 for ln in T.vectorized(RT):
@@ -49,14 +55,18 @@ def lanes_block_macro(prm, rules):
                 for u in T.unroll(JU):
                     for ln in T.vectorized(RT):
                         sacc[u, ln] = sacc[u, ln] + qt[c, ln] * loaded(k_cache[
-                            b, g, T.min(k0 + jo * JU + u, N - 1), c])
+                            kr, g, key_slot(base, jo * JU, u), c])
             for u in T.unroll(JU):
                 for r in range(RT):
-                    row = T.min(rt * RT + r, R - 1)
-                    h = g * GROUP + row // S
-                    qpos = q_pos(cache_lens, b, row % S)
-                    kv = k0 + jo * JU + u
-                    sr[jo * JU + u, r] = scored(sacc[u, r], b, h, qpos, kv, kv_len)
+                    if PACKED:     # the rows' heads and positions, found at the piece's start
+                        sr[jo * JU + u, r] = scored(sacc[u, r], b, rq[0, r], rq[1, r],
+                                                    k0 + jo * JU + u, kv_len, cu)
+                    else:
+                        row = T.min(rt * RT + r, R - 1)
+                        h = g * GROUP + row // S
+                        qpos = q_pos(cache_lens, cu, b, row % S)
+                        kv = k0 + jo * JU + u
+                        sr[jo * JU + u, r] = scored(sacc[u, r], b, h, qpos, kv, kv_len)
 
     @T.macro
     def lanes_softmax(sr, sm, ml):
@@ -79,20 +89,33 @@ def lanes_block_macro(prm, rules):
             ml[0, ln] = sm[0, ln]
 
     @T.macro
-    def lanes_values(v_cache, part_o, sr, sm, o_row, b, g, slot, k0):
+    def lanes_values(cu, v_cache, part_o, sr, sm, o_row, b, rt, kr, g, slot, base):
         for r in range(RT):
-            rescaled_row(o_row, part_o, slot, r, sm[2, r])
-            for j in range(KB):
-                if sr[j, r] != zero:
-                    add_values(o_row, v_cache, sr[j, r], b, g, T.min(k0 + j, N - 1))
-            stored_row(part_o, slot, r, o_row)
+            # packed: a tile's rows past its batch row's skipped (their lanes were copies)
+            if not PACKED or rt * RT + r < rows_of(cu, b):
+                rescaled_row(o_row, part_o, slot, r, sm[2, r])
+                for j in range(KB):
+                    if sr[j, r] != zero:
+                        add_values(o_row, v_cache, sr[j, r], kr, g, key_slot(base, j))
+                stored_row(part_o, slot, r, o_row)
 
     @T.macro
-    def block_rows_in_lanes(cache_lens, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row,
-                            b, g, rt, slot, k0, kv_len):
-        lanes_scores(cache_lens, k_cache, qt, sr, sacc, b, g, rt, k0, kv_len)
+    def lanes_block(cache_lens, cu, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row, rq,
+                    b, g, rt, slot, k0, kv_len, kr, base):
+        lanes_scores(cache_lens, cu, k_cache, qt, sr, sacc, rq, b, g, rt, k0, kv_len, kr, base)
         lanes_softmax(sr, sm, ml)
-        lanes_values(v_cache, part_o, sr, sm, o_row, b, g, slot, k0)
+        lanes_values(cu, v_cache, part_o, sr, sm, o_row, b, rt, kr, g, slot, base)
+
+    @T.macro
+    def block_rows_in_lanes(cache_lens, cu, tables, k_cache, v_cache, part_o, qt, sr, sacc, sm,
+                            ml, o_row, rq, b, g, rt, slot, k0, kv_len):
+        if PAGED:     # the key block's pool block: one read of the block table
+            kr = key_block(tables, b, k0)[0]
+            lanes_block(cache_lens, cu, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row,
+                        rq, b, g, rt, slot, k0, kv_len, kr, key_block(tables, b, k0)[1])
+        else:
+            lanes_block(cache_lens, cu, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row,
+                        rq, b, g, rt, slot, k0, kv_len, b, k0)
 
     return block_rows_in_lanes
 
@@ -100,18 +123,20 @@ def lanes_block_macro(prm, rules):
 def row_block_macro(prm, rules):
     """block_rows: a key block for a tile's rows one by one, lanes along head_dim."""
     lane_sum, lane_max, dot_rows, add_values, rescaled_row, stored_row = row_macros(prm)
-    q_pos = prm.q_pos
-    KB, RT, R, S, N, LN = prm.KB, prm.RT, prm.R, prm.S, prm.N, prm.LN
-    GROUP, neg_inf, zero = prm.GROUP, prm.neg_inf, prm.zero
+    key_block, key_slot, q_len, kv_head = prm.key_block, prm.key_slot, prm.q_len, prm.kv_head
+    rows_of, q_pos = prm.rows_of, prm.q_pos
+    KB, RT, R, S, LN = prm.KB, prm.RT, prm.R, prm.S, prm.LN
+    GROUP, neg_inf, zero, PACKED = prm.GROUPT, prm.neg_inf, prm.zero, prm.packed
+    PAGED = prm.BS is not None
 
-    def scored(value, b, h, qpos, kv, kv_len):
-        return masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len)
+    def scored(value, b, h, qpos, kv, kv_len, cu=None):
+        return masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len, q_len(cu, b))
 
     @T.macro
-    def row_scores(qb, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len):
+    def row_scores(qb, cu, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len, kr, base):
         for j in range(KB):
-            dot_rows(qb, k_cache, acc, r, b, g, T.min(k0 + j, N - 1))
-            s_buf[j] = scored(acc[0], b, h, qpos, k0 + j, kv_len)
+            dot_rows(qb, k_cache, acc, r, kr, g, key_slot(base, j))
+            s_buf[j] = scored(acc[0], b, h, qpos, k0 + j, kv_len, cu)
 
     @T.macro
     def row_softmax(s_buf, acc, st, ml, r):
@@ -138,22 +163,43 @@ def row_block_macro(prm, rules):
         ml[0, r] = st[0]
 
     @T.macro
-    def row_values(v_cache, part_o, s_buf, st, o_row, r, b, g, slot, k0):
+    def row_values(v_cache, part_o, s_buf, st, o_row, r, kr, g, slot, base):
         rescaled_row(o_row, part_o, slot, r, st[1])
         for j in range(KB):
             if s_buf[j] != zero:
-                add_values(o_row, v_cache, s_buf[j], b, g, T.min(k0 + j, N - 1))
+                add_values(o_row, v_cache, s_buf[j], kr, g, key_slot(base, j))
         stored_row(part_o, slot, r, o_row)
 
     @T.macro
-    def block_rows(cache_lens, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml, o_row, b, g,
-                   rt, slot, k0, kv_len):
+    def row_block(cache_lens, cu, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml, o_row, rq,
+                  b, g, rt, slot, k0, kv_len, kr, base):
         for r in range(RT):
-            row = T.min(rt * RT + r, R - 1)
-            h = g * GROUP + row // S
-            qpos = q_pos(cache_lens, b, row % S)
-            row_scores(qb, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len)
-            row_softmax(s_buf, acc, st, ml, r)
-            row_values(v_cache, part_o, s_buf, st, o_row, r, b, g, slot, k0)
+            # packed: the rows' heads and positions were found at the piece's start; a
+            # tile's rows past its batch row's (a row of fewer tokens than the most) skipped
+            if PACKED and rt * RT + r < rows_of(cu, b):
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, rq[0, r]), rq[0, r],
+                           rq[1, r], k0, kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, rq[0, r]),
+                           slot, base)
+            if not PACKED:
+                row = T.min(rt * RT + r, R - 1)
+                h = g * GROUP + row // S
+                qpos = q_pos(cache_lens, cu, b, row % S)
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, h), h, qpos, k0,
+                           kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, h), slot, base)
+
+    @T.macro
+    def block_rows(cache_lens, cu, tables, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml,
+                   o_row, rq, b, g, rt, slot, k0, kv_len):
+        if PAGED:     # the key block's pool block: one read of the block table
+            kr = key_block(tables, b, k0)[0]
+            row_block(cache_lens, cu, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml, o_row,
+                      rq, b, g, rt, slot, k0, kv_len, kr, key_block(tables, b, k0)[1])
+        else:
+            row_block(cache_lens, cu, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml, o_row,
+                      rq, b, g, rt, slot, k0, kv_len, b, k0)
 
     return block_rows

@@ -2,9 +2,15 @@
 and switch its stages read (as FlashAttention 3's one params struct), made once a build.
 
 decode_params   the record (DecodeParams) of workload w under cfg
+sequence_of_macro  the batch row of a packed call's token (cache append, rotary)
 DecodeParams    its fields, and what every stage computes the same way: loaded (a cache
-                value as float32), kv_len_of and n_blocks (a batch row's keys and key blocks
-                in this call)
+                value as float32), count, first_row, rows_of, tiles_of (a batch row's new
+                tokens, its first row of qkv and att, its query rows and row tiles), kv_len_of
+                and n_blocks (its keys and key blocks in this call), key_block and key_slot
+                (where a key block and a key lie in the cache: contiguous, or a pool block
+                through the block table), q_lane, q_pos and out_value (where a query value
+                and a new token's position are read, how an output value is stored: the
+                attention core's CoreParams overrides them)
 
 The stages (decode_rows.py, decode_blocks.py, decode_kernel.py) unpack the fields they use
 into the short names of the template's TIR.
@@ -18,7 +24,8 @@ from tvm.script import tirx as T
 from mhagen.blockmask import conjuncts
 from mhagen.ir import expr as ex
 from mhagen.lower.te import LOG2E
-from mhagen.schedules.cpu.decode_tiles import decode_layout, keys_in_flight, rows_in_lanes
+from mhagen.schedules.cpu.decode_tiles import (decode_layout, heads_in_tile, keys_in_flight,
+                                               rows_in_lanes)
 from mhagen.schedules.cpu.fast_math import f32
 
 
@@ -64,34 +71,103 @@ class DecodeParams:
     neg_inf: object
     zero: object
     flush: bool          # workers run with denormals flushed to zero (x86: denormals.py)
+    # packed: row b's new tokens are rows cu_seqlens[b] .. cu_seqlens[b+1]-1 of qkv and att
+    # (S is then the call's tokens in all, NRT and NG bounds); BS: a paged cache's block
+    # (k_cache, v_cache are pools [blocks, G, BS, d] read through block_tables), else None
+    packed: bool = False
+    BS: int | None = None
+    # the groups' K/V heads and query heads: G and GROUP, or with tiles across the K/V heads
+    # (heads_in_tile, a paged cache) 1 and H, each row then reading head h // GROUP
+    GT: int = 0
+    GROUPT: int = 0
+
+    @property
+    def across(self) -> bool:
+        """Row tiles run across the K/V heads (decode_tiles.heads_in_tile)."""
+        return self.GT != self.G
+
+    def kv_head(self, g, h):
+        """The K/V head query head h (of group head g) reads."""
+        return h // self.GROUP if self.across else g
 
     def loaded(self, value):
         """A K/V value read from the cache, as float32 (a half cache converts it)."""
         return value if self.CD == "float32" else T.Cast("float32", value)
 
-    def kv_len_of(self, cache_lens, b):
-        """The keys batch row b sees in this call: its cached keys and the new ones."""
-        return T.min(cache_lens[b] + self.S, self.N)
+    def count(self, cu, b):
+        """New tokens of batch row b in this call."""
+        return cu[b + 1] - cu[b] if self.packed else self.S
 
-    def n_blocks(self, cache_lens, b):
+    def first_row(self, cu, b):
+        """Batch row b's first row of qkv and att (its token 0)."""
+        return cu[b] if self.packed else b * self.S
+
+    def rows_of(self, cu, b):
+        """Query rows of batch row b that read one K/V head (GROUP heads x its tokens)."""
+        return self.GROUPT * self.count(cu, b) if self.packed else self.R
+
+    def tiles_of(self, cu, b):
+        """Row tiles of batch row b (groups a K/V head; 0 for a row without new tokens)."""
+        return (self.rows_of(cu, b) + self.RT - 1) // self.RT if self.packed else self.NRT
+
+    def q_len(self, cu, b):
+        """What masks and score modifiers read as q_len (None: the rules' own seq)."""
+        return self.count(cu, b) if self.packed else None
+
+    def kv_len_of(self, cache_lens, cu, b):
+        """The keys batch row b sees in this call: its cached keys and the new ones."""
+        return T.min(cache_lens[b] + self.count(cu, b), self.N)
+
+    def n_blocks(self, cache_lens, cu, b):
         """Key blocks of batch row b in this call."""
-        return (self.kv_len_of(cache_lens, b) + self.KB - 1) // self.KB
+        return (self.kv_len_of(cache_lens, cu, b) + self.KB - 1) // self.KB
+
+    def key_block(self, tables, b, k0):
+        """(the cache's first index, the position in it) of key k0 of batch row b, a key
+        block's first: row b at k0, or in a paged cache the pool block the block table
+        gives at k0 % BS (KB divides BS: a key block lies in one pool block)."""
+        if self.BS is None:
+            return b, k0
+        return tables[b, k0 // self.BS], k0 % self.BS
+
+    def key_slot(self, base, *offsets):
+        """The position of key base + offsets in its cache row or pool block (clamped to
+        the contiguous cache's rows: a last key block may run past max_len, masked)."""
+        at = base
+        for o in offsets:
+            at = at + o
+        return at if self.BS is not None else T.min(at, self.N - 1)
 
     # Where the stages read a query and positions, and how they store an output value:
     # the attention core (schedules/cpu/core.py) reads its own query tensor instead.
-    def q_lane(self, qkv, b, h, t, ch, ln):
+    def q_lane(self, qkv, cu, b, h, t, ch, ln):
         """Lane ln of vector ch (LN columns) of query head h, new token t of batch row b:
-        from qkv's column panels (each head padded to DP columns there)."""
+        from qkv's column panels (each head padded to DP columns there), row
+        first_row(cu, b) + t."""
         col = self.Q_BASE + h * self.DP + ch * self.LN
-        return qkv[col // self.PW, b * self.S + t, col % self.PW + ln]
+        return qkv[col // self.PW, self.first_row(cu, b) + t, col % self.PW + ln]
 
-    def q_pos(self, cache_lens, b, t):
+    def q_pos(self, cache_lens, cu, b, t):
         """The position of new token t of batch row b: after the row's cached keys."""
         return cache_lens[b] + t
 
     def out_value(self, value):
         """An output value (float32) as att stores it."""
         return value
+
+
+def sequence_of_macro(batch):
+    """sequence_of(cu, row, found): found[0] = the batch row whose packed tokens hold `row`
+    (the last b with cu[b] <= row: rows without new tokens are passed over), for the cache
+    append and rotary kernels of packed decoding calls."""
+    @T.macro
+    def sequence_of(cu, row, found):
+        found[0] = 0
+        for bb in range(1, batch):
+            if cu[bb] <= row:
+                found[0] = bb
+
+    return sequence_of
 
 
 def decode_params(w, cfg, registers, flush, rules):
@@ -104,11 +180,15 @@ def decode_params(w, cfg, registers, flush, rules):
     assert LN in (4, 8, 16), LN
     R, NRT, NG, M, MA = split.rows, split.n_row_tiles, split.groups, w.rows, w.att_rows
     B, S, GROUP = rules.batch, rules.seq, H // G
+    across = heads_in_tile(w, LN)
+    GT, GROUPT = (1, H) if across else (G, GROUP)
     if rules.symbolic:
-        R = GROUP * S
+        R = GROUPT * S
         NRT = (R + RT - 1) // RT
-        NG = B * G * NRT
+        NG = B * GT * NRT
         M = MA = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
+    if w.packed:    # the rows of every batch row (the cache's, fixed) in the call's S rows
+        B, NG = w.batch, GT * ((GROUPT * S + RT - 1) // RT + w.batch)
     # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
     # a prompt's tile skips the blocks above the diagonal, as the prefill template does
     causal = w.mask is not None and any(p == ex.causal() for p in conjuncts(w.mask))
@@ -117,6 +197,8 @@ def decode_params(w, cfg, registers, flush, rules):
         PW=PW, NP=w.qkv_width // PW, M=M, MA=MA, Q_BASE=w.q_base, R=R, NRT=NRT, NG=NG,
         NP_MAX=split.partials, RT=RT, C=cfg.workers, KB=KB, LN=LN, NCH=d // LN, TAIL=d % LN,
         # O rows go a vector at a time: see rescaled_row
-        QCH=DP // LN, ROW_LANES=rows_in_lanes(RT, LN), JU=keys_in_flight(RT, LN, registers, KB),
+        QCH=DP // LN, ROW_LANES=rows_in_lanes(RT, LN) and not across,
+        JU=keys_in_flight(RT, LN, registers, KB),
         causal=causal, c_log2e=f32(w.scale * LOG2E), neg_inf=f32(float("-inf")),
-        zero=f32(0.0), flush=flush)
+        zero=f32(0.0), flush=flush, packed=w.packed, BS=w.kv_block_size, GT=GT,
+        GROUPT=GROUPT)

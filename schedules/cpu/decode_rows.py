@@ -12,11 +12,18 @@ masked_score   a scaled score through the score modifier, -inf where the mask hi
 """
 from __future__ import annotations
 
+import copy
+
 from tvm.script import tirx as T
 
 
-def masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len):
-    """A scaled score with the score modifier applied, or -inf where the mask hides it."""
+def masked_score(rules, neg_inf, value, b, h, qpos, kv, kv_len, q_len=None):
+    """A scaled score with the score modifier applied, or -inf where the mask hides it.
+    q_len: what the mask and modifier read as q_len when not the rules' seq (a packed
+    call's row: its own new tokens)."""
+    if q_len is not None:
+        rules = copy.copy(rules)
+        rules.seq = q_len
     return T.Select(rules.visible(b, h, qpos, kv, kv_len=kv_len),
                     rules.modified(value, b, h, qpos, kv, kv_len), neg_inf)
 

@@ -13,6 +13,8 @@ jumped a panel's rows x 128 bytes from one head to the next, 32 KiB at 256 rows 
 every access in one L1 set (see benchmarks/PERFORMANCE.md, Schedule decisions). Cost: read
 and write rotary_dim columns of each of heads + kv_heads heads per row, a small share of the
 QKV GEMM's memory traffic and nothing next to its flops; no extra temporary.
+A packed call's kernel (w.varlen, mhagen/packed.py) reads each token's position in its own
+sequence from a `positions` array the call writes.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tvm.script import tirx as T
 
 from mhagen.lower.te import call_scalars
 from mhagen.schedules.attention_common import with_scalars
+from mhagen.schedules.cpu.decode_params import sequence_of_macro
 
 
 ROW_BLOCK = 32   # rows per task
@@ -66,6 +69,7 @@ def build_rotary(w, cfg):
     TAIL = NCH * LN - RD        # columns of the last vector that pass unchanged
 
     P = w.cache or S       # table rows: positions up to the cache length (decoding)
+    CB = B                 # decoding: the cache's rows (a packed call's scalar batch is 1)
     scalars = ()
     if w.symbolic:         # the call's batch and seq: parameters, rows dense b*seq + t
         scalars = B, S = call_scalars()
@@ -93,6 +97,9 @@ def build_rotary(w, cfg):
                     qkv[(BASE + slot * DP + ch * LN) // PW, row,
                         (BASE + slot * DP + ch * LN) % PW + ln] = y[ch * LN + ln]
 
+    if w.cache and w.packed:
+        return packed_rotary(w, body, scalars, (NP, M, PW), CB, P, HALF, SLOTS, B * S)
+
     if w.cache:
         @T.prim_func(check_well_formed=False)   # free scalars: see below
         def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
@@ -107,6 +114,19 @@ def build_rotary(w, cfg):
                              T.min(cache_lens[T.min(row, B * S - 1) // S] + row % S, P - 1))
         return with_scalars(rotary, scalars)
 
+    if w.varlen:
+        @T.prim_func(check_well_formed=False)   # free scalars: see below
+        def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
+                   positions: T.Buffer((B * S,), "int32"),
+                   rope: T.Buffer((2, P, HALF), "float32")):
+            T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+            for rb in T.parallel(NRB):
+                for slot in range(SLOTS):
+                    for r in range(RB):      # a packed token: its sequence's own position
+                        row = rb * RB + r
+                        body(qkv, rope, slot, row, positions[T.min(row, B * S - 1)])
+        return with_scalars(rotary, scalars)
+
     @T.prim_func(check_well_formed=False)   # free scalar vars: see below
     def rotary(qkv: T.Buffer((NP, M, PW), "float32"),
                rope: T.Buffer((2, P, HALF), "float32")):
@@ -116,5 +136,33 @@ def build_rotary(w, cfg):
                 for r in range(RB):
                     row = rb * RB + r
                     body(qkv, rope, slot, row, row % S)
+
+    return with_scalars(rotary, scalars)
+
+
+def packed_rotary(w, body, scalars, qkv_shape, batch, positions, half, slots, tokens):
+    """The rotary kernel of a packed decoding call (qkv, cache_lens, cu_seqlens, rope): row m
+    is token m - cu_seqlens[b] of the batch row b whose tokens hold it, at position
+    cache_lens[b] + m - cu_seqlens[b]; a task's rows find theirs once, then every head."""
+    RB = ROW_BLOCK
+    NRB = (tokens + RB - 1) // RB
+    sequence_of = sequence_of_macro(batch)
+
+    @T.prim_func(check_well_formed=False)   # free scalars until with_scalars
+    def rotary(qkv: T.Buffer(qkv_shape, "float32"),
+               cache_lens: T.Buffer((batch,), "int32"),
+               cu_seqlens: T.Buffer((batch + 1,), "int32"),
+               rope: T.Buffer((2, positions, half), "float32")):
+        T.func_attr({"global_symbol": "rotary", "tirx.noalias": True})
+        for rb in T.parallel(NRB):
+            pos = T.decl_buffer((RB,), "int32")
+            found = T.decl_buffer((1,), "int32")
+            for r in range(RB):
+                sequence_of(cu_seqlens, rb * RB + r, found)
+                pos[r] = T.min(cache_lens[found[0]] + rb * RB + r - cu_seqlens[found[0]],
+                               positions - 1)
+            for slot in range(slots):
+                for r in range(RB):
+                    body(qkv, rope, slot, rb * RB + r, pos[r])
 
     return with_scalars(rotary, scalars)

@@ -25,6 +25,9 @@
 #define mha_run_padded mha_impl_run_padded
 #define mha_run_cached mha_impl_run_cached
 #define mha_run_cross mha_impl_run_cross
+#define mha_run_cached_varlen mha_impl_run_cached_varlen
+#define mha_run_paged mha_impl_run_paged
+#define mha_run_varlen mha_impl_run_varlen
 #define mha_destroy mha_impl_destroy
 #define mha_last_error mha_impl_last_error
 #define mha_last_error_code mha_impl_last_error_code
@@ -429,6 +432,8 @@ struct mha_handle {
   tvm::ffi::Optional<tvm::ffi::Module> module;
   std::vector<tvm::ffi::Function> kernels;
   std::vector<std::vector<tvm::ffi::AnyView>> args;   // views of `tensors`
+  std::vector<tvm::ffi::Function> packed_kernels;     // a packed call's (kPackedKernels)
+  std::vector<std::vector<tvm::ffi::AnyView>> packed_args;
 #endif
   std::vector<DLTensor> tensors;    // one per buffer; never resized after mha_create
   std::vector<int64_t> shapes;      // their shapes, kMaxDims per buffer (symbolic axes: the
@@ -444,6 +449,8 @@ struct mha_handle {
 #else
     args.clear();
     kernels.clear();
+    packed_args.clear();
+    packed_kernels.clear();
     module = tvm::ffi::Optional<tvm::ffi::Module>();
     for (void *p : data) mha::device_free(p);
 #endif
@@ -503,6 +510,9 @@ struct Runtime {
   decltype(&mha_run_padded) run_padded;
   decltype(&mha_run_cached) run_cached;
   decltype(&mha_run_cross) run_cross;
+  decltype(&mha_run_cached_varlen) run_cached_varlen;
+  decltype(&mha_run_paged) run_paged;
+  decltype(&mha_run_varlen) run_varlen;
   decltype(&mha_destroy) destroy;
   decltype(&mha_last_error) last_error;
   decltype(&mha_last_error_code) last_error_code;
@@ -541,6 +551,9 @@ int load_runtime(const std::string &dir) {
         bind(library, "mha_impl_run_padded", &r.run_padded) &&
         bind(library, "mha_impl_run_cached", &r.run_cached) &&
         bind(library, "mha_impl_run_cross", &r.run_cross) &&
+        bind(library, "mha_impl_run_cached_varlen", &r.run_cached_varlen) &&
+        bind(library, "mha_impl_run_paged", &r.run_paged) &&
+        bind(library, "mha_impl_run_varlen", &r.run_varlen) &&
         bind(library, "mha_impl_destroy", &r.destroy) &&
         bind(library, "mha_impl_last_error", &r.last_error) &&
         bind(library, "mha_impl_last_error_code", &r.last_error_code)))
@@ -614,6 +627,35 @@ MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int
   if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cross");
   mha::g_forwarded = true;
   return r->run_cross(handle, x, batch, seq_len, context, kv_seq_len, kv_lens, y);
+}
+
+MHA_API int mha_run_cached_varlen(mha_handle *handle, const mha_value *x, int total,
+                                  const int32_t *cu_seqlens, mha_cache_value *k_cache,
+                                  mha_cache_value *v_cache, int32_t *cache_lens, mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_cached_varlen");
+  mha::g_forwarded = true;
+  return r->run_cached_varlen(handle, x, total, cu_seqlens, k_cache, v_cache, cache_lens, y);
+}
+
+MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, int total,
+                          const int32_t *cu_seqlens, mha_cache_value *k_pool,
+                          mha_cache_value *v_pool, int num_blocks,
+                          const int32_t *block_tables, int32_t *cache_lens, mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_paged");
+  mha::g_forwarded = true;
+  return r->run_paged(handle, x, num_seqs, total, cu_seqlens, k_pool, v_pool, num_blocks,
+                      block_tables, cache_lens, y);
+}
+
+MHA_API int mha_run_varlen(mha_handle *handle, const mha_value *x, const int32_t *cu_seqlens,
+                           int n_seqs, const mha_value *context, const int32_t *cu_seqlens_k,
+                           mha_value *y) {
+  const mha::Runtime *r = mha::runtime();
+  if (r == nullptr || handle == nullptr) return mha::no_handle("mha_run_varlen");
+  mha::g_forwarded = true;
+  return r->run_varlen(handle, x, cu_seqlens, n_seqs, context, cu_seqlens_k, y);
 }
 
 MHA_API void mha_destroy(mha_handle *handle) {
@@ -777,25 +819,36 @@ int launch(mha_handle *h, int first, int last, cu::Stream stream, const std::str
   return MHA_OK;
 }
 #else
-// Loads kernel.so and binds each kernel's arguments.
+// Finds kernels[0, n) in kernel.so and binds each one's arguments.
+int bind_kernels(const std::string &kpath, mha_handle *h, const KernelSpec *kernels, int n,
+                 std::vector<tvm::ffi::Function> *functions,
+                 std::vector<std::vector<tvm::ffi::AnyView>> *bound) {
+  for (int k = 0; k < n; ++k) {
+    auto f = h->module.value()->GetFunction(kernels[k].name);
+    if (!f.has_value())
+      return fail(MHA_ERR_CORRUPT, "mha_create: " + kpath + " has no kernel '" +
+                                       kernels[k].name + "'; rebuild the artifact");
+    functions->push_back(*f);
+    std::vector<tvm::ffi::AnyView> args;
+    for (int a = 0; a < kernels[k].nargs; ++a) {
+      const int i = kernels[k].args[a];   // a buffer, or a scalar set per call
+      args.push_back(i >= 0 ? tvm::ffi::AnyView(&h->tensors[size_t(i)])
+                            : tvm::ffi::AnyView(int64_t(0)));
+    }
+    bound->push_back(std::move(args));
+  }
+  return MHA_OK;
+}
+
+// Loads kernel.so and binds each kernel's arguments (a packed call's too).
 int load_kernels(const std::string &dir, mha_handle *h) {
   const std::string kpath = dir + "/kernel.so";
   try {
     h->module = tvm::ffi::Module::LoadFromFile(kpath);
-    for (int k = 0; k < kNumKernels; ++k) {
-      auto f = h->module.value()->GetFunction(kKernels[k].name);
-      if (!f.has_value())
-        return fail(MHA_ERR_CORRUPT, "mha_create: " + kpath + " has no kernel '" +
-                                         kKernels[k].name + "'; rebuild the artifact");
-      h->kernels.push_back(*f);
-      std::vector<tvm::ffi::AnyView> args;
-      for (int a = 0; a < kKernels[k].nargs; ++a) {
-        const int i = kKernels[k].args[a];   // a buffer, or a scalar set per call
-        args.push_back(i >= 0 ? tvm::ffi::AnyView(&h->tensors[size_t(i)])
-                              : tvm::ffi::AnyView(int64_t(0)));
-      }
-      h->args.push_back(std::move(args));
-    }
+    if (bind_kernels(kpath, h, kKernels, kNumKernels, &h->kernels, &h->args) != MHA_OK ||
+        bind_kernels(kpath, h, kPackedKernels, kNumPackedKernels, &h->packed_kernels,
+                     &h->packed_args) != MHA_OK)
+      return g_code;
   } catch (const std::exception &e) {
     return fail(MHA_ERR_RUNTIME, "mha_create: TVM could not load " + kpath + ": " + e.what());
   }
@@ -846,23 +899,27 @@ constexpr int kEntry = kContextIndex >= 0 ? 3 : kLengthsKind;
 
 // Symbolic-length artifacts: the buffers' symbolic axes and the kernels' scalar arguments
 // for a call of batch x seq_len (rows batch * seq_len, dense; a cross-attention's context
-// batch * kv_seq_len rows).
-void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_seq_len) {
+// batch * kv_seq_len rows; a packed call: batch 1, its tile table `tiles` rows).
+void set_call_shape(mha_handle *h, int64_t batch, int64_t seq_len, int64_t kv_seq_len,
+                    int64_t tiles) {
   const int64_t rows = batch * seq_len, kv_rows = batch * kv_seq_len;
   const int64_t values[] = {0, batch, rows, (rows + kRowTile - 1) / kRowTile * kRowTile,
-                            kv_rows, (kv_rows + kRowTile - 1) / kRowTile * kRowTile};
+                            kv_rows, (kv_rows + kRowTile - 1) / kRowTile * kRowTile, tiles};
   for (int i = 0; i < kNumBuffers; ++i)
-    if (kBuffers[i].sym_kind != kFixed)
+    if (kBuffers[i].sym_kind != kFixed && kBuffers[i].sym_kind != kDimPoolBlocks)
       h->shapes[size_t(i) * kMaxDims + size_t(kBuffers[i].sym_axis)] =
           values[kBuffers[i].sym_kind];
 #if !MHA_DEVICE_CUDA   // (CUDA artifacts have fixed shapes)
+  const int64_t scalars[] = {batch, seq_len, kv_seq_len};   // -1 - ScalarArg
   for (int k = 0; k < kNumKernels; ++k)
     for (int a = 0; a < kKernels[k].nargs; ++a)
       if (kKernels[k].args[a] < 0)
-        h->args[size_t(k)][size_t(a)] = tvm::ffi::AnyView(
-            kKernels[k].args[a] == kArgBatch ? batch
-            : kKernels[k].args[a] == kArgSeq ? seq_len
-                                             : kv_seq_len);
+        h->args[size_t(k)][size_t(a)] = tvm::ffi::AnyView(scalars[-1 - kKernels[k].args[a]]);
+  for (int k = 0; k < kNumPackedKernels; ++k)
+    for (int a = 0; a < kPackedKernels[k].nargs; ++a)
+      if (kPackedKernels[k].args[a] < 0)
+        h->packed_args[size_t(k)][size_t(a)] =
+            tvm::ffi::AnyView(scalars[-1 - kPackedKernels[k].args[a]]);
 #endif
 }
 
@@ -912,6 +969,77 @@ int check_extras(const Extras &e, int kind_given, int64_t batch, int64_t seq_len
   return MHA_OK;
 }
 
+// Runs the kernels (packed: kPackedKernels) on x (rows rows) into y, the call's shape set:
+// x, the lengths (lengths_n of them) and the context (context_rows rows) staged or used in
+// place, the caches bound, y written directly where it can be.
+int execute(mha_handle *h, const std::string &fn, const mha_value *x, int64_t rows,
+            mha_value *y, const Extras &e, int64_t lengths_n, int64_t context_rows,
+            bool packed) {
+  bool copied = true;
+  void *in_scratch = h->data[size_t(kInputIndex)];
+  void *out_scratch = h->data[size_t(kOutputIndex)];
+  DLTensor &in = h->tensors[size_t(kInputIndex)];
+  DLTensor &out = h->tensors[size_t(kOutputIndex)];
+  if (usable_in_place(x)) {
+    in.data = const_cast<mha_value *>(x);   // the kernels only read their input
+  } else {
+    copied &= copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(mha_value));
+  }
+  if (kLengthsIndex >= 0 && e.lengths != nullptr)
+    copied &= copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths,
+                             size_t(lengths_n) * sizeof(int32_t));
+  DLTensor *context = kContextIndex >= 0 ? &h->tensors[size_t(kContextIndex)] : nullptr;
+  if (context != nullptr) {
+    if (usable_in_place(e.context))
+      context->data = const_cast<mha_value *>(e.context);   // only read
+    else
+      copied &= copy_to_device(context->data, e.context,
+                               size_t(context_rows * kKvDim) * sizeof(mha_value));
+  }
+  if (kKCacheIndex >= 0) {
+    h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
+    h->tensors[size_t(kVCacheIndex)].data = e.v_cache;
+  }
+  const bool direct = kOutCols == kOutDModel && usable_in_place(y);
+  if (direct) out.data = y;
+  int rc = copied ? MHA_OK : fail(MHA_ERR_RUNTIME, fn + ": copying the input to the device "
+                                                        "failed");
+#if MHA_DEVICE_CUDA
+  (void)packed;   // (CUDA artifacts take no packed calls)
+  if (rc == MHA_OK) rc = launch(h, 0, kNumLaunches, nullptr, fn);   // the legacy stream
+#else
+  auto &kernels = packed ? h->packed_kernels : h->kernels;
+  auto &args = packed ? h->packed_args : h->args;
+  try {
+    for (size_t k = 0; rc == MHA_OK && k < kernels.size(); ++k) {
+      tvm::ffi::Any result;
+      kernels[k].CallPacked(args[k].data(), int32_t(args[k].size()), &result);
+    }
+  } catch (const std::exception &ex) {
+    rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
+  }
+#endif
+  in.data = in_scratch;
+  out.data = out_scratch;
+  if (context != nullptr) context->data = h->data[size_t(kContextIndex)];
+  if (kKCacheIndex >= 0) {
+    h->tensors[size_t(kKCacheIndex)].data = nullptr;
+    h->tensors[size_t(kVCacheIndex)].data = nullptr;
+  }
+  if (rc == MHA_OK && !direct) {   // (CUDA: waits for the kernels, reports their errors)
+    const mha_value *src = static_cast<const mha_value *>(out_scratch);
+    if (kOutCols == kOutDModel)
+      copied = copy_to_host(y, src, size_t(rows * kOutDModel) * sizeof(mha_value));
+    for (int64_t r = 0; kOutCols != kOutDModel && r < rows; ++r)
+      copied &= copy_to_host(y + r * kOutDModel, src + r * kOutCols,
+                             size_t(kOutDModel) * sizeof(mha_value));
+    if (!copied)
+      rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel or copying the output back failed" +
+                                     device_error());
+  }
+  return rc;
+}
+
 int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y, const Extras &e,
         int kind_given) {
   clear_error();
@@ -945,74 +1073,103 @@ int run(mha_handle *h, const mha_value *x, int batch, int seq_len, mha_value *y,
   if (g_driver->CtxSetCurrent(h->context) != cu::kSuccess)
     return fail(MHA_ERR_DEVICE, fn + ": cannot make the GPU's context current");
 #endif
-  const int64_t rows = int64_t(batch) * seq_len;
-  bool copied = true;
   if (kSymbolicBatch || kSymbolicSeq || kSymbolicKvSeq)
-    set_call_shape(h, batch, seq_len, e.kv_seq_len);
-  void *in_scratch = h->data[size_t(kInputIndex)];
-  void *out_scratch = h->data[size_t(kOutputIndex)];
-  DLTensor &in = h->tensors[size_t(kInputIndex)];
-  DLTensor &out = h->tensors[size_t(kOutputIndex)];
-  if (usable_in_place(x)) {
-    in.data = const_cast<mha_value *>(x);   // the kernels only read their input
-  } else {
-    copied &= copy_to_device(in_scratch, x, size_t(rows * kDModel) * sizeof(mha_value));
-  }
-  if (kLengthsIndex >= 0)
-    copied &= copy_to_device(h->data[size_t(kLengthsIndex)], e.lengths,
-                             size_t(batch) * sizeof(int32_t));
-  DLTensor *context = kContextIndex >= 0 ? &h->tensors[size_t(kContextIndex)] : nullptr;
-  if (context != nullptr) {
-    if (usable_in_place(e.context))
-      context->data = const_cast<mha_value *>(e.context);   // only read
-    else
-      copied &= copy_to_device(context->data, e.context,
-                               size_t(int64_t(batch) * e.kv_seq_len * kKvDim) *
-                                   sizeof(mha_value));
-  }
-  if (kKCacheIndex >= 0) {
-    h->tensors[size_t(kKCacheIndex)].data = e.k_cache;
-    h->tensors[size_t(kVCacheIndex)].data = e.v_cache;
-  }
-  const bool direct = kOutCols == kOutDModel && usable_in_place(y);
-  if (direct) out.data = y;
-  int rc = copied ? MHA_OK : fail(MHA_ERR_RUNTIME, fn + ": copying the input to the device "
-                                                        "failed");
-#if MHA_DEVICE_CUDA
-  if (rc == MHA_OK) rc = launch(h, 0, kNumLaunches, nullptr, fn);   // the legacy stream
-#else
-  try {
-    for (size_t k = 0; rc == MHA_OK && k < h->kernels.size(); ++k) {
-      tvm::ffi::Any result;
-      h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
-    }
-  } catch (const std::exception &ex) {
-    rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
-  }
-#endif
-  in.data = in_scratch;
-  out.data = out_scratch;
-  if (context != nullptr) context->data = h->data[size_t(kContextIndex)];
-  if (kKCacheIndex >= 0) {
-    h->tensors[size_t(kKCacheIndex)].data = nullptr;
-    h->tensors[size_t(kVCacheIndex)].data = nullptr;
-  }
-  if (rc == MHA_OK && !direct) {   // (CUDA: waits for the kernels, reports their errors)
-    const mha_value *src = static_cast<const mha_value *>(out_scratch);
-    if (kOutCols == kOutDModel)
-      copied = copy_to_host(y, src, size_t(rows * kOutDModel) * sizeof(mha_value));
-    for (int64_t r = 0; kOutCols != kOutDModel && r < rows; ++r)
-      copied &= copy_to_host(y + r * kOutDModel, src + r * kOutCols,
-                             size_t(kOutDModel) * sizeof(mha_value));
-    if (!copied)
-      rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel or copying the output back failed" +
-                                     device_error());
-  }
+    set_call_shape(h, batch, seq_len, e.kv_seq_len, 1);
+  const int rc = execute(h, fn, x, int64_t(batch) * seq_len, y, e, batch,
+                         int64_t(batch) * e.kv_seq_len, false);
   if (rc == MHA_OK && kLengthsKind == 2) {
     int32_t *lens = const_cast<int32_t *>(e.lengths);
     for (int64_t b = 0; b < batch; ++b) lens[b] += int32_t(seq_len);
   }
   return rc;
+}
+
+// Checks a packed call's offsets (n + 1 of them, named `name`): 0 first, never decreasing,
+// each sequence at most `longest` rows and all at most `most`; *total gets the last.
+int check_offsets(const std::string &fn, const char *name, const int32_t *cu, int n,
+                  int64_t longest, int64_t most, int64_t *total) {
+  if (cu == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": " + name + " is NULL");
+  if (cu[0] != 0)
+    return fail(MHA_ERR_ARGUMENT, fn + ": " + name + "[0] is " + std::to_string(cu[0]) +
+                                      "; the offsets start at 0");
+  for (int i = 0; i < n; ++i) {
+    const int64_t len = int64_t(cu[i + 1]) - cu[i];
+    if (len < 0)
+      return fail(MHA_ERR_ARGUMENT, fn + ": " + name + " must never decrease: entry " +
+                                        std::to_string(i + 1) + " (" +
+                                        std::to_string(cu[i + 1]) + ") is below entry " +
+                                        std::to_string(i) + " (" + std::to_string(cu[i]) + ")");
+    if (len > longest)
+      return fail(MHA_ERR_SHAPE, fn + ": sequence " + std::to_string(i) + " has " +
+                                     std::to_string(len) + " rows (" + name +
+                                     "); this artifact runs sequences of at most " +
+                                     std::to_string(longest));
+  }
+  *total = cu[n];
+  if (*total > most)
+    return fail(MHA_ERR_SHAPE, fn + ": " + name + " ends at " + std::to_string(*total) +
+                                   "; this artifact packs at most " + std::to_string(most) +
+                                   " rows (build a larger one: mhagen build --max-batch B ...)");
+  return MHA_OK;
+}
+
+int run_varlen(mha_handle *h, const mha_value *x, const int32_t *cu, int n_seqs,
+               const mha_value *context, const int32_t *cu_k, mha_value *y) {
+  clear_error();
+  const std::string fn = "mha_run_varlen";
+  if (h == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT,
+                fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x is NULL");
+  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": y is NULL");
+  if (kNumPackedKernels == 0 || kTilesIndex < 0)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact takes no packed calls (MHA_PACKED 0): "
+                                       "build the layer for any length (mhagen build "
+                                       "--max-seq-len N) to pack sequences");
+  if (n_seqs < 1)
+    return fail(MHA_ERR_ARGUMENT, fn + ": n_seqs is " + std::to_string(n_seqs) +
+                                      "; a packed call holds at least one sequence");
+  int64_t total = 0, total_kv = 0;
+  if (check_offsets(fn, "cu_seqlens", cu, n_seqs, kSeqLen, kBatch * kSeqLen, &total) != MHA_OK)
+    return g_code;
+  if (kContextIndex >= 0) {
+    if (context == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": context is NULL");
+    if (check_offsets(fn, "cu_seqlens_k", cu_k, n_seqs, kKvSeqLen, kBatch * kKvSeqLen,
+                      &total_kv) != MHA_OK)
+      return g_code;
+    for (int i = 0; i < n_seqs; ++i)
+      if (cu[i + 1] > cu[i] && cu_k[i + 1] == cu_k[i])
+        return fail(MHA_ERR_ARGUMENT, fn + ": sequence " + std::to_string(i) +
+                                          " has queries but no context rows (cu_seqlens_k)");
+  } else if (context != nullptr || cu_k != nullptr) {
+    return fail(MHA_ERR_ARGUMENT, fn + ": this is not a cross-attention layer: pass context "
+                                       "and cu_seqlens_k NULL");
+  }
+  if (total == 0) return MHA_OK;   // every sequence empty: no row to write
+  std::lock_guard<std::mutex> lock(h->mutex);
+  // the tile table (mhagen/packed.py tile_table): each sequence's query tiles, paired light
+  // with heavy (0, n-1, 1, n-2, ...), and each token's position in its own sequence
+  int32_t *tiles = static_cast<int32_t *>(h->data[size_t(kTilesIndex)]);
+  int32_t *positions =
+      kPositionsIndex >= 0 ? static_cast<int32_t *>(h->data[size_t(kPositionsIndex)]) : nullptr;
+  int64_t n_tiles = 0;
+  for (int s = 0; s < n_seqs; ++s) {
+    const int32_t len = cu[s + 1] - cu[s];
+    const int32_t n = int32_t((len + kPackedQTile - 1) / kPackedQTile);
+    for (int32_t i = 0; i < n; ++i, ++n_tiles) {
+      const int32_t odd = i % 2;
+      int32_t *row = tiles + 5 * n_tiles;
+      row[0] = cu[s], row[1] = len;
+      row[2] = kContextIndex >= 0 ? cu_k[s] : cu[s];
+      row[3] = kContextIndex >= 0 ? cu_k[s + 1] - cu_k[s] : len;
+      row[4] = odd * (n - 1) + (1 - 2 * odd) * (i / 2);
+    }
+    for (int32_t t = 0; positions != nullptr && t < len; ++t) positions[cu[s] + t] = t;
+  }
+  set_call_shape(h, 1, total, total_kv, n_tiles);
+  Extras e{fn.c_str(), nullptr, nullptr, nullptr};
+  e.context = context;
+  return execute(h, fn, x, total, y, e, 1, total_kv, true);
 }
 
 #if MHA_DEVICE_CUDA
@@ -1047,6 +1204,166 @@ int run_device(mha_handle *h, const mha_value *x, mha_value *y, void *stream, in
   return rc;
 }
 #endif
+
+// ---- decoding calls with each row's own new tokens, and paged caches -------------------------
+// The arguments of mha_run_cached (packed artifacts), mha_run_cached_varlen, mha_run_paged.
+struct DecodeCall {
+  const char *fn;
+  bool paged;                   // called as mha_run_paged
+  int rows;                     // the call's rows: cache rows, or sequences of the pool
+  int total;                    // new tokens in all (x's and y's rows), with cu_seqlens
+  const int32_t *cu_seqlens;    // [rows + 1], or nullptr: every row seq_len new tokens
+  int seq_len;
+  mha_cache_value *k_cache;     // the caches, or the pools
+  mha_cache_value *v_cache;
+  int num_blocks;               // paged: the pools' blocks
+  const int32_t *block_tables;  // paged: [rows, kMaxBlocks]
+  int32_t *cache_lens;          // [rows], advanced by each row's count on success
+};
+
+// Checks a decoding call against this artifact; fills counts (each row's new tokens).
+int check_decode(const DecodeCall &c, std::vector<int64_t> *counts, int64_t *total) {
+  const std::string fn = c.fn;
+  if (kLengthsKind != 2)
+    return fail(MHA_ERR_ARGUMENT, fn + ": this artifact is no decoding layer (no K/V cache)");
+  const bool paged = kBlockTablesIndex >= 0, packed = kCuSeqlensIndex >= 0;
+  if (c.paged != paged)
+    return fail(MHA_ERR_ARGUMENT, fn + (paged ? ": this artifact reads a paged cache: run it "
+                                                "with mha_run_paged"
+                                              : ": this artifact reads a contiguous cache: run "
+                                                "it with mha_run_cached / mha_run_cached_varlen"));
+  if (c.cu_seqlens != nullptr && !packed)
+    return fail(MHA_ERR_ARGUMENT, fn + ": each row's own new tokens (cu_seqlens) need an "
+                                       "artifact built for any number (mhagen build --max-seq-len"
+                                       " N, MHA_VARLEN 1); pass NULL");
+  const int least = paged && packed ? 1 : kBatch;
+  if (c.rows < least || c.rows > kBatch)
+    return fail(MHA_ERR_SHAPE, fn + ": got " + std::to_string(c.rows) + " rows; this artifact "
+                                    "runs " + (least < kBatch ? "1.." : "") +
+                                    std::to_string(kBatch) + " (MHA_BATCH)");
+  counts->assign(size_t(c.rows), c.seq_len);
+  if (c.cu_seqlens != nullptr) {
+    if (c.cu_seqlens[0] != 0 || c.cu_seqlens[c.rows] != c.total)
+      return fail(MHA_ERR_ARGUMENT, fn + ": cu_seqlens must start at 0 and end at total (" +
+                                        std::to_string(c.total) + "), got " +
+                                        std::to_string(c.cu_seqlens[0]) + " .. " +
+                                        std::to_string(c.cu_seqlens[c.rows]));
+    for (int b = 0; b < c.rows; ++b) {
+      if (c.cu_seqlens[b + 1] < c.cu_seqlens[b])
+        return fail(MHA_ERR_ARGUMENT, fn + ": cu_seqlens must never decrease: entry " +
+                                          std::to_string(b + 1) + " is below entry " +
+                                          std::to_string(b));
+      (*counts)[size_t(b)] = c.cu_seqlens[b + 1] - c.cu_seqlens[b];
+    }
+    *total = c.total;
+  } else {
+    if (packed ? c.seq_len < 1 || c.seq_len > kSeqLen : c.seq_len != kSeqLen)
+      return fail(MHA_ERR_SHAPE, fn + ": got seq_len=" + std::to_string(c.seq_len) +
+                                     "; this artifact runs " + (packed ? "1.." : "") +
+                                     std::to_string(kSeqLen) + " (MHA_SEQ_LEN)");
+    *total = int64_t(c.rows) * c.seq_len;
+  }
+  if (*total < 1 || *total > kBatch * kSeqLen)
+    return fail(MHA_ERR_SHAPE, fn + ": the call has " + std::to_string(*total) + " new tokens; "
+                                    "this artifact runs 1.." + std::to_string(kBatch * kSeqLen));
+  if (c.cache_lens == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": the lengths are NULL");
+  if (c.k_cache == nullptr || c.v_cache == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT, fn + ": k_cache or v_cache is NULL");
+  if (!usable_in_place(c.k_cache) || !usable_in_place(c.v_cache))
+    return fail(MHA_ERR_ARGUMENT, fn + ": the caches must be 64-byte aligned (aligned_alloc(64, "
+                                       "...))");
+  for (int b = 0; b < c.rows; ++b) {
+    const int64_t held = c.cache_lens[b], n = (*counts)[size_t(b)];
+    if (held < 0 || held + n > kMaxLen)
+      return fail(MHA_ERR_ARGUMENT, fn + ": length " + std::to_string(held) + " of row " +
+                                        std::to_string(b) + " is outside 0.." +
+                                        std::to_string(kMaxLen - n) + " (the cache holds " +
+                                        std::to_string(kMaxLen) + " tokens; " +
+                                        std::to_string(n) + " new ones)");
+  }
+  if (!paged) return MHA_OK;
+  if (c.num_blocks < 1) return fail(MHA_ERR_ARGUMENT, fn + ": num_blocks must be positive");
+  if (c.block_tables == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": block_tables is NULL");
+  for (int b = 0; b < c.rows; ++b) {
+    const int64_t blocks = (c.cache_lens[b] + (*counts)[size_t(b)] + kBlockSize - 1) / kBlockSize;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int32_t block = c.block_tables[b * kMaxBlocks + j];
+      if (block < 0 || block >= c.num_blocks)
+        return fail(MHA_ERR_ARGUMENT, fn + ": block_tables[" + std::to_string(b) + "][" +
+                                          std::to_string(j) + "] = " + std::to_string(block) +
+                                          " is outside the pool's blocks 0.." +
+                                          std::to_string(c.num_blocks - 1));
+    }
+  }
+  return MHA_OK;
+}
+
+int run_decode(mha_handle *h, const mha_value *x, mha_value *y, const DecodeCall &c) {
+  clear_error();
+  const std::string fn = c.fn;
+  if (h == nullptr)
+    return fail(MHA_ERR_NULL_ARGUMENT,
+                fn + ": handle is NULL (did mha_create fail? see mha_last_error())");
+  if (x == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": x is NULL");
+  if (y == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": y is NULL");
+#if MHA_DEVICE_CUDA
+  return fail(MHA_ERR_ARGUMENT, fn + ": CUDA artifacts have no decoding layers");
+#else
+  std::vector<int64_t> counts;
+  int64_t total = 0;
+  if (check_decode(c, &counts, &total) != MHA_OK) return g_code;
+  std::lock_guard<std::mutex> lock(h->mutex);
+  if (kCuSeqlensIndex >= 0) set_call_shape(h, 1, total, 0, 1);   // packed: batch 1 x total rows
+  void *in_scratch = h->data[size_t(kInputIndex)];
+  void *out_scratch = h->data[size_t(kOutputIndex)];
+  DLTensor &in = h->tensors[size_t(kInputIndex)];
+  DLTensor &out = h->tensors[size_t(kOutputIndex)];
+  if (usable_in_place(x))
+    in.data = const_cast<mha_value *>(x);   // the kernels only read their input
+  else
+    std::memcpy(in_scratch, x, size_t(total * kDModel) * sizeof(mha_value));
+  int32_t *lens = static_cast<int32_t *>(h->data[size_t(kLengthsIndex)]);
+  for (int b = 0; b < kBatch; ++b) lens[b] = b < c.rows ? c.cache_lens[b] : 0;
+  if (kCuSeqlensIndex >= 0) {   // rows past the call's: no tokens
+    int32_t *cu = static_cast<int32_t *>(h->data[size_t(kCuSeqlensIndex)]);
+    cu[0] = 0;
+    for (int b = 0; b < kBatch; ++b)
+      cu[b + 1] = int32_t(cu[b] + (b < c.rows ? counts[size_t(b)] : 0));
+  }
+  if (kBlockTablesIndex >= 0) {
+    int32_t *tables = static_cast<int32_t *>(h->data[size_t(kBlockTablesIndex)]);
+    std::memset(tables, 0, size_t(kBatch * kMaxBlocks) * sizeof(int32_t));
+    std::memcpy(tables, c.block_tables, size_t(c.rows * kMaxBlocks) * sizeof(int32_t));
+    for (int i : {kKCacheIndex, kVCacheIndex})   // the pools' size: the call's
+      h->shapes[size_t(i) * kMaxDims] = c.num_blocks;
+  }
+  h->tensors[size_t(kKCacheIndex)].data = c.k_cache;
+  h->tensors[size_t(kVCacheIndex)].data = c.v_cache;
+  const bool direct = kOutCols == kOutDModel && usable_in_place(y);
+  if (direct) out.data = y;
+  int rc = MHA_OK;
+  try {
+    for (size_t k = 0; rc == MHA_OK && k < h->kernels.size(); ++k) {
+      tvm::ffi::Any result;
+      h->kernels[k].CallPacked(h->args[k].data(), int32_t(h->args[k].size()), &result);
+    }
+  } catch (const std::exception &ex) {
+    rc = fail(MHA_ERR_RUNTIME, fn + ": a kernel failed: " + ex.what());
+  }
+  in.data = in_scratch;
+  out.data = out_scratch;
+  h->tensors[size_t(kKCacheIndex)].data = nullptr;
+  h->tensors[size_t(kVCacheIndex)].data = nullptr;
+  if (rc == MHA_OK && !direct) {
+    const mha_value *src = static_cast<const mha_value *>(out_scratch);
+    for (int64_t r = 0; r < total; ++r)
+      std::memcpy(y + r * kOutDModel, src + r * kOutCols, size_t(kOutDModel) * sizeof(mha_value));
+  }
+  if (rc == MHA_OK)
+    for (int b = 0; b < c.rows; ++b) c.cache_lens[b] += int32_t(counts[size_t(b)]);
+  return rc;
+#endif
+}
 
 // The C entry points' shared exception guard.
 template <typename F>
@@ -1099,8 +1416,39 @@ MHA_API int mha_run_cached(mha_handle *handle, const mha_value *x, int batch, in
                            mha_cache_value *k_cache, mha_cache_value *v_cache,
                            int32_t *cache_lens, mha_value *y) {
   return mha::guarded("mha_run_cached", [&] {
+    if (mha::config::kCuSeqlensIndex >= 0 || mha::config::kBlockTablesIndex >= 0)
+      return mha::run_decode(handle, x, y, {"mha_run_cached", false, batch, 0, nullptr,
+                                            seq_len, k_cache, v_cache, 0, nullptr, cache_lens});
     return mha::run(handle, x, batch, seq_len, y,
                     {"mha_run_cached", cache_lens, k_cache, v_cache}, 2);
+  });
+}
+
+MHA_API int mha_run_cached_varlen(mha_handle *handle, const mha_value *x, int total,
+                                  const int32_t *cu_seqlens, mha_cache_value *k_cache,
+                                  mha_cache_value *v_cache, int32_t *cache_lens, mha_value *y) {
+  return mha::guarded("mha_run_cached_varlen", [&] {
+    if (cu_seqlens == nullptr)
+      return mha::fail(MHA_ERR_NULL_ARGUMENT, "mha_run_cached_varlen: cu_seqlens is NULL");
+    return mha::run_decode(handle, x, y, {"mha_run_cached_varlen", false, int(mha::config::kBatch),
+                                          total, cu_seqlens, 0, k_cache, v_cache, 0, nullptr,
+                                          cache_lens});
+  });
+}
+
+MHA_API int mha_run_paged(mha_handle *handle, const mha_value *x, int num_seqs, int total,
+                          const int32_t *cu_seqlens, mha_cache_value *k_pool,
+                          mha_cache_value *v_pool, int num_blocks,
+                          const int32_t *block_tables, int32_t *cache_lens, mha_value *y) {
+  return mha::guarded("mha_run_paged", [&] {
+    const int seq_len = cu_seqlens != nullptr || num_seqs < 1 ? 0 : total / num_seqs;
+    if (cu_seqlens == nullptr && num_seqs >= 1 && total != num_seqs * seq_len)
+      return mha::fail(MHA_ERR_SHAPE, "mha_run_paged: without cu_seqlens every sequence adds "
+                                      "total / num_seqs tokens; " + std::to_string(total) +
+                                      " is no multiple of " + std::to_string(num_seqs));
+    return mha::run_decode(handle, x, y, {"mha_run_paged", true, num_seqs, total, cu_seqlens,
+                                          seq_len, k_pool, v_pool, num_blocks, block_tables,
+                                          cache_lens});
   });
 }
 
@@ -1112,6 +1460,14 @@ MHA_API int mha_run_cross(mha_handle *handle, const mha_value *x, int batch, int
     e.context = context;
     e.kv_seq_len = kv_seq_len;
     return mha::run(handle, x, batch, seq_len, y, e, 3);
+  });
+}
+
+MHA_API int mha_run_varlen(mha_handle *handle, const mha_value *x, const int32_t *cu_seqlens,
+                           int n_seqs, const mha_value *context, const int32_t *cu_seqlens_k,
+                           mha_value *y) {
+  return mha::guarded("mha_run_varlen", [&] {
+    return mha::run_varlen(handle, x, cu_seqlens, n_seqs, context, cu_seqlens_k, y);
   });
 }
 

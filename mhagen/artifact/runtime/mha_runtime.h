@@ -13,8 +13,17 @@
 //   kLengthsIndex, kLengthsKind               the int32 [batch] lengths input (-1 / 0: none;
 //                                             kind 1 key lengths, 2 tokens in the K/V cache)
 //   kKCacheIndex, kVCacheIndex, kMaxLen       decoding layers: the caller's caches (kState)
+//   kCuSeqlensIndex, kBlockTablesIndex        packed decoding (the rows' offsets, int32
+//   kBlockSize, kMaxBlocks                    [batch + 1]) and a paged cache (block tables
+//                                             [batch, kMaxBlocks], blocks of kBlockSize
+//                                             tokens; -1 / 0: none)
 //   kNumBuffers, kBuffers[]                   every kernel argument (BufferSpec)
 //   kNumKernels, kKernels[]                   the kernels of kernel.so, called in order
+//   kNumPackedKernels, kPackedKernels[]       those a packed call runs (mha_run_varlen; 0:
+//                                             the artifact takes none), in order
+//   kPackedQTile, kTilesIndex, kPositionsIndex  packed calls: the query tiles of their tile
+//                                             table, its buffer and the tokens' positions'
+//                                             (RoPE; -1: none), both written per call
 //   kNumFiles, kFiles[], kParamsFile          the files mha_create checks (FileSpec)
 //   kDeviceType                               where the buffers live (DLPack device type)
 //   MHA_DEVICE_CUDA                           1: a CUDA artifact (kernels.fatbin launched
@@ -43,10 +52,11 @@ enum Role { kInput = 0, kParam = 1, kTemp = 2, kOutput = 3, kState = 4 };
 // Symbolic-length artifacts: the axis of a buffer that follows the call (BufferSpec.sym_axis;
 // the shape holds its largest value) and what it is, and the scalar kernel arguments.
 // (cross-attention: kDimKvRows = batch * kv_seq rows of the context, kDimKvPaddedRows those
-// padded to kRowTile)
+// padded to kRowTile; packed calls: kDimTiles = the rows of their tile table)
+// (kDimPoolBlocks: a paged cache's pools, [num_blocks, ...] with num_blocks the call's)
 enum SymbolicDim {
   kFixed = 0, kDimBatch = 1, kDimRows = 2, kDimPaddedRows = 3, kDimKvRows = 4,
-  kDimKvPaddedRows = 5
+  kDimKvPaddedRows = 5, kDimTiles = 6, kDimPoolBlocks = 7
 };
 enum ScalarArg { kArgBatch = -1, kArgSeq = -2, kArgKvSeq = -3 };   // KernelSpec.args below 0
 
