@@ -20,6 +20,7 @@ from mhagen.paged_cache import PagedKVCache
 from mhagen.module import Module
 from mhagen.onnx import export_onnx, import_onnx
 from mhagen.tolerances import TOLERANCES, max_error
+from mhagen.torch import from_torch, kv_lens_from_mask
 from mhagen.extras import require_tuning_dependencies
 from mhagen.version import __version__
 from mhagen.weights import load_weights, save_weights, weights_from_torch
@@ -60,7 +61,8 @@ __all__ = ["__version__", "ArtifactError", "Graph", "GraphError", "InputError", 
            "PagedKVCache",
            "MhagenError",
            "TOLERANCES", "TargetError", "aligned_empty", "alibi", "batch", "build", "causal",
-           "combine", "exp", "export_onnx", "head", "import_onnx", "kv_idx", "kv_len", "load",
+           "combine", "exp", "export_onnx", "from_torch", "head", "import_onnx", "kv_idx",
+           "kv_len", "kv_lens_from_mask", "load",
            "max_error", "maximum", "mha", "minimum", "q_idx", "q_len", "relative_bias",
            "rotary", "score", "sliding_window", "softcap", "table", "tanh", "tune", "verify",
            "weights_from_torch", "where", "load_weights", "save_weights"]

@@ -45,6 +45,8 @@ def _layer_options(p):
     g.add_argument("--kv-heads", type=int, help="K/V heads for grouped/multi-query attention")
     g.add_argument("--causal", action="store_true", help="causal mask")
     g.add_argument("--no-bias", action="store_true", help="projections without bias")
+    g.add_argument("--scale", type=float, metavar="S",
+                   help="the factor on the scores Q K^T (default 1/sqrt(head_dim); T5: 1.0)")
     g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES,
                    help="storage of x, the output and the weights (compute: float32, or "
                         "bfloat16 on AMX tiles or AVX-512 BF16 pairs)")
@@ -93,7 +95,7 @@ def _layer(args):
                              "write one with layer.to_json()") from None
     return mhagen.mha(args.d_model, args.heads, head_dim=args.head_dim, kv_heads=args.kv_heads,
                       causal=args.causal, bias=not args.no_bias,
-                      kv_cache=getattr(args, "kv_cache", None),
+                      scale=getattr(args, "scale", None), kv_cache=getattr(args, "kv_cache", None),
                       cross=getattr(args, "cross", False), kv_dim=getattr(args, "kv_dim", None),
                       dtype=getattr(args, "dtype", "float32"),
                       cache_dtype=getattr(args, "cache_dtype", None))

@@ -22,13 +22,14 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
         kv_heads: int | None = None, causal: bool = False, mask: ex.Expr | None = None,
         score_mod=None, rotary=None, key_padding: bool = False, kv_cache: int | None = None,
         cross: bool = False, kv_dim: int | None = None, bias: bool = True,
-        dtype: str = "float32", cache_dtype: str | None = None, name: str = "mha") -> Graph:
+        scale: float | None = None, dtype: str = "float32", cache_dtype: str | None = None,
+        name: str = "mha") -> Graph:
     """The standard multi-head attention layer as a graph, head by head.
 
     Each query head h owns W_Q[h]; each K/V head g owns W_K[g], W_V[g] ([d_model, head_dim]);
     query head h reads K/V head h // (num_heads // kv_heads). Per head:
-    softmax(mask(score_mod(Q K^T / sqrt(head_dim)))) V; the heads are concatenated and
-    projected by W_O ([num_heads * head_dim, d_model]).
+    softmax(mask(score_mod(Q K^T * scale))) V with scale 1/sqrt(head_dim) unless given; the
+    heads are concatenated and projected by W_O ([num_heads * head_dim, d_model]).
 
     Args:
         d_model: model width D of the input and the output.
@@ -62,6 +63,11 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
             context. Not with rotary or kv_cache.
         kv_dim: the context's width (cross only); default d_model.
         bias: add biases to every projection (as torch.nn.MultiheadAttention does).
+        scale: the factor on every score Q K^T, before score_mod and the mask; default
+            1/sqrt(head_dim). T5 uses 1.0, Gemma 2 query_pre_attn_scalar ** -0.5. A positive
+            finite number: zero and negative scales are refused (no model uses them, and
+            ONNX's Attention operator cannot carry them); a graph built node by node
+            (`add_heads`, `Graph.scale`) takes any finite factor.
         dtype: storage dtype of x, the output and the weights: "float32", "float16" or
             "bfloat16" (mhagen/dtypes.py: kernels compute in float32 and round the output).
             A half-precision module takes arrays of its dtype (ml_dtypes.bfloat16 for
@@ -77,6 +83,7 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
     [batch, seq, D].
     """
     head_dim, kv_heads = _head_sizes(d_model, num_heads, head_dim, kv_heads)
+    scale = _checked_scale(scale, head_dim)
     _check_mask_and_flags(mask, causal, bias)
     score_mod = _checked_score_mod(score_mod, num_heads)
     rotary = _checked_rotary(rotary, head_dim)
@@ -87,14 +94,14 @@ def mha(d_model: int = 512, num_heads: int = 8, *, head_dim: int | None = None,
                              kv_heads=kv_heads, causal=causal, bias=bias, mask=mask,
                              score_mod=score_mod, rotary=rotary, key_padding=key_padding,
                              kv_cache=kv_cache, cache_dtype=cache_dtype, cross=cross,
-                             kv_dim=kv_dim, dtype=dtype)
+                             kv_dim=kv_dim, scale=scale, dtype=dtype)
     g = Graph(name, dtype=dtype, options=options)
     x = g.input("x", d_model)
     context = g.input("context", kv_dim, seq="kv_seq") if cross else None
     lengths = g.lengths("kv_lens") if key_padding else None
     if kv_cache is not None:
         lengths = g.cache_lens("cache_lens")
-    g.set_output(add_heads(g, x, [1.0 / math.sqrt(head_dim)] * num_heads,
+    g.set_output(add_heads(g, x, [scale] * num_heads,
                            [full_mask] * num_heads, kv_heads, head_dim, d_model, bias,
                            score_mod=score_mod,
                            rotary=None if rotary is None else rotary.attrs(head_dim),
@@ -126,6 +133,26 @@ def _head_sizes(d_model, num_heads, head_dim, kv_heads) -> tuple[int, int]:
         raise GraphError(f"kv_heads={kv_heads} does not divide num_heads={num_heads}; choose "
                          f"kv_heads in {_divisors(num_heads)}")
     return head_dim, kv_heads
+
+
+def _default_scale(head_dim) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def _checked_scale(scale, head_dim) -> float:
+    """The score scale as a float: 1/sqrt(head_dim) for None, else a positive finite number."""
+    if scale is None:
+        return _default_scale(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                      np.floating)):
+        raise GraphError(f"scale= takes a number (the factor on Q K^T, e.g. 1.0 for T5), got "
+                         f"{scale!r}")
+    if not (math.isfinite(float(scale)) and scale > 0):
+        raise GraphError(f"scale= must be a positive finite number, got {scale!r}; leave it "
+                         f"out for the default 1/sqrt(head_dim) = "
+                         f"{_default_scale(head_dim):.6g}")
+    default = _default_scale(head_dim)    # head_dim ** -0.5 may differ from it in the last bit
+    return default if math.isclose(scale, default, rel_tol=1e-12) else float(scale)
 
 
 def _check_mask_and_flags(mask, causal, bias) -> None:
@@ -212,7 +239,8 @@ def _full_mask(causal, mask, key_padding, kv_cache) -> ex.Expr | None:
 
 
 def _graph_options(*, d_model, num_heads, head_dim, kv_heads, causal, bias, mask, score_mod,
-                   rotary, key_padding, kv_cache, cache_dtype, cross, kv_dim, dtype) -> dict:
+                   rotary, key_padding, kv_cache, cache_dtype, cross, kv_dim, scale,
+                   dtype) -> dict:
     """The options the graph records (Graph.options): the defaults left out."""
     options = {"d_model": d_model, "num_heads": num_heads, "head_dim": head_dim,
                "kv_heads": kv_heads, "causal": bool(causal), "bias": bool(bias)}
@@ -230,6 +258,8 @@ def _graph_options(*, d_model, num_heads, head_dim, kv_heads, causal, bias, mask
         options["cache_dtype"] = cache_dtype
     if cross:
         options.update(cross=True, kv_dim=kv_dim)
+    if scale != _default_scale(head_dim):
+        options["scale"] = scale
     if dtype != "float32":
         options["dtype"] = dtype
     return options

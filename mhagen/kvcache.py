@@ -5,6 +5,8 @@ calls, and the layout its kernels read.
            float32 unless the layer says `cache_dtype=`, whatever the layer's dtype; any
            float dtype for the reference), 64-byte aligned, C-contiguous
     lens   [batch] int32: tokens already cached per batch row
+(KVCache(k, v, lens) takes numpy arrays, or torch CPU tensors / DLPack arrays of that
+layout, held as numpy views of their memory: written in place.)
 
 A call with S new tokens writes their K/V rows at lens[b] .. lens[b] + S - 1 in place,
 attends with the queries at absolute positions lens[b] + t, and advances lens by S. Rows at
@@ -18,7 +20,7 @@ import numpy as np
 from mhagen.arrays import aligned_empty, aligned_zeros
 from mhagen.dtypes import numpy_dtype
 from mhagen.errors import InputError
-from mhagen.inputs import LENGTHS, argument
+from mhagen.inputs import LENGTHS, argument, shared
 from mhagen.runtime import tensor
 
 
@@ -48,7 +50,10 @@ class KVCache:
     """The K/V cache of one decoding layer for `batch` sequences (see the module docstring)."""
 
     def __init__(self, k, v, lens):
-        self.k, self.v, self.lens = k, v, lens
+        # torch tensors and DLPack arrays are held as numpy views of their memory: the
+        # kernels write the rows and advance the lengths in the caller's tensors
+        self.k, self.v, self.lens = (shared(a, f"cache.{name}") for name, a in
+                                     (("k", k), ("v", v), ("lens", lens)))
         self._tensors = None
 
     def tensors(self):

@@ -20,7 +20,7 @@ from mhagen.artifact.save import save_module
 from mhagen.cost import graph_flops
 from mhagen.dtypes import name_of, numpy_dtype
 from mhagen.errors import ArtifactError, InputError, TargetError
-from mhagen.inputs import argument
+from mhagen.inputs import answered, argument, shared
 from mhagen.decode_call import PreparedDecode, decode_arguments
 from mhagen.kvcache import KVCache, cache_shape, check_room
 from mhagen.paged_cache import PagedKVCache
@@ -54,8 +54,10 @@ class Module:
     `module(x)` runs it on a numpy array x of the layer's dtype (float32 by default; see
     mhagen/dtypes.py: a half-precision layer also takes float32, rounded on the way in,
     and then returns float32; on CPUs its library converts both, schedules/casts.py) and
-    returns a new array; other inputs (lists, float64 or integer arrays, torch CPU tensors)
-    are converted to float32 first, or refused (mhagen/inputs.py: the input policy);
+    returns a new array; a torch CPU tensor or DLPack array of those dtypes is read in its
+    own memory as well, and a torch x gets a torch tensor back (over the answer's memory);
+    other inputs (lists, float64 or integer arrays) are converted to float32 first, or
+    refused (mhagen/inputs.py: the input policy);
     `module(x, out=y)` writes into y instead (as numpy ufuncs do: no allocation per call);
     `module(x, weights=w)` uses other weights for that call (same names and shapes).
     compile_maps: the compiler's function that builds the attention-maps module
@@ -192,6 +194,7 @@ class Module:
                              "seq_len=None (each row's own new tokens) or kv_block_size= "
                              "(a paged cache)")
         with self._lock:
+            given = x
             x, returns = self._check_x(x)
             buffers, dims = self._buffers(x, weights, kv_lens, cache, context)
             result, target = self.staging.output_array(out, dims, returns)
@@ -199,7 +202,7 @@ class Module:
             self.staging.run(buffers)
             if cache is not None:
                 cache.lens += dims["seq"]
-            return self.storage.deliver(result, target)
+            return answered(self.storage.deliver(result, target), given, out)
 
     def prepare(self, x, *, out=None, kv_lens=None, cache=None, context=None,
                 cu_seqlens=None, seqs=None) -> "Call":
@@ -208,19 +211,25 @@ class Module:
         where module(x, cache=...) spends 20-80 us of Python per call. Between runs write the
         next input into x (and kv_lens, context) in place; each run of a decoding call
         advances cache.lens by seq_len, as module(x, cache=...) does. x (and context) must be
-        64-byte aligned arrays of the module's dtype (mhagen.aligned_empty), so the kernels
-        read them where they are, and kv_lens a numpy integer array: nothing is converted
-        here (mhagen/inputs.py: a copy would not see the next run's values); the output is
-        `out`, or one array made here, returned by every run. The weights are those bound now: a later bind() makes runs raise."""
+        64-byte aligned arrays of the module's dtype (mhagen.aligned_empty; torch CPU tensors
+        and DLPack arrays too, through their memory), so the kernels read them where they
+        are, and kv_lens a numpy integer array or integer tensor: nothing is converted here
+        (mhagen/inputs.py: a copy would not see the next run's values); the output is
+        `out`, or one array made here (a torch tensor over it where x is a tensor),
+        returned by every run. The weights are those bound now: a later bind() makes runs raise."""
         reads = ("prepare() reads it in place every run: mhagen.aligned_empty(shape, "
                  f"{name_of(self.dtype)!r})")
-        for name, a in (("x", x), ("context", context)):
-            if a is not None:
-                argument(a, name, dtype=self.dtype, in_place=reads, aligned=True)
+        given = x     # torch tensors and DLPack arrays: bound through a view of their memory
+        x = argument(x, "x", dtype=self.dtype, in_place=reads, aligned=True)
+        if context is not None:
+            context = argument(context, "context", dtype=self.dtype, in_place=reads,
+                               aligned=True)
+        if kv_lens is not None:
+            kv_lens = shared(kv_lens, "kv_lens")
         if kv_lens is not None and not (isinstance(kv_lens, np.ndarray)
                                         and np.issubdtype(kv_lens.dtype, np.integer)):
             raise InputError("kv_lens must be a numpy integer array (prepare() reads it anew "
-                             "every run: change it in place), got "
+                             "every run: change it in place; an integer CPU tensor too), got "
                              f"{getattr(kv_lens, 'dtype', type(kv_lens).__name__)}")
         if self._packed or self._paged:
             return self._prepare_decoding(x, out, cache, cu_seqlens, seqs)
@@ -242,7 +251,7 @@ class Module:
                            lambda lens: check_room(lens, x.shape[1], cache.max_len)))
         return Call(self, [(self.library[k.name], [buffers[a] for a in k.args])
                            for k in self.program.kernels], staged, cache, x.shape[1], result,
-                    target)
+                    target, answered(result, given, out))
 
     def new_cache(self) -> KVCache:
         """An empty K/V cache for this decoding module's batch (see mhagen/kvcache.py)."""
@@ -440,7 +449,9 @@ class Module:
     def attention_maps(self, x, *, kv_lens=None) -> np.ndarray:
         """Every head's attention probabilities for input x: float32 [batch, heads, seq, seq]
         (rows: queries, columns: keys; masked keys 0). Compiled on first use as a second,
-        unfused program of the same layer (mhagen/maps.py): needs the compiler then."""
+        unfused program of the same layer (mhagen/maps.py): needs the compiler then.
+        A torch tensor x gets a torch tensor (over the maps' memory)."""
+        given = x
         if self.weights is None:
             raise InputError("no weights: bind them (module.bind(weights)) before asking "
                              "for attention maps")
@@ -463,7 +474,8 @@ class Module:
             x = self.storage.stored("x", x).astype(np.float32)
         p = self._maps(x, kv_lens=kv_lens)
         b, s, _ = p.shape
-        return np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3))
+        return answered(np.ascontiguousarray(p.reshape(b, s, heads, -1).transpose(0, 2, 1, 3)),
+                        given)
 
     def flops(self, batch=None, seq_len=None) -> int:
         """Floating-point operations of one call (2 per multiply-add of every matmul), at the
@@ -495,11 +507,12 @@ class Module:
 class Call:
     """One call of a module with its arrays bound (Module.prepare): call it to run."""
 
-    def __init__(self, module, kernels, staged, cache, seq, result, target):
+    def __init__(self, module, kernels, staged, cache, seq, result, target, answer):
         self.module, self.kernels, self.staged, self.cache = module, kernels, staged, cache
         self.params, self.seq, self.result, self.target = module._params, seq, result, target
+        self.answer = answer     # what each run returns: result, or out= / a tensor over it
 
-    def __call__(self) -> np.ndarray:
+    def __call__(self):
         m = self.module
         if m._params is not self.params:
             raise InputError("the module's weights were bound again after prepare(): "
@@ -512,4 +525,5 @@ class Call:
                 func(*args)
             if self.cache is not None:
                 self.cache.lens += self.seq
-            return deliver(self.result, self.target)
+            deliver(self.result, self.target)
+            return self.answer

@@ -110,7 +110,8 @@ class Staging:
 
     def output_array(self, out, dims, returns):
         """(the array returned, the aligned [rows, columns] array the kernels write);
-        returns: the dtype of the array returned."""
+        returns: the dtype of the array returned; out: the caller's (a numpy array, or a
+        torch tensor or DLPack array, then the numpy view of its memory is returned)."""
         full = self.output.call_shape(dims)
         out_shape = (dims["batch"], dims["seq"], self.out_features)
         direct = full[1] == self.out_features and returns == self.dtype
@@ -119,8 +120,8 @@ class Staging:
                 a = aligned_empty(out_shape, self.output.dtype)
                 return a, a.reshape(full)
             return np.empty(out_shape, returns), self.view(self.output, dims)
-        argument(out, "out=", dtype=returns, shape=out_shape,
-                 in_place="the call writes its answer into it")
+        out = argument(out, "out=", dtype=returns, shape=out_shape,   # a tensor: its memory
+                       in_place="the call writes its answer into it")
         if direct and is_aligned(out):
             return out, out.reshape(full)
         return out, self.view(self.output, dims)

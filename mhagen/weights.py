@@ -1,4 +1,4 @@
-"""Weights: random initialisation, checks, and conversion from torch.nn.MultiheadAttention.
+"""Weights: random initialisation, checks, files, conversion from torch.nn.MultiheadAttention.
 
 Layout (per head): a head projection's weight is stacked over heads, w[h] is [d_in, d_out],
 so y_h = x @ w[h] + b[h]; the output projection's weight is [sum of head widths, d_model].
@@ -64,36 +64,35 @@ def check_weights(graph, weights, dtype=None) -> dict:
 
 
 def weights_from_torch(module) -> dict:
-    """Convert a torch.nn.MultiheadAttention into mhagen weights for
-    `mhagen.mha(d_model=module.embed_dim, num_heads=module.num_heads, bias=<has in_proj_bias>)`.
+    """Convert a torch.nn.MultiheadAttention (or a torch.nn.TransformerEncoderLayer: its
+    self_attn) into mhagen weights for `mhagen.mha(d_model=module.embed_dim,
+    num_heads=module.num_heads, bias=<has in_proj_bias>)`, or, where kdim == vdim differ
+    from embed_dim, for `mhagen.mha(..., cross=True, kv_dim=kdim)` (keys and values from one
+    context of width kdim). `mhagen.from_torch(module)` builds the layer with them.
 
-    torch computes q = x @ W_q^T + b_q with W_q the first embed_dim rows of in_proj_weight;
-    head h owns rows h*d:(h+1)*d. So w_q[h] = W_q[h*d:(h+1)*d].T, and w_o = out_proj.weight.T.
+    torch computes q = x @ W_q^T + b_q with W_q the first embed_dim rows of in_proj_weight
+    (q_proj_weight where kdim/vdim differ); head h owns rows h*d:(h+1)*d. So
+    w_q[h] = W_q[h*d:(h+1)*d].T, and w_o = out_proj.weight.T.
     """
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is an optional peer
         raise ImportError("weights_from_torch needs PyTorch: pip install torch") from None
-    if not isinstance(module, torch.nn.MultiheadAttention):
-        raise InputError(f"weights_from_torch takes a torch.nn.MultiheadAttention, got "
-                         f"{type(module).__name__}")
-    if module.bias_k is not None or module.add_zero_attn:
-        raise InputError("add_bias_kv / add_zero_attn are not supported: mhagen layers have no "
-                         "learned extra key; build the module without them")
-    if not module._qkv_same_embed_dim:
-        raise InputError("kdim/vdim different from embed_dim are not supported yet; use a "
-                         "module with kdim == vdim == embed_dim")
+    module = torch_attention(module, "weights_from_torch")
     e, h = module.embed_dim, module.num_heads
     d = e // h
 
     def np32(t):
         return t.detach().to(torch.float32).cpu().numpy()
 
-    w_in = np32(module.in_proj_weight)           # [3E, E]
+    if module._qkv_same_embed_dim:
+        w_in = np32(module.in_proj_weight)           # [3E, E]
+        projections = [w_in[i * e:(i + 1) * e] for i in range(3)]
+    else:                                            # [E, E], [E, kdim], [E, vdim]
+        projections = [np32(getattr(module, f"{role}_proj_weight")) for role in "qkv"]
     out = {}
-    for i, role in enumerate("qkv"):
-        w = w_in[i * e:(i + 1) * e]              # [E_out, E_in]
-        out[f"w_{role}"] = np.ascontiguousarray(w.reshape(h, d, e).transpose(0, 2, 1))
+    for i, (role, w) in enumerate(zip("qkv", projections)):   # w: [E_out, E_in]
+        out[f"w_{role}"] = np.ascontiguousarray(w.reshape(h, d, -1).transpose(0, 2, 1))
         if module.in_proj_bias is not None:
             out[f"b_{role}"] = np32(module.in_proj_bias)[i * e:(i + 1) * e].reshape(h, d).copy()
     out["w_o"] = np.ascontiguousarray(np32(module.out_proj.weight).T)
@@ -103,6 +102,32 @@ def weights_from_torch(module) -> dict:
         raise InputError("the module has bias on only some projections; mhagen.mha(bias=...) "
                          "adds or drops all of them together")
     return out
+
+
+def torch_attention(module, caller: str):
+    """The torch.nn.MultiheadAttention of `module` (itself, or a TransformerEncoderLayer's
+    self_attn), checked to be one mhagen can hold; InputError naming `caller` otherwise.
+    torch is imported already (the caller did)."""
+    import torch
+    nn = torch.nn
+    if isinstance(module, nn.TransformerEncoderLayer):
+        module = module.self_attn
+    elif isinstance(module, nn.TransformerDecoderLayer):
+        raise InputError(f"{caller} takes one attention: pass the decoder layer's self_attn "
+                         "or its multihead_attn (cross-attention), not the whole "
+                         "TransformerDecoderLayer")
+    if not isinstance(module, nn.MultiheadAttention):
+        raise InputError(f"{caller} takes a torch.nn.MultiheadAttention (or a "
+                         f"TransformerEncoderLayer), got {type(module).__name__}")
+    if module.bias_k is not None or module.add_zero_attn:
+        raise InputError("add_bias_kv / add_zero_attn are not supported: mhagen layers have no "
+                         "learned extra key; build the module without them")
+    if module.kdim != module.vdim:
+        raise InputError(f"kdim={module.kdim} and vdim={module.vdim} differ: mhagen's "
+                         "cross-attention reads keys and values from one context input of "
+                         "one width (mhagen.mha(cross=True, kv_dim=...)); use a module with "
+                         "kdim == vdim")
+    return module
 
 
 def save_weights(path, weights: dict, metadata: dict | None = None):

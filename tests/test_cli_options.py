@@ -54,7 +54,7 @@ def help_options(capsys, command) -> set:
 
 
 LAYER = {"--graph", "--d-model", "--heads", "--head-dim", "--kv-heads", "--causal",
-         "--no-bias", "--dtype", "--kv-cache", "--cache-dtype", "--cross", "--kv-dim"}
+         "--no-bias", "--scale", "--dtype", "--kv-cache", "--cache-dtype", "--cross", "--kv-dim"}
 SHAPE = {"--target", "--batch", "--seq-len", "--max-seq-len", "--kv-seq-len", "--no-fuse"}
 OWN_OPTIONS = {
     "build": LAYER | SHAPE | {"--help", "--seed", "--weights", "--records", "--out",

@@ -81,8 +81,11 @@ IDS = [c[0] for c in CONVERTED]
 def test_converted_x_gives_the_float32_arrays_answer(plain, make, values):
     layer, w, m, x = plain
     same = values(x).astype(np.float32)             # the float32 array it converts to
+    given = make(x)
     with torch.no_grad():
-        y = m(make(x))
+        y = m(given)
+    assert isinstance(y, torch.Tensor) == isinstance(given, torch.Tensor)  # torch in, out
+    y = np.asarray(y)
     assert y.dtype == np.float32
     np.testing.assert_array_equal(y, m(same))
     assert_close(y, layer.reference(values(x).astype(np.float64), w))
@@ -147,13 +150,17 @@ def test_a_half_layer_answers_converted_inputs_in_float32():
                      weights={k: v.astype(np.float64) for k, v in w.items()})
     x = np.random.default_rng(3).standard_normal((BATCH, SEQ, D)).astype(np.float32)
     y32 = m(x)
-    for given in (x.tolist(), x.astype(np.float64), torch.from_numpy(x)):
+    for given in (x.tolist(), x.astype(np.float64)):
         y = m(given)
         assert y.dtype == np.float32
         np.testing.assert_array_equal(y, y32)
+    y = m(torch.from_numpy(x))            # torch in, torch out
+    assert y.dtype == torch.float32
+    np.testing.assert_array_equal(y.numpy(), y32)
     yh = m(torch.from_numpy(x).to(torch.bfloat16))
-    assert yh.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(yh, m(x.astype(ml_dtypes.bfloat16)))
+    assert yh.dtype == torch.bfloat16
+    np.testing.assert_array_equal(yh.view(torch.int16).numpy().view(ml_dtypes.bfloat16),
+                                  m(x.astype(ml_dtypes.bfloat16)))
     assert_close(y32, layer.reference(x, w), "bfloat16")
 
 
@@ -243,8 +250,8 @@ def test_in_place_arguments_are_never_converted(plain, cross):
     with pytest.raises(InputError, match="x must be a C-contiguous, writable, 64-byte aligned "
                                          "float32 numpy array .prepare.. reads it in place"):
         m.prepare(x.astype(np.float64))
-    with pytest.raises(InputError, match="x must be .* got a torch.Tensor"):
-        m.prepare(torch.from_numpy(x))
+    with pytest.raises(InputError, match="x must be .* got a torch.Tensor float64"):
+        m.prepare(torch.from_numpy(x.astype(np.float64)))
     _, _, mc, xc, context, lens = cross
     aligned = mhagen.aligned_empty(xc.shape)
     aligned[...] = xc

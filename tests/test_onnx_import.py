@@ -3,6 +3,7 @@ no onnxruntime; the least-squares fit is only the fallback, says so, refuses ran
 probes and checks itself on inputs it did not fit on.
 """
 import io
+import math
 import sys
 import warnings
 
@@ -11,7 +12,7 @@ import pytest
 
 import mhagen
 from mhagen.onnx import OnnxError, export_onnx, import_onnx
-from mhagen.tolerances import assert_close
+from mhagen.tolerances import assert_close, tolerance
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto as TP  # noqa: E402
@@ -545,3 +546,125 @@ def test_mhagen_rotary_layers_round_trip(tmp_path, dynamic):
         assert found.graph == layer, found.graph
         x = np.random.default_rng(1).standard_normal((1, 24, layer.options["d_model"]))
         assert_close(found.graph.reference(x, found.weights), layer.reference(x, weights))
+
+
+def _check_at_two_lengths(model, torch, found, enter, leave, take_output):
+    """The imported layer's reference and one any-length module for this CPU against the
+    model's own attention (from `enter`'s input to `leave`'s output) on unseen tokens at the
+    export length and a longer one; returns (input, reference output) at the first."""
+    module = mhagen.build(found.graph, "x86", batch=2, seq_len=None, max_seq_len=20,
+                          weights=found.weights, tuning=None)
+    checked = []
+    for seq in (8, 20):
+        seen = {}
+        hooks = [enter.register_forward_pre_hook(
+                     lambda mod, args, kw: seen.update(x=(args or (kw["hidden_states"],))[0]),
+                     with_kwargs=True),
+                 leave.register_forward_hook(lambda mod, args, out: seen.update(
+                     y=take_output(out)))]
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 100, (2, seq),
+                                          generator=torch.Generator().manual_seed(seq)))
+        for h in hooks:
+            h.remove()
+        x, want = seen["x"].numpy(), seen["y"].numpy()
+        ref = found.graph.reference(x, found.weights)
+        assert_close(ref, want)
+        assert_close(module(x), want)
+        checked.append((x, ref))
+    return checked[0]
+
+
+def test_hugging_face_gemma2_with_its_own_query_scale_imports_exactly():
+    """Gemma 2 scales the scores by query_pre_attn_scalar ** -0.5 (24 here, head_dim 16),
+    then softcaps them, with rotary, grouped K/V and a sliding window of 4: imported as
+    mha(scale=24 ** -0.5, softcap, rotary, window) -- it had been refused over "per-head
+    scales" -- equal to the model's attention (self_attn with o_proj) on unseen tokens, in
+    the reference and compiled; weights larger than Gemma's init so that the scale and the
+    softcap move the output by far more than the tolerance."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    model = transformers.Gemma2Model(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, sliding_window=4, max_position_embeddings=64,
+        initializer_range=0.15, attn_implementation="eager")).eval()
+    found = _hf_import(model, torch)
+    opts = found.graph.options
+    assert math.isclose(opts["scale"], 24 ** -0.5, rel_tol=1e-7)
+    assert opts["score_mod"] == repr(mhagen.softcap(3.0)) and opts["kv_heads"] == 2
+    assert opts["causal"] and opts["mask"] == "((q_idx - kv_idx) < 4)"
+    assert opts["rotary"] == {"base": 10000.0, "rotary_dim": 16}
+    assert found.max_error < 1e-5          # onnxruntime's run of the model, unseen input
+    att = model.layers[0].self_attn
+    x, ref = _check_at_two_lengths(model, torch, found, att, att, lambda out: out[0])
+    default = mhagen.mha(64, 4, head_dim=16, kv_heads=2, causal=True, bias=False,
+                         mask=(mhagen.q_idx - mhagen.kv_idx) < 4, rotary=True,
+                         score_mod=mhagen.softcap(3.0))
+    assert opts == default.options | {"scale": opts["scale"]}
+    assert mhagen.max_error(default.reference(x, found.weights), ref) > 100 * tolerance(ref)
+
+
+def test_hugging_face_bloom_reshaped_scores_and_alibi_import_exactly():
+    """BLOOM's export: Q K^T on [batch*heads, q, k] via baddbmm (the scale, then ALiBi
+    added), a Reshape to [batch, heads, q, k] for the causal mask and Softmax, a Reshape back
+    for P V. Imported as mha(causal, mhagen.alibi(4)), equal to the model's attention
+    (self_attention up to its dense projection, before the residual) on unseen tokens."""
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    transformers = pytest.importorskip("transformers", reason="a test dependency")
+    torch.manual_seed(0)
+    model = transformers.BloomModel(transformers.BloomConfig(
+        vocab_size=128, hidden_size=64, n_layer=1, n_head=4, initializer_range=0.15,
+        attn_implementation="eager")).eval()
+    found = _hf_import(model, torch)
+    assert found.graph == mhagen.mha(64, 4, causal=True, score_mod=mhagen.alibi(4),
+                                     name=found.graph.name), found.graph
+    assert found.max_error < 1e-5
+    att = model.h[0].self_attention
+    _check_at_two_lengths(model, torch, found, att, att.dense, lambda out: out)
+
+
+def _exported_rotary_heads(tmp_path):
+    """mhagen's decomposed export of a 2-head rotary layer at seq 6: one Softmax per head."""
+    layer = mhagen.mha(32, 2, rotary=True)
+    return onnx.load(str(export_onnx(layer, tmp_path / "m.onnx", layer.init_weights(0),
+                                     seq_len=6)))
+
+
+def test_rotary_heads_of_different_scales_are_refused_naming_the_node(tmp_path,
+                                                                      no_onnxruntime):
+    """Head 1 scaled by 0.5, head 0 by 1/sqrt(16): mha() takes one scale, so a rotary layer
+    like that is refused, naming the Softmax it starts at and the scales (it had named no
+    node)."""
+    model = _exported_rotary_heads(tmp_path)
+    model.graph.initializer.append(nh.from_array(np.float32(0.5), "half"))
+    scaled1 = next(n for n in model.graph.node if n.name == "scaled1")
+    scaled1.input[1] = "half"
+    with pytest.raises(OnnxError, match=r"^Softmax node 'p0' \(and the layer's 1 other "
+                                        r"attention core\): rotary embeddings on a layer that "
+                                        r"mha\(\) cannot describe: its heads' score scales "
+                                        r"are \[0.25, 0.5\]"):
+        import_onnx(model)
+
+
+def test_a_reshape_of_the_key_axis_is_refused_naming_the_node(tmp_path, no_onnxruntime):
+    """Reshapes between the scores and Softmax are read when they only regroup the batch and
+    head axes (BLOOM); one that moves keys into other rows is refused by name."""
+    model = _exported_rotary_heads(tmp_path)
+    nodes = list(model.graph.node)
+    model.graph.initializer.extend([nh.from_array(np.array([1, 3, 12], np.int64), "wide"),
+                                    nh.from_array(np.array([1, 6, 6], np.int64), "square")])
+    softmax = next(n for n in nodes if n.name == "p0")
+    pv = next(n for n in nodes if n.op_type == "MatMul" and n.input[0] == "p0")
+    softmax.input[0], pv.input[0] = "scaled0_wide", "p0_square"
+    at = nodes.index(softmax)
+    nodes[at + 1:at + 1] = [oh.make_node("Reshape", ["p0", "square"], ["p0_square"],
+                                         name="back")]
+    nodes[at:at] = [oh.make_node("Reshape", ["scaled0", "wide"], ["scaled0_wide"],
+                                 name="rows_of_12")]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    with pytest.raises(OnnxError, match=r"Softmax node 'p0': Reshape node 'rows_of_12' "
+                                        r"reshapes the scores \(1, 6, 6\) -> \(1, 3, 12\)"):
+        import_onnx(model)

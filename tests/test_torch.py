@@ -101,8 +101,8 @@ def _partial_bias():
      ["add_bias_kv", "not supported", "without them"]),
     (lambda: torch.nn.MultiheadAttention(16, 2, add_zero_attn=True, batch_first=True),
      ["add_zero_attn", "not supported"]),
-    (lambda: torch.nn.MultiheadAttention(16, 2, kdim=8, vdim=8, batch_first=True),
-     ["kdim", "kdim == vdim == embed_dim"]),
+    (lambda: torch.nn.MultiheadAttention(16, 2, kdim=8, vdim=12, batch_first=True),
+     ["kdim=8 and vdim=12 differ", "one context", "kdim == vdim"]),
     (_partial_bias, ["bias on only some projections", "bias="]),
 ], ids=["not-mha", "add_bias_kv", "add_zero_attn", "kdim-differs", "partial-bias"])
 def test_weights_from_torch_errors(make, fragments):

@@ -1,8 +1,9 @@
 """Import stage 4: the mhagen graph and weights of a matched, read layer.
 
-A layer whose heads share the standard scale and one mask becomes ``mha(...)``
-(so it compares equal to the layer that was exported); any other becomes a builder graph
-with one scale and mask per head (options carry ``imported="onnx"``).
+A layer whose heads share one scale and one mask becomes ``mha(...)`` (``scale=`` given
+when it is not 1/sqrt(head_dim); so it compares equal to the layer that was exported); any
+other becomes a builder graph with one scale and mask per head (options carry
+``imported="onnx"``).
 """
 from __future__ import annotations
 
@@ -47,15 +48,18 @@ def layer_graph(name, d_model, d_out, specs, kv_heads, bias):
         raise OnnxError(f"the attention cores rotate Q and K differently "
                         f"({sorted(map(str, rotations))})")
     rotary = rotations.pop()
-    standard = _is_standard(scales, bands, d) and d_out == d_model
-    if standard:
+    scale = _shared_scale(scales, d)
+    if scale is not False and all(b == bands[0] for b in bands) and d_out == d_model:
         causal, mask = bands[0]
         return mha(d_model, len(scales), head_dim=d, kv_heads=kv_heads, causal=causal,
-                   mask=mask, bias=bias, score_mod=score_mod, name=name,
+                   mask=mask, bias=bias, score_mod=score_mod, scale=scale, name=name,
                    rotary=None if rotary is None else rope.rotary(*rotary))
     if rotary is not None:
-        raise OnnxError("rotary embeddings with per-head scales or masks (or a different "
-                        "output width); mhagen reads rotary layers of one scale and mask")
+        why = ("its output width differs from its input's" if d_out != d_model else
+               "its heads have different masks" if scale is not False else
+               f"its heads' score scales are {sorted(set(scales))} (mhagen's rotary layers "
+               "take one positive scale)")
+        raise OnnxError(f"rotary embeddings on a layer that mha() cannot describe: {why}")
     g = Graph(name, options={"d_model": d_model, "num_heads": len(scales), "head_dim": d,
                              "kv_heads": kv_heads, "bias": bias, "imported": "onnx"})
     x = g.input("x", d_model)
@@ -92,10 +96,18 @@ def _score_mod(specs, heads):
     return None if not mods else mods[0] if len(mods) == 1 else mods
 
 
-def _is_standard(scales, bands, d):
-    """Every head: scale 1/sqrt(d) and the same mask."""
+def _shared_scale(scales, d):
+    """mha()'s scale= for heads scaled by `scales`: None for 1/sqrt(d) on every head (the
+    default: the graph then equals the exported mha()), the one positive scale they share,
+    or False (heads of different scales, or a scale mha() refuses)."""
     std = 1.0 / math.sqrt(d)
-    return all(abs(s - std) <= 1e-5 * std for s in scales) and all(b == bands[0] for b in bands)
+    if all(abs(s - std) <= 1e-5 * std for s in scales):
+        return None
+    first = scales[0]
+    if first > 0 and math.isfinite(first) and all(abs(s - first) <= 1e-6 * first
+                                                   for s in scales):
+        return first
+    return False
 
 
 def _mask_expr(causal, other):

@@ -16,11 +16,12 @@ from mhagen.errors import InputError
 from mhagen.kvcache import KVCache
 from mhagen.onnx._common import OnnxError, ort_session
 from mhagen.onnx.export import FORMS, MASK_MODES, MIN_OPSET, export_onnx
+from mhagen.onnx.export_gqa import gqa_step
 from mhagen.onnx.fit import VARIED_INPUTS_HINT
 from mhagen.onnx.importer import _load as load_model
 from mhagen.onnx.importer import import_onnx
 from mhagen.onnx.probe import FLOAT_TYPES
-from mhagen.tolerances import max_error, tolerance
+from mhagen.tolerances import judged_as, max_error, tolerance
 from mhagen.weights import load_weights
 
 # the importer's advice names import_onnx()'s keywords: on the command line, its flags
@@ -42,12 +43,15 @@ def add_parsers(subparsers, layer_options, layer) -> dict:
         "export-onnx", help="write a layer as an ONNX model (plain ops or the Attention op)",
         description="Write a layer and its weights (random from --seed, or --weights) as an "
                     "ONNX model: --form decomposed (MatMul/Softmax/Where..., opset 17+, any "
-                    "graph) or --form fused (the Attention operator, opset 23+, heads of one "
-                    "structure). --check runs it in onnxruntime against the reference.")
+                    "graph), --form fused (the Attention operator, opset 23+, heads of one "
+                    "structure) or --form gqa (a decoding layer, --kv-cache N, as onnxruntime's "
+                    "com.microsoft.GroupQueryAttention: a cache length per batch row). --check "
+                    "runs it in onnxruntime against the reference.")
     layer_options(e)
     e.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
     e.add_argument("--form", choices=FORMS, default="decomposed",
-                   help="decomposed (default: portable plain ops) or fused (Attention op)")
+                   help="decomposed (default: portable plain ops), fused (Attention op) or "
+                        "gqa (decoding layers: GroupQueryAttention)")
     e.add_argument("--weights", type=Path, metavar="FILE",
                    help="the layer's weights: a .safetensors or .npz of name -> array (e.g. "
                         "from import-onnx --out), checked against the layer; default: random")
@@ -118,6 +122,8 @@ def _cmd_export(args, layer) -> int:
         return 0
     x = np.random.default_rng(args.seed).standard_normal(
         (args.batch, args.seq_len, layer.inputs[0].attrs["shape"][2])).astype(np.float32)
+    if args.form == "gqa":
+        return _check_gqa(layer, weights, path, x, args.seed)
     feeds, cache, context = {"x": x}, None, None
     if layer.context_input is not None:   # cross-attention: a random context
         context = np.random.default_rng(args.seed + 2).standard_normal(
@@ -139,6 +145,34 @@ def _cmd_export(args, layer) -> int:
     ok = bool(np.all(np.isfinite(y))) and err <= tol
     print(f"onnxruntime vs float64 reference: max error {err:.2e} (tolerance {tol:.1e}) "
           f"{'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def _check_gqa(layer, weights, path, x, seed) -> int:
+    """--check of the gqa form: one call of x's tokens in every row on a random cache whose
+    rows hold different numbers of tokens (row b: up to 8 - b), run in place (gqa_step),
+    against the reference of each row."""
+    import onnx
+    batch, seq = x.shape[:2]
+    model = onnx.load(str(path))
+    cache = KVCache.empty(layer, batch)
+    rng = np.random.default_rng(seed + 1)
+    cache.k[...] = rng.standard_normal(cache.k.shape)
+    cache.v[...] = rng.standard_normal(cache.v.shape)
+    past = min(8, cache.max_len - seq)
+    per_row = "query_seqlens" in [i.name for i in model.graph.input]
+    if per_row or seq == 1 or batch == 1:
+        cache.lens[...] = [max(0, past - b) for b in range(batch)]
+    # else (a non-causal layer, several rows of several tokens): on an empty cache only
+    lens = cache.lens.tolist()
+    ref = KVCache.from_arrays(cache.k.astype(np.float64), cache.v.astype(np.float64), lens)
+    y = gqa_step(ort_session(model, optimize=True), cache, x)
+    expected = np.concatenate([layer.reference(x[b:b + 1], weights, cache=KVCache(
+        ref.k[b:b + 1], ref.v[b:b + 1], ref.lens[b:b + 1])) for b in range(batch)])
+    err, tol = max_error(y, expected), tolerance(expected, judged_as(layer))
+    ok = bool(np.all(np.isfinite(y))) and err <= tol
+    print(f"onnxruntime (GroupQueryAttention, cached tokens per row {lens}) vs float64 "
+          f"reference: max error {err:.2e} (tolerance {tol:.1e}) {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 

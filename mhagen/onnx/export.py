@@ -1,4 +1,4 @@
-"""Export any mhagen layer to ONNX, in one of two forms.
+"""Export any mhagen layer to ONNX, in one of two forms (and decoding layers in a third).
 
 ``decomposed`` (the default, for portability; opset 17 or later): the graph is walked node by
 node and every node becomes plain ONNX ops -- MatMul/Add per head projection (each head's
@@ -18,7 +18,11 @@ structure (what ``mhagen.passes.fuse_attention`` accepts); otherwise an ``OnnxEr
 and suggests ``form="decomposed"``. Layers with score modifiers or rotary embeddings are
 refused too (``Attention`` carries neither; opset 23's ``RotaryEmbedding`` is not used).
 
-Decoding layers (``kv_cache=``) export in the fused form only, as ONNX's past/present form:
+``gqa`` (decoding layers only): onnxruntime's ``com.microsoft.GroupQueryAttention``, each
+batch row with its own cache length and new-token count; rotary embeddings, sliding windows,
+softcap and additive score biases (ALiBi) carried by the op; see mhagen/onnx/export_gqa.py.
+
+Decoding layers (``kv_cache=``) export in the fused form as ONNX's past/present form:
 inputs ``x`` [batch, seq, d_model], ``past_key`` and ``past_value`` [batch, kv_heads,
 past_seq, head_dim] (``past_seq`` a symbolic dim unless ``past_len`` is given); outputs ``y``,
 ``present_key`` and ``present_value`` [batch, kv_heads, past_seq + seq, head_dim], in the
@@ -77,13 +81,14 @@ from mhagen.ir import expr as ex
 from mhagen.ir import rope
 from mhagen.ir.graph import Graph
 from mhagen.onnx._common import OnnxError, fewest_kv_heads, first_query_heads, need_onnx
+from mhagen.onnx.export_gqa import build_gqa
 from mhagen.passes.fuse_attention import fuse_attention
 from mhagen.reference import mask_grid
 from mhagen.weights import check_weights
 
-FORMS = ("decomposed", "fused")
+FORMS = ("decomposed", "fused", "gqa")
 MASK_MODES = ("auto", "constant", "computed")
-MIN_OPSET = {"decomposed": 17, "fused": 23}
+MIN_OPSET = {"decomposed": 17, "fused": 23, "gqa": 17}
 #: protobuf refuses messages of 2 GiB; stay clear of it.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
 
@@ -104,15 +109,16 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
         path: the ``.onnx`` file to write (its directory is created).
         weights: the layer's weights (``layer.init_weights(seed)``, ``weights_from_torch``...);
             required -- an export never invents weights.
-        form: ``"decomposed"`` (plain ops, every graph) or ``"fused"`` (the ``Attention``
-            operator, opset 23+, for layers whose heads share one structure).
+        form: ``"decomposed"`` (plain ops, every graph), ``"fused"`` (the ``Attention``
+            operator, opset 23+, for layers whose heads share one structure) or ``"gqa"``
+            (decoding layers: com.microsoft.GroupQueryAttention, mhagen/onnx/export_gqa.py).
         batch, seq_len: the static input shape [batch, seq_len, d_model].
         dynamic_batch, dynamic_seq: make that axis symbolic (``"batch"``, ``"seq"``).
-        opset: ONNX opset; default 17 (decomposed) or 23 (fused).
+        opset: ONNX opset; default 17 (decomposed, gqa) or 23 (fused).
         masks: ``"auto"``, ``"constant"`` or ``"computed"`` (see the module docstring).
         external_data: store initializers in ``<path>.data``; default: only above 2 GB.
-        past_len: decoding layers: the static past length of past_key/past_value; default
-            a symbolic ``past_seq``.
+        past_len: decoding layers, fused form: the static past length of
+            past_key/past_value; default a symbolic ``past_seq``.
         kv_seq_len: cross-attention layers: the context's static length (with dynamic_seq,
             a symbolic ``kv_seq`` instead); decomposed form only.
 
@@ -132,11 +138,16 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     positive_int("batch", batch)
     positive_int("seq_len", seq_len)
     layer.shapes()
-    if layer.cache_lens_input is not None and form != "fused":
-        raise OnnxError("decoding layers (a K/V cache) export in the fused form only (opset-23 "
-                        "Attention with past_key/past_value): pass form='fused' (--form fused)")
+    if layer.cache_lens_input is not None and form == "decomposed":
+        raise OnnxError("decoding layers (a K/V cache) export in the fused form (opset-23 "
+                        "Attention with past_key/past_value) or the gqa form (onnxruntime's "
+                        "GroupQueryAttention, a cache length per row): pass form='fused' or "
+                        "form='gqa' (--form fused, --form gqa)")
     if past_len is not None:
         positive_int("past_len", past_len)
+        if form == "gqa":
+            raise InputError("the gqa form's past is the whole cache buffer (kv_cache rows, "
+                             "each row's length in seqlens_k): drop past_len")
     cross = layer.context_input is not None
     if len(layer.inputs) != 1 + cross:
         raise GraphError(f"export_onnx() exports graphs with one input [batch, seq, d_model] "
@@ -172,6 +183,8 @@ def export_onnx(layer: Graph, path, weights: dict | None = None, *, form: str = 
     b.past = "past_seq" if past_len is None else past_len
     if form == "decomposed":
         out = _decomposed(b, layer, w)
+    elif form == "gqa":
+        out = build_gqa(b, layer, w, fused_view(layer))
     else:
         out = _fused(b, layer, w)
     model = b.model(out, form)
@@ -224,6 +237,7 @@ class _Builder:
         self.used.add("y")
         # decoding: past / present K and V, (name, shape, ONNX element type)
         self.extra_inputs, self.extra_outputs = [], []
+        self.domains = {}     # operator domains beside ONNX's own: {domain: version}
         # a half-precision layer: x, a context and y in its dtype, Cast to/from float32
         self.storage = None if layer.dtype == "float32" else self.elem_type(layer.dtype)
 
@@ -338,10 +352,11 @@ class _Builder:
             outputs.append(h.make_tensor_value_info(name, elem, shape))
         graph = h.make_graph(self.nodes, self.layer.name, inputs, outputs, self.inits,
                              doc_string=f"mhagen layer {self.layer!r}, {form} form")
-        opsets = [h.make_opsetid("", self.opset)]
+        opsets = [h.make_opsetid("", self.opset)] + [h.make_opsetid(domain, version)
+                                                     for domain, version in self.domains.items()]
         model = h.make_model(graph, opset_imports=opsets, producer_name="mhagen",
                              producer_version=mhagen_version,
-                             ir_version=h.find_min_ir_version_for(opsets))
+                             ir_version=h.find_min_ir_version_for(opsets[:1]))
         h.set_model_props(model, {"mhagen.form": form, "mhagen.graph": self.layer.to_json()})
         return model
 
@@ -367,10 +382,12 @@ class _Builder:
                          for op in ("Cos", "Sin"))
         return self.cached(("rope", rotary_dim, float(base)), make)
 
-    def rotary(self, x, head_dim, rotary_dim, base, name):
-        """RoPE on x [B, S, head_dim]: half-split pairs, dims past rotary_dim unchanged."""
+    def rotary(self, x, head_dim, rotary_dim, base, name, tables=None):
+        """RoPE on x [.., head_dim]: half-split pairs, dims past rotary_dim unchanged; the
+        (cos, sin) tables [S, rotary_dim / 2] of rope_tables, or `tables` that broadcast
+        against x's leading axes (the gqa form's per-row positions)."""
         half = rotary_dim // 2
-        cos, sin = self.rope_tables(rotary_dim, base)
+        cos, sin = tables if tables is not None else self.rope_tables(rotary_dim, base)
 
         def cols(lo, hi, tag):
             return self.op("Slice", [x, self.i64(lo), self.i64(hi), self.i64(-1)],
@@ -440,8 +457,10 @@ class _Builder:
                 np.arange(n_heads, dtype=np.int64).reshape(n_heads, 1, 1), np.int64))
         raise OnnxError(f"expression variable {name!r} cannot be exported")
 
-    def score_mod(self, expr, score, head, base):
-        """The float tensor of a score modifier applied to `score` ([B, S, S], one head)."""
+    def score_mod(self, expr, score, head, base, index=None):
+        """The float tensor of a score modifier applied to `score` ([B, S, S], one head);
+        index(name): the tensors of the index variables instead of index_var's (the gqa
+        form's bias, at each batch row's own positions)."""
         onnx_types = {"float": self.onnx.TensorProto.FLOAT, "int": self.onnx.TensorProto.INT64}
 
         def as_kind(t, kind, want):
@@ -450,7 +469,7 @@ class _Builder:
         def emit(e):   # -> (tensor, "bool" | "int" | "float")
             if isinstance(e, ex.Var):
                 return (score, "float") if e.name == "score" else \
-                    (self.index_var(e.name, head, 3), "int")
+                    (index(e.name) if index else self.index_var(e.name, head, 3), "int")
             if isinstance(e, ex.Const):
                 is_int = isinstance(e.value, int)
                 return self.const(e.value, np.int64 if is_int else np.float32), \
@@ -695,6 +714,10 @@ def _fused(b: _Builder, layer: Graph, w: dict) -> str:
     if att.attrs.get("rotary") is not None:
         raise OnnxError(f"graph {layer.name!r} has rotary position embeddings, which the "
                         "Attention operator cannot carry; export it with form='decomposed'")
+    if not att.attrs["scale"] > 0:    # the operator reads scale 0 as "the default"
+        raise OnnxError(f"graph {layer.name!r} scales its scores by {att.attrs['scale']:.6g}; "
+                        "the Attention operator takes a positive scale only: export it with "
+                        "form='decomposed'")
     d = att.attrs["head_dim"]
     segs = {i * d: s for i, s in enumerate(qkv.attrs["segments"])}
     widths = {int(s["width"]) for s in segs.values()}

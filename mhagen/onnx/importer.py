@@ -11,7 +11,9 @@ Recognised (self-attention: Q, K and V project the same tensor):
     ``attention_bias``, ``unidirectional``, ``scale``);
   * the decomposed ``MatMul -> [scale, masks] -> Softmax -> MatMul`` pattern, as PyTorch
     exports ``nn.MultiheadAttention`` and as ``export_onnx(form="decomposed")`` writes it
-    (heads in one Softmax or one Softmax per head; K/V heads broadcast or repeated).
+    (heads in one Softmax or one Softmax per head; K/V heads broadcast or repeated; the
+    scores and probabilities may be reshaped between ``[batch*heads, q, k]`` and
+    ``[batch, heads, q, k]`` on the way, as BLOOM's export does).
 Around each, the projections: MatMul/Gemm by a constant weight (+ a constant bias), reached
 through reshapes, transposes, slices/gathers of packed QKV, and scaling by constants; after
 it, the output projection. A ``[batch, seq, D]`` tensor before the projections and one after
@@ -27,7 +29,9 @@ The stages, one module each:
   build_graph.py    the mhagen graph and weights.
 ``found.weight_source`` says which recovery was used: ``"initializers"`` (weights bitwise
 equal to the model's) or ``"fit"`` (with the reason in ``found.notes``). Scalar factors
-applied to Q and K (PyTorch scales both by sqrt(scale)) go into the layer's scale. Last,
+applied to Q and K (PyTorch scales both by sqrt(scale)) go into the layer's scale; a scale
+other than 1/sqrt(head_dim) shared by every head becomes ``mha(scale=...)`` (T5's 1.0,
+Gemma 2's query_pre_attn_scalar ** -0.5). Last,
 the imported layer's reference is compared with the ONNX model on a fresh input (at another
 sequence length when that axis is dynamic; never one the fit saw); a mismatch is an error.
 
@@ -221,8 +225,10 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     try:
         graph = layer_graph(gname, d_model, weights["w_o"].shape[1], specs, kv_heads, bias)
     except GraphError as err:   # a value read from the model mhagen cannot take (scale inf)
-        raise OnnxError(f"{label}: what the model computes is not a valid mhagen layer: "
-                        f"{err}") from None
+        raise OnnxError(f"{_block_label(blk)}: what the model computes is not a valid mhagen "
+                        f"layer: {err}") from None
+    except OnnxError as err:    # what the cores hold together (widths, softcaps, rotary)
+        raise OnnxError(f"{_block_label(blk)}: {err}") from None
     try:
         err = _self_check(blk, graph, weights, prober, shapes, rng, probe, rec, notes)
     except OnnxError as e:
@@ -236,6 +242,13 @@ def _import_block(m, blk, prober, shapes, first, rng, gname, probe):
     return ImportedAttention(graph, weights, blk.cores[0].source, blk.x, blk.y, blk.layout,
                              tuple(_block_nodes(m, blk.x, blk.y)), tuple(dict.fromkeys(notes)),
                              err, rec.source)
+
+
+def _block_label(blk):
+    """The ONNX node(s) at the centre of a layer: its first core, and how many more."""
+    more = len(blk.cores) - 1
+    return blk.cores[0].label + (f" (and the layer's {more} other attention "
+                                 f"{'core' if more == 1 else 'cores'})" if more else "")
 
 
 def _check_finite(label, weights, source):

@@ -16,8 +16,10 @@ SHAPE_OPS = {"Shape", "Size"}
 LAYOUT_OPS = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast"}
 PATH_OPS = LAYOUT_OPS | {"Gather", "Slice", "Split", "Expand", "Tile", "Mul", "Div", "Add",
                          "Sub", "Neg", "Concat"}
-SCORE_OPS = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh"}
-PROB_OPS = {"Identity", "Cast", "Dropout", "Where"}
+SCORE_OPS = {"Mul", "Div", "Add", "Sub", "Where", "Cast", "Identity", "Tanh", "Reshape"}
+PROB_OPS = {"Identity", "Cast", "Dropout", "Where", "Reshape"}
+# Reshape among them: BLOOM's export moves the scores between [batch*heads, q, k] and
+# [batch, heads, q, k] (checked on probe values to keep q, k and the batch-head order)
 UNSUPPORTED = {
     "Attention": "com.microsoft.Attention packs the QKV projection weights into the operator",
     "GroupQueryAttention": "com.microsoft.GroupQueryAttention (KV cache, rotary) is not "
@@ -147,18 +149,22 @@ class Core:
     kv_heads: int | None = None
     scale: float | None = None
     score_factors: list = field(default_factory=list)   # [(tensor, exponent)]
-    adds: list = field(default_factory=list)            # [(tensor, sign, at)]: added when
-    #   `at` score factors had been applied (the later ones scale it: a finite bias)
+    adds: list = field(default_factory=list)            # [(tensor, sign, at, scores)]: added
+    #   when `at` score factors had been applied (the later ones scale it: a finite bias);
+    #   `scores`: the score tensor it is added to (its shape: the form it broadcasts to)
     tanh_at: int | None = None   # softcap: Tanh after this many score factors
-    wheres: list = field(default_factory=list)          # [(cond, other, keep_when_true)]
+    wheres: list = field(default_factory=list)   # [(cond, other, keep_when_true, scores)]
     bool_masks: list = field(default_factory=list)      # attn_mask: bool keep or float add
     causal: bool = False
-    zero_rows: list = field(default_factory=list)       # [(cond, zeros, zero_when_true)]
+    zero_rows: list = field(default_factory=list)  # [(cond, zeros, zero_when_true, probs)]
+    reshapes: list = field(default_factory=list)        # [(label, input, output)]: Reshapes
+    #   of the scores or probabilities
     nan_guards: list = field(default_factory=list)      # Where(IsNaN(P), zeros, P): zeros
     qkv_bias: str | None = None
     paths: dict = field(default_factory=dict)           # "q"/"k"/"v" -> ProjectionPath
     out: OutputPath | None = None
     softmax_axis: int | None = None
+    softmax_input: str | None = None
 
     def probe_names(self):
         """Every tensor whose probe values reading this core needs."""
@@ -168,6 +174,9 @@ class Core:
         names += [t for t, _ in self.score_factors] + [a[0] for a in self.adds]
         names += self.bool_masks + [t for w in self.wheres for t in w[:2]]
         names += [t for z in self.zero_rows for t in z[:2]] + self.nan_guards
+        names += [a[3] for a in self.adds if a[3]] + [w[3] for w in self.wheres]
+        names += [z[3] for z in self.zero_rows] + [t for r in self.reshapes for t in r[1:]]
+        names += [self.softmax_input] if self.softmax_input else []
         return names + ([self.qkv_bias] if self.qkv_bias else [])
 
 
@@ -238,7 +247,7 @@ def core_ms_mha(m, n):
         core.qkv_bias = bias
     if attn_bias:
         need_constant(m, attn_bias, "attention_bias", label)
-        core.adds.append((attn_bias, 1.0, 0))
+        core.adds.append((attn_bias, 1.0, 0, None))
     return core
 
 
@@ -288,6 +297,7 @@ def core_softmax(m, sm):
                 pv.input[1], pv.output[0], "lead")
     core.nan_guards = guards
     core.softmax_axis = node_attrs(sm).get("axis", -1 if m.opset.get("", 13) >= 13 else 1)
+    core.softmax_input = sm.input[0]
     t = scores.output[0]
     for n in chain:       # from the scores MatMul to the Softmax
         _read_score_op(m, core, n, t, f"{m.label(n)} between the scores ({m.label(scores)}) "
@@ -369,13 +379,15 @@ def _read_score_op(m, core, n, t, what):
             core.score_factors.append((other, 1 if n.op_type == "Mul" else -1))
         else:
             core.adds.append((other, 1.0 if n.op_type == "Add" else -1.0,
-                              len(core.score_factors)))
+                              len(core.score_factors), t))
     elif n.op_type == "Where":
         need_constant(m, n.input[0], "mask condition", what)
         keep_when_true = n.input[1] == t
         other = n.input[2] if keep_when_true else n.input[1]
         need_constant(m, other, "masked value", what)
-        core.wheres.append((n.input[0], other, keep_when_true))
+        core.wheres.append((n.input[0], other, keep_when_true, t))
+    elif n.op_type == "Reshape":
+        _read_reshape(m, core, n, t, what)
 
 
 def _read_probability_op(m, core, n, t, what):
@@ -388,9 +400,20 @@ def _read_probability_op(m, core, n, t, what):
         zero_when_true = n.input[2] == t
         zeros = n.input[1] if zero_when_true else n.input[2]
         need_constant(m, zeros, "replacement", what)
-        core.zero_rows.append((n.input[0], zeros, zero_when_true))
+        core.zero_rows.append((n.input[0], zeros, zero_when_true, t))
     elif n.input[0] != t:
         raise OnnxError(f"{what}: unexpected wiring")
+    elif n.op_type == "Reshape":
+        _read_reshape(m, core, n, t, what)
+
+
+def _read_reshape(m, core, n, t, what):
+    """A Reshape of the scores or probabilities: its shape must be a constant (what it does
+    to the axes is checked on probe values: spec.check_reshapes)."""
+    if n.input[0] != t:
+        raise OnnxError(f"{what}: unexpected wiring")
+    need_constant(m, n.input[1], "target shape", what)
+    core.reshapes.append((m.label(n), t, n.output[0]))
 
 
 def find_cores(m):

@@ -87,12 +87,18 @@ def _split3(a, heads):
 
 def _split_lead(c, q, kt, v, batch):
     k = np.swapaxes(kt, -1, -2)
-    lead = tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    leads = [a.shape[:-2] for a in (q, k, v)]
     try:
+        lead = tuple(np.broadcast_shapes(*leads))
         q, k, v = (np.broadcast_to(a, lead + a.shape[-2:]) for a in (q, k, v))
     except ValueError:
-        raise OnnxError(f"{c.label}: Q {q.shape}, K^T {kt.shape} and V {v.shape} do not "
-                        "broadcast to one another") from None
+        # one batch-head axis against two (BLOOM: Q K^T on [batch*heads, ...], P V after a
+        # Reshape of P to [batch, heads, ...]): the same row-major order, so flattened alike
+        if len({int(np.prod(d)) for d in leads}) != 1:
+            raise OnnxError(f"{c.label}: Q {q.shape}, K^T {kt.shape} and V {v.shape} do not "
+                            "broadcast to one another") from None
+        lead = (int(np.prod(leads[0])),)
+        q, k, v = (a.reshape(lead + a.shape[-2:]) for a in (q, k, v))
     n = int(np.prod(lead))
     if n % batch:
         raise OnnxError(f"{c.label}: cannot tell heads from batch in {lead}")
@@ -168,7 +174,9 @@ def read_core(c, vals, batch, notes):
     if k.shape[-1] != d or v.shape[-1] != d:
         raise OnnxError(f"{c.label}: Q/K are {d} wide but V is {v.shape[-1]}; mhagen "
                         "heads have one width")
-    if c.softmax_axis is not None and c.softmax_axis not in (-1, len(lead) + 1):
+    check_reshapes(c, vals)
+    rank = np.ndim(vals[c.softmax_input]) if c.softmax_input else len(lead) + 2
+    if c.softmax_axis is not None and c.softmax_axis not in (-1, rank - 1):
         raise OnnxError(f"{c.label}: Softmax over axis {c.softmax_axis}, not the key "
                         "axis; not supported")
     scale, factors, cap = core_scale(c, vals, d)
@@ -318,11 +326,26 @@ def _head_band(c, grid, h):
 
 
 # -- masks ---------------------------------------------------------------------------------
+def check_reshapes(c, vals):
+    """Every Reshape of the scores or probabilities keeps the query and key axes and only
+    splits or merges the batch-head axes before them (row-major order unchanged), so masks
+    on either side read the same [batch, heads] grid."""
+    for label, before, after in c.reshapes:
+        a, b = np.shape(vals[before]), np.shape(vals[after])
+        if len(a) < 3 or len(b) < 3 or a[-2:] != b[-2:]:
+            raise OnnxError(f"{c.label}: {label} reshapes the scores {a} -> {b}; mhagen reads "
+                            "reshapes of the batch and head axes only (the query and key axes "
+                            "kept)")
+
+
 def keep_mask(c, vals, lead, full, notes):
-    """[B, H, S, T] bool: which keys each query sees, from the core's constant masks."""
-    def spread(a, what):
+    """[B, H, S, T] bool: which keys each query sees, from the core's constant masks (each
+    broadcast to the scores it is applied to, then seen as [B, H, S, T])."""
+    def spread(a, what, scores=None):
         a = np.asarray(a)
         try:
+            if scores is not None:
+                return np.broadcast_to(a, np.shape(vals[scores])).reshape(full)
             if c.layout == "lead":
                 return np.broadcast_to(a, tuple(lead) + full[2:]).reshape(full)
             return np.broadcast_to(a, full)
@@ -332,24 +355,24 @@ def keep_mask(c, vals, lead, full, notes):
 
     keep, bias = np.ones(full, bool), np.zeros(full)
     factors = score_factor_values(c, vals) if c.layout == "lead" else []
-    for tensor, sign, at in c.adds:
+    for tensor, sign, at, scores in c.adds:
         a = sign * np.asarray(vals[tensor], np.float64) * float(np.prod(factors[at:]))
         kept, finite = _additive_keep(c, tensor, a, notes)
-        keep &= spread(kept, f"mask {tensor!r}")
-        bias = bias + spread(finite, f"bias {tensor!r}")
-    for cond, other, keep_when_true in c.wheres:
+        keep &= spread(kept, f"mask {tensor!r}", scores)
+        bias = bias + spread(finite, f"bias {tensor!r}", scores)
+    for cond, other, keep_when_true, scores in c.wheres:
         o = np.asarray(vals[other], np.float64)
         if np.any(o > NEG_LIMIT):
             raise OnnxError(f"{c.label}: Where replaces masked scores by {o.max():.4g}, not "
                             "-inf; not supported")
         cnd = np.asarray(vals[cond]).astype(bool)
-        keep &= spread(cnd if keep_when_true else ~cnd, f"condition {cond!r}")
+        keep &= spread(cnd if keep_when_true else ~cnd, f"condition {cond!r}", scores)
     for mask in c.bool_masks:
         keep &= spread(_attn_mask_keep(c, mask, np.asarray(vals[mask])), f"attn_mask {mask!r}")
     if c.causal:
         keep &= np.tril(np.ones(full[2:], bool))
-    for cond, zeros, zero_when_true in c.zero_rows:
-        _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true)
+    for cond, zeros, zero_when_true, probs in c.zero_rows:
+        _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true, probs)
     return keep, np.where(keep, bias, 0.0)
 
 
@@ -375,12 +398,12 @@ def _attn_mask_keep(c, mask, a):
     return ~(a <= NEG_LIMIT)
 
 
-def _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true):
+def _check_zeroed_rows(c, vals, keep, spread, cond, zeros, zero_when_true, probs):
     if np.any(np.asarray(vals[zeros]) != 0):
         raise OnnxError(f"{c.label}: a Where after the Softmax replaces probabilities by "
                         "non-zero values; not supported")
     cnd = np.asarray(vals[cond]).astype(bool)
-    z = spread(cnd if zero_when_true else ~cnd, f"condition {cond!r}")
+    z = spread(cnd if zero_when_true else ~cnd, f"condition {cond!r}", probs)
     dead = ~keep.any(axis=-1, keepdims=True)
     if np.any(z & ~dead):
         raise OnnxError(f"{c.label}: a Where after the Softmax zeroes probabilities of rows "
