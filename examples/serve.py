@@ -46,7 +46,7 @@ against the float64 reference of the whole sequence; every block back in the poo
 end. Prints tokens/s of both runs (the same requests one at a time: the ratio) and the
 pool's occupancy.
 
-Run: python examples/serve.py [--quick] [--requests 32] [--d-model 1024] [--blocks 256] ... (--help: all)
+Run: python examples/serve.py [--quick] [--requests 32] [--blocks 256] ... (--help lists all)
 """
 
 import argparse
