@@ -14,6 +14,14 @@ with the same contents and the same weights, and is checked against the float64 
                   I/O binding; a step copies the new token into the bound x)
   mhagen_call     the same module called as module(x, cache=cache) every step (not a
                   contender: the ratio to mhagen is the Python work of a call)
+  mhagen_paged<B>[_ordered]   with --paged B: the same step reading a paged cache
+                  (mhagen.PagedKVCache, blocks of B tokens; build kv_block_size=B), prepared
+                  as mhagen; the pool's blocks handed out in a shuffled order (every
+                  sequence's blocks scattered over the pool, the worst case), or in order
+                  with --pool ordered (each sequence's blocks side by side)
+  mhagen_varlen   with --varlen: a module built for any number of new tokens (seq_len=None,
+                  max_seq_len 4) called in the packed form, cu_seqlens = [0, 1, ..., batch]
+                  (each row its own count, here one token each), prepared as mhagen
   mhagen_<dtype>[_cache_<cache dtype>]   with --half: the layer in that dtype (x, weights
                   and output) keeping a cache of that dtype (default float32), e.g.
                   --half bfloat16,float16,float32:bfloat16,bfloat16:bfloat16; prepared as
@@ -37,7 +45,8 @@ compares that with a plain read of a 512 MiB array by torch in the same run (the
 memory bandwidth at that thread count).
 
 Run: python benchmarks/bench_decode.py [--target x86] [--threads 1,2] [--kv-heads G]
-         [--lens 4000,100] [--half bfloat16,float32:bfloat16] [--out DIR]
+         [--lens 4000,100] [--half bfloat16,float32:bfloat16] [--paged 16] [--pool
+         shuffled,ordered] [--varlen] [--out DIR]
 """
 from __future__ import annotations
 
@@ -104,6 +113,58 @@ class MhagenStep(MhagenCall):
         self.x[...] = x
         self.cache.lens[...] = self.past
         return self.run()
+
+
+class MhagenPagedStep:
+    """The step reading a paged cache (kv_block_size=block) that holds the same rows as the
+    others' caches, prepared as MhagenStep; `order`: "shuffled" (the pool's free blocks in
+    a random order, so each sequence's blocks lie scattered) or "ordered"."""
+
+    def __init__(self, layer, w, batch, past, target, block, order):
+        self.module = mhagen.build(layer, target, batch=batch, seq_len=1, weights=w,
+                                   kv_block_size=block)
+        rows = random_cache(mhagen.KVCache.empty(layer, batch))
+        per_seq = -(-rows.max_len // block)
+        self.pool = pool = self.module.new_paged_cache(batch * per_seq)
+        if order == "shuffled":
+            held = [pool.add() for _ in range(pool.num_blocks)]
+            pool.reserve(held, [1] * len(held))
+            for s in np.random.default_rng(2).permutation(held):
+                pool.free(int(s))
+        self.seqs = [pool.add() for _ in range(batch)]
+        for seq, b, n in zip(self.seqs, range(batch), past):
+            pool.reserve([seq], [int(n)])
+            pool.write(seq, 0, rows.k[b, :, :n], rows.v[b, :, :n])
+            pool.advance([seq], [int(n)])
+        self.past = [int(n) for n in past]
+        self.x = mhagen.aligned_empty(self.module.in_shape, self.module.dtype)
+        self.run = self.module.prepare(self.x, cache=pool, seqs=self.seqs)
+
+    def __call__(self, x):
+        self.x[...] = x
+        for seq, n in zip(self.seqs, self.past):   # every timed step appends at one place
+            self.pool.truncate(seq, n)
+        return self.run()
+
+
+class MhagenVarlenStep(MhagenStep):
+    """A module of any number of new tokens (seq_len=None, max_seq_len 4) called packed:
+    x [1, batch, d] with cu_seqlens [0, 1, ..., batch], prepared as MhagenStep."""
+
+    def __init__(self, layer, w, batch, past, target):
+        self.module = mhagen.build(layer, target, batch=batch, seq_len=None, max_seq_len=4,
+                                   weights=w)
+        self.cache = random_cache(self.module.new_cache())
+        self.past = past
+        self.x = mhagen.aligned_empty((1, batch, self.module.d_model), self.module.dtype)
+        self.cache.lens[...] = past
+        self.run = self.module.prepare(self.x, cache=self.cache,
+                                       cu_seqlens=np.arange(batch + 1, dtype=np.int32))
+
+    def __call__(self, x):
+        self.x[...] = x.reshape(self.x.shape)
+        self.cache.lens[...] = self.past
+        return self.run().reshape(x.shape[0], 1, -1)
 
 
 class TorchStep:
@@ -284,6 +345,12 @@ def main(argv=None):
     p.add_argument("--half", default="", help="also mhagen with half-precision weights "
                    "and/or cache: DTYPE[:CACHE_DTYPE],... (e.g. bfloat16,float32:bfloat16; "
                    "the cache float32 unless given)")
+    p.add_argument("--paged", default="", help="also mhagen reading a paged cache of "
+                   "blocks of these many tokens, e.g. 16 or 16,64 (mhagen_paged<B>)")
+    p.add_argument("--pool", default="shuffled", help="the paged pools' block order: "
+                   "shuffled, ordered or both (shuffled,ordered)")
+    p.add_argument("--varlen", action="store_true", help="also mhagen's packed form "
+                   "(seq_len=None, cu_seqlens), one token a row (mhagen_varlen)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--peers", default=",".join(PEERS))
     p.add_argument("--gap-ms", type=float, default=bm.GAP_MS,
@@ -340,6 +407,12 @@ def main(argv=None):
                  "mhagen_call": MhagenCall(layer, w, B, past, args.target)}
         impls.update((n, MhagenStep(v.layer, v.weights, B, past, args.target))
                      for n, v in variants.items() if n != "mhagen")
+        for block in (int(b) for b in args.paged.split(",") if b):
+            for order in (o for o in args.pool.split(",") if o):
+                name = f"mhagen_paged{block}" + ("_ordered" if order == "ordered" else "")
+                impls[name] = MhagenPagedStep(layer, w, B, past, args.target, block, order)
+        if args.varlen:
+            impls["mhagen_varlen"] = MhagenVarlenStep(layer, w, B, past, args.target)
         for name in peers:
             try:
                 impls[name] = PEERS[name](layer, w, B, past, threads=threads)
@@ -360,7 +433,8 @@ def main(argv=None):
             rows.append({"threads": threads, "impl": n, "ms": t * 1e3,
                          "gb_s": read / t / 1e9,
                          "read_bw_share": read / t / 1e9 / bw, "read_bw_gb_s": bw,
-                         "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None})
+                         "vs_fastest_peer": (t / med[fastest_peer]) if fastest_peer else None,
+                         "vs_mhagen": t / med["mhagen"] if "mhagen" in med else None})
     cached = (f"rows cache {', '.join(str(n + 1) for n in past)} of {N} tokens"
               if args.lens is not None else f"cache {N}")
     heads = f"{H} heads" + (f", {G} K/V heads" if G != H else "")
@@ -380,14 +454,16 @@ def markdown(rows, meta):
     lines = [f"Decode step: {meta['shape']}; target {meta['target']}; "
              f"{meta['bytes_read'] / 1e6:.1f} MB read at least per step (float32 weights; "
              "half-precision rows: 2 bytes a value of theirs)",
-             "", "| threads | impl | ms | GB/s | % read bw | / fastest peer |",
-             "|---|---|---:|---:|---:|---:|"]
+             "", "| threads | impl | ms | GB/s | % read bw | / fastest peer | / mhagen |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         contender = r["impl"].startswith("mhagen") and r["impl"] != "mhagen_call"
         ratio = "—" if r["vs_fastest_peer"] is None or not contender else \
             f"{r['vs_fastest_peer']:.2f}"
+        own = "—" if r.get("vs_mhagen") is None or r["impl"] == "mhagen" else \
+            f"{r['vs_mhagen']:.2f}"
         lines.append(f"| {r['threads']} | {r['impl']} | {r['ms']:.3f} | {r['gb_s']:.1f} | "
-                     f"{100 * r['read_bw_share']:.0f}% | {ratio} |")
+                     f"{100 * r['read_bw_share']:.0f}% | {ratio} | {own} |")
     lines.append("")
     lines += [f"- {n}: {s}" for n, s in meta["status"].items()]
     bws = sorted({(r['threads'], r['read_bw_gb_s']) for r in rows})

@@ -66,12 +66,8 @@ class DecodeArgs:
             lens[...] = self.cache.lens
         else:
             self.cache.reserve(self.seqs, self.counts)
-            lens[:rows] = [self.cache.lens(s) for s in self.seqs]
             lens[rows:] = 0
-            tables = staging.staged(buffers["block_tables"], None)[0]
-            for row, seq in enumerate(self.seqs):
-                blocks = self.cache.blocks(seq)
-                tables[row, :len(blocks)] = blocks
+            self.cache.gather(self.seqs, lens, staging.staged(buffers["block_tables"], None)[0])
         if self.cu is not None:
             cu = staging.staged(buffers["cu_seqlens"], None)[0]
             cu[:rows + 1] = self.cu

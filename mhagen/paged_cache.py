@@ -43,7 +43,7 @@ class PagedKVCache:
         self.max_len = positive_int("max_len", max_len, InputError)
         self.block_size = block_size
         self.k, self.v = aligned_zeros(shape, dtype), aligned_zeros(shape, dtype)
-        self._refs = np.zeros(num_blocks, np.int64)   # sequences holding each block
+        self._refs = [0] * num_blocks      # sequences holding each block
         self._free = list(range(num_blocks - 1, -1, -1))   # pop() gives the lowest first
         self._tables: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
@@ -172,33 +172,44 @@ class PagedKVCache:
         if len(set(seqs)) != len(seqs):
             raise InputError(f"seqs lists a sequence twice ({seqs}): a call writes each "
                              "sequence's tokens once")
-        need = 0
+        plan, need = [], 0      # (table, its shared blocks to copy, blocks to add)
         for seq, n in zip(seqs, counts):
             held = self._lens[self._check_seq(seq)]
             if n < 0 or held + n > self.max_len:
                 raise InputError(f"sequence {seq} holds {held} tokens; {n} new ones need "
                                  f"at most {self.max_len} in all (max_len): free or "
                                  "truncate it, or build with a larger kv_cache=")
-            need += len(self._copies(seq, n)) + self._new_blocks(seq, n)
+            copies, new = self._copies(seq, n), self._new_blocks(seq, n)
+            if copies or new:
+                plan.append((self._tables[seq], copies, new))
+                need += len(copies) + new
         if need > len(self._free):
             raise InputError(f"the paged K/V cache has {len(self._free)} free blocks of "
                              f"{self.num_blocks}; this call needs {need} (new tokens "
                              f"{dict(zip(seqs, counts))}): free finished sequences "
                              "(cache.free(seq)) or make a larger pool")
-        for seq, n in zip(seqs, counts):
-            table = self._tables[seq]
-            for i in self._copies(seq, n):
-                old, new = table[i], self._take()
-                self.k[new], self.v[new] = self.k[old], self.v[old]
+        for table, copies, new in plan:
+            for i in copies:
+                old, block = table[i], self._take()
+                self.k[block], self.v[block] = self.k[old], self.v[old]
                 self._release(old)
-                table[i] = new
-            table += [self._take() for _ in range(self._new_blocks(seq, n))]
+                table[i] = block
+            table += [self._take() for _ in range(new)]
 
     def advance(self, seqs, counts) -> None:
         """Add counts[i] to sequence seqs[i]'s length (after a call wrote its tokens into
         the blocks reserve() made room in)."""
         for seq, n in zip(seqs, counts):
             self._lens[int(seq)] += int(n)
+
+    def gather(self, seqs, lens, tables) -> None:
+        """Write the lengths of sequences seqs into lens[:len(seqs)] and their block tables
+        into the rows of tables ([rows, max_blocks] int32; entries past a sequence's blocks
+        are left as they are): what a module call passes its kernels."""
+        for row, seq in enumerate(seqs):
+            blocks = self._tables[seq]
+            lens[row] = self._lens[seq]
+            tables[row, :len(blocks)] = blocks
 
     def to_contiguous(self, seqs, dtype=None) -> KVCache:
         """A KVCache holding sequences `seqs` as its rows (max_len tokens each; rows past a
@@ -229,12 +240,12 @@ class PagedKVCache:
         """Raise AssertionError unless the pool is consistent: every block's count is the
         number of sequences holding it, the free blocks are exactly those nobody holds,
         and every sequence has the blocks of its tokens (for tests)."""
-        refs = np.zeros_like(self._refs)
+        refs = [0] * self.num_blocks
         for seq, table in self._tables.items():
             assert len(table) == -(-self._lens[seq] // self.block_size), (seq, table)
             for block in table:
                 refs[block] += 1
-        assert (refs == self._refs).all(), (refs, self._refs)
+        assert refs == self._refs, (refs, self._refs)
         assert sorted(self._free) == [b for b in range(self.num_blocks) if refs[b] == 0]
 
     def __repr__(self):
@@ -244,6 +255,8 @@ class PagedKVCache:
 
     # -- internals ------------------------------------------------------------------------
     def _check_seq(self, seq) -> int:
+        if seq in self._tables and type(seq) is int:
+            return seq
         if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) \
                 or int(seq) not in self._tables:
             raise InputError(f"{seq!r} is not a sequence of this paged cache (its ids: "
@@ -257,9 +270,9 @@ class PagedKVCache:
         """Indices in seq's table of the shared blocks n new tokens would write into."""
         if n == 0:
             return []
-        table, held = self._tables[seq], self._lens[seq]
+        table, held, refs = self._tables[seq], self._lens[seq], self._refs
         first, last = held // self.block_size, (held + n - 1) // self.block_size
-        return [i for i in range(first, min(last + 1, len(table))) if self._refs[table[i]] > 1]
+        return [i for i in range(first, min(last + 1, len(table))) if refs[table[i]] > 1]
 
     def _new_blocks(self, seq, n) -> int:
         """Blocks seq needs beyond its table to hold n more tokens."""

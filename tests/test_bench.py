@@ -422,7 +422,8 @@ def test_decode_peer_matches_reference(bench_decode, peer, kv_heads, past):
 
 def test_decode_benchmark_quick_run_of_a_ragged_batch(tmp_path):
     """benchmarks/bench_decode.py end to end: rows of 30, 0 and 7 cached tokens, 2 K/V heads,
-    mhagen also with bfloat16 weights and with a bfloat16 cache (--half); every
+    mhagen also with bfloat16 weights and with a bfloat16 cache (--half), reading a paged
+    cache (--paged 16, a shuffled pool) and in the packed form (--varlen); every
     implementation checked against its reference
     (none excluded), then timed; a row longer than the cache is a usage error."""
     pytest.importorskip("torch")
@@ -431,14 +432,16 @@ def test_decode_benchmark_quick_run_of_a_ragged_batch(tmp_path):
     proc = subprocess.run(
         [sys.executable, script, "--d-model", "32", "--heads", "4", "--kv-heads", "2",
          "--cache", "40", "--lens", "30,0,7", "--threads", "1", "--rounds", "1",
-         "--half", "bfloat16,float32:bfloat16", "--out", str(tmp_path)], cwd=ROOT,
+         "--half", "bfloat16,float32:bfloat16", "--paged", "16", "--varlen",
+         "--out", str(tmp_path)], cwd=ROOT,
         capture_output=True,
         text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     assert {r["impl"] for r in data["rows"]} == {
         "mhagen", "mhagen_call", "mhagen_bfloat16", "mhagen_float32_cache_bfloat16",
-        "torch_sdpa", "ort_attention", "ort_gqa"}, data["meta"]
+        "mhagen_paged16", "mhagen_varlen", "torch_sdpa", "ort_attention", "ort_gqa"}, \
+        data["meta"]
     assert "tolerance 0.0" in data["meta"]["status"]["mhagen_bfloat16 decode step"]
     assert all(r["ms"] > 0 for r in data["rows"])
     assert "rows cache 31, 1, 8 of 40 tokens" in data["meta"]["shape"]

@@ -290,3 +290,18 @@ def test_c_api_runs_a_paged_call_as_python_does(tmp_path):
     assert status == "MHA_ERR_ARGUMENT" and "block_tables[1][1] = 8" in message, message
     assert out["k.out"] == np.ascontiguousarray(arrays["k"]).tobytes()
     assert out["lens.out"] == lens.tobytes()
+
+
+def test_saved_paged_module_loads_and_decodes_the_same(tmp_path):
+    """A paged module saved (no C API) and loaded with mhagen.load keeps its block size and
+    answers a packed call on a pool with the same bits."""
+    m = paged_module()
+    loaded = mhagen.load(m.save(tmp_path / "paged", c_api=False))
+    assert loaded.kv_block_size == 16 and loaded._packed
+    x = np.random.default_rng(11).standard_normal((1, 5, 64)).astype(np.float32)
+    outs = []
+    for module in (m, loaded):
+        pool = module.new_paged_cache(4)
+        seqs = [pool.add(), pool.add()]
+        outs.append(module(x, cache=pool, seqs=seqs, cu_seqlens=[0, 4, 5]))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -27,6 +27,14 @@ attention     a decode step has one query per head (or a few: S new tokens x the
               it from L1): the step is bound by reading the cache.
 Positions are absolute: query t of row b is at q_idx = cache_lens[b] + t; every score goes
 through the mask (no block table: the cache length is known only per call).
+Packed calls (built for any number of new tokens): row b adds its own count of tokens, rows
+cu_seqlens[b] .. cu_seqlens[b+1]-1 of qkv and att; its groups are its own row tiles (none
+for a row without new tokens), and a tile's rows find their heads and positions once, at
+the start of a piece. A paged cache (kv_block_size): k_cache and v_cache are pools [blocks,
+G, block, d] read through block_tables [batch, max_len / block], one table read a key block
+(whose keys lie in one pool block: the key block divides the pool's); where a K/V head's
+rows would keep the lanes along head_dim, the row tiles run across the K/V heads
+(heads_in_tile), so a tile reads each pool block's K and V in one stretch.
 
 The templates by stage, one file each:
   decode.py          the rules (DecodeRule, CacheAppendRule), build_decode, cache_append

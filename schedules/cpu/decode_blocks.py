@@ -33,6 +33,7 @@ def lanes_block_macro(prm, rules):
     """block_rows_in_lanes: a key block for a tile's rows in the vector lanes."""
     _, _, _, add_values, rescaled_row, stored_row = row_macros(prm)
     loaded, key_block, key_slot, q_len = prm.loaded, prm.key_block, prm.key_slot, prm.q_len
+    rows_of = prm.rows_of
     KB, JU, RT, R, S, d = prm.KB, prm.JU, prm.RT, prm.R, prm.S, prm.d
     GROUP, neg_inf, zero, PACKED = prm.GROUP, prm.neg_inf, prm.zero, prm.packed
     PAGED = prm.BS is not None
@@ -88,20 +89,22 @@ def lanes_block_macro(prm, rules):
             ml[0, ln] = sm[0, ln]
 
     @T.macro
-    def lanes_values(v_cache, part_o, sr, sm, o_row, kr, g, slot, base):
+    def lanes_values(cu, v_cache, part_o, sr, sm, o_row, b, rt, kr, g, slot, base):
         for r in range(RT):
-            rescaled_row(o_row, part_o, slot, r, sm[2, r])
-            for j in range(KB):
-                if sr[j, r] != zero:
-                    add_values(o_row, v_cache, sr[j, r], kr, g, key_slot(base, j))
-            stored_row(part_o, slot, r, o_row)
+            # packed: a tile's rows past its batch row's skipped (their lanes were copies)
+            if not PACKED or rt * RT + r < rows_of(cu, b):
+                rescaled_row(o_row, part_o, slot, r, sm[2, r])
+                for j in range(KB):
+                    if sr[j, r] != zero:
+                        add_values(o_row, v_cache, sr[j, r], kr, g, key_slot(base, j))
+                stored_row(part_o, slot, r, o_row)
 
     @T.macro
     def lanes_block(cache_lens, cu, k_cache, v_cache, part_o, qt, sr, sacc, sm, ml, o_row, rq,
                     b, g, rt, slot, k0, kv_len, kr, base):
         lanes_scores(cache_lens, cu, k_cache, qt, sr, sacc, rq, b, g, rt, k0, kv_len, kr, base)
         lanes_softmax(sr, sm, ml)
-        lanes_values(v_cache, part_o, sr, sm, o_row, kr, g, slot, base)
+        lanes_values(cu, v_cache, part_o, sr, sm, o_row, b, rt, kr, g, slot, base)
 
     @T.macro
     def block_rows_in_lanes(cache_lens, cu, tables, k_cache, v_cache, part_o, qt, sr, sacc, sm,
@@ -120,9 +123,10 @@ def lanes_block_macro(prm, rules):
 def row_block_macro(prm, rules):
     """block_rows: a key block for a tile's rows one by one, lanes along head_dim."""
     lane_sum, lane_max, dot_rows, add_values, rescaled_row, stored_row = row_macros(prm)
-    key_block, key_slot, q_len = prm.key_block, prm.key_slot, prm.q_len
+    key_block, key_slot, q_len, kv_head = prm.key_block, prm.key_slot, prm.q_len, prm.kv_head
+    rows_of = prm.rows_of
     KB, RT, R, S, LN = prm.KB, prm.RT, prm.R, prm.S, prm.LN
-    GROUP, neg_inf, zero, PACKED = prm.GROUP, prm.neg_inf, prm.zero, prm.packed
+    GROUP, neg_inf, zero, PACKED = prm.GROUPT, prm.neg_inf, prm.zero, prm.packed
     PAGED = prm.BS is not None
 
     def scored(value, b, h, qpos, kv, kv_len, cu=None):
@@ -170,16 +174,22 @@ def row_block_macro(prm, rules):
     def row_block(cache_lens, cu, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml, o_row, rq,
                   b, g, rt, slot, k0, kv_len, kr, base):
         for r in range(RT):
-            if PACKED:     # the rows' heads and positions, found at the piece's start
-                row_scores(qb, cu, k_cache, s_buf, acc, r, b, g, rq[0, r], rq[1, r], k0,
-                           kv_len, kr, base)
-            else:
+            # packed: the rows' heads and positions were found at the piece's start; a
+            # tile's rows past its batch row's (a row of fewer tokens than the most) skipped
+            if PACKED and rt * RT + r < rows_of(cu, b):
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, rq[0, r]), rq[0, r],
+                           rq[1, r], k0, kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, rq[0, r]),
+                           slot, base)
+            if not PACKED:
                 row = T.min(rt * RT + r, R - 1)
                 h = g * GROUP + row // S
                 qpos = cache_lens[b] + row % S
-                row_scores(qb, cu, k_cache, s_buf, acc, r, b, g, h, qpos, k0, kv_len, kr, base)
-            row_softmax(s_buf, acc, st, ml, r)
-            row_values(v_cache, part_o, s_buf, st, o_row, r, kr, g, slot, base)
+                row_scores(qb, cu, k_cache, s_buf, acc, r, b, kv_head(g, h), h, qpos, k0,
+                           kv_len, kr, base)
+                row_softmax(s_buf, acc, st, ml, r)
+                row_values(v_cache, part_o, s_buf, st, o_row, r, kr, kv_head(g, h), slot, base)
 
     @T.macro
     def block_rows(cache_lens, cu, tables, qb, k_cache, v_cache, part_o, s_buf, acc, st, ml,

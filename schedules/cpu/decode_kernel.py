@@ -26,7 +26,7 @@ def piece_macro(prm, rules):
     block_rows_in_lanes, block_rows = block_macros(prm, rules)
     kv_len_of, count, first_row, rows_of = prm.kv_len_of, prm.count, prm.first_row, prm.rows_of
     RT, KB, d, LN, QCH, DP, PW = prm.RT, prm.KB, prm.d, prm.LN, prm.QCH, prm.DP, prm.PW
-    GROUP, Q_BASE, ROW_LANES, causal = prm.GROUP, prm.Q_BASE, prm.ROW_LANES, prm.causal
+    GROUP, Q_BASE, ROW_LANES, causal = prm.GROUPT, prm.Q_BASE, prm.ROW_LANES, prm.causal
     c_log2e, neg_inf, zero, PACKED = prm.c_log2e, prm.neg_inf, prm.zero, prm.packed
 
     @T.macro
@@ -91,7 +91,7 @@ def worker_macro(prm, rules):
     """worker_task for record prm and the workload's ScoreRules."""
     piece = piece_macro(prm, rules)
     n_blocks, tiles_of = prm.n_blocks, prm.tiles_of
-    B, G, C, RT = prm.B, prm.G, prm.C, prm.RT
+    B, G, C, RT = prm.B, prm.GT, prm.C, prm.RT
     DP, KB, LN, JU, flush = prm.DP, prm.KB, prm.LN, prm.JU, prm.flush
 
     @T.macro
@@ -140,8 +140,8 @@ def merge_macro(prm):
     """merge_tile for record prm."""
     n_blocks, tiles_of, rows_of, count, first_row = (prm.n_blocks, prm.tiles_of, prm.rows_of,
                                                      prm.count, prm.first_row)
-    B, G, C, RT, d = prm.B, prm.G, prm.C, prm.RT, prm.d
-    DP, LN, QCH, GROUP = prm.DP, prm.LN, prm.QCH, prm.GROUP
+    B, G, C, RT, d = prm.B, prm.GT, prm.C, prm.RT, prm.d
+    DP, LN, QCH, GROUP = prm.DP, prm.LN, prm.QCH, prm.GROUPT
     neg_inf, zero = prm.neg_inf, prm.zero
 
     @T.macro

@@ -22,7 +22,8 @@ from tvm.script import tirx as T
 from mhagen.blockmask import conjuncts
 from mhagen.ir import expr as ex
 from mhagen.lower.te import LOG2E
-from mhagen.schedules.cpu.decode_tiles import decode_layout, keys_in_flight, rows_in_lanes
+from mhagen.schedules.cpu.decode_tiles import (decode_layout, heads_in_tile, keys_in_flight,
+                                               rows_in_lanes)
 from mhagen.schedules.cpu.fast_math import f32
 
 
@@ -73,6 +74,19 @@ class DecodeParams:
     # (k_cache, v_cache are pools [blocks, G, BS, d] read through block_tables), else None
     packed: bool = False
     BS: int | None = None
+    # the groups' K/V heads and query heads: G and GROUP, or with tiles across the K/V heads
+    # (heads_in_tile, a paged cache) 1 and H, each row then reading head h // GROUP
+    GT: int = 0
+    GROUPT: int = 0
+
+    @property
+    def across(self) -> bool:
+        """Row tiles run across the K/V heads (decode_tiles.heads_in_tile)."""
+        return self.GT != self.G
+
+    def kv_head(self, g, h):
+        """The K/V head query head h (of group head g) reads."""
+        return h // self.GROUP if self.across else g
 
     def loaded(self, value):
         """A K/V value read from the cache, as float32 (a half cache converts it)."""
@@ -88,7 +102,7 @@ class DecodeParams:
 
     def rows_of(self, cu, b):
         """Query rows of batch row b that read one K/V head (GROUP heads x its tokens)."""
-        return self.GROUP * self.count(cu, b) if self.packed else self.R
+        return self.GROUPT * self.count(cu, b) if self.packed else self.R
 
     def tiles_of(self, cu, b):
         """Row tiles of batch row b (groups a K/V head; 0 for a row without new tokens)."""
@@ -147,13 +161,15 @@ def decode_params(w, cfg, registers, flush, rules):
     assert LN in (4, 8, 16), LN
     R, NRT, NG, M, MA = split.rows, split.n_row_tiles, split.groups, w.rows, w.att_rows
     B, S, GROUP = rules.batch, rules.seq, H // G
+    across = heads_in_tile(w, LN)
+    GT, GROUPT = (1, H) if across else (G, GROUP)
     if rules.symbolic:
-        R = GROUP * S
+        R = GROUPT * S
         NRT = (R + RT - 1) // RT
-        NG = B * G * NRT
+        NG = B * GT * NRT
         M = MA = (B * S + w.row_tile - 1) // w.row_tile * w.row_tile
     if w.packed:    # the rows of every batch row (the cache's, fixed) in the call's S rows
-        B, NG = w.batch, G * ((GROUP * S + RT - 1) // RT + w.batch)
+        B, NG = w.batch, GT * ((GROUPT * S + RT - 1) // RT + w.batch)
     # a causal part (kv_idx <= q_idx) bounds a row tile's keys by its last query's position:
     # a prompt's tile skips the blocks above the diagonal, as the prefill template does
     causal = w.mask is not None and any(p == ex.causal() for p in conjuncts(w.mask))
@@ -162,6 +178,8 @@ def decode_params(w, cfg, registers, flush, rules):
         PW=PW, NP=w.qkv_width // PW, M=M, MA=MA, Q_BASE=w.q_base, R=R, NRT=NRT, NG=NG,
         NP_MAX=split.partials, RT=RT, C=cfg.workers, KB=KB, LN=LN, NCH=d // LN, TAIL=d % LN,
         # O rows go a vector at a time: see rescaled_row
-        QCH=DP // LN, ROW_LANES=rows_in_lanes(RT, LN), JU=keys_in_flight(RT, LN, registers, KB),
+        QCH=DP // LN, ROW_LANES=rows_in_lanes(RT, LN) and not across,
+        JU=keys_in_flight(RT, LN, registers, KB),
         causal=causal, c_log2e=f32(w.scale * LOG2E), neg_inf=f32(float("-inf")),
-        zero=f32(0.0), flush=flush, packed=w.packed, BS=w.kv_block_size)
+        zero=f32(0.0), flush=flush, packed=w.packed, BS=w.kv_block_size, GT=GT,
+        GROUPT=GROUPT)

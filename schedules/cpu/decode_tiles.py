@@ -8,6 +8,8 @@ balanced_share         a worker's even, contiguous share of the call's key block
 decode_kv_block        keys per online-softmax step
 paged_kv_block         that step's keys for a paged cache (a divisor of its block size)
 rows_in_lanes          whether a tile's scores put its query rows in the vector lanes
+heads_in_tile          whether a paged cache's row tiles run across the K/V heads
+default_row_tile       a tile's rows by default
 keys_in_flight         keys whose row-lane scores accumulate at once
 default_decode_config  the default config
 """
@@ -65,15 +67,32 @@ class DecodeSplit:
     partials: int
 
 
+def heads_in_tile(w, lanes) -> bool:
+    """Whether a paged cache's row tiles run across K/V heads: their rows every query head x
+    the new tokens (a row reads its own head's keys), where the tiles of one K/V head's rows
+    would keep the lanes along head_dim (fewer than 8 rows: rows_in_lanes). A pool block
+    holds every head's rows of its tokens side by side ([blocks, kv_heads, block, d]): a
+    tile across the heads reads a block's K (and V) in one stretch, where a tile of one head
+    read a few KiB a block, each stretch apart from the last, and waited on memory at every
+    one (measured: benchmarks/PERFORMANCE.md)."""
+    if not w.kv_block_size or w.kv_heads == 1:
+        return False
+    return not rows_in_lanes(default_row_tile(w.heads // w.kv_heads * w.seq, lanes), lanes)
+
+
 def decode_layout(w, cfg) -> DecodeSplit:
     """The split of workload w under cfg. Packed calls (w.packed: each batch row's own number
     of new tokens, w.batch * w.seq in all at most) bound their groups: sum_b kv_heads *
-    ceil(GROUP n_b / row_tile) <= kv_heads * (ceil(GROUP * total / row_tile) + batch)."""
-    rows = w.heads // w.kv_heads * w.seq
+    ceil(GROUP n_b / row_tile) <= kv_heads * (ceil(GROUP * total / row_tile) + batch).
+    Tiles across the K/V heads (heads_in_tile): one group of heads x tokens rows a batch row's
+    row tile."""
+    across = heads_in_tile(w, cfg.lanes)
+    heads, group_heads = (1, w.heads) if across else (w.kv_heads, w.heads // w.kv_heads)
+    rows = group_heads * w.seq
     n_row_tiles = -(-rows // cfg.row_tile)
-    groups = w.batch * w.kv_heads * n_row_tiles
+    groups = w.batch * heads * n_row_tiles
     if w.packed:
-        groups = w.kv_heads * (-(-rows * w.batch // cfg.row_tile) + w.batch)
+        groups = heads * (-(-rows * w.batch // cfg.row_tile) + w.batch)
     # a group's blocks split over the workers whose shares meet them: group j's piece of
     # worker t is partial j + t (shares are contiguous runs, so no two pieces meet there)
     return DecodeSplit(rows=rows, n_row_tiles=n_row_tiles, groups=groups,
@@ -113,18 +132,27 @@ def paged_kv_block(kv_block, lanes, block_size):
     return best
 
 
+def default_row_tile(rows, lanes):
+    """Query rows a tile of the `rows` that read one K/V head: up to 16, rows in the lanes
+    where a few copied rows allow it."""
+    row_tile = min(rows, 16)
+    padded = round_up(row_tile, lanes)
+    if (row_tile >= 8 and not rows_in_lanes(row_tile, lanes) and padded <= 16
+            and rows_in_lanes(padded, lanes) and 3 * padded <= 4 * row_tile):
+        # rows in the lanes pay for a few copied rows (AVX2, 12 rows a K/V head in a
+        # tile of 16: benchmarks/PERFORMANCE.md, Schedule decisions)
+        row_tile = padded
+    return row_tile
+
+
 def default_decode_config(workload, target):
     """The default config: row tiles of up to 16 query rows (rows in the lanes where a few
     copied rows allow it), one worker a core, key blocks by decode_kv_block (a paged cache:
     dividing its block size, paged_kv_block)."""
     rows = workload.heads // workload.kv_heads * workload.seq
-    row_tile = min(rows, 16)
-    padded = round_up(row_tile, target.lanes)
-    if (row_tile >= 8 and not rows_in_lanes(row_tile, target.lanes) and padded <= 16
-            and rows_in_lanes(padded, target.lanes) and 3 * padded <= 4 * row_tile):
-        # rows in the lanes pay for a few copied rows (AVX2, 12 rows a K/V head in a
-        # tile of 16: benchmarks/PERFORMANCE.md, Schedule decisions)
-        row_tile = padded
+    row_tile = default_row_tile(rows, target.lanes)
+    if heads_in_tile(workload, target.lanes):    # every head's rows, lanes along head_dim
+        row_tile = min(workload.heads * workload.seq, 16)
     # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
     # thread, so more tasks balance nothing and add partials to merge (against 4 a
     # core: benchmarks/PERFORMANCE.md, Schedule decisions)
