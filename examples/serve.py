@@ -403,13 +403,55 @@ def make_model(cfg, seed=0) -> Model:
                  cfg["max_prompt"] + cfg["max_new"], seed)
 
 
-def run(cfg, target="x86", seed=0, modules=None) -> dict:
+def compare(requests, expected):
+    """(mismatches, requests whose tokens differ, worst hidden-state error / tolerance,
+    smallest top-2 gap of the alone runs) of the served requests against expected, each
+    sample's (tokens, hidden states, top-2 gaps) run alone."""
+    mismatches, token_mismatches, worst_ratio, min_gap = [], 0, 0.0, np.inf
+    for r in requests:
+        for s in range(r.samples):
+            tokens, hidden, gaps = expected[(r.rid, s)]
+            min_gap = min(min_gap, min(gaps))
+            if r.outputs[s] != tokens:
+                at = next(i for i, (a, b) in enumerate(zip(r.outputs[s], tokens)) if a != b)
+                mismatches.append(f"request {r.rid} sample {s}: tokens differ from token {at} "
+                                  f"on (alone: top-2 gap {gaps[at]:.3g})")
+                token_mismatches += 1
+                continue
+            err, tol = max_error(r.hidden[s], hidden), tolerance(hidden)
+            worst_ratio = max(worst_ratio, err / tol)
+            if not err <= tol:
+                mismatches.append(f"request {r.rid} sample {s}: last hidden states off by "
+                                  f"{err:.3g} (tolerance {tol:.3g})")
+    return mismatches, token_mismatches, worst_ratio, min_gap
+
+
+def pool_problems(pools) -> list:
+    """What is wrong with the pools after every request finished: blocks still held, block
+    counts that are not the sequences holding them."""
+    problems = []
+    for i, pool in enumerate(pools.all):
+        if pool.used_blocks:
+            problems.append(f"layer {i}: {pool.used_blocks} blocks still held after every "
+                            "request finished")
+        try:
+            pool.check()
+        except AssertionError as e:
+            problems.append(f"layer {i}: the pool's block counts are inconsistent: {e}")
+    return problems
+
+
+def run(cfg, target="x86", seed=0, modules=None, repeat=1) -> dict:
     """Serve cfg's requests, run them one at a time, check; modules: build()'s result for
-    make_model(cfg, seed) where the caller has it (built here otherwise)."""
+    make_model(cfg, seed) where the caller has it (built here otherwise); repeat: times
+    both runs go (alternated; the medians reported), each checked."""
     model = make_model(cfg, seed)
-    requests = make_requests(cfg["requests"], cfg["vocab"], cfg["min_prompt"],
+
+    def new_requests():
+        return make_requests(cfg["requests"], cfg["vocab"], cfg["min_prompt"],
                              cfg["max_prompt"], cfg["min_new"], cfg["max_new"],
                              cfg["arrival_rate"], cfg["forked"], seed)
+    requests = new_requests()
     worst = max(-(-(len(r.prompt) + r.max_new) // BLOCK_SIZE) * r.samples for r in requests)
     if worst > cfg["blocks"] - -(-cfg["blocks"] // 100):
         raise mhagen.InputError(f"a request needs up to {worst} blocks of {BLOCK_SIZE} alone; "
@@ -418,32 +460,24 @@ def run(cfg, target="x86", seed=0, modules=None) -> dict:
     paged, alone_modules = modules or build(model, target, cfg["max_seqs"],
                                             cfg["token_budget"], cfg["max_prompt"])
     warm_up(paged, alone_modules, cfg["d_model"])
-    server = Server(model, paged, cfg["blocks"], cfg["max_seqs"], cfg["token_budget"], seed)
-    t0 = time.perf_counter()
-    server.serve(requests)
-    served_s = time.perf_counter() - t0
-
     alone = Alone(model, alone_modules, seed)
-    t0 = time.perf_counter()
-    expected = {(r.rid, s): alone.generate(r, s) for r in requests for s in range(r.samples)}
-    alone_s = time.perf_counter() - t0
-
-    mismatches, worst_ratio, min_gap, token_mismatches = [], 0.0, np.inf, 0
-    for r in requests:
-        for s in range(r.samples):
-            tokens, hidden, gaps = expected[(r.rid, s)]
-            min_gap = min(min_gap, min(gaps))
-            if r.outputs[s] != tokens:
-                at = next(i for i, (a, b) in enumerate(zip(r.outputs[s], tokens)) if a != b)
-                mismatches.append(f"request {r.rid} sample {s}: tokens differ from token {at} "
-                                  f"on (alone: top-2 gap {gaps[min(at, len(gaps) - 1)]:.3g})")
-                token_mismatches += 1
-                continue
-            err, tol = max_error(r.hidden[s], hidden), tolerance(hidden)
-            worst_ratio = max(worst_ratio, err / tol)
-            if not err <= tol:
-                mismatches.append(f"request {r.rid} sample {s}: last hidden states off by "
-                                  f"{err:.3g} (tolerance {tol:.3g})")
+    served_s, alone_s, checks = [], [], []
+    for _ in range(repeat):        # alternated: on a busy machine the timings swing
+        requests = new_requests()
+        server = Server(model, paged, cfg["blocks"], cfg["max_seqs"], cfg["token_budget"],
+                        seed)
+        t0 = time.perf_counter()
+        server.serve(requests)
+        served_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        expected = {(r.rid, s): alone.generate(r, s) for r in requests
+                    for s in range(r.samples)}
+        alone_s.append(time.perf_counter() - t0)
+        checks.append(compare(requests, expected))
+        checks[-1][0].extend(pool_problems(server.pools))
+    mismatches = sorted({line for c in checks for line in c[0]})
+    token_mismatches = max(c[1] for c in checks)
+    worst_ratio, min_gap = max(c[2] for c in checks), min(c[3] for c in checks)
     first = requests[0]
     fed = first.prompt + expected[(first.rid, 0)][0][:-1]
     reference = model.reference(fed)
@@ -451,18 +485,11 @@ def run(cfg, target="x86", seed=0, modules=None) -> dict:
     if not ref_err <= ref_tol:
         mismatches.append(f"request {first.rid} alone: off the float64 reference by "
                           f"{ref_err:.3g} (tolerance {ref_tol:.3g})")
-    pool = server.pools.first
-    if pool.used_blocks:
-        mismatches.append(f"{pool.used_blocks} blocks still held after every request finished")
-    for p in server.pools.all:
-        try:
-            p.check()
-        except AssertionError as e:
-            mismatches.append(f"the pool's block counts are inconsistent: {e}")
-    return dict(requests=requests, log=server.log, served_s=served_s, alone_s=alone_s,
+    return dict(requests=requests, log=server.log, served_s=float(np.median(served_s)),
+                alone_s=float(np.median(alone_s)), repeat=repeat,
                 mismatches=mismatches, token_mismatches=token_mismatches,
                 worst_ratio=worst_ratio, min_gap=min_gap, ref_err=ref_err, ref_tol=ref_tol,
-                num_blocks=pool.num_blocks, modules=paged, cfg=cfg)
+                num_blocks=cfg["blocks"], modules=paged, cfg=cfg)
 
 
 def report(r) -> None:
@@ -499,6 +526,8 @@ def report(r) -> None:
     waits = [q.admitted - q.arrival for q in reqs]
     print(f"steps from arrival to admission: mean {np.mean(waits):.1f}, max {max(waits)}")
     served, alone = generated / r["served_s"], generated / r["alone_s"]
+    if r["repeat"] > 1:
+        print(f"\ntimes: the medians of {r['repeat']} runs of each, alternated")
     print(f"\ncontinuous batching: {r['served_s']:.2f} s, {served:.1f} generated tokens/s "
           f"({(prompts + generated) / r['served_s']:.1f} prompt + generated tokens/s)")
     print(f"one request at a time: {r['alone_s']:.2f} s, {alone:.1f} generated tokens/s "
@@ -518,13 +547,17 @@ def main(argv=None) -> int:
                    f"(the test's run): {QUICK}")
     p.add_argument("--target", default="x86")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="run both N times, alternated, "
+                   "and report the median times (a busy machine's timings swing)")
     for name, value in DEFAULTS.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None,
                        help=f"default {value} (--quick: {QUICK[name]})")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat takes a count of 1 or more")
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else
            (QUICK if args.quick else DEFAULTS)[k] for k in DEFAULTS}
-    r = run(cfg, args.target, args.seed)
+    r = run(cfg, args.target, args.seed, repeat=args.repeat)
     report(r)
     for line in r["mismatches"]:
         print("MISMATCH:", line)
