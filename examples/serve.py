@@ -150,9 +150,6 @@ class Request:
     def __post_init__(self):
         self.outputs = [[] for _ in range(self.samples)]
 
-    def tokens(self, sample) -> list:
-        return self.prompt + self.outputs[sample]
-
     def live(self) -> list:
         """Samples still generating."""
         return [s for s in range(self.samples) if len(self.outputs[s]) < self.max_new]
@@ -161,7 +158,7 @@ class Request:
         """Tokens a new sequence of this request holds before it forks: the prompt while
         several samples share it, else all the known tokens of its one sample."""
         live = self.live()
-        return len(self.prompt) if len(live) > 1 else len(self.tokens(live[0]))
+        return len(self.prompt) + (0 if len(live) > 1 else len(self.outputs[live[0]]))
 
 
 def make_requests(n, vocab, min_prompt, max_prompt, min_new, max_new, arrival_rate, forked,
@@ -187,8 +184,16 @@ class Seq:
     fed: int = 0                   # tokens in the cache
 
     def pending(self) -> int:
-        limit = len(self.req.prompt) if self.shared() else len(self.req.tokens(self.sample))
-        return limit - self.fed
+        req = self.req
+        known = len(req.prompt) + (0 if self.shared() else len(req.outputs[self.sample]))
+        return known - self.fed
+
+    def next_tokens(self, n) -> list:
+        """Its n tokens from the first one not in the cache on (the prompt's, then its
+        sample's outputs)."""
+        prompt, out = self.req.prompt, self.req.outputs[self.sample]
+        a, b = self.fed, self.fed + n
+        return prompt[a:b] + out[max(0, a - len(prompt)):max(0, b - len(prompt))]
 
     def shared(self) -> bool:
         """Still the prompt of several samples (not forked yet)."""
@@ -310,10 +315,11 @@ class Server:
         """One call per layer over the plan's tokens; then forks, samples, frees."""
         counts = [n for _, n in plan]
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        tokens = [t for seq, n in plan for t in seq.req.tokens(seq.sample)[seq.fed:seq.fed + n]]
+        tokens = [t for seq, n in plan for t in seq.next_tokens(n)]
         sids = [seq.sid for seq, _ in plan]
         hidden = self.model.forward(tokens, lambda i, x: self.modules[i](
             x, cache=self.pools.all[i], seqs=sids, cu_seqlens=cu))
+        caught_up = []                     # (a sequence that fed all its tokens, its last row)
         for (seq, n), start in zip(plan, cu[:-1]):
             req = seq.req
             req.chunked |= n < seq.pending()
@@ -327,19 +333,18 @@ class Server:
                 for s in req.live()[1:]:
                     family.append(Seq(self.pools.fork(seq.sid), req, s, seq.fed))
                     self.running.insert(at + len(family) - 1, family[-1])
-            logits = None
-            for member in family:
-                if member.pending() == 0:                      # caught up: its next token
-                    if logits is None:
-                        logits = hidden[start + n - 1] @ self.model.unembed
-                    out = req.outputs[member.sample]
-                    out.append(int(np.argmax(scores(logits, req, member.sample, len(out),
-                                                    self.seed))))
-                    if len(req.outputs[member.sample]) == req.max_new:
-                        self.pools.free(member.sid)            # done: its blocks go back
-                        self.running.remove(member)
-                        if not req.live():
-                            req.finished = len(self.log)
+            caught_up += [(member, start + n - 1) for member in family if member.pending() == 0]
+        if not caught_up:
+            return
+        logits = hidden[[row for _, row in caught_up]] @ self.model.unembed
+        for (seq, _), row_logits in zip(caught_up, logits):
+            req, out = seq.req, seq.req.outputs[seq.sample]
+            out.append(int(np.argmax(scores(row_logits, req, seq.sample, len(out), self.seed))))
+            if len(out) == req.max_new:
+                self.pools.free(seq.sid)                       # done: its blocks go back
+                self.running.remove(seq)
+                if not req.live():
+                    req.finished = len(self.log)
 
 
 # -- one request at a time: the check and the baseline -------------------------------------
