@@ -446,10 +446,24 @@ def pool_problems(pools) -> list:
     return problems
 
 
+def check_config(cfg) -> None:
+    """InputError unless cfg's numbers make a run (the others: mhagen.mha and build say)."""
+    for name, value in cfg.items():
+        least = 2 if name == "vocab" else 0 if name == "forked" else 1
+        if not value >= least:
+            raise mhagen.InputError(f"--{name.replace('_', '-')} must be at least {least}, "
+                                    f"got {value}")
+    for low, high in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
+        if cfg[low] > cfg[high]:
+            raise mhagen.InputError(f"--{low.replace('_', '-')} {cfg[low]} is more than "
+                                    f"--{high.replace('_', '-')} {cfg[high]}")
+
+
 def run(cfg, target="x86", seed=0, modules=None, repeat=1) -> dict:
     """Serve cfg's requests, run them one at a time, check; modules: build()'s result for
     make_model(cfg, seed) where the caller has it (built here otherwise); repeat: times
     both runs go (alternated; the medians reported), each checked."""
+    check_config(cfg)
     model = make_model(cfg, seed)
 
     def new_requests():
@@ -525,8 +539,8 @@ def report(r) -> None:
           f"({100 * used.max() / nb:.0f}%), mean {100 * used.mean() / nb:.0f}%, median "
           f"{100 * np.median(used) / nb:.0f}%")
     print(f"steps where the queue's head waited for blocks: {sum(s['blocked'] for s in log)}; "
-          f"preemptions: {sum(q.preempted for q in reqs)}; prompts longer than a step's "
-          f"budget (chunked): {sum(q.chunked for q in reqs)}; forked requests: "
+          f"preemptions: {sum(q.preempted for q in reqs)}; prompts split over steps "
+          f"(chunked prefill): {sum(q.chunked for q in reqs)}; forked requests: "
           f"{sum(q.samples == 2 for q in reqs)}")
     waits = [q.admitted - q.arrival for q in reqs]
     print(f"steps from arrival to admission: mean {np.mean(waits):.1f}, max {max(waits)}")
@@ -543,7 +557,7 @@ def report(r) -> None:
     samples = sum(q.samples for q in reqs)
     print(f"outputs equal to their request run alone: {samples - r['token_mismatches']} of "
           f"{samples} (every token); last hidden states at most {r['worst_ratio']:.2g} x the "
-          f"float32 tolerance; smallest top-2 logit gap of the alone runs {r['min_gap']:.3g}")
+          f"float32 tolerance; smallest top-2 score gap of the alone runs {r['min_gap']:.3g}")
 
 
 def main(argv=None) -> int:
@@ -562,7 +576,10 @@ def main(argv=None) -> int:
         p.error("--repeat takes a count of 1 or more")
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else
            (QUICK if args.quick else DEFAULTS)[k] for k in DEFAULTS}
-    r = run(cfg, args.target, args.seed, repeat=args.repeat)
+    try:
+        r = run(cfg, args.target, args.seed, repeat=args.repeat)
+    except mhagen.MhagenError as e:
+        p.error(str(e))          # one line, exit status 2
     report(r)
     for line in r["mismatches"]:
         print("MISMATCH:", line)

@@ -271,3 +271,5 @@ def test_serve_script_exits_1_on_a_mismatch(serve, serve_modules, monkeypatch, c
 def test_serve_refuses_a_pool_too_small_for_a_request(serve, serve_modules):
     with pytest.raises(mhagen.InputError, match="give more blocks"):
         serve.run(dict(serve.QUICK, blocks=3), modules=serve_modules)
+    with pytest.raises(mhagen.InputError, match="--min-new 30 is more than --max-new 24"):
+        serve.run(dict(serve.QUICK, min_new=30), modules=serve_modules)
