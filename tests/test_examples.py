@@ -159,13 +159,19 @@ def test_decode_example_fails_loudly_on_a_mismatch(monkeypatch, capsys):
     """The example's check can fail: break the cache between steps (the prepared runs)
     and it returns 1."""
     dec = load_example("decode")
+    from mhagen.decode_call import PreparedDecode
     from mhagen.module import Call
-    real_run = Call.__call__
+    real_run, real_packed_run = Call.__call__, PreparedDecode.__call__
 
     def corrupt(self):
         self.cache.k[:, :, 3] += 1.0
         return real_run(self)
+
+    def corrupt_packed(self):      # a seq_len=None module's prepared call
+        self.args.cache.k[:, :, 3] += 1.0
+        return real_packed_run(self)
     monkeypatch.setattr(Call, "__call__", corrupt)
+    monkeypatch.setattr(PreparedDecode, "__call__", corrupt_packed)
     assert dec.main(["--prompt", "13", "--steps", "4", "--max-len", "32"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
