@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mhagen
+
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -157,13 +159,19 @@ def test_decode_example_fails_loudly_on_a_mismatch(monkeypatch, capsys):
     """The example's check can fail: break the cache between steps (the prepared runs)
     and it returns 1."""
     dec = load_example("decode")
+    from mhagen.decode_call import PreparedDecode
     from mhagen.module import Call
-    real_run = Call.__call__
+    real_run, real_packed_run = Call.__call__, PreparedDecode.__call__
 
     def corrupt(self):
         self.cache.k[:, :, 3] += 1.0
         return real_run(self)
+
+    def corrupt_packed(self):      # a seq_len=None module's prepared call
+        self.args.cache.k[:, :, 3] += 1.0
+        return real_packed_run(self)
     monkeypatch.setattr(Call, "__call__", corrupt)
+    monkeypatch.setattr(PreparedDecode, "__call__", corrupt_packed)
     assert dec.main(["--prompt", "13", "--steps", "4", "--max-len", "32"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
@@ -212,3 +220,96 @@ def test_hf_generate_example_matches_sdpa_and_fails_loudly(monkeypatch, capsys):
         assert "MISMATCH" in capsys.readouterr().out
     finally:
         torch.set_num_threads(threads)
+
+
+# -- serve (continuous batching on a paged cache) ---------------------------------------------
+@pytest.fixture(scope="module")
+def serve():
+    return load_example("serve")
+
+
+@pytest.fixture(scope="module")
+def serve_modules(serve):
+    """The --quick run's paged and one-sequence modules, built once (most of these tests'
+    time)."""
+    q = serve.QUICK
+    return serve.build(serve.make_model(q), "x86", q["max_seqs"], q["token_budget"],
+                       q["max_prompt"])
+
+
+@pytest.fixture(scope="module")
+def serve_main(serve, serve_modules):
+    """main(["--quick"]) on the modules built once: (exit code, what it printed, run()'s
+    result)."""
+    import contextlib
+    import io
+    results = []
+
+    def recorded_run(*args, **kwargs):
+        results.append(real_run(*args, **kwargs))
+        return results[-1]
+    real_run, printed = serve.run, io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(serve, "build", lambda *args: serve_modules)
+        mp.setattr(serve, "run", recorded_run)
+        code = serve.main(["--quick"])
+    return code, printed.getvalue(), results[0]
+
+
+@pytest.fixture(scope="module")
+def serve_run(serve_main):
+    return serve_main[2]
+
+
+def test_serve_outputs_equal_each_request_run_alone(serve_run):
+    assert serve_run["mismatches"] == []
+    assert serve_run["token_mismatches"] == 0 and serve_run["worst_ratio"] <= 1
+    assert serve_run["ref_err"] <= serve_run["ref_tol"]
+    reqs = serve_run["requests"]
+    assert all(len(out) == r.max_new for r in reqs for out in r.outputs)
+    # each sample drew its own tokens: two sequences after the fork, not one
+    forked = [r for r in reqs if r.samples == 2]
+    assert len(forked) == 2 and any(r.outputs[0] != r.outputs[1] for r in forked)
+
+
+def test_serve_quick_run_takes_every_path_of_the_scheduler(serve, serve_run):
+    q, log, reqs = serve.QUICK, serve_run["log"], serve_run["requests"]
+    assert any(r.chunked for r in reqs)                        # chunked prefill
+    assert any(s["decodes"] and s["prefills"] for s in log)    # decodes beside a prompt
+    assert any(s["blocked"] for s in log)                      # a request waited for blocks
+    assert sum(r.preempted for r in reqs) >= 1                 # and one was recomputed
+    assert max(s["used"] for s in log) == q["blocks"]          # the pool filled up
+    assert all(s["tokens"] <= q["token_budget"] for s in log)
+    assert all(s["decodes"] + s["prefills"] <= q["max_seqs"] for s in log)
+    assert all(r.arrival <= r.admitted <= r.finished for r in reqs)
+
+
+def test_serve_script_reports_and_exits_0(serve_main):
+    code, out, _ = serve_main
+    assert code == 0 and "MISMATCH" not in out
+    assert "outputs equal to their request run alone: 12 of 12 (every token)" in out
+    assert re.search(r"pool occupancy: peak 10 of 10 blocks \(100%\)", out)
+    assert float(re.search(r"ratio: ([0-9.]+)x", out).group(1)) > 0
+
+
+def test_serve_script_exits_1_on_a_mismatch(serve, serve_modules, monkeypatch, capsys):
+    """The check can fail: every call's reserve disturbs a cached key of its first
+    sequence (a block read wrongly) and the script returns 1."""
+    monkeypatch.setattr(serve, "build", lambda *args: serve_modules)
+    real_reserve = mhagen.PagedKVCache.reserve
+
+    def disturbed(self, seqs, counts):
+        real_reserve(self, seqs, counts)
+        table = self.blocks(seqs[0])
+        if table:
+            self.k[table[0], :, 0] += 1.0
+    monkeypatch.setattr(mhagen.PagedKVCache, "reserve", disturbed)
+    assert serve.main(["--quick"]) == 1
+    assert "MISMATCH: request" in capsys.readouterr().out
+
+
+def test_serve_refuses_a_pool_too_small_for_a_request(serve, serve_modules):
+    with pytest.raises(mhagen.InputError, match="give more blocks"):
+        serve.run(dict(serve.QUICK, blocks=3), modules=serve_modules)
+    with pytest.raises(mhagen.InputError, match="--min-new 30 is more than --max-new 24"):
+        serve.run(dict(serve.QUICK, min_new=30), modules=serve_modules)
