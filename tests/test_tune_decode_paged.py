@@ -132,6 +132,23 @@ def test_a_packed_paged_build_is_tuned_on_its_own_call_and_uses_its_record(tmp_p
     assert (decision["source"], decision["config"]) == ("default", record["default_config"])
 
 
+def test_a_packed_build_of_a_contiguous_cache_is_tuned_under_its_own_key(tmp_path,
+                                                                        monkeypatch):
+    """packed=True alone: the call of every row adding max_seq_len tokens on a full
+    contiguous cache (cu_seqlens, no block table); the kept config's output checked; the
+    record says packed and no block size."""
+    layer = mhagen.mha(**LAYER)
+    calls = []
+    monkeypatch.setattr(search, "_measure", _faster_second(calls))
+    db = tmp_path / "db.json"
+    tune(layer, shapes=[(BATCH, MOST)], trials=2, kernels=["attention"], database=db,
+         progress=False, packed=True)
+    assert sorted(a.tolist() for a in calls[0][0].values()) == [[0, 4, 8], [92, 92]]
+    (record,) = Database.load(db).records.values()
+    assert record["key"]["packed"] is True and "kv_block_size" not in record["key"]
+    assert record["kind"] == "config" and "rejected" not in record
+
+
 def test_a_config_that_answers_otherwise_on_the_pool_is_not_kept(tmp_path, monkeypatch):
     """The faster config is kept only if its output on the paged call equals the default's:
     a candidate handed another block table (each row reading the other row's blocks) is
