@@ -78,10 +78,17 @@ def _shape_options(p, seed_help=None):
                         "--seq-len is then the length it is checked and timed at")
     p.add_argument("--kv-seq-len", type=int, metavar="T",
                    help="the context's length of a cross-attention layer (--cross)")
+    _kv_block_size_option(p, "a decoding layer (--kv-cache) reading a paged K/V cache of "
+                             "blocks of B tokens (a multiple of 16); checked and timed on a "
+                             "pool whose blocks are shuffled")
     if seed_help:
         p.add_argument("--seed", type=int, default=0, help=f"seed of {seed_help} (default 0)")
     p.add_argument("--no-fuse", action="store_true",
                    help="compile node by node (no fused QKV GEMM / attention kernels)")
+
+
+def _kv_block_size_option(p, text):
+    p.add_argument("--kv-block-size", type=int, metavar="B", help=text)
 
 
 def _layer(args):
@@ -188,6 +195,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker (remote measuring)")
     t.add_argument("--device-key", help="device key registered with the tracker")
     t.add_argument("--kernels", nargs="+", help="only these kernels (e.g. qkv_projection)")
+    t.add_argument("--packed", action="store_true",
+                   help="with --kv-cache: tune the build for any number of new tokens "
+                        "(build --max-seq-len SEQ: each BATCHxSEQ is its batch and maximum), "
+                        "timed on a call of every row adding SEQ tokens")
+    _kv_block_size_option(t, "with --kv-cache: tune the build reading a paged K/V cache of "
+                             "blocks of B tokens (build --kv-block-size B), timed on a pool "
+                             "whose blocks are shuffled")
     t.add_argument("--no-fuse", action="store_true", help="tune the unfused kernel")
     t.add_argument("--seed", type=int, default=0,
                    help="seed of MetaSchedule's random search (default 0)")
@@ -228,10 +242,17 @@ def _cmd_tune(args):
         if not host or not port.isdigit():
             raise _Fail(f"--rpc-tracker takes HOST:PORT, not {args.rpc_tracker!r}")
         rpc = (host, int(port), args.device_key)
+    _check_paged(args, layer)
+    if args.packed and layer.cache_lens_input is None:
+        raise _Fail("--packed tunes a decoding layer's build for any number of new tokens: "
+                    "give --kv-cache N too")
+    form = {"packed": True} if args.packed else {}
+    if args.kv_block_size is not None:
+        form["kv_block_size"] = args.kv_block_size
     report = mhagen.tune(layer, args.target, shapes=shapes, trials=args.trials,
                          time_budget=args.time_budget, database=args.db,
                          work_dir=args.work_dir, rpc=rpc, fuse=not args.no_fuse,
-                         kernels=args.kernels, seed=args.seed)
+                         kernels=args.kernels, seed=args.seed, **form)
     print(report.table())
     print(report.summary())
     if report.stopped_by == "Ctrl-C":
@@ -263,8 +284,10 @@ def _build_checked(args, layer):
             raise InputError(f"--weights {weights_file}: {err}") from None
     else:
         weights = layer.init_weights(args.seed)
+    _check_paged(args, layer)
     module = mhagen.build(layer, args.target, weights=weights, fuse=not args.no_fuse,
                           **tuning, **_shape(args))
+    args.timed = {}     # latency()'s cache: its default, or a paged module's pool
     if not module.target.runs_here():
         return module, None, None
     rng = np.random.default_rng(args.seed)
@@ -273,8 +296,14 @@ def _build_checked(args, layer):
     if layer.context_input is not None:   # cross-attention: a random context
         context = rng.standard_normal((args.batch, module.kv_seq_len,
                                        layer.context_input.attrs["shape"][2])).astype(np.float32)
-    cache = reference_cache = None
-    if layer.cache_lens_input is not None:    # a decoding layer: a random, half-full cache
+    cache = reference_cache = seqs = None
+    if getattr(args, "kv_block_size", None):   # a random, half-full pool, blocks shuffled
+        max_len = cache_shape(layer)["max_len"]
+        cache, seqs = _random_paged_pool(module, (max_len - args.seq_len) // 2, rng)
+        reference_cache = cache.to_contiguous(seqs, np.float64)   # the same tokens
+        pool, timed_seqs = _random_paged_pool(module, max_len - args.seq_len, rng)
+        args.timed = {"cache": pool, "seqs": timed_seqs}    # timed on a full one
+    elif layer.cache_lens_input is not None:    # a decoding layer: a random, half-full cache
         cache = module.new_cache()
         cache.k[...] = rng.standard_normal(cache.k.shape)
         cache.v[...] = rng.standard_normal(cache.v.shape)
@@ -282,8 +311,34 @@ def _build_checked(args, layer):
         reference_cache = cache.copy()
     expected = layer.reference(x, weights, cache=reference_cache, context=context)
     args.x, args.context = x, context    # what latency and GFLOP/s are measured at
-    return module, mhagen.max_error(module(x, cache=cache, context=context), expected), \
-        tolerance(expected, judged_as(layer))
+    y = module(x, cache=cache, context=context, **({"seqs": seqs} if seqs else {}))
+    return module, mhagen.max_error(y, expected), tolerance(expected, judged_as(layer))
+
+
+def _check_paged(args, layer) -> None:
+    """--kv-block-size needs a decoding layer (refused before anything is built)."""
+    if getattr(args, "kv_block_size", None) is not None and layer.cache_lens_input is None:
+        raise _Fail(f"--kv-block-size {args.kv_block_size} reads a decoding layer's paged "
+                    "K/V cache: give --kv-cache N too (or a graph with a cache)")
+
+
+def _random_paged_pool(module, held, rng):
+    """(pool, seqs): a paged cache of the module's batch sequences of `held` random tokens
+    each, with room for every sequence up to max_len, its blocks handed out in a random
+    order (each sequence's blocks scattered over the pool, as after a server has run a
+    while)."""
+    pool = module.new_paged_cache(module.batch * -(-cache_shape(module.graph)["max_len"]
+                                                  // module.kv_block_size))
+    placeholders = [pool.add() for _ in range(pool.num_blocks)]
+    pool.reserve(placeholders, [1] * len(placeholders))
+    for seq in rng.permutation(placeholders):     # the free list now in a random order
+        pool.free(int(seq))
+    seqs = [pool.add() for _ in range(module.batch)]
+    pool.reserve(seqs, [held] * len(seqs))
+    pool.k[...] = rng.standard_normal(pool.k.shape)
+    pool.v[...] = rng.standard_normal(pool.v.shape)
+    pool.advance(seqs, [held] * len(seqs))
+    return pool, seqs
 
 
 def _records(args) -> dict:
@@ -324,9 +379,11 @@ def _check_writable_dir(path: Path, flag: str) -> None:
 
 
 def _shape(args) -> dict:
-    """build()'s shape options from --batch, --seq-len and --max-seq-len."""
+    """build()'s shape options from --batch, --seq-len, --max-seq-len and --kv-block-size."""
     most = getattr(args, "max_seq_len", None)
     kv = {"kv_seq_len": args.kv_seq_len} if getattr(args, "kv_seq_len", None) else {}
+    if getattr(args, "kv_block_size", None) is not None:
+        kv["kv_block_size"] = args.kv_block_size
     if most is None:
         return {"batch": args.batch, "seq_len": args.seq_len, **kv}
     if not 1 <= args.seq_len <= most:
@@ -355,7 +412,7 @@ def _cmd_bench(args):
     print(f"{'threads':>7} {'median ms':>10} {'GFLOP/s':>9}")
     for t in threads:
         set_num_threads(t)
-        seconds = module.latency(args.x, repeat=args.repeat, context=args.context)
+        seconds = module.latency(args.x, repeat=args.repeat, context=args.context, **args.timed)
         print(f"{t:>7} {seconds * 1e3:>10.3f} "
               f"{module.flops(*args.x.shape[:2]) / seconds / 1e9:>9.1f}")
     set_num_threads(available)
@@ -397,11 +454,13 @@ def _cmd_build(args):
     if err is None:
         print(f"not run: {module.cannot_run}")
         return 0
-    seconds = module.latency(args.x, repeat=args.repeat, context=args.context)
+    seconds = module.latency(args.x, repeat=args.repeat, context=args.context, **args.timed)
     where = (f"; a step of {args.seq_len} new token(s) on a full cache of {layer.options['kv_cache']}"
              if layer.cache_lens_input is not None else "")
     if module.symbolic:
         where = f" at input {args.x.shape}"
+    if args.timed:
+        where += f"; a paged cache of blocks of {module.kv_block_size}, shuffled"
     print(f"median latency: {seconds * 1e3:.3f} ms  "
           f"({module.flops(*args.x.shape[:2]) / seconds / 1e9:.1f} GFLOP/s{where})")
     return 0
@@ -429,7 +488,9 @@ def _cmd_inspect(args):
         print(_layer(args))
         return 0
     else:
-        module = mhagen.build(_layer(args), args.target, fuse=not args.no_fuse, **_shape(args))
+        layer = _layer(args)
+        _check_paged(args, layer)
+        module = mhagen.build(layer, args.target, fuse=not args.no_fuse, **_shape(args))
     print(module.inspect(args.what))
     return 0
 

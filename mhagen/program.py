@@ -96,8 +96,9 @@ class Program:
     kernels: list
     te_text: str = ""
     fusion: str = ""
-    key_parts: tuple | None = None  # (graph, target, batch, seq) of its tuning keys (set
-                                    # by lower(); None: its kernels consult no records)
+    key_parts: tuple | None = None  # (graph, target, batch, seq, {kernel: call fields})
+                                    # of its tuning keys (set by lower(); None: its kernels
+                                    # consult no records)
     symbolic: dict | None = None  # one build for every length: {"batch": bool, "seq": bool,
                                   # "row_tile": rows the GEMM temporaries are padded to}
     packed: list | None = None    # the kernels of a packed call (mhagen/packed.py), in
@@ -132,7 +133,9 @@ class Program:
         """The readable tuning key of one of its kernels (mhagen.records.database), or None."""
         if self.key_parts is None:
             return None
-        return workload_key(*self.key_parts, kernel_name)
+        graph, target, batch, seq, *calls = self.key_parts
+        return workload_key(graph, target, batch, seq, kernel_name,
+                            calls[0].get(kernel_name) if calls else None)
 
     def role(self, role):
         return [b for b in self.buffers.values() if b.role == role]

@@ -1,7 +1,9 @@
 """The command line's options (issue 60): --version, each command's help shows only its
 options, the target presets listed, build --weights/--records/--out checked before building
 and the save flags forwarded, inspect DIR refusing layer options, one-line errors for a
-manifest of wrong JSON types, tune's seed and its dependencies (the `tune` extra)."""
+manifest of wrong JSON types, tune's seed and its dependencies (the `tune` extra);
+--kv-block-size (a paged decoding build checked and timed on a shuffled pool, tuned with
+--packed)."""
 import json
 import re
 import subprocess
@@ -55,7 +57,8 @@ def help_options(capsys, command) -> set:
 
 LAYER = {"--graph", "--d-model", "--heads", "--head-dim", "--kv-heads", "--causal",
          "--no-bias", "--scale", "--dtype", "--kv-cache", "--cache-dtype", "--cross", "--kv-dim"}
-SHAPE = {"--target", "--batch", "--seq-len", "--max-seq-len", "--kv-seq-len", "--no-fuse"}
+SHAPE = {"--target", "--batch", "--seq-len", "--max-seq-len", "--kv-seq-len", "--no-fuse",
+         "--kv-block-size"}
 OWN_OPTIONS = {
     "build": LAYER | SHAPE | {"--help", "--seed", "--weights", "--records", "--out",
                               "--no-c-api", "--self-contained", "--repeat"},
@@ -64,7 +67,7 @@ OWN_OPTIONS = {
     "bench": LAYER | SHAPE | {"--help", "--seed", "--records", "--threads", "--repeat"},
     "tune": LAYER | {"--help", "--target", "--shapes", "--trials", "--time-budget", "--db",
                      "--work-dir", "--rpc-tracker", "--device-key", "--kernels", "--no-fuse",
-                     "--seed"},
+                     "--seed", "--packed", "--kv-block-size"},
     "export-onnx": LAYER | {"--help", "--out", "--form", "--weights", "--seed", "--batch",
                             "--seq-len", "--dynamic-batch", "--kv-seq-len", "--dynamic-seq",
                             "--opset", "--masks", "--external-data", "--check"},
@@ -205,3 +208,113 @@ def test_tuning_without_its_extra_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgboost", None)
     with pytest.raises(TuningDependencyError, match=r"pip install 'mhagen\[tune\]'"):
         mhagen.tune(mhagen.mha(32, 2), shapes=[(1, 8)])
+
+
+PAGED = ["--d-model", "64", "--heads", "4", "--kv-heads", "2", "--causal", "--kv-cache", "64",
+         "--batch", "2", "--seq-len", "1", "--kv-block-size", "16", "--repeat", "1"]
+
+
+@pytest.fixture(scope="module")
+def paged_module():
+    """The module `mhagen build PAGED` builds (built once for the tests below)."""
+    return []
+
+
+def _reuse_paged_build(monkeypatch, paged_module, built):
+    """mhagen.build made once for PAGED's options (and seed 0's weights), reused after."""
+    real_build = mhagen.build
+
+    def build(layer, target, **kwargs):
+        built.append(kwargs)
+        options = {k: v for k, v in kwargs.items() if k != "weights"}
+        assert options == dict(batch=2, seq_len=1, kv_block_size=16, fuse=True)
+        if not paged_module:
+            paged_module.append(real_build(layer, target, **kwargs))
+        return paged_module[0]
+    monkeypatch.setattr(mhagen, "build", build)
+
+
+def test_build_and_bench_check_and_time_a_paged_build_on_a_shuffled_pool(
+        capsys, monkeypatch, paged_module):
+    """--kv-block-size B builds the paged decoding module, checks it against the float64
+    reference on a pool whose blocks are handed out shuffled (each sequence's blocks
+    scattered) and times it on such a pool, full; bench does the same."""
+    from mhagen import PagedKVCache
+    built, called, timed = [], [], []
+    _reuse_paged_build(monkeypatch, paged_module, built)
+    real_call, real_latency = Module.__call__, Module.latency
+
+    def spy_call(self, x, **kwargs):
+        called.append(kwargs)
+        return real_call(self, x, **kwargs)
+
+    def spy_latency(self, x=None, **kwargs):
+        timed.append(kwargs)
+        return real_latency(self, x, **kwargs)
+    monkeypatch.setattr(Module, "__call__", spy_call)
+    monkeypatch.setattr(Module, "latency", spy_latency)
+    assert main(["build", *PAGED]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"max error vs float64 reference: \S+ \(tolerance \S+\) ok", out), out
+    assert "a paged cache of blocks of 16, shuffled" in out
+    (call,) = called
+    pool, seqs = call["cache"], call["seqs"]
+    assert isinstance(pool, PagedKVCache) and pool.block_size == 16 and len(seqs) == 2
+    tables = [pool.blocks(s) for s in seqs]
+    assert all(len(t) == 2 for t in tables)      # 31 tokens held, then the new one
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in tables), tables   # scattered
+    (latency,) = timed
+    assert isinstance(latency["cache"], PagedKVCache) and \
+        [latency["cache"].lens(s) for s in latency["seqs"]] == [63, 63]    # full
+    assert main(["bench", *PAGED, "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ +1 +[0-9.]+ +[0-9.]+$", out, re.M), out
+    assert len(called) == 2 and isinstance(called[1]["cache"], PagedKVCache)
+    assert isinstance(timed[1]["cache"], PagedKVCache)
+
+
+def test_a_paged_build_whose_answer_is_not_the_pools_fails_its_check(
+        capsys, monkeypatch, paged_module):
+    """The check compares each row with the reference of its own sequence's blocks: with
+    the reference given the rows' sequences swapped, build reports the error and exits 1."""
+    from mhagen import PagedKVCache
+    _reuse_paged_build(monkeypatch, paged_module, [])
+    real = PagedKVCache.to_contiguous
+    monkeypatch.setattr(PagedKVCache, "to_contiguous",
+                        lambda self, seqs, dtype=None: real(self, seqs[::-1], dtype))
+    assert main(["build", *PAGED]) == 1
+    out, err = capsys.readouterr()
+    assert "FAILED" in out and "outside the tolerance" in err
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--kv-block-size", "16"], "--kv-block-size 16 reads a decoding layer's paged K/V cache: "
+                                "give --kv-cache N too"),
+    (["--kv-cache", "64", "--seq-len", "1", "--kv-block-size", "24"],
+     "kv_block_size must be a multiple of 16"),
+], ids=["no-cache", "not-16"])
+def test_a_paged_build_is_refused_in_one_line(args, fragment, capsys, monkeypatch):
+    from mhagen.lower import fused
+    monkeypatch.setattr(fused, "lower_fused", lambda *a, **k: pytest.fail("lowered"))
+    for command in ("build", "bench"):
+        err = one_line_error(capsys, command, "--d-model", 64, "--heads", 2, *args)
+        assert fragment in err
+
+
+def test_tune_passes_the_build_form_and_refuses_it_without_a_cache(monkeypatch, capsys):
+    seen = {}
+
+    def capture(layer, target, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mhagen, "tune", capture)
+    assert main(["tune", "--d-model", "32", "--heads", "2", "--kv-cache", "64", "--packed",
+                 "--kv-block-size", "32", "--shapes", "4x8"]) == 130
+    assert (seen["packed"], seen["kv_block_size"], seen["shapes"]) == (True, 32, [(4, 8)])
+    seen.clear()
+    assert main(["tune", "--d-model", "32", "--heads", "2", "--kv-cache", "64"]) == 130
+    assert "packed" not in seen and "kv_block_size" not in seen
+    capsys.readouterr()
+    for flags in (["--packed"], ["--kv-block-size", "16"]):
+        err = one_line_error(capsys, "tune", "--d-model", 32, "--heads", 2, *flags)
+        assert "give --kv-cache N too" in err

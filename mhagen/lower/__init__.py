@@ -14,7 +14,8 @@ from mhagen.lower.fused import NotFusable, lower_fused
 from mhagen.lower.te import lower_unfused
 from mhagen.passes import run_passes
 from mhagen.program import Buffer, Kernel, Program, Stage
-from mhagen.records.database import TuningWarning, stale_default, workload_key
+from mhagen.records.database import (TuningWarning, decode_call_fields, stale_default,
+                                     workload_key)
 
 
 def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=None,
@@ -29,8 +30,12 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     of a cross-attention layer (its programs consult no tuning records yet). backend: the
     target's (mhagen.backends.Backend; made from the target when not given).
     kv_block_size: a decoding layer built for a paged cache of blocks of that many tokens
-    (mhagen.PagedKVCache; the contiguous cache's tuning records do not apply to it)."""
+    (mhagen.PagedKVCache). A decoding layer's packed (seq_len=None) and paged builds consult
+    records of their own: their attention's key says packed and kv_block_size."""
     cross = graph.context_input is not None
+    # a decoding layer's packed or paged attention: records of its own (their keys say so)
+    call = decode_call_fields(bool(symbolic and symbolic.get("seq")), kv_block_size) \
+        if graph.cache_lens_input is not None else {}
     graph.shapes(**graph.dims(batch, seq_len, kv_seq_len))
     graph = unfuse(graph)    # a graph holding the fused kinds compiles as its builder form
     fusion = run_passes(graph, fuse=fuse)
@@ -42,8 +47,8 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
     program = None
     if fusion.fused and rule is not None:
         tuned_rule = backend.decode if graph.cache_lens_input is not None else rule
-        config = None if cross or tuned_rule is None or kv_block_size else _tuned_config(
-            tuned_rule, tuning, workload_key(graph, target, batch, seq_len, "attention"),
+        config = None if cross or tuned_rule is None else _tuned_config(
+            tuned_rule, tuning, workload_key(graph, target, batch, seq_len, "attention", call),
             target)
         # a symbolic prefill build's packed calls (mhagen/packed.py): their attention's own
         # record (a decoding layer's packed calls run the decode template)
@@ -70,7 +75,7 @@ def lower(graph, batch: int, seq_len: int, target, fuse: bool = True, tuning=Non
                          "(seq_len=N)")
     if program is None:
         program = lower_unfused(graph, batch, seq_len, kv_seq_len)
-    program.key_parts = None if cross else (graph, target, batch, seq_len)
+    program.key_parts = None if cross else (graph, target, batch, seq_len, {"attention": call})
     program.fusion = reason
     return program
 

@@ -43,7 +43,7 @@ from mhagen.errors import TargetError
 
 SCHEMA = 3   # 3: measured records hold default_config (files of 2 are refused)
 KEY_FIELDS = ("cpu_class", "dtype", "batch", "seq", "d_model", "heads", "kv_heads",
-              "head_dim", "mask", "graph", "kernel")
+              "head_dim", "mask", "graph", "kernel", "packed", "kv_block_size")
 # where a record was measured (in its key, not part of its identity): picks the closest
 MACHINE_FIELDS = ("l2_kib", "l1d_kib", "cpu")
 
@@ -52,11 +52,14 @@ class TuningWarning(UserWarning):
     """A record could not be used (stale, corrupt, other versions): the default is used."""
 
 
-def workload_key(graph, target, batch, seq, kernel) -> dict:
+def workload_key(graph, target, batch, seq, kernel, call=None) -> dict:
     """The readable key of one kernel: layer shape fields, CPU class, kernel name, and the
     target's cache sizes and CPU (Target.machine_cpu: to choose among records of several
     machines). A decoding layer's key also says its cache length (`kv_cache`: readable, so
-    a record's layer can be rebuilt; the graph hash already tells cache lengths apart)."""
+    a record's layer can be rebuilt; the graph hash already tells cache lengths apart).
+    call: how the kernel is called where that makes another workload of one shape
+    (decode_call_fields: a decoding layer's packed or paged attention); its fields are part
+    of the key (a record without them is the fixed, contiguous build's)."""
     o = graph.options
     canonical = json.dumps([n.to_json() for n in graph.nodes], sort_keys=True)
     return {"cpu_class": target.cpu_class, "l2_kib": target.l2_kib,
@@ -66,7 +69,17 @@ def workload_key(graph, target, batch, seq, kernel) -> dict:
             "head_dim": o.get("head_dim"),
             "mask": "causal" if o.get("causal") and "mask" not in o else o.get("mask", "none"),
             "graph": hashlib.sha256(canonical.encode()).hexdigest()[:16], "kernel": kernel,
-            **({"kv_cache": o["kv_cache"]} if o.get("kv_cache") else {})}
+            **({"kv_cache": o["kv_cache"]} if o.get("kv_cache") else {}), **(call or {})}
+
+
+def decode_call_fields(packed: bool, kv_block_size) -> dict:
+    """The key fields of a decoding layer's attention kernel that tell its builds apart where
+    (batch, seq) do not: "packed" (built with seq_len=None: each batch row its own count of
+    new tokens, seq the build's max_seq_len) and "kv_block_size" (a paged cache of blocks of
+    that many tokens: the template's key blocks divide it). Empty for the fixed build of a
+    contiguous cache, whose records keep their keys."""
+    return {**({"packed": True} if packed else {}),
+            **({"kv_block_size": int(kv_block_size)} if kv_block_size else {})}
 
 
 def _key_str(key: dict) -> str:

@@ -8,7 +8,11 @@ Per kernel of the lowered program:
     measurement and a re-run resumes.
   - the attention template: its few knobs (query tile, key block) are measured side by side
     (each with its real block table); a decoding layer's decode template likewise (tasks a
-    core, key block, row tile), on a full cache. The packed calls' attention of an
+    core, key block, row tile), on a full cache. A decoding layer's packed build (seq_len=None,
+    `packed=True`) and paged build (`kv_block_size=B`) when asked: the decode template of
+    that build, measured on a call of every row adding seq tokens (cu_seqlens) on a full
+    cache (a pool whose blocks are shuffled), recorded under a key of its own (packed,
+    kv_block_size: mhagen.records.database.decode_call_fields). The packed calls' attention of an
     any-length build (attention_varlen, mhagen/packed.py) when named in `kernels`: its
     record keyed by the build's maximum shape (batch, seq), measured on a packed call of
     `batch` sequences of `seq` tokens.
@@ -624,7 +628,7 @@ def _reaped_workers_without_ctrl_c():
 def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
          time_budget: float | None = None, database=None, work_dir=None, rpc=None,
          fuse: bool = True, progress: bool = True, seed: int = 0,
-         kernels=None) -> TuneReport:
+         kernels=None, packed: bool = False, kv_block_size: int | None = None) -> TuneReport:
     """Tune `layer` for `target` at each (batch, seq_len) in `shapes`; write the records.
 
     trials: MetaSchedule trials per GEMM kernel, and at most that many candidate configs of
@@ -637,6 +641,13 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
     databases (default: beside the records), reused to resume; rpc: (tracker_host,
     tracker_port, device_key) to measure on a remote device; kernels: names of the kernels
     to tune (default: all tunable).
+    packed, kv_block_size: which build of a decoding layer (kv_cache=) to tune, as
+    mhagen.build takes them: packed=True the one built with seq_len=None (any number of new
+    tokens a row; each shape is (batch, max_seq_len), measured on a call of every row adding
+    max_seq_len tokens), kv_block_size=B the one reading a paged cache of blocks of B tokens
+    (measured on a pool whose blocks are shuffled), or both. Their decode template gets
+    records of its own (the key says packed, kv_block_size); a packed build's GEMMs take
+    none (any length: the rules' schedules), a paged build's are the contiguous one's.
     Ctrl-C stops tuning and still writes what was found.
     """
     import tvm.s_tir.meta_schedule as ms
@@ -656,6 +667,7 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
         raise TargetError(f"cannot tune {t.name} here: {t.cannot_run()}; or tune {t.name} on a "
                           "machine that has them (or measure there through "
                           "--rpc-tracker HOST:PORT --device-key KEY)")
+    form = _decode_form(layer, packed, kv_block_size)
     if getattr(layer, "context_input", None) is not None:
         raise GraphError("tuning cross-attention layers is not supported yet (their records "
                          "would need the context's length in the key); their builds use the "
@@ -669,16 +681,23 @@ def tune(layer, target="x86", *, shapes=((1, 128),), trials: int = 64,
 
     plans, known, fixed = [], set(), []
     for batch, seq in shapes:
-        program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(), backend=backend)
+        program = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(), backend=backend,
+                        **form)
         if kernels is not None and PACKED_ATTENTION in kernels:
             # an any-length build of this maximum shape: its packed calls' attention
-            packed = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(),
-                           backend=backend, symbolic=_ANY_LENGTH)
-            for k in [k for k in packed.packed or [] if k.name == PACKED_ATTENTION]:
+            any_length = lower(layer, batch, seq, t, fuse=fuse, tuning=Tuning.none(),
+                               backend=backend, symbolic=_ANY_LENGTH)
+            for k in [k for k in any_length.packed or [] if k.name == PACKED_ATTENTION]:
                 known.add(k.name)
-                plans.append(((batch, seq), packed, k))
+                plans.append(((batch, seq), any_length, k))
         for k in program.kernels:
             gemms = [s for s in k.stages if s.pattern in ("matmul", "packed_matmul")]
+            if packed and gemms:
+                # any-length GEMMs: the rules schedule them (a trace is of one shape)
+                if kernels is None or k.name in kernels:
+                    fixed.append(KernelResult((batch, seq), k.name, "any length", 0, None,
+                                              None, "default (not tunable)"))
+                continue
             fixed_by = next((how for s in gemms for key, how in (
                 ("pairs", "vdpbf16ps"), ("amx", "AMX tiles")) if getattr(s.workload, key, False)), None)
             if fixed_by:
@@ -947,15 +966,43 @@ PACKED_ATTENTION = "attention_varlen"
 _ANY_LENGTH = {"batch": True, "seq": True}
 
 
+def _decode_form(layer, packed, kv_block_size) -> dict:
+    """lower()'s keywords for the build of a decoding layer that tune() was asked for
+    (packed: seq_len=None; kv_block_size: a paged cache); {} for the fixed, contiguous one.
+    Refused (nothing measured or written) for other layers or a packed that is no bool."""
+    if not isinstance(packed, bool):
+        raise InputError(f"packed is True (tune the build of seq_len=None) or False, not "
+                         f"{packed!r}")
+    if not packed and kv_block_size is None:
+        return {}
+    if getattr(layer, "cache_lens_input", None) is None:
+        given = " and ".join(n for n, v in (("packed=True", packed),
+                                             ("kv_block_size", kv_block_size)) if v)
+        raise GraphError(f"{given} tune a decoding layer's packed or paged build; "
+                         f"{getattr(layer, 'name', 'this layer')!r} keeps no K/V cache: "
+                         "build it with mhagen.mha(..., kv_cache=max_len), or drop them")
+    return {"symbolic": _PACKED_DECODE if packed else None, "kv_block_size": kv_block_size}
+
+
+# a decoding layer built for any number of new tokens: its batch (the cache's rows) is fixed
+_PACKED_DECODE = {"batch": False, "seq": True}
+
+
 def _candidate(layer, shape, t, fuse, backend, rule, kernel, cfg, key):
     """(PrimFunc, {argument index: array}) of one candidate config of a template kernel:
     built with its own block table (and full key lengths, a full cache); the packed calls'
     attention specialised to a packed call of shape[0] sequences of shape[1] tokens (its
-    tile table as the call's)."""
+    tile table as the call's); a decoding layer's packed or paged attention (its workload
+    says which build it is) specialised to the call it is timed on (_decode_call)."""
     batch, seq = shape
+    w = kernel.workload
     varlen = kernel.name == PACKED_ATTENTION
+    decoding = kernel.template == "decode"
+    form = ({"symbolic": _PACKED_DECODE if w.packed else None,
+             "kv_block_size": w.kv_block_size} if decoding
+            else {"symbolic": _ANY_LENGTH if varlen else None})
     program = lower(layer, batch, seq, t, fuse=fuse, tuning=_Fixed(cfg, key), backend=backend,
-                    symbolic=_ANY_LENGTH if varlen else None)
+                    **form)
     k = next(k for k in (program.packed if varlen else program.kernels)
              if k.name == kernel.name)
     func = rule.build(k.workload, cfg, t)
@@ -963,7 +1010,7 @@ def _candidate(layer, shape, t, fuse, backend, rule, kernel, cfg, key):
     blocks = next((a for a in k.args if a.startswith("blocks")), None)
     if blocks is not None:
         args[k.args.index(blocks)] = program.buffers[blocks].make(None)
-    full = kernel.workload.cache - seq if kernel.template == "decode" else seq
+    full = w.cache - seq if decoding else seq
     for i, a in enumerate(k.args):
         b = program.buffers.get(a)
         if b is not None and b.role == "input" and b.dtype == "int32":
@@ -975,12 +1022,37 @@ def _candidate(layer, shape, t, fuse, backend, rule, kernel, cfg, key):
         func = func.specialize({at["batch"]: 1, at["seq"]: batch * seq,
                                 at["tiles"]: tvm.tirx.decl_buffer(table.shape, "int32")})
         args[k.args.index("tiles")] = table
+    if decoding and (w.packed or w.kv_block_size):
+        func, call = _decode_call(func, k, batch, seq)
+        args.update(call)
     return func, args
+
+
+def _decode_call(func, kernel, batch, seq):
+    """A packed or paged decode PrimFunc specialised to the call it is timed on, and that
+    call's arrays ({argument index: array}): `batch` rows each adding `seq` tokens (packed:
+    cu_seqlens 0, seq, 2 seq, ..., the call's scalars batch 1 and seq batch * seq), a paged
+    cache a pool of every row's blocks up to max_len handed out shuffled (a pool that has
+    served a while: each sequence's blocks scattered, the slower case)."""
+    w = kernel.workload
+    at = {a: func.params[i] for i, a in enumerate(kernel.args)}
+    bind, args = {}, {}
+    if w.packed:
+        bind.update({at["batch"]: 1, at["seq"]: batch * seq})
+        args[kernel.args.index("cu_seqlens")] = np.arange(batch + 1, dtype=np.int32) * seq
+    if w.kv_block_size:
+        per_row = -(-w.cache // w.kv_block_size)
+        order = np.random.default_rng(0).permutation(batch * per_row).astype(np.int32)
+        args[kernel.args.index("block_tables")] = order.reshape(batch, per_row)
+        pool = (batch * per_row, w.kv_heads, w.kv_block_size, w.head_dim)
+        for name in ("k_cache", "v_cache"):
+            bind[at[name]] = tvm.tirx.decl_buffer(pool, w.cache_dtype, name=name)
+    return func.specialize(bind), args
 
 
 class _Fixed:
     """A Tuning that answers one attention (or decode) config (to lower a candidate): for
-    the kernel of `key` (attention, or the packed calls' attention_varlen)."""
+    the kernel of `key` (attention, decode, or the packed calls' attention_varlen)."""
 
     def __init__(self, cfg, key):
         self.record = {"key": key, "kind": "config", "config": asdict(cfg)}

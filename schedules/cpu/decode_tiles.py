@@ -148,15 +148,22 @@ def default_row_tile(rows, lanes):
 def default_decode_config(workload, target):
     """The default config: row tiles of up to 16 query rows (rows in the lanes where a few
     copied rows allow it), one worker a core, key blocks by decode_kv_block (a paged cache:
-    dividing its block size, paged_kv_block)."""
+    dividing its block size, paged_kv_block; with tiles across the K/V heads, the whole
+    pool block)."""
     rows = workload.heads // workload.kv_heads * workload.seq
     row_tile = default_row_tile(rows, target.lanes)
-    if heads_in_tile(workload, target.lanes):    # every head's rows, lanes along head_dim
+    across = heads_in_tile(workload, target.lanes)
+    if across:    # every head's rows, lanes along head_dim
         row_tile = min(workload.heads * workload.seq, 16)
     # one task a core: TVM runs a parallel loop's tasks in static, contiguous chunks a
     # thread, so more tasks balance nothing and add partials to merge (against 4 a
     # core: benchmarks/PERFORMANCE.md, Schedule decisions)
     kv_block = decode_kv_block(row_tile, target.lanes)
+    if across:
+        # the rows read a pool block head after head: a key block of the whole pool block
+        # reads it in one stretch, where a part of it read each head's rows a stride
+        # apart (the hardware prefetchers lost the stream at every head)
+        kv_block = workload.kv_block_size
     if workload.kv_block_size:
         kv_block = paged_kv_block(kv_block, target.lanes, workload.kv_block_size)
     return DecodeConfig(row_tile=row_tile, workers=max(1, target.cores), kv_block=kv_block,
