@@ -24,7 +24,7 @@ from mhagen.schedules.cpu.fast_math import exp2
 def piece_macro(prm, rules):
     """piece for record prm (DecodeParams) and the workload's ScoreRules."""
     block_rows_in_lanes, block_rows = block_macros(prm, rules)
-    kv_len_of, count, first_row, rows_of = prm.kv_len_of, prm.count, prm.first_row, prm.rows_of
+    kv_len_of, count, rows_of = prm.kv_len_of, prm.count, prm.rows_of
     q_lane, q_pos = prm.q_lane, prm.q_pos
     RT, KB, d, LN, QCH = prm.RT, prm.KB, prm.d, prm.LN, prm.QCH
     GROUP, ROW_LANES, causal = prm.GROUPT, prm.ROW_LANES, prm.causal
