@@ -330,6 +330,18 @@ def plan_role(plan: LayerPlan) -> str:
     return "decoder" if plan.decoder else "cross" if plan.context_cache else "encoder"
 
 
+def attend_in_role(fused, bound, mask):
+    """The fused layer's answer to a T5/BART/Whisper attention call (its bound arguments),
+    by the role its plan holds: encoder, decoder or cross-attention."""
+    hidden = bound["hidden_states"]
+    role = plan_role(fused.plan)
+    if role == "encoder":
+        return encoder_attend(fused, hidden, mask)
+    if role == "decoder":
+        return decoder_attend(fused, hidden)
+    return cross_attend(fused, hidden, bound["key_value_states"], mask, bound["cache"])
+
+
 @register_family
 class T5(Family):
     """T5: no biases, no score scale, the relative position bias of the stack's first
@@ -365,15 +377,8 @@ class T5(Family):
 
     def forward(self, fused, *args, **kwargs):
         bound = self.bind(fused, args, kwargs).arguments
-        hidden, mask = bound["hidden_states"], bound["mask"]
-        role = plan_role(fused.plan)
-        if role == "encoder":
-            y = encoder_attend(fused, hidden, mask)
-        elif role == "decoder":
-            y = decoder_attend(fused, hidden)
-        else:
-            y = cross_attend(fused, hidden, bound["key_value_states"], mask, bound["cache"])
-        return y, None, None       # position_bias: the fused layers hold it themselves
+        # position_bias None: the fused layers hold the relative bias themselves
+        return attend_in_role(fused, bound, bound["mask"]), None, None
 
 
 @register_family
@@ -395,12 +400,4 @@ class Bart(Family):
 
     def forward(self, fused, *args, **kwargs):
         bound = self.bind(fused, args, kwargs).arguments
-        hidden, mask = bound["hidden_states"], bound["attention_mask"]
-        role = plan_role(fused.plan)
-        if role == "encoder":
-            y = encoder_attend(fused, hidden, mask)
-        elif role == "decoder":
-            y = decoder_attend(fused, hidden)
-        else:
-            y = cross_attend(fused, hidden, bound["key_value_states"], mask, bound["cache"])
-        return y, None
+        return attend_in_role(fused, bound, bound["attention_mask"]), None
