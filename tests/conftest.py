@@ -135,7 +135,9 @@ SLOW_FILES_FIRST = ("test_tune.py", "test_emulated_x86_cpus.py", "test_attention
                     "test_examples.py", "test_threads.py", "test_c_api.py", "test_symbolic.py",
                     "test_score_mods.py", "test_gpu_check.py", "test_key_padding.py",
                     "test_cli.py", "test_rotary.py", "test_cross.py",
-                    "test_target_resolution.py", "test_x86_codegen.py")
+                    "test_target_resolution.py", "test_x86_codegen.py", "test_hf_optimize.py",
+                    "test_varlen.py", "test_hf_seq2seq.py", "test_from_torch.py",
+                    "test_paged.py", "test_attention_core.py", "test_decode_varlen.py")
 
 
 def pytest_collection_modifyitems(config, items):
