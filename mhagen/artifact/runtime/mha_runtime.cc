@@ -1284,8 +1284,10 @@ int check_decode(const DecodeCall &c, std::vector<int64_t> *counts, int64_t *tot
   if (!paged) return MHA_OK;
   if (c.num_blocks < 1) return fail(MHA_ERR_ARGUMENT, fn + ": num_blocks must be positive");
   if (c.block_tables == nullptr) return fail(MHA_ERR_NULL_ARGUMENT, fn + ": block_tables is NULL");
+  // a contiguous cache's configuration has kBlockSize 0 (this code never runs there)
+  constexpr int64_t block_size = kBlockSize > 0 ? kBlockSize : 1;
   for (int b = 0; b < c.rows; ++b) {
-    const int64_t blocks = (c.cache_lens[b] + (*counts)[size_t(b)] + kBlockSize - 1) / kBlockSize;
+    const int64_t blocks = (c.cache_lens[b] + (*counts)[size_t(b)] + block_size - 1) / block_size;
     for (int64_t j = 0; j < blocks; ++j) {
       const int32_t block = c.block_tables[b * kMaxBlocks + j];
       if (block < 0 || block >= c.num_blocks)
